@@ -1,0 +1,67 @@
+"""User-facing error types. Only the CLI formats them; everything else raises them."""
+
+from __future__ import annotations
+
+
+class FsdpjobError(Exception):
+    """Base class: a failure the user can act on. Exit code 1 unless a subclass says otherwise."""
+
+    exit_code = 1
+
+
+class InputError(FsdpjobError):
+    """Bad user input (spec, profile, options). Exit code 2.
+
+    Rendered as one line: ``FILE:LINE: path.to.field: what is wrong and what to do``.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, loc: str | None = None):
+        self.message = message
+        self.file = file
+        self.line = line
+        self.loc = loc
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        where = ""
+        if self.file:
+            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
+        field = f"{self.loc}: " if self.loc else ""
+        # One line, always: newlines in user values must not break the format.
+        return (where + field + self.message).replace("\n", "\\n")
+
+
+class SpecError(InputError):
+    """A job spec is invalid."""
+
+
+class ProfileError(InputError):
+    """A cluster profile is missing or invalid."""
+
+
+class PlanRefused(FsdpjobError):
+    """Preflight says the job cannot fit. Exit code 2 (the input asks for the impossible)."""
+
+    exit_code = 2
+
+
+class SlurmCommandError(FsdpjobError):
+    """A Slurm command failed; carries its argv, exit code and its own words."""
+
+    def __init__(self, argv: list[str], returncode: int, stderr: str):
+        self.argv = argv
+        self.returncode = returncode
+        self.stderr = stderr.strip()
+        super().__init__(f"{argv[0]} failed (exit {returncode}): {self.stderr or '(no output)'}")
+
+
+class SubmissionError(FsdpjobError):
+    """Submission failed; nothing was recorded."""
+
+
+class RunNotFound(FsdpjobError):
+    """No run with that id or Slurm job id in the registry. Exit code 2."""
+
+    exit_code = 2

@@ -1,0 +1,146 @@
+"""Cluster profiles: what a cluster offers (scheduler, partitions, GPUs, memory, setup) as strict YAML."""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from .errors import ProfileError
+from .slurmtime import parse_slurm_time
+from .spec import Strict, errors_from_validation
+from .yamlio import read_yaml
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ClusterProfile(Strict):
+    name: str
+    """Profile name (the file name without .yaml)."""
+    description: str = ""
+    """One line shown by `fsdpjob profiles`."""
+    scheduler: Literal["slurm", "local"]
+    """slurm: submit with sbatch through submitit; local: start the workers on this machine."""
+    partition: str | None = None
+    """Default partition."""
+    account: str | None = None
+    """Default account."""
+    qos: str | None = None
+    """Default QOS."""
+    constraint: str | None = None
+    """Default node feature constraint."""
+    preemptible_partition: str | None = None
+    """A partition whose jobs may be preempted (cheaper or larger quota); informational for planning."""
+    preemptible_qos: str | None = None
+    """A QOS whose jobs may be preempted."""
+    gpus_per_node: NonNegativeInt = 0
+    """GPUs per node (0: CPU nodes)."""
+    gpu_type: str | None = None
+    """GPU model, e.g. A100-80GB; informational."""
+    gpu_memory_gb: Annotated[float, Field(ge=0)] = 0.0
+    """Memory per GPU in GB (planning)."""
+    host_ram_gb: Annotated[float, Field(gt=0)] = 64.0
+    """Host RAM per node in GB (planning)."""
+    cpus_per_node: PositiveInt | None = None
+    """CPU cores per node; cpus_per_task defaults to cpus_per_node / tasks_per_node."""
+    max_time: str | None = None
+    """Longest time limit the partition allows (Slurm time format)."""
+    storage_bandwidth_gbps: Annotated[float, Field(gt=0)] = 1.0
+    """Checkpoint storage write bandwidth in GB/s per node (planning: save time)."""
+    setup: list[str] = []
+    """Shell lines run before the workers start (module load, venv or container activation). Each line is one
+    command: words and $VAR / ${VAR} are kept, everything else ($(...), backticks, ;, &&, |, >) is literal."""
+    env: dict[str, str] = {}
+    """Environment variables set for every job on this cluster."""
+    sbatch_extra: list[str] = []
+    """Extra #SBATCH options, e.g. --exclusive or --gres-flags=enforce-binding."""
+    srun_extra: list[str] = []
+    """Extra srun options, e.g. --cpu-bind=cores."""
+    python: str | None = None
+    """Python interpreter on the compute nodes. Default: the interpreter running fsdpjob."""
+    default_signal_lead_s: PositiveInt = 120
+    """Signal lead used when the spec says signal_lead_s: auto."""
+
+    @field_validator("max_time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_slurm_time(value)
+        return value
+
+    @field_validator("setup", "sbatch_extra", "srun_extra")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if re.search(r"[\x00-\x1f\x7f]", item):
+                raise ValueError("each entry is one line: no newlines, tabs or other control characters")
+        return value
+
+    @field_validator("sbatch_extra", "srun_extra")
+    @classmethod
+    def _options(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not re.fullmatch(r"--?[A-Za-z][A-Za-z0-9-]*(=\S.*)?", item):
+                raise ValueError(f"{item!r} is not an option; write it as --name or --name=value")
+        return value
+
+    @property
+    def max_time_s(self) -> int | None:
+        return parse_slurm_time(self.max_time) if self.max_time else None
+
+
+def _builtin_dir() -> Path:
+    return Path(str(resources.files("fsdpjob.cluster_profiles")))
+
+
+def profile_dirs() -> list[Path]:
+    """User folders from $FSDPJOB_PROFILES (':'-separated) first, then the shipped profiles."""
+    dirs = [Path(p).expanduser() for p in os.environ.get("FSDPJOB_PROFILES", "").split(os.pathsep) if p]
+    return dirs + [_builtin_dir()]
+
+
+def available_profiles() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in profile_dirs():
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def load_profile_file(path: Path) -> ClusterProfile:
+    doc = read_yaml(path)
+    data = dict(doc.data)
+    data.setdefault("name", path.stem)
+    try:
+        return ClusterProfile.model_validate(data)
+    except ValidationError as exc:
+        errors = errors_from_validation(exc, doc, ClusterProfile)
+        first = errors[0]
+        raise ProfileError(first.message, file=first.file, line=first.line, loc=first.loc) from None
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    """A profile by name (user folders, then shipped) or by path to a YAML file."""
+    looks_like_path = os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml"))
+    if looks_like_path:
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise ProfileError(f"profile file {name_or_path!r} not found")
+        return load_profile_file(path)
+    profiles = available_profiles()
+    if name_or_path not in profiles:
+        import difflib
+
+        close = difflib.get_close_matches(name_or_path, list(profiles), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ProfileError(
+            f"unknown profile {name_or_path!r}; {hint}valid profiles are: {', '.join(sorted(profiles))} "
+            "(or give a path to a profile YAML; add folders with $FSDPJOB_PROFILES)"
+        )
+    return load_profile_file(profiles[name_or_path])

@@ -1,0 +1,391 @@
+"""The job spec: strict pydantic models (the public contract of a YAML job file) and its loader."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SpecError
+from .slurmtime import FORMATS_HELP, parse_slurm_time
+from .yamlio import YamlDoc, apply_overrides, read_yaml
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+# Environment variable names whose values are treated as secret unless the spec says otherwise.
+SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+
+
+def _single_line(value: str | None) -> str | None:
+    if value is not None and re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError("control characters (newline, tab, NUL) are not allowed here")
+    return value
+
+
+class Strict(BaseModel):
+    """Base for every spec section: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
+
+
+class Resources(Strict):
+    nodes: PositiveInt = 1
+    """Number of nodes."""
+    gpus_per_node: NonNegativeInt | None = None
+    """GPUs per node; 0 on CPU profiles. Default: the profile's gpus_per_node."""
+    tasks_per_node: PositiveInt | None = None
+    """Worker processes per node. Default: gpus_per_node (one task per GPU), or 1 on a CPU profile."""
+    cpus_per_task: PositiveInt | None = None
+    """CPU cores per worker process (also sets OMP_NUM_THREADS). Default: the profile's."""
+    mem_per_node: str | None = None
+    """Host memory per node as Slurm takes it: 500G, 64000M, or 0 for all of it."""
+    time_limit: str = "1:00:00"
+    """Wall-time limit per allocation, in any Slurm format: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    partition: str | None = None
+    """Slurm partition (overrides the profile)."""
+    account: str | None = None
+    """Slurm account (overrides the profile)."""
+    qos: str | None = None
+    """Slurm QOS (overrides the profile)."""
+    constraint: str | None = None
+    """Slurm node feature constraint, e.g. a100|h100 (overrides the profile)."""
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time(cls, value: Any) -> str:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ValueError(f"expected a Slurm time string ({FORMATS_HELP})")
+        parse_slurm_time(value)
+        return str(value)
+
+    @field_validator("mem_per_node")
+    @classmethod
+    def _mem(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\d+[KMGT]?", str(value)):
+            raise ValueError(f"{value!r} is not a Slurm memory size; use e.g. 500G, 64000M or 0 (all)")
+        return value
+
+    @field_validator("partition", "account", "qos", "constraint")
+    @classmethod
+    def _no_control_chars(cls, value: str | None) -> str | None:
+        return _single_line(value)
+
+    @model_validator(mode="after")
+    def _tasks_match_gpus(self) -> "Resources":
+        g, t = self.gpus_per_node, self.tasks_per_node
+        if g and t is not None and t != g:
+            raise ValueError(
+                f"tasks_per_node ({t}) must equal gpus_per_node ({g}): fsdpjob runs one worker per GPU; "
+                "drop tasks_per_node to take the default"
+            )
+        return self
+
+    @property
+    def time_limit_s(self) -> int:
+        return parse_slurm_time(self.time_limit)
+
+
+class ModelSpec(Strict):
+    path: str
+    """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual choice."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel. flash_attention_2 needs the flash-attn package on CUDA."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
+
+
+class DataSpec(Strict):
+    path: str
+    """JSONL file, one example per line. Relative to the spec file."""
+    text_field: str | None = None
+    """Field with plain text (loss on every token). The default shape when no other field is given: 'text'."""
+    prompt_field: str | None = None
+    """Field with the prompt of a prompt/completion pair (no loss on prompt tokens)."""
+    completion_field: str | None = None
+    """Field with the completion of a prompt/completion pair."""
+    messages_field: str | None = None
+    """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
+    seq_len: PositiveInt = 512
+    """Tokens per sequence."""
+    packing: bool = True
+    """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
+    shuffle: bool = True
+    """Shuffle examples deterministically from train.seed."""
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "DataSpec":
+        shapes = [
+            name
+            for name, on in (
+                ("text_field", self.text_field is not None),
+                ("prompt_field/completion_field", self.prompt_field is not None or self.completion_field is not None),
+                ("messages_field", self.messages_field is not None),
+            )
+            if on
+        ]
+        if len(shapes) > 1:
+            raise ValueError(f"give one data shape, not {' and '.join(shapes)}")
+        if (self.prompt_field is None) != (self.completion_field is None):
+            raise ValueError("prompt_field and completion_field go together; set both")
+        return self
+
+    @property
+    def shape(self) -> Literal["text", "prompt_completion", "chat"]:
+        if self.prompt_field is not None:
+            return "prompt_completion"
+        if self.messages_field is not None:
+            return "chat"
+        return "text"
+
+    @property
+    def fields(self) -> dict[str, str]:
+        if self.shape == "prompt_completion":
+            return {"prompt": self.prompt_field, "completion": self.completion_field}  # type: ignore[dict-item]
+        if self.shape == "chat":
+            return {"messages": self.messages_field}  # type: ignore[dict-item]
+        return {"text": self.text_field or "text"}
+
+
+class TrainSpec(Strict):
+    max_steps: PositiveInt
+    """Optimizer steps to run in total (across restarts)."""
+    micro_batch_size: PositiveInt = 1
+    """Sequences per worker per forward pass."""
+    grad_accum_steps: PositiveInt = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: Annotated[float, Field(gt=0)] = 2e-5
+    """Peak learning rate."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps: NonNegativeInt = 0
+    """Linear warmup steps from 0 to lr."""
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Floor of the decay as a fraction of lr (cosine and linear)."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    """AdamW betas."""
+    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seed for data order and random state."""
+    log_every: PositiveInt = 10
+    """Log metrics every this many steps."""
+
+    @model_validator(mode="after")
+    def _warmup(self) -> "TrainSpec":
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+        return self
+
+
+class FsdpSpec(Strict):
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype; gradients are reduced in fp32 either way."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    replicate_degree: PositiveInt = 1
+    """HSDP: replicate across this many groups, shard within each (1 = full sharding)."""
+    collective_timeout_s: PositiveInt = 600
+    """Timeout of process-group setup and collectives; a dead peer fails the job after this."""
+
+
+class CheckpointSpec(Strict):
+    dir: str | None = None
+    """Checkpoint folder. Default: checkpoints/ inside the run folder."""
+    interval_steps: NonNegativeInt = 0
+    """Save every this many steps (0: off)."""
+    interval_minutes: Annotated[float, Field(ge=0)] = 30.0
+    """Save when this many minutes passed since the last save (0: off)."""
+    keep_last: PositiveInt = 2
+    """Committed checkpoints to keep; the newest is never removed."""
+    async_save: bool = False
+    """Write checkpoints in the background (dcp.async_save on its own process group)."""
+    export_final: bool = False
+    """At the end of the job, export a Hugging Face folder (safetensors) to <run>/export."""
+
+
+class PreemptionSpec(Strict):
+    signal: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = "USR2"
+    """Signal Slurm sends to the workers before preemption or the time limit."""
+    signal_lead_s: Literal["auto"] | PositiveInt = "auto"
+    """Seconds before the end at which the signal comes; auto: 120 s, or a tenth of a short time limit."""
+    max_requeues: NonNegativeInt = 20
+    """Requeues allowed (preemption, time limit, node failure) before the job is failed."""
+
+
+class JobSpec(Strict):
+    name: str
+    """Run name: letters, digits, '.', '_' and '-' (starts with a letter or digit)."""
+    profile: str = "local"
+    """Cluster profile: a name from `fsdpjob profiles` or a path to a profile YAML."""
+    env: dict[str, str] = {}
+    """Extra environment variables for the workers. Values may use $VAR and ${VAR}; nothing else is expanded."""
+    secret_env: list[str] = []
+    """Names in env whose values are secret (besides names containing TOKEN, KEY, SECRET or PASSWORD): passed to the job, never written to disk."""
+    resources: Resources = Field(default_factory=Resources)
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+            raise ValueError(f"{value!r} is not a valid name; use up to 64 letters, digits, '.', '_' or '-'")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, val in value.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if "\x00" in val:
+                raise ValueError(f"{key}: NUL bytes cannot be passed in the environment")
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_known(self) -> "JobSpec":
+        unknown = [n for n in self.secret_env if n not in self.env]
+        if unknown:
+            raise ValueError(f"secret_env names {unknown} are not in env")
+        return self
+
+    def secret_names(self) -> set[str]:
+        return {k for k in self.env if k in self.secret_env or SECRET_NAME_PATTERN.search(k)}
+
+    def public_env(self) -> dict[str, str]:
+        secret = self.secret_names()
+        return {k: v for k, v in self.env.items() if k not in secret}
+
+    def redacted(self) -> "JobSpec":
+        """A copy safe to write to disk: secret env values replaced by a marker."""
+        secret = self.secret_names()
+        env = {k: ("<secret>" if k in secret else v) for k, v in self.env.items()}
+        return self.model_copy(update={"env": env})
+
+    def spec_hash(self) -> str:
+        """Stable hash of the redacted, resolved spec."""
+        blob = json.dumps(self.redacted().model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def model_fingerprint(self) -> dict[str, Any]:
+        """Fields that define the model's shape and training math: a resume must not change these."""
+        return {
+            "model.path": self.model.path,
+            "model.dtype": self.model.dtype,
+            "data.seq_len": self.data.seq_len,
+        }
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: YAML text -> overrides -> pydantic -> one-line errors that point at FILE:LINE.
+
+
+def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid keys at ``loc`` in the spec (for 'did you mean')."""
+    current: Any = model
+    for part in loc:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def _message(err: dict, model: type[BaseModel]) -> str:
+    kind, loc = err["type"], tuple(err["loc"])
+    if kind == "extra_forbidden":
+        valid = _field_names(model, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
+        return f"unknown key; {hint}"
+    if kind == "missing":
+        return "required field is missing; add it"
+    msg = err["msg"]
+    msg = msg.removeprefix("Value error, ")
+    if kind in ("int_parsing", "int_type", "float_parsing", "float_type", "bool_parsing", "bool_type", "string_type"):
+        msg = f"{msg} (got {err.get('input')!r})"
+    if kind == "literal_error":
+        msg = f"{msg} (got {err.get('input')!r})"
+    return msg
+
+
+def errors_from_validation(exc: ValidationError, doc: YamlDoc, model: type[BaseModel] = JobSpec) -> list[SpecError]:
+    out = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        # Union branches add type names to loc (e.g. 'literal['auto']'); keep the field path only.
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
+        out.append(
+            SpecError(
+                _message(dict(err, loc=loc), model),
+                file=doc.file,
+                line=doc.line_of(loc),
+                loc=".".join(str(p) for p in loc) or None,
+            )
+        )
+    return out
+
+
+class SpecErrors(SpecError):
+    """Several spec errors at once; the CLI prints one line each."""
+
+    def __init__(self, errors: list[SpecError]):
+        self.errors = errors
+        super().__init__(errors[0].message, file=errors[0].file, line=errors[0].line, loc=errors[0].loc)
+
+    def format(self) -> str:  # noqa: D401 - one line per error
+        errs = getattr(self, "errors", None)
+        return "\n".join(e.format() for e in errs) if errs else super().format()
+
+
+def _resolve_paths(data: dict, base: Path) -> dict:
+    """Make model.path, data.path and checkpoint.dir absolute, relative to the spec file's folder."""
+    for section, key in (("model", "path"), ("data", "path"), ("checkpoint", "dir")):
+        sec = data.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
+            p = Path(sec[key]).expanduser()
+            sec[key] = str(p if p.is_absolute() else (base / p).resolve())
+    return data
+
+
+def spec_from_doc(doc: YamlDoc, overrides: list[str] = (), base_dir: Path | None = None) -> JobSpec:
+    data = apply_overrides(doc.data, list(overrides))
+    if base_dir is not None:
+        data = _resolve_paths(data, base_dir)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecErrors(errors_from_validation(exc, doc)) from None
+
+
+def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[JobSpec, YamlDoc]:
+    """Read, override and validate a spec file. Paths inside become absolute."""
+    doc = read_yaml(path)
+    return spec_from_doc(doc, overrides, base_dir=Path(path).resolve().parent), doc
+
+
+def json_schema() -> dict:
+    schema = JobSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fsdpjob job spec"
+    return schema

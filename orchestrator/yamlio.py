@@ -1,0 +1,128 @@
+"""YAML reading that remembers the line of every key, so errors can point at FILE:LINE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import InputError
+
+Loc = tuple  # a path into the document, e.g. ("train", "lr")
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (a silent override is a classic YAML trap)."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _index_lines(node: yaml.Node, loc: Loc, out: dict[Loc, int]) -> None:
+    out[loc] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value
+            out[loc + (key,)] = key_node.start_mark.line + 1
+            _index_lines(value_node, loc + (key,), out)
+            # Keep the key's own line for the key: a value on the next line should not move it.
+            out[loc + (key,)] = key_node.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _index_lines(item, loc + (i,), out)
+
+
+class YamlDoc:
+    """A parsed YAML mapping plus the line of each key path."""
+
+    def __init__(self, data: dict, lines: dict[Loc, int], file: str):
+        self.data = data
+        self.lines = lines
+        self.file = file
+
+    def line_of(self, loc: Loc) -> int | None:
+        """Line of the deepest existing prefix of ``loc`` (a missing field points at its section)."""
+        loc = tuple(loc)
+        while loc:
+            if loc in self.lines:
+                return self.lines[loc]
+            loc = loc[:-1]
+        return self.lines.get((), 1)
+
+
+def parse_yaml(text: str, file: str) -> YamlDoc:
+    """Parse ``text``; raise InputError with FILE:LINE on syntax errors or a non-mapping document."""
+    try:
+        loader = _LineLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        problem = exc.problem or str(exc)
+        raise InputError(f"YAML syntax error: {problem}; fix the YAML at this line", file=file, line=line) from None
+    except yaml.YAMLError as exc:  # pragma: no cover - unmarked errors are rare
+        raise InputError(f"YAML error: {exc}", file=file) from None
+    if data is None:
+        raise InputError("the file is empty; a job spec is a YAML mapping (see `fsdpjob schema`)", file=file, line=1)
+    if not isinstance(data, dict):
+        raise InputError(f"expected a YAML mapping at the top level, found {type(data).__name__}", file=file, line=1)
+    lines: dict[Loc, int] = {}
+    if node is not None:
+        _index_lines(node, (), lines)
+    return YamlDoc(data, lines, file)
+
+
+def read_yaml(path: str | Path) -> YamlDoc:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("file not found; check the path", file=str(path)) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc.__class__.__name__}", file=str(path)) from None
+    return parse_yaml(text, str(path))
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> dict:
+    """Apply ``a.b=value`` overrides (value parsed as YAML) to a copy of ``data``."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise InputError(f"expected KEY=VALUE (e.g. train.lr=1e-4), got {item!r}", file=source)
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not key.strip() or any(not p for p in parts):
+            raise InputError(f"bad key {key!r}; use dotted field names such as train.max_steps", file=source)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # not YAML: take the text as it is
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise InputError(f"{part!r} is not a section; cannot set {key!r}", file=source)
+            node = child
+        node[parts[-1]] = value
+    return data
