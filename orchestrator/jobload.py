@@ -1,0 +1,40 @@
+"""Load a job for a command: spec file + --set + profile -> validated LoadedJob (no side effects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .profiles import ClusterProfile, load_profile
+from .resolve import Effective, check
+from .spec import JobSpec, load_spec
+from .yamlio import YamlDoc
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    spec: JobSpec
+    doc: YamlDoc
+    profile: ClusterProfile
+    eff: Effective
+    source: str
+
+
+def load_job(
+    spec_path: str, *, profile: str | None = None, overrides: tuple[str, ...] = (), check_files: bool = True
+) -> LoadedJob:
+    """Validate everything a user can get wrong before anything is written or submitted.
+
+    ``profile`` (from --profile) wins over the spec's own ``profile`` field. ``check_files`` also
+    checks the model folder and the data file (existence, shape, JSON lines).
+    """
+    spec, doc = load_spec(spec_path, list(overrides))
+    if profile:
+        spec = spec.model_copy(update={"profile": profile})
+    prof = load_profile(spec.profile)
+    eff = check(spec, prof, doc)
+    if check_files:
+        from .inputs import check_inputs
+
+        check_inputs(spec, doc)
+    return LoadedJob(spec=spec, doc=doc, profile=prof, eff=eff, source=str(Path(spec_path)))

@@ -1,0 +1,121 @@
+"""Spec + profile -> the effective job (resources, signal lead, world size), with the cross checks that need both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import SpecError
+from .profiles import ClusterProfile
+from .slurmtime import format_slurm_time
+from .spec import JobSpec, SpecErrors
+from .yamlio import YamlDoc
+
+
+@dataclass(frozen=True)
+class Effective:
+    """What the job will actually ask for, after profile defaults are applied. Pure data."""
+
+    scheduler: str
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+    cpus_per_task: int | None
+    mem_per_node: str | None
+    time_limit_s: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    signal: str
+    signal_lead_s: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def time_limit(self) -> str:
+        return format_slurm_time(self.time_limit_s)
+
+
+def effective(spec: JobSpec, profile: ClusterProfile) -> Effective:
+    """Apply profile defaults. Does not validate; see :func:`check`."""
+    r = spec.resources
+    gpus = r.gpus_per_node if r.gpus_per_node is not None else profile.gpus_per_node
+    tasks = r.tasks_per_node or (gpus if gpus > 0 else 1)
+    cpus = r.cpus_per_task
+    if cpus is None and profile.cpus_per_node:
+        cpus = max(1, profile.cpus_per_node // tasks)
+    lead = spec.preemption.signal_lead_s
+    if lead == "auto":
+        # A tenth of a short time limit, so that a 10-minute debug job still gets its signal.
+        lead = min(profile.default_signal_lead_s, max(10, r.time_limit_s // 10))
+    return Effective(
+        scheduler=profile.scheduler,
+        nodes=r.nodes,
+        gpus_per_node=gpus,
+        tasks_per_node=tasks,
+        cpus_per_task=cpus,
+        mem_per_node=r.mem_per_node,
+        time_limit_s=r.time_limit_s,
+        partition=r.partition or profile.partition,
+        account=r.account or profile.account,
+        qos=r.qos or profile.qos,
+        constraint=r.constraint or profile.constraint,
+        signal=spec.preemption.signal,
+        signal_lead_s=int(lead),
+    )
+
+
+def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
+    """Cross checks between spec and profile, as (loc, message) pairs. Messages show the arithmetic."""
+    eff = effective(spec, profile)
+    out: list[tuple[tuple, str]] = []
+    if spec.resources.gpus_per_node and profile.gpus_per_node and spec.resources.gpus_per_node > profile.gpus_per_node:
+        out.append(
+            (
+                ("resources", "gpus_per_node"),
+                f"{spec.resources.gpus_per_node} GPUs per node requested but profile {profile.name!r} nodes have "
+                f"{profile.gpus_per_node}; lower it or add nodes",
+            )
+        )
+    if eff.world_size % spec.fsdp.replicate_degree:
+        out.append(
+            (
+                ("fsdp", "replicate_degree"),
+                f"world size = nodes ({eff.nodes}) x tasks_per_node ({eff.tasks_per_node}) = {eff.world_size}, "
+                f"not divisible by replicate_degree ({spec.fsdp.replicate_degree}); pick a divisor of {eff.world_size}",
+            )
+        )
+    if profile.max_time_s and eff.time_limit_s > profile.max_time_s:
+        out.append(
+            (
+                ("resources", "time_limit"),
+                f"{spec.resources.time_limit} ({eff.time_limit}) exceeds profile {profile.name!r} max_time "
+                f"{profile.max_time}; shorten it (checkpoints and requeues carry the run across allocations)",
+            )
+        )
+    if eff.signal_lead_s >= eff.time_limit_s:
+        out.append(
+            (
+                ("preemption", "signal_lead_s"),
+                f"signal lead {eff.signal_lead_s} s is not shorter than the time limit {eff.time_limit_s} s; "
+                "lower signal_lead_s or raise resources.time_limit",
+            )
+        )
+    if profile.scheduler == "local" and eff.nodes != 1:
+        out.append((("resources", "nodes"), f"the local profile runs on this machine only: nodes must be 1, got {eff.nodes}"))
+    return out
+
+
+def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) -> Effective:
+    """Raise SpecErrors (with FILE:LINE when ``doc`` is given) for spec/profile conflicts."""
+    found = problems(spec, profile)
+    if found:
+        raise SpecErrors(
+            [
+                SpecError(msg, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None, loc=".".join(loc))
+                for loc, msg in found
+            ]
+        )
+    return effective(spec, profile)

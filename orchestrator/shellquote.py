@@ -1,0 +1,50 @@
+"""Quoting for user strings that reach a shell script: literal words, or words with $VAR expansion only."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+_SAFE_WORD = re.compile(r"[A-Za-z0-9_./:=@%+,-]+")
+_VAR = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def literal(value: str) -> str:
+    """A single shell word that is exactly ``value``: nothing in it is expanded."""
+    return shlex.quote(value)
+
+
+def with_vars(value: str) -> str:
+    """A single shell word in which only $NAME and ${NAME} expand (and a leading ~/ means $HOME/).
+
+    Command substitution, backticks, globbing, operators and every other shell syntax stay literal:
+    the result is a double-quoted string with ``\\ " ` $`` escaped except in variable references.
+    """
+    if value.startswith("~/"):
+        value = "$HOME/" + value[2:]
+    elif value == "~":
+        value = "$HOME"
+    if _SAFE_WORD.fullmatch(value):
+        return value
+    out, pos = [], 0
+    for match in _VAR.finditer(value):
+        out.append(_escape_dq(value[pos : match.start()]))
+        out.append(match.group(0))
+        pos = match.end()
+    out.append(_escape_dq(value[pos:]))
+    return '"' + "".join(out) + '"'
+
+
+def _escape_dq(text: str) -> str:
+    text = re.sub(r'([\\"`$])', r"\\\1", text)
+    # '!' triggers history expansion only in interactive shells; scripts are not, but be safe anyway.
+    return text.replace("!", '"\'!\'"')
+
+
+def command_line(line: str) -> str:
+    """One setup line as a simple command: split into words like a shell would, each word re-quoted
+    with :func:`with_vars`. ``module load cuda/12.4`` stays readable; ``x; rm -rf /`` becomes the
+    command ``x;`` with literal arguments. Raises ValueError on unbalanced quotes.
+    """
+    words = shlex.split(line, comments=False, posix=True)
+    return " ".join(with_vars(w) for w in words)
