@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import FsdpjobError, InputError
+from .errors import FsdpjobError, InputError, PlanRefused
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False, path_type=str))
 PROFILE_OPT = click.option("--profile", "-p", help="Cluster profile name or YAML path (overrides the spec's profile).")
@@ -135,6 +135,178 @@ def profiles(as_json: bool) -> None:
     )
 
 
+@cli.command()
+@SPEC_ARG
+@PROFILE_OPT
+@SET_OPT
+@JSON_OPT
+def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+    """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead."""
+    from .jobload import load_job
+    from .planner import format_plan, make_plan
+
+    job = load_job(spec, profile=profile, overrides=sets)
+    result = make_plan(job.spec, job.profile)
+    if as_json:
+        _echo_json(result.to_json())
+    else:
+        click.echo(format_plan(result))
+    if not result.fits:
+        raise SystemExit(2)
+
+
+@cli.command()
+@SPEC_ARG
+@PROFILE_OPT
+@SET_OPT
+@click.option("--dry-run", is_flag=True, help="Print the plan and the script; touch nothing.")
+@click.option("--wait", is_flag=True, help="Stream progress until the job ends; exit with its status.")
+@click.option("--force", is_flag=True, help="Submit even if the planner says the job cannot fit.")
+@click.option("--resume-from", type=click.Path(exists=True, path_type=str), help="Start from this checkpoint (a step-N folder, a checkpoints folder or a run folder).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default: $FSDPJOB_HOME/runs/<name>-<time>-<id>).")
+@JSON_OPT
+def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_json) -> None:
+    """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
+    from . import submit as submission
+    from .jobload import load_job
+    from .planner import format_plan, make_plan
+
+    job = load_job(spec, profile=profile, overrides=sets)
+    fit = make_plan(job.spec, job.profile)
+    if dry_run:
+        paths, _, script = submission.dry_run(job, run_dir.resolve() if run_dir else None)
+        click.echo(format_plan(fit), err=True)
+        click.echo(script, nl=False)
+        return
+    if not fit.fits and not force:
+        click.echo(format_plan(fit), err=True)
+        raise PlanRefused("the planner says this job does not fit (see the plan above); apply a fix or pass --force")
+    for warning in fit.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from)
+    if as_json:
+        _echo_json({"run_id": sub.record.run_id, "job_id": sub.record.job_id, "run_dir": sub.record.run_dir})
+    else:
+        click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}")
+    if wait:
+        from .follow import wait_for
+
+        raise SystemExit(wait_for(sub.record))
+
+
+@cli.command()
+@click.argument("run", required=False)
+@JSON_OPT
+def status(run: str | None, as_json: bool) -> None:
+    """Status of a run (default: the newest): scheduler state joined with training progress."""
+    from . import registry
+    from .status import build_report, single_view
+
+    record = registry.find(run) if run else registry.latest()
+    report = build_report(record, single_view(record))
+    if as_json:
+        _echo_json(report.to_json())
+        return
+    from .status import format_eta
+
+    r = report
+    lines = [
+        f"run        {r.run_id}  ({r.scheduler} job {r.job_id}, profile {r.profile})",
+        f"phase      {r.phase}  (scheduler: {r.scheduler_state}{', ' + r.reason if r.reason else ''})",
+        f"progress   step {r.step if r.step is not None else '-'}/{r.max_steps}"
+        + (f"  loss {r.loss:.4f}" if r.loss is not None else "")
+        + (f"  {r.tokens_per_s:.0f} tok/s" if r.tokens_per_s else "")
+        + f"  eta {format_eta(r.eta_s)}",
+        f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",
+        f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})",
+        f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
+        f"folder     {r.run_dir}",
+    ]
+    if r.failure_reason:
+        lines.append(f"failure    {r.failure_reason}")
+    click.echo("\n".join(lines))
+
+
+@cli.command(name="list")
+@JSON_OPT
+def list_runs(as_json: bool) -> None:
+    """All runs in the registry, with one scheduler call."""
+    from . import registry
+    from .status import reports
+
+    rows = reports(registry.all_records())
+    if as_json:
+        _echo_json([r.to_json() for r in rows])
+        return
+    from .display import table
+
+    click.echo(
+        table(
+            ["run", "job", "phase", "step", "loss", "ckpt", "restarts", "profile"],
+            [
+                [r.run_id, r.job_id, r.phase, f"{r.step if r.step is not None else '-'}/{r.max_steps}",
+                 f"{r.loss:.4f}" if r.loss is not None else "-",
+                 str(r.last_checkpoint_step) if r.last_checkpoint_step is not None else "-", str(r.restarts), r.profile]
+                for r in rows
+            ],
+        )
+    )
+
+
+@cli.command()
+@click.argument("run")
+@click.option("--rank", type=int, default=0, show_default=True, help="Worker rank whose log to show.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("--stderr", "stream", flag_value="err", default="out", help="Show stderr instead of stdout.")
+def logs(run: str, rank: int, follow: bool, stream: str) -> None:
+    """Print a worker's log (all attempts of a requeued job are in one file)."""
+    from . import registry
+    from .follow import follow_file, log_path
+
+    record = registry.find(run)
+    path = log_path(record, rank, stream)
+    if not follow:
+        if not path.exists():
+            raise FsdpjobError(f"no log yet at {path} (the job may still be pending)")
+        click.echo(path.read_text(encoding="utf-8", errors="replace"), nl=False)
+        return
+    follow_file(record, path)
+
+
+@cli.command()
+@click.argument("run")
+def cancel(run: str) -> None:
+    """Cancel a run (scancel, or stop the local workers)."""
+    from . import registry
+    from .follow import cancel_run
+
+    record = registry.find(run)
+    cancel_run(record)
+    click.echo(f"cancelled {record.run_id} (job {record.job_id})")
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+def export(source: Path, out: Path, dtype: str) -> None:
+    """Write a Hugging Face folder (sharded safetensors) from a run or a checkpoint."""
+    from fsdpjob.jobs.export import export_from_path
+
+    written = export_from_path(source, out, dtype)
+    click.echo(f"exported {written} -> {out}")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default="examples/quickstart-assets")
+def quickstart(directory: Path) -> None:
+    """Create the quickstart's tiny Llama model, tokenizer and data set locally (no downloads)."""
+    from fsdpjob.jobs.assets import make_quickstart
+
+    made = make_quickstart(directory)
+    click.echo(f"model: {made['model_path']}\ndata:  {made['data_path']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the click group and turns errors into one-line messages and exit codes."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -164,6 +336,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)
 
+
+def _register_dev_cluster() -> None:
+    from .devcluster.cli import dev_cluster
+
+    cli.add_command(dev_cluster)
+
+
+try:
+    _register_dev_cluster()
+except ImportError:  # pragma: no cover - the dev cluster module is optional packaging-wise
+    pass
 
 if __name__ == "__main__":
     main()

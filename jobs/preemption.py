@@ -1,0 +1,109 @@
+"""Preemption and time limits: flag-only signal handlers, a collective stop decision, one requeue.
+
+Why not submitit's handler: it requeues and exits on rank 0 from inside the signal handler, in the middle of
+a step; the other ranks then crash in a collective and no checkpoint is written. So every rank replaces it
+(and the SIGTERM bypass) with a handler that only records the signal. At each step boundary the ranks agree
+with an all-reduce; all ranks save one committed checkpoint; then one rank requeues and every rank exits
+without returning a result (returning would make Slurm record COMPLETED and never requeue).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("fsdpjob.preemption")
+
+# submitit's local controller restarts tasks that exit with this code (its requeue contract).
+LOCAL_REQUEUE_EXIT_CODE = 144
+
+
+class StopFlag:
+    """Records the first stop signal; ``agree()`` turns it into a decision every rank shares."""
+
+    def __init__(self, signal_name: str):
+        self.signum = 0
+        self.received_at: float | None = None
+        self.signals = {getattr(signal, f"SIG{signal_name}"), signal.SIGTERM}
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+        # submitit logs SIGCONT (Slurm sends it with the warning signal); nothing to do for it.
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        # Only set a flag: the handler may run in the middle of a forward pass or a collective.
+        if not self.signum:
+            self.signum = signum
+            self.received_at = time.time()
+
+    def request(self, signum: int = signal.SIGUSR2) -> None:
+        """Ask for a stop from code (tests, fault injection): same path as a signal."""
+        self._handle(signum, None)
+
+    def agree(self, device: torch.device) -> int:
+        """Collective: the signal number any rank received (max), or 0. Call on every rank at the same point."""
+        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def slurm_job_id() -> str | None:
+    """Array-safe id for scontrol: <array job>_<task> for array jobs, else the job id."""
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def classify_stop(signum: int) -> str:
+    """'preemption' or 'time_limit' under Slurm (PreemptTime is set only on preemption); 'signal' elsewhere.
+
+    Remaining time is misleading during a grace period (squeue %L ignores it), so it is not used.
+    """
+    job_id = slurm_job_id()
+    if not job_id or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return "signal"
+    from fsdpjob.orchestrator.slurm_cli import scontrol_job
+
+    try:
+        info = scontrol_job(job_id) or {}
+    except Exception as exc:  # noqa: BLE001 - the classification is informational
+        log.warning("could not ask scontrol about job %s: %s", job_id, exc)
+        return "signal"
+    preempt_time = info.get("PreemptTime", "None")
+    return "preemption" if preempt_time not in ("None", "", "Unknown") else "time_limit"
+
+
+def restart_count() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def requeue(max_requeues: int, restarts: int) -> tuple[bool, str]:
+    """Rank 0 only, after every rank committed: requeue the job once. Returns (requeued, detail)."""
+    if restarts >= max_requeues:
+        return False, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return True, "local: the controller restarts the workers"
+    from fsdpjob.orchestrator.slurm_cli import requeue as scontrol_requeue
+
+    job_id = slurm_job_id()
+    try:
+        scontrol_requeue(job_id)
+    except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled: nothing to requeue
+        return False, f"scontrol requeue {job_id} failed: {exc}"
+    return True, f"requeued Slurm job {job_id}"
+
+
+def exit_after_stop(requeued: bool) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+    """Leave without a result on every rank: Slurm then keeps the requeue (a normal return would be
+    recorded COMPLETED), submitit writes no result pickle, and the local controller restarts on 144."""
+    if not requeued:
+        raise SystemExit(1)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+        raise SystemExit(LOCAL_REQUEUE_EXIT_CODE)
+    raise SystemExit(0)

@@ -1,0 +1,138 @@
+"""Watching a run: --wait progress streaming, log paths and --follow, and cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import registry, slurm_cli
+from .errors import FsdpjobError
+from .paths import RunPaths
+from .registry import JobRecord
+from .status import build_report, single_view
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+
+
+def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
+    if not 0 <= rank < record.world_size:
+        raise FsdpjobError(f"rank {rank} is out of range: this run has ranks 0..{record.world_size - 1}")
+    return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+
+
+class _Tail:
+    """New complete lines of a growing file."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return []
+        data = self.partial + data
+        *complete, self.partial = data.split("\n")
+        return complete
+
+
+def _terminal_phase(record: JobRecord) -> str | None:
+    report = build_report(record, single_view(record))
+    return report.phase if report.phase in TERMINAL else None
+
+
+def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
+    """Stream progress (a bar on a terminal, plain lines otherwise) until the run ends; its exit status."""
+    paths = RunPaths(Path(record.run_dir))
+    metrics, events = _Tail(paths.metrics_file), _Tail(paths.events_file)
+    bar = None
+    if sys.stdout.isatty():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        task = bar.add_task(record.name, total=record.max_steps, info="")
+        bar.start()
+    phase, last_check = None, 0.0
+    try:
+        while True:
+            for line in events.lines():
+                ev = _parse(line)
+                if ev and ev.get("event") in ("start", "resume", "stop", "failed", "done", "export"):
+                    fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
+                    (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
+            for line in metrics.lines():
+                m = _parse(line)
+                if not m:
+                    continue
+                info = f"loss {m['loss']:.4f}  {m.get('tokens_per_s', 0):.0f} tok/s"
+                if bar:
+                    bar.update(task, completed=m["step"], info=info)
+                else:
+                    click.echo(f"step {m['step']}/{record.max_steps}  {info}  eta {m.get('eta_s', 0):.0f}s")
+            if time.time() - last_check >= 2 * poll_s:
+                last_check = time.time()
+                phase = _terminal_phase(record)
+                if phase:
+                    break
+            time.sleep(poll_s)
+        # The last lines may land between the final poll and the phase change.
+        for line in metrics.lines():
+            m = _parse(line)
+            if m and bar:
+                bar.update(task, completed=m["step"])
+    finally:
+        if bar:
+            bar.stop()
+    report = build_report(record, single_view(record))
+    click.echo(
+        f"{record.run_id}: {report.phase} at step {report.step}/{record.max_steps}"
+        + (f", loss {report.loss:.4f}" if report.loss is not None else "")
+        + (f" ({report.failure_reason})" if report.failure_reason else ""),
+        err=report.phase != "COMPLETED",
+    )
+    return 0 if report.phase == "COMPLETED" else 1
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:
+    tail = _Tail(path)
+    idle_checks = 0
+    while True:
+        for line in tail.lines():
+            click.echo(line)
+        idle_checks += 1
+        if idle_checks % 10 == 0 and _terminal_phase(record):
+            for line in tail.lines():
+                click.echo(line)
+            return
+        time.sleep(poll_s)
+
+
+def cancel_run(record: JobRecord) -> None:
+    if record.scheduler == "slurm":
+        slurm_cli.scancel(record.job_id)
+        return
+    pid = int(record.job_id)
+    try:
+        # submitit's local controller forwards SIGINT to its tasks, then kills them.
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)") from None
+    record.extra["cancelled"] = True
+    registry.save(record)

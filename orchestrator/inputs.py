@@ -1,0 +1,227 @@
+"""Login-node checks of the model folder and data file a spec names; the JSONL record rules the worker shares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .spec import DataSpec, JobSpec
+    from .yamlio import YamlDoc
+
+# Decoder-only causal LM families whose decoder layers are `model.layers` (checked on transformers 5.24
+# by building each from a tiny config); FSDP wraps those layers one by one.
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "olmo3", "granite", "granitemoe",
+    "cohere", "cohere2", "starcoder2", "stablelm", "helium", "smollm3", "glm", "glm4", "exaone4",
+    "seed_oss", "arcee", "apertus",
+)  # fmt: skip
+SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
+_SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
+            "messages": "data.messages_field"}  # fmt: skip
+
+
+class RecordError(ValueError):
+    """A JSONL line that cannot be used as an example; ``line`` is 1-based."""
+
+    def __init__(self, message: str, line: int):
+        self.message = message
+        self.line = line
+        super().__init__(f"line {line}: {message}")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _messages_problem(value: Any) -> str | None:
+    if not isinstance(value, list):
+        return f"expected a list of {{role, content}} objects, found {_json_type(value)}"
+    if not value:
+        return "the conversation is empty"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {i} is {_json_type(message)}, not a {{role, content}} object"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"message {i} has no {key!r}"
+            if not isinstance(message[key], str):
+                return f"message {i}: {key!r} must be a string, found {_json_type(message[key])}"
+    return None
+
+
+def parse_record(raw: bytes, data: DataSpec, line: int) -> dict[str, Any]:
+    """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object", line) from None
+    if not isinstance(obj, dict):
+        raise RecordError(f"expected a JSON object, found {_json_type(obj)}", line)
+    out: dict[str, Any] = {}
+    for role, field in data.fields.items():
+        if field not in obj:
+            present = ", ".join(repr(k) for k in list(obj)[:8]) or "no fields"
+            raise RecordError(f"missing field {field!r} (set by {_SETTING[role]}); this line has {present}", line)
+        value = obj[field]
+        if role == "messages":
+            problem = _messages_problem(value)
+        else:
+            problem = None if isinstance(value, str) else f"expected a string, found {_json_type(value)}"
+        if problem:
+            raise RecordError(f"field {field!r}: {problem}", line)
+        out[role] = value
+    return out
+
+
+def iter_records(path: str | Path, data: DataSpec, limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, fields) for each non-blank line of a JSONL file, up to line ``limit``."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if limit is not None and line > limit:
+                return
+            if raw.strip():
+                yield line, parse_record(raw, data, line)
+
+
+def _spec_error(message: str, loc: tuple[str, ...], doc: YamlDoc | None) -> InputError:
+    return InputError(
+        message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None, loc=".".join(loc)
+    )
+
+
+def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:
+    loc = ("model", "path")
+    if not folder.exists():
+        raise _spec_error(f"model folder {folder} does not exist; point model.path at a local Hugging Face model folder", loc, doc)
+    if not folder.is_dir():
+        raise _spec_error(f"{folder} is not a folder; model.path must be a Hugging Face model folder", loc, doc)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise _spec_error(f"no config.json in {folder}; is this a Hugging Face model folder?", loc, doc)
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"config.json is not valid JSON ({exc.msg})", file=str(config_file), line=exc.lineno) from None
+    if not isinstance(config, dict):
+        raise InputError("config.json must hold a JSON object", file=str(config_file), line=1)
+    return config
+
+
+def _check_architecture(config: dict[str, Any], folder: Path, doc: YamlDoc | None) -> None:
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _spec_error(
+            f"model_type {model_type!r} in {folder / 'config.json'} is not supported; fsdpjob trains decoder-only "
+            f"causal LMs whose layers are model.layers: {supported}",
+            ("model", "path"),
+            doc,
+        )
+    if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
+        raise _spec_error(
+            f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM; fsdpjob fine-tunes causal LMs",
+            ("model", "path"),
+            doc,
+        )
+
+
+def _check_weights(folder: Path, doc: YamlDoc | None) -> None:
+    loc = ("model", "path")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        except (json.JSONDecodeError, AttributeError):
+            raise InputError("not a valid safetensors index (JSON with a weight_map)", file=str(index), line=1) from None
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise _spec_error(f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}; the download is incomplete", loc, doc)
+        return
+    if any(folder.glob("*.safetensors")):
+        return
+    if any(folder.glob("*.bin")):
+        raise _spec_error(
+            f"{folder} has only PyTorch .bin weights; convert them to safetensors "
+            "(from_pretrained, then save_pretrained(dir, safe_serialization=True))",
+            loc,
+            doc,
+        )
+    raise _spec_error(f"no weights in {folder} (*.safetensors or model.safetensors.index.json)", loc, doc)
+
+
+def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
+    has = {name for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt")
+           if (folder / name).is_file()}  # fmt: skip
+    if not ({"tokenizer.json"} <= has or {"tokenizer.model", "tokenizer_config.json"} <= has
+            or {"vocab.json", "merges.txt"} <= has):  # fmt: skip
+        raise _spec_error(
+            f"no tokenizer in {folder}: need tokenizer.json (or tokenizer.model with tokenizer_config.json); "
+            "save the tokenizer next to the model with save_pretrained",
+            ("model", "path"),
+            doc,
+        )
+    if data.shape == "chat" and not _has_chat_template(folder):
+        raise _spec_error(
+            f"data.messages_field needs a chat template, and the tokenizer in {folder} has none; "
+            "use text_field or prompt_field/completion_field, or add a chat template",
+            ("data", "messages_field"),
+            doc,
+        )
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def _check_data(data: DataSpec, doc: YamlDoc | None) -> None:
+    loc = ("data", "path")
+    path = Path(data.path)
+    if not path.exists():
+        raise _spec_error(f"data file {path} does not exist", loc, doc)
+    if not path.is_file():
+        raise _spec_error(f"{path} is not a file; data.path must be a JSONL file", loc, doc)
+    if path.stat().st_size == 0:
+        raise _spec_error(f"data file {path} is empty", loc, doc)
+    try:
+        found = any(True for _ in iter_records(path, data, limit=SCAN_LINES))
+    except RecordError as exc:
+        raise InputError(exc.message, file=str(path), line=exc.line) from None
+    if not found:
+        raise _spec_error(f"data file {path} has no examples in its first {SCAN_LINES} lines (only blank lines)", loc, doc)
+
+
+def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: YamlDoc | None) -> None:
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and data.seq_len > limit:
+        raise _spec_error(
+            f"data.seq_len {data.seq_len} is beyond the model's max_position_embeddings {limit} "
+            f"({folder / 'config.json'}); use at most {limit}",
+            ("data", "seq_len"),
+            doc,
+        )
+
+
+def check_inputs(spec: JobSpec, doc: YamlDoc | None = None) -> None:
+    """Raise InputError for the first problem with the model folder or data file; ``doc`` gives spec lines."""
+    folder = Path(spec.model.path)
+    config = _read_config(folder, doc)
+    _check_architecture(config, folder, doc)
+    _check_weights(folder, doc)
+    _check_tokenizer(folder, spec.data, doc)
+    _check_seq_len(config, spec.data, folder, doc)
+    _check_data(spec.data, doc)

@@ -1,0 +1,103 @@
+"""Training progress read from a run folder (metrics.jsonl, events.jsonl, checkpoints/): pure file reads."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .paths import RunPaths
+
+COMMIT_MARKER = "COMMITTED"
+LATEST_POINTER = "latest"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _tail_lines(path: Path, max_bytes: int = 65536) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    lines = data.splitlines()
+    return lines[1:] if size > max_bytes else lines  # the first line of a tail may be cut
+
+
+def _json_lines(lines: list[str]) -> list[dict]:
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written right now
+    return out
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    """Steps whose commit marker exists (the marker is written last, after every rank's shards)."""
+    if not ckpt_dir.is_dir():
+        return []
+    steps = []
+    for child in ckpt_dir.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and (child / COMMIT_MARKER).exists():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+@dataclass
+class Progress:
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    last_checkpoint_step: int | None = None
+    starts: int = 0
+    steps_lost: int = 0
+    done: bool = False
+    failure: str | None = None
+    last_stop: dict | None = None
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.starts - 1)
+
+
+def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progress:
+    paths = RunPaths(run_dir)
+    prog = Progress()
+    metrics = _json_lines(_tail_lines(paths.metrics_file))
+    if metrics:
+        last = metrics[-1]
+        prog.step, prog.loss = last.get("step"), last.get("loss")
+        prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
+    events = _json_lines(_tail_lines(paths.events_file, 1 << 20))
+    prog.events = events
+    # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
+    timeline = sorted(events + [dict(m, event="metric") for m in metrics], key=lambda e: e.get("time", 0))
+    reached = 0
+    for ev in timeline:
+        kind = ev.get("event")
+        if kind == "start":
+            prog.starts += 1
+            prog.done, prog.failure = False, None
+        elif kind == "resume":
+            prog.steps_lost += max(0, reached - int(ev.get("step", 0)))
+            reached = int(ev.get("step", 0))
+        elif kind in ("stop", "checkpoint", "metric"):
+            reached = max(reached, int(ev.get("step", 0)))
+            if kind == "stop":
+                prog.last_stop = ev
+        elif kind == "done":
+            prog.done = True
+            prog.step = ev.get("step", prog.step)
+        elif kind == "failed":
+            prog.failure = ev.get("reason") or ev.get("error")
+    steps = committed_steps(checkpoints_dir or paths.checkpoints_dir)
+    prog.last_checkpoint_step = steps[-1] if steps else None
+    return prog

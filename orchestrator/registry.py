@@ -1,0 +1,104 @@
+"""The job registry: one JSON record per run under $FSDPJOB_HOME/registry, atomic writes under a lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import RunNotFound
+from .paths import fsdpjob_home
+
+
+@dataclass
+class JobRecord:
+    run_id: str
+    name: str
+    run_dir: str
+    scheduler: str  # "slurm" | "local"
+    job_id: str
+    profile: str
+    submitted_at: float
+    spec_hash: str
+    nodes: int
+    tasks_per_node: int
+    max_steps: int
+    slurm_conf: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def registry_dir() -> Path:
+    return fsdpjob_home() / "registry"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write-then-rename so that a reader never sees a half-written file, even under SIGKILL."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(record: JobRecord) -> None:
+    """Add or replace a record. One file per run + a lock: concurrent submits never lose a record."""
+    root = _private_dir(registry_dir())
+    with FileLock(str(root / ".lock"), timeout=30):
+        write_atomic(root / f"{record.run_id}.json", json.dumps(asdict(record), indent=1, sort_keys=True))
+
+
+def _read(path: Path) -> JobRecord | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        known = {k: v for k, v in data.items() if k in JobRecord.__dataclass_fields__}
+        return JobRecord(**known)
+    except (OSError, ValueError, TypeError):
+        return None  # a record that cannot be read is skipped, never fatal for list/status
+
+
+def all_records() -> list[JobRecord]:
+    root = registry_dir()
+    if not root.is_dir():
+        return []
+    records = [r for p in root.glob("*.json") if (r := _read(p)) is not None]
+    return sorted(records, key=lambda r: r.submitted_at)
+
+
+def find(ref: str) -> JobRecord:
+    """A run by run id (or unique prefix), Slurm job id, or run name (newest wins)."""
+    records = all_records()
+    for match in (
+        [r for r in records if r.run_id == ref],
+        [r for r in records if r.job_id == ref],
+        [r for r in records if r.run_id.startswith(ref)],
+        [r for r in records if r.name == ref],
+    ):
+        if match:
+            return match[-1]
+    raise RunNotFound(f"no run {ref!r} in the registry ({registry_dir()}); see `fsdpjob list`")
+
+
+def latest() -> JobRecord:
+    records = all_records()
+    if not records:
+        raise RunNotFound("no runs yet; submit one with `fsdpjob submit SPEC`")
+    return records[-1]

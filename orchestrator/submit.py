@@ -1,0 +1,159 @@
+"""Submission side effects, all here: run folder, resolved spec, script, submitit submit, registry record."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import registry
+from .errors import SubmissionError
+from .jobload import LoadedJob
+from .paths import RunPaths, new_run_id, runs_root
+from .registry import JobRecord, write_atomic
+from .render import SbatchPlan, build_plan, render_script
+
+
+@dataclass(frozen=True)
+class Submission:
+    record: JobRecord
+    paths: RunPaths
+
+
+def dry_run(job: LoadedJob, run_dir: Path | None = None) -> tuple[RunPaths, SbatchPlan | None, str]:
+    """What would be submitted, touching nothing: (paths, plan, script text or local description)."""
+    paths = RunPaths(run_dir or runs_root() / new_run_id(job.spec.name))
+    if job.profile.scheduler == "local":
+        text = (
+            f"# local profile: {job.eff.tasks_per_node} worker process(es) on this machine through submitit's "
+            f"local executor\n# run folder: {paths.run_dir}\n"
+        )
+        return paths, None, text
+    plan = build_plan(job.spec, job.profile, paths, spec_source=job.source)
+    return paths, plan, render_script(plan)
+
+
+@contextlib.contextmanager
+def _job_environment(env: dict[str, str]):
+    """Environment for the submission call: sbatch exports it to the job (secrets travel this way, never
+    through a file), and submitit's local executor passes it to the workers."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None) -> None:
+    paths.run_dir.mkdir(parents=True, mode=0o700)
+    paths.submitit_dir.mkdir(mode=0o700)
+    resolved = job.spec.redacted().model_dump(mode="json")
+    meta = {
+        "spec": resolved,
+        "spec_hash": job.spec.spec_hash(),
+        "spec_source": str(Path(job.source).resolve()),
+        "profile": job.profile.model_dump(mode="json"),
+        "effective": {
+            "nodes": job.eff.nodes,
+            "tasks_per_node": job.eff.tasks_per_node,
+            "world_size": job.eff.world_size,
+            "signal": job.eff.signal,
+            "signal_lead_s": job.eff.signal_lead_s,
+            "time_limit_s": job.eff.time_limit_s,
+            "scheduler": job.eff.scheduler,
+        },
+        "resume_from": resume_from,
+    }
+    write_atomic(paths.spec_file, json.dumps(meta, indent=1, sort_keys=True))
+    if script is not None:
+        write_atomic(paths.sbatch_file, script, mode=0o700)
+
+
+def _submit_slurm(job: LoadedJob, paths: RunPaths, plan: SbatchPlan):
+    from .executor import FsdpjobSlurmExecutor
+    from fsdpjob.jobs.entry import TrainJob
+
+    executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=plan, python=job.profile.python or sys.executable)
+    executor.update_parameters(time=max(1, job.eff.time_limit_s // 60), signal_delay_s=job.eff.signal_lead_s)
+    return executor.submit(TrainJob(str(paths.run_dir)))
+
+
+def _submit_local(job: LoadedJob, paths: RunPaths):
+    import submitit
+
+    from fsdpjob.jobs.entry import TrainJob
+
+    executor = submitit.LocalExecutor(folder=str(paths.submitit_dir))
+    executor.update_parameters(
+        tasks_per_node=job.eff.tasks_per_node,
+        nodes=1,
+        timeout_min=job.eff.time_limit_s / 60,
+        signal_delay_s=job.eff.signal_lead_s,
+    )
+    return executor.submit(TrainJob(str(paths.run_dir)))
+
+
+def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None) -> Submission:
+    """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed."""
+    paths, plan, script = dry_run(job, run_dir)
+    if paths.run_dir.exists():
+        raise SubmissionError(f"run folder {paths.run_dir} already exists; pick another --run-dir")
+    _write_run_folder(job, paths, script if plan else None, resume_from)
+    env = dict(job.profile.env) if job.profile.scheduler == "local" else {}
+    env.update(job.spec.env if job.profile.scheduler == "local" else {k: job.spec.env[k] for k in job.spec.secret_names()})
+    env["FSDPJOB_RUN_DIR"] = str(paths.run_dir)
+    if job.profile.scheduler == "local" and job.eff.cpus_per_task:
+        env.setdefault("OMP_NUM_THREADS", str(job.eff.cpus_per_task))
+    try:
+        with _job_environment(env):
+            handle = _submit_slurm(job, paths, plan) if plan else _submit_local(job, paths)
+    except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
+        shutil.rmtree(paths.run_dir, ignore_errors=True)
+        raise SubmissionError(f"submission failed, nothing was recorded: {_reason(exc)}") from None
+    record = JobRecord(
+        run_id=paths.run_id,
+        name=job.spec.name,
+        run_dir=str(paths.run_dir),
+        scheduler=job.profile.scheduler,
+        job_id=str(handle.job_id),
+        profile=job.profile.name,
+        submitted_at=time.time(),
+        spec_hash=job.spec.spec_hash(),
+        nodes=job.eff.nodes,
+        tasks_per_node=job.eff.tasks_per_node,
+        max_steps=job.spec.train.max_steps,
+        slurm_conf=os.environ.get("SLURM_CONF") if plan else None,
+        extra={"accounting": _accounting() if plan else None},
+    )
+    registry.save(record)
+    return Submission(record=record, paths=paths)
+
+
+def _accounting() -> bool | None:
+    from .slurm_cli import accounting_enabled
+
+    try:
+        return accounting_enabled()
+    except Exception:  # noqa: BLE001 - status falls back to squeue/scontrol when unknown
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    """sbatch's own words, without submitit's wrapping noise."""
+    text = str(exc)
+    for marker in ("sbatch: error:", "error:"):
+        if marker in text:
+            lines = [ln.strip() for ln in text.splitlines() if marker in ln]
+            if lines:
+                return " ".join(lines)
+    return " ".join(text.split())[:500]
