@@ -62,7 +62,8 @@ def parse_record(raw: bytes, data: DataSpec, line: int) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
     except json.JSONDecodeError as exc:
-        raise RecordError(f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object", line) from None
+        message = f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+        raise RecordError(message, line) from None
     if not isinstance(obj, dict):
         raise RecordError(f"expected a JSON object, found {_json_type(obj)}", line)
     out: dict[str, Any] = {}
@@ -100,7 +101,8 @@ def _spec_error(message: str, loc: tuple[str, ...], doc: YamlDoc | None) -> Inpu
 def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:
     loc = ("model", "path")
     if not folder.exists():
-        raise _spec_error(f"model folder {folder} does not exist; point model.path at a local Hugging Face model folder", loc, doc)
+        message = f"model folder {folder} does not exist; point model.path at a local Hugging Face model folder"
+        raise _spec_error(message, loc, doc)
     if not folder.is_dir():
         raise _spec_error(f"{folder} is not a folder; model.path must be a Hugging Face model folder", loc, doc)
     config_file = folder / "config.json"
@@ -141,10 +143,12 @@ def _check_weights(folder: Path, doc: YamlDoc | None) -> None:
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
         except (json.JSONDecodeError, AttributeError):
-            raise InputError("not a valid safetensors index (JSON with a weight_map)", file=str(index), line=1) from None
+            message = "not a valid safetensors index (JSON with a weight_map)"
+            raise InputError(message, file=str(index), line=1) from None
         missing = sorted(s for s in shards if not (folder / s).is_file())
         if missing:
-            raise _spec_error(f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}; the download is incomplete", loc, doc)
+            message = f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}: the download is partial"
+            raise _spec_error(message, loc, doc)
         return
     if any(folder.glob("*.safetensors")):
         return
@@ -198,11 +202,12 @@ def _check_data(data: DataSpec, doc: YamlDoc | None) -> None:
     if path.stat().st_size == 0:
         raise _spec_error(f"data file {path} is empty", loc, doc)
     try:
-        found = any(True for _ in iter_records(path, data, limit=SCAN_LINES))
+        found = sum(1 for _ in iter_records(path, data, limit=SCAN_LINES))  # reads every line up to the limit
     except RecordError as exc:
         raise InputError(exc.message, file=str(path), line=exc.line) from None
     if not found:
-        raise _spec_error(f"data file {path} has no examples in its first {SCAN_LINES} lines (only blank lines)", loc, doc)
+        message = f"data file {path} has no examples in its first {SCAN_LINES} lines (only blank lines)"
+        raise _spec_error(message, loc, doc)
 
 
 def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: YamlDoc | None) -> None:

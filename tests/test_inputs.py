@@ -1,0 +1,227 @@
+"""Login-node input checks: every bad model folder or data file is one InputError naming FILE:LINE."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdpjob.orchestrator.errors import InputError
+from fsdpjob.orchestrator.inputs import SCAN_LINES, SUPPORTED_MODEL_TYPES, check_inputs
+from fsdpjob.orchestrator.spec import load_spec
+
+SPEC = """\
+name: inputs-test
+model:
+  path: model
+data:
+  path: data.jsonl
+  seq_len: 128
+{extra_data}train:
+  max_steps: 10
+"""
+
+
+def make_model(folder: Path, *, model_type: str = "llama", max_pos: int = 512, chat: bool = True) -> Path:
+    """A model folder with the files check_inputs looks at (contents are not loaded on the login node)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": model_type, "architectures": ["LlamaForCausalLM"], "max_position_embeddings": max_pos}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"} if chat else {}))
+    return folder
+
+
+def write_spec(tmp_path: Path, lines: list[str] | None = None, extra_data: str = "") -> tuple:
+    """Spec + model folder + data file in tmp_path; returns (spec, doc, data_path)."""
+    make_model(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(line + "\n" for line in (lines if lines is not None else ['{"text": "a"}'])))
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(SPEC.format(extra_data=extra_data))
+    spec, doc = load_spec(spec_file)
+    return spec, doc, data
+
+
+def expect_error(spec, doc, *parts: str) -> InputError:
+    with pytest.raises(InputError) as info:
+        check_inputs(spec, doc)
+    text = str(info.value)
+    assert "\n" not in text
+    for part in parts:
+        assert part in text, text
+    return info.value
+
+
+def test_good_inputs_pass(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    check_inputs(spec, doc)
+    check_inputs(spec)  # without the YAML document too
+
+
+def test_model_folder_missing_points_at_spec_line(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    for child in (tmp_path / "model").iterdir():
+        child.unlink()
+    (tmp_path / "model").rmdir()
+    err = expect_error(spec, doc, "does not exist", "model.path")
+    assert (err.file, err.line, err.loc) == (doc.file, 3, "model.path")
+    assert str(err).startswith(f"{doc.file}:3: model.path: model folder ")
+
+
+def test_model_path_is_a_file(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(tmp_path / "data.jsonl")})})
+    expect_error(spec, doc, "is not a folder")
+
+
+def test_config_json_malformed_names_its_line(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    (tmp_path / "model" / "config.json").write_text('{\n  "model_type": "llama",\n  oops\n}')
+    err = expect_error(spec, doc, "config.json is not valid JSON")
+    assert (err.file, err.line) == (str(tmp_path / "model" / "config.json"), 3)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    make_model(tmp_path / "model", model_type="gpt2")
+    err = expect_error(spec, doc, "model_type 'gpt2'", "not supported", "llama, mistral", "qwen2")
+    assert err.loc == "model.path"
+
+
+def test_not_a_causal_lm(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    expect_error(spec, doc, "no *ForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "remove, add, words",
+    [
+        ("config.json", None, "no config.json"),
+        ("model.safetensors", None, "no weights in"),
+        ("model.safetensors", "pytorch_model.bin", "only PyTorch .bin weights; convert them to safetensors"),
+        ("tokenizer.json", None, "no tokenizer in"),
+        ("tokenizer.json", "tokenizer.model", None),  # a sentencepiece model with tokenizer_config.json is enough
+    ],
+)
+def test_model_folder_files(tmp_path, remove, add, words):
+    spec, doc, _ = write_spec(tmp_path)
+    (tmp_path / "model" / remove).unlink()
+    if add:
+        (tmp_path / "model" / add).write_bytes(b"")
+    if words is None:
+        check_inputs(spec, doc)
+        return
+    err = expect_error(spec, doc, words)
+    assert (err.file, err.line, err.loc) == (doc.file, 3, "model.path")
+
+
+def test_sharded_index_with_missing_shard(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    model = tmp_path / "model"
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    expect_error(spec, doc, "1 missing shard", "model-00002-of-00002.safetensors")
+
+
+def test_chat_data_needs_a_chat_template(tmp_path):
+    line = '{"messages": [{"role": "user", "content": "hi"}]}'
+    spec, doc, _ = write_spec(tmp_path, [line], "  messages_field: messages\n")
+    check_inputs(spec, doc)
+    make_model(tmp_path / "model", chat=False)
+    err = expect_error(spec, doc, "needs a chat template")
+    assert (err.loc, err.line) == ("data.messages_field", 7)
+
+
+def test_seq_len_beyond_max_positions(tmp_path):
+    spec, doc, _ = write_spec(tmp_path)
+    make_model(tmp_path / "model", max_pos=64)
+    err = expect_error(spec, doc, "data.seq_len 128", "max_position_embeddings 64", "at most 64")
+    assert (err.loc, err.line) == ("data.seq_len", 6)
+
+
+def test_data_file_missing(tmp_path):
+    spec, doc, data = write_spec(tmp_path)
+    data.unlink()
+    err = expect_error(spec, doc, "does not exist")
+    assert (err.loc, err.line) == ("data.path", 5)
+
+
+def test_data_file_empty(tmp_path):
+    spec, doc, _ = write_spec(tmp_path, [])
+    expect_error(spec, doc, "is empty")
+
+
+def test_data_file_only_blank_lines(tmp_path):
+    spec, doc, _ = write_spec(tmp_path, ["", "   "])
+    expect_error(spec, doc, "no examples")
+
+
+@pytest.mark.parametrize(
+    "lines, line, words",
+    [
+        (['{"text": "a"}', "", '{"text": "b"', '{"text": "c"}'], 3, "malformed JSON"),
+        (['{"text": "a"}', '{"body": "b"}'], 2, "missing field 'text' (set by data.text_field); this line has 'body'"),
+        (['{"text": 5}'], 1, "field 'text': expected a string, found a number"),
+        (['["text"]'], 1, "expected a JSON object, found an array"),
+    ],
+)
+def test_bad_data_line_names_file_and_line(tmp_path, lines, line, words):
+    spec, doc, data = write_spec(tmp_path, lines)
+    err = expect_error(spec, doc, words)
+    assert (err.file, err.line) == (str(data), line)
+    assert str(err).startswith(f"{data}:{line}: ")
+
+
+def test_bad_utf8_line(tmp_path):
+    spec, doc, data = write_spec(tmp_path)
+    data.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    err = expect_error(spec, doc, "not valid UTF-8")
+    assert err.line == 2
+
+
+def test_prompt_completion_fields_checked(tmp_path):
+    extra = "  prompt_field: q\n  completion_field: a\n"
+    spec, doc, _ = write_spec(tmp_path, ['{"q": "1+1", "a": "2"}', '{"q": "2+2"}'], extra)
+    err = expect_error(spec, doc, "missing field 'a' (set by data.completion_field)")
+    assert err.line == 2
+
+
+@pytest.mark.parametrize(
+    "messages, words",
+    [
+        ('"hi"', "expected a list of {role, content} objects, found a string"),
+        ("[]", "the conversation is empty"),
+        ('[{"role": "user"}]', "message 0 has no 'content'"),
+        ('[{"role": "user", "content": "a"}, {"role": 1, "content": "b"}]', "message 1: 'role' must be a string"),
+    ],
+)
+def test_bad_messages(tmp_path, messages, words):
+    spec, doc, _ = write_spec(tmp_path, [f'{{"messages": {messages}}}'], "  messages_field: messages\n")
+    err = expect_error(spec, doc, words)
+    assert err.line == 1
+
+
+def test_scans_only_the_first_lines(tmp_path):
+    lines = ['{"text": "a"}'] * SCAN_LINES + ["not json"]
+    spec, doc, _ = write_spec(tmp_path, lines)
+    check_inputs(spec, doc)  # line SCAN_LINES + 1 is the worker's to find
+
+
+def test_supported_families_are_decoder_only():
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2", "granite"} <= set(
+        SUPPORTED_MODEL_TYPES
+    )
+    assert not {"gpt2", "t5", "bert", "gpt_neox"} & set(SUPPORTED_MODEL_TYPES)
+
+
+def test_no_torch_on_the_login_node():
+    code = "import sys, fsdpjob.orchestrator.inputs; assert not {'torch', 'transformers'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
