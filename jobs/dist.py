@@ -1,0 +1,174 @@
+"""Worker process setup: who am I (rank, world, device) and the process group's life cycle."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# Same range as submitit's TorchDistributedEnvironment, so a port is what submitit would have picked.
+_PORT_RANGE = (20000, 60000)
+_SCONTROL_TIMEOUT_S = 15
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this worker sits in the job, and how it reaches its peers."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def port_for_job(job_id: str) -> int:
+    """Rendezvous port from the job id alone: every rank, and every requeued run, agrees without talking."""
+    return random.Random(job_id).randint(*_PORT_RANGE)
+
+
+def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
+    if not torch.cuda.is_available():
+        return "gloo", torch.device("cpu")
+    # Offloaded shards live on the CPU: their collectives (e.g. the rank-0 weight broadcast) need gloo.
+    backend = "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+    return backend, torch.device("cuda", local_rank)
+
+
+def _node_addr_from_scontrol(node: str) -> str:
+    argv = ["scontrol", "show", "node", node]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(
+            f"the job's first node {node!r} does not resolve and `{' '.join(argv)}` failed ({e}); "
+            "make node names resolvable (DNS or /etc/hosts) on every node"
+        ) from e
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    if match is None:
+        raise RuntimeError(f"the job's first node {node!r} does not resolve and `{' '.join(argv)}` shows no NodeAddr=")
+    return match.group(1)
+
+
+def resolve_master_addr(node: str) -> str:
+    """``node`` if it resolves, else its Slurm NodeAddr (Slurm node names need not be host names)."""
+    try:
+        socket.getaddrinfo(node, None)
+        return node
+    except socket.gaierror:
+        addr = _node_addr_from_scontrol(node)
+        log.info("MASTER_ADDR rewritten %s -> %s (scontrol show node NodeAddr)", node, addr)
+        return addr
+
+
+def _from_submitit(cpu_offload: bool) -> DistEnv:
+    import submitit
+
+    job_env = submitit.JobEnvironment()
+    if job_env.cluster == "slurm":
+        master_addr = resolve_master_addr(job_env.hostnames[0])
+    else:  # submitit's local executor: every task is on this machine
+        master_addr = "127.0.0.1"
+    backend, device = _backend_and_device(job_env.local_rank, cpu_offload)
+    return DistEnv(
+        rank=job_env.global_rank,
+        world_size=job_env.num_tasks,
+        local_rank=job_env.local_rank,
+        local_world_size=job_env.num_tasks // job_env.num_nodes,
+        master_addr=master_addr,
+        # Ignore an inherited MASTER_PORT: sbatch exports the submitting shell's environment.
+        master_port=port_for_job(job_env.job_id),
+        backend=backend,
+        device=device,
+    )
+
+
+def _int_env(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _from_plain_env(cpu_offload: bool) -> DistEnv:
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not; set all four (as torchrun does)"
+        )
+    rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
+    local_rank = _int_env("LOCAL_RANK", rank)
+    backend, device = _backend_and_device(local_rank, cpu_offload)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=_int_env("LOCAL_WORLD_SIZE", world_size),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=_int_env("MASTER_PORT"),
+        backend=backend,
+        device=device,
+    )
+
+
+def detect_env(cpu_offload: bool = False) -> DistEnv:
+    """Read the job layout: a submitit job, else torchrun-style RANK/WORLD_SIZE, else one process."""
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return _from_submitit(cpu_offload)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _from_plain_env(cpu_offload)
+    backend, device = _backend_and_device(0, cpu_offload)
+    # Port 0: a single process rendezvous through an in-memory store, no socket.
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", 0, backend, device)
+
+
+def init_distributed(timeout_s: int, *, cpu_offload: bool = False) -> DistEnv:
+    """Create the default process group (also for one process, so FSDP2 and DCP behave the same everywhere).
+
+    The explicit timeout bounds the rendezvous too: an unreachable MASTER_ADDR fails after ``timeout_s``
+    instead of hanging.
+    """
+    env = detect_env(cpu_offload)
+    options: dict = {"rank": env.rank, "world_size": env.world_size, "timeout": timedelta(seconds=timeout_s)}
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+        options["device_id"] = env.device  # NCCL connects now, so a broken setup fails here, not at step 1
+    if env.world_size == 1 and env.master_port == 0:
+        dist.init_process_group(env.backend, store=dist.HashStore(), **options)
+    else:
+        os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
+        dist.init_process_group(env.backend, init_method="env://", **options)
+    log.info(
+        "process group up: rank %d/%d (local %d/%d), backend %s, device %s, master %s:%d",
+        *(env.rank, env.world_size, env.local_rank, env.local_world_size),
+        *(env.backend, env.device, env.master_addr, env.master_port),
+    )
+    return env
+
+
+def close_distributed() -> None:
+    """Destroy the default process group if there is one; safe to call twice."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

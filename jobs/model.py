@@ -1,0 +1,254 @@
+"""Build a Hugging Face causal LM sharded from the start: meta init, FSDP2, rank-0 weight read and broadcast."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from .dist import DistEnv
+from .parallelize import apply_fsdp
+
+log = logging.getLogger(__name__)
+
+_MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks: ``model.model.layers`` in HF decoder-only models, else the largest
+    ModuleList whose children all share one class."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return layers
+    candidates = [
+        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+    ]
+    if not candidates:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: no model.model.layers and no ModuleList "
+            "of identical blocks; fsdpjob supports decoder-only transformer models"
+        )
+    return max(candidates, key=len)
+
+
+def _check_attn_implementation(attn_implementation: str) -> None:
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise RuntimeError(
+            "model.attn_implementation is flash_attention_2 but the flash-attn package is not installed on the "
+            "worker; install it (pip install flash-attn, CUDA only) or use sdpa"
+        )
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    if (path / _SINGLE_FILE).is_file():
+        return [path / _SINGLE_FILE]
+    raise FileNotFoundError(
+        f"{path}: no {_SINGLE_FILE} or {_INDEX_FILE}; fsdpjob reads safetensors weights only "
+        "(re-save the model with save_pretrained to convert)"
+    )
+
+
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings): a checkpoint stores only one of each group."""
+    by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def read_full_state_dict(path: Path, expected: set[str], tie_groups: list[list[str]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint, keyed like ``expected``; tied names filled from their twin.
+
+    Tensors keep the file's dtype: the copy into each rank's shard casts, so a bf16 file trained in fp32
+    broadcasts half the bytes and rank 0 never holds an fp32 copy of the full model.
+    """
+    from safetensors import safe_open
+
+    full: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                full[key] = f.get_tensor(key)
+    for group in tie_groups:
+        present = [n for n in group if n in full]
+        for name in group:
+            if present and name not in full:
+                full[name] = full[present[0]]
+    missing, unexpected = sorted(expected - full.keys()), sorted(full.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the weights do not match the model built from config.json: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    return full
+
+
+def _read_on_rank0(env: DistEnv, path: Path, expected: set[str], tie_groups: list[list[str]]) -> dict[str, Any]:
+    """Rank 0 reads; its failure is sent to every rank so that all fail together instead of hanging in a broadcast."""
+    full: dict[str, Any] = {}
+    failure: Exception | None = None
+    if env.is_main:
+        try:
+            full = read_full_state_dict(path, expected, tie_groups)
+        except Exception as e:  # noqa: BLE001 - relayed to the other ranks, re-raised below
+            failure = e
+    message = [f"{type(failure).__name__}: {failure}" if failure else None]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise RuntimeError(f"rank 0 could not read the model weights: {message[0]}") from failure
+    return full
+
+
+def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, b) for n, b in module._buffers.items() if b is not None and n in module._non_persistent_buffers_set]
+
+
+def _fill_sentinel(buf: torch.Tensor) -> None:
+    buf.fill_(torch.nan if buf.is_floating_point() else torch.iinfo(buf.dtype).min)
+
+
+def _is_sentinel(buf: torch.Tensor) -> bool:
+    return bool(buf.isnan().any() if buf.is_floating_point() else (buf == torch.iinfo(buf.dtype).min).any())
+
+
+@torch.no_grad()
+def recompute_non_persistent_buffers(model: nn.Module) -> None:
+    """Refill buffers that are not in the checkpoint (rotary ``inv_freq`` ...): ``to_empty`` left garbage there.
+
+    Uses the model's own HF initializer on their modules, as ``from_pretrained`` does; a buffer it leaves
+    unfilled is an error rather than silent garbage.
+    """
+    owners = [m for m in model.modules() if _non_persistent_buffers(m)]
+    for module in owners:
+        for _, buf in _non_persistent_buffers(module):
+            _fill_sentinel(buf)
+        # HF's init functions skip flagged tensors: the owner's own parameters are loaded right after.
+        for param in module.parameters(recurse=False):
+            param._is_hf_initialized = True
+        model._init_weights(module)  # type: ignore[operator]
+    for module in owners:
+        for name, buf in _non_persistent_buffers(module):
+            if _is_sentinel(buf):
+                raise RuntimeError(
+                    f"{type(module).__name__}.{name}: the model's initializer does not recompute this non-persistent "
+                    "buffer, so meta-device loading cannot restore it"
+                )
+
+
+def _materialize(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate the (sharded) meta tensors, uninitialized, and recompute the buffers no checkpoint holds."""
+    # Offloaded shards must stay in host memory; buffers are not FSDP-managed and go to the compute device.
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    recompute_non_persistent_buffers(model)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    env: DistEnv,
+    mesh: DeviceMesh,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    mixed_precision: str,
+    reshard_after_forward: bool,
+    activation_checkpointing: bool,
+    cpu_offload: bool,
+) -> nn.Module:
+    """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``.
+
+    No rank builds the full model: it is created on the meta device, sharded, then materialized shard by
+    shard; only rank 0 reads the weight files, and each tensor is broadcast and sliced into the shards.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if mixed_precision not in _MIXED_PRECISION:
+        raise ValueError(f"fsdp.mixed_precision {mixed_precision!r} is not one of {sorted(_MIXED_PRECISION)}")
+    _check_attn_implementation(attn_implementation)
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)
+    apply_fsdp(
+        model,
+        mesh=mesh,
+        layers=find_decoder_layers(model),
+        param_dtype=_MIXED_PRECISION[mixed_precision],
+        reduce_dtype=torch.float32,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
+    )
+    _materialize(model, env.device, cpu_offload)
+    full = _read_on_rank0(env, path, expected, tie_groups)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
+    return model
+
+
+def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward): 6 per matmul weight, plus PaLM's attention term
+    12*L*H*Dh*seq_len when ``seq_len`` is given (it grows with the context, so pass the training seq_len).
+
+    Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul_params = sum(
+        p.numel() for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * (seq_len or 0)
+    return float(6 * matmul_params + attention)
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,
+# most specific first.
+_PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("MI300X", 1307e12),
+)
+
+
+def peak_flops_for_name(device_name: str) -> float:
+    """Dense bf16 peak of the named accelerator; NaN when it is not in the table (MFU then reads nan)."""
+    return next((peak for key, peak in _PEAK_BF16_FLOPS if key in device_name), math.nan)
+
+
+def device_peak_flops(device: torch.device) -> float:
+    """Dense bf16 peak of one CUDA device, for MFU."""
+    return peak_flops_for_name(torch.cuda.get_device_name(device))

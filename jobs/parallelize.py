@@ -1,0 +1,53 @@
+"""The device mesh and FSDP2 wrapping (activation checkpointing, per-layer then root fully_shard)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .dist import DistEnv
+
+
+def build_mesh(env: DistEnv, replicate_degree: int) -> DeviceMesh:
+    """1-D ("shard",) mesh for full sharding, or 2-D ("replicate", "shard") for HSDP."""
+    if replicate_degree < 1 or env.world_size % replicate_degree:
+        raise ValueError(
+            f"fsdp.replicate_degree ({replicate_degree}) must divide the number of workers ({env.world_size}): "
+            f"{env.world_size} % {replicate_degree} = {env.world_size % max(replicate_degree, 1)}"
+        )
+    device_type = env.device.type
+    if replicate_degree == 1:
+        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+    shard = env.world_size // replicate_degree
+    return init_device_mesh(device_type, (replicate_degree, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    layers: nn.ModuleList,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    activation_checkpointing: bool,
+    cpu_offload: bool,
+) -> None:
+    """Shard ``model`` in place: each of ``layers`` is its own FSDP unit, the root holds the rest.
+
+    ``model`` should be on the meta device so that no rank ever holds the full weights.
+    """
+    if activation_checkpointing:
+        # Before fully_shard: FSDP must see the wrapper as the layer, so its hooks wrap the recomputation.
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned memory needs an accelerator; on a CPU-only host it raises.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
