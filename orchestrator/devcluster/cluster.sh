@@ -18,7 +18,12 @@ readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
 readonly UP_TIMEOUT_S=60
 readonly DRAIN_TIMEOUT_S=25
 
-say() { printf '%s\n' "$*" >&2; }
+readonly T0_US=${EPOCHREALTIME//[.,]/}
+# Diagnostics carry the time since start, so slow steps show in CI logs.
+say() {
+    local ms=$(((${EPOCHREALTIME//[.,]/} - T0_US) / 1000))
+    printf '[%d.%03ds] %s\n' $((ms / 1000)) $((ms % 1000)) "$*" >&2
+}
 die() { printf 'cluster.sh: %s\n' "$*" >&2; exit 1; }
 
 usage() {
@@ -114,17 +119,23 @@ write_mode() {
 
 # ---------------------------------------------------------------- processes
 
-# alive PIDFILE COMM: the pidfile names a live process with that command name. PID 1 here reaps
-# slowly, so a zombie counts as dead; the name check keeps a recycled PID from being mistaken for ours.
-alive() {
-    local pidfile=$1 comm=$2 pid stat rest
-    [[ -s "${pidfile}" ]] || return 1
-    read -r pid <"${pidfile}" || true
+# running PID [COMM]: PID is a live process (with that command name, if given). PID 1 here reaps
+# slowly, so a zombie counts as dead; the name check keeps a recycled PID from passing for ours.
+running() {
+    local pid=$1 comm=${2:-} stat rest
     [[ "${pid}" =~ ^[0-9]+$ ]] || return 1
     stat=$(cat "/proc/${pid}/stat" 2>/dev/null) || return 1
-    [[ "${stat}" == *"(${comm})"* ]] || return 1
+    [[ -z "${comm}" || "${stat}" == *"(${comm})"* ]] || return 1
     rest=${stat##*) }
     [[ "${rest%% *}" != Z ]]
+}
+
+# alive PIDFILE COMM: the daemon's own pidfile names a running process.
+alive() {
+    local pid=""
+    [[ -s "$1" ]] || return 1
+    read -r pid <"$1" || true
+    running "${pid}" "$2"
 }
 
 pid_of() { local pid; read -r pid <"$1"; printf '%s' "${pid}"; }
@@ -147,6 +158,7 @@ stop() {
     local pidfile=$1 comm=$2 pid
     if alive "${pidfile}" "${comm}"; then
         pid=$(pid_of "${pidfile}")
+        say "stopping ${comm} (pid ${pid})"
         kill -TERM "${pid}" 2>/dev/null || true
         if ! wait_until 15 not_alive "${pidfile}" "${comm}"; then
             say "${comm} (pid ${pid}) ignored SIGTERM for 15 s; sending SIGKILL"
@@ -159,30 +171,49 @@ stop() {
 
 port_free() { ! ss -Htln "sport = :$1" | grep -q .; }
 
-need_port() {
-    port_free "$1" || die "port $1 ($2) is already in use: another dev cluster? choose another --port-base"
+# Check every port before starting anything, so a clash leaves nothing half started.
+check_ports() {
+    local pidfile comm port
+    while read -r pidfile comm port; do
+        [[ -n "${port}" ]] || continue
+        if ! alive "${RUN}/${pidfile}" "${comm}" && ! port_free "${port}"; then
+            die "port ${port} (${comm}) is already in use: another dev cluster? choose another --port-base"
+        fi
+    done <<EOF
+slurmctld.pid slurmctld ${CTLD_PORT}
+slurmd.n1.pid slurmd ${N1_PORT}
+slurmd.n2.pid slurmd ${N2_PORT}
+$(if ((ACCOUNTING)); then printf 'slurmdbd.pid slurmdbd %s\nmariadbd.pid mariadbd %s' "${DBD_PORT}" "${DB_PORT}"; fi)
+EOF
 }
 
 log_tail() {
     if [[ -f "$1" ]]; then tail -n 20 "$1" | sed 's/^/    /' >&2; fi
 }
 
-# start_daemon NAME PIDFILE COMM LOGFILE CMD...: run CMD detached (own session, no inherited stdio,
-# so callers reading our pipes see EOF) and wait for its pidfile to name a live process.
+# start_daemon NAME PIDFILE COMM LOGFILE CMD...: run CMD (in the foreground mode of the daemon, so a
+# crash shows at once) in its own session with no inherited stdio (callers reading our pipes see EOF),
+# then wait until its own pidfile names it.
 start_daemon() {
-    local name=$1 pidfile=$2 comm=$3 logfile=$4
+    local name=$1 pidfile=$2 comm=$3 logfile=$4 pid started_at=${SECONDS}
     shift 4
     if alive "${pidfile}" "${comm}"; then
         return 0
     fi
     rm -f "${pidfile}"
     say "starting ${name}"
-    setsid "$@" </dev/null >>"${logfile}" 2>&1 &
-    if ! wait_until 20 alive "${pidfile}" "${comm}"; then
-        say "${name} did not start; last lines of ${logfile}:"
-        log_tail "${logfile}"
-        die "${name} failed to start (see ${logfile})"
-    fi
+    # 9>&- : the daemons must not inherit (and so hold forever) our lock.
+    setsid "$@" </dev/null >>"${LOG}/${name// /-}.out" 2>&1 9>&- &
+    pid=$!
+    until alive "${pidfile}" "${comm}" && [[ "$(pid_of "${pidfile}")" == "${pid}" ]]; do
+        if ! running "${pid}" || ((SECONDS > started_at + 20)); then
+            say "${name} did not start; last lines of ${logfile}:"
+            log_tail "${logfile}"
+            log_tail "${LOG}/${name// /-}.out"
+            die "${name} failed to start (see ${logfile})"
+        fi
+        sleep 0.1
+    done
 }
 
 # ---------------------------------------------------------------- packages
@@ -190,10 +221,10 @@ start_daemon() {
 ensure_packages() {
     local wanted=("${PACKAGES_BASE[@]}") missing=() pkg
     if ((ACCOUNTING)); then wanted+=("${PACKAGES_ACCOUNTING[@]}"); fi
+    local installed
+    installed=$(dpkg-query -W -f='${Package} ${Status}\n' "${wanted[@]}" 2>/dev/null || true)
     for pkg in "${wanted[@]}"; do
-        if [[ "$(dpkg-query -W -f='${Status}' "${pkg}" 2>/dev/null || true)" != "install ok installed" ]]; then
-            missing+=("${pkg}")
-        fi
+        grep -qx "${pkg} install ok installed" <<<"${installed}" || missing+=("${pkg}")
     done
     ((${#missing[@]})) || return 0
     command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get to install them"
@@ -223,10 +254,11 @@ write_slurm_conf() {
     host=$(hostname -s)
     if ((ACCOUNTING)); then
         accounting_lines="AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=${host}
+AccountingStorageHost=127.0.0.1
 AccountingStoragePort=${DBD_PORT}
 # The munge socket for slurmdbd connections is given here, not taken from AuthInfo.
-AccountingStoragePass=${MUNGE_SOCK}"
+AccountingStoragePass=${MUNGE_SOCK}
+AccountingStorageTRES=gres/gpu"
     else
         accounting_lines="AccountingStorageType=accounting_storage/none"
     fi
@@ -259,7 +291,6 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 GresTypes=gpu
 ${accounting_lines}
-AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/none
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
@@ -328,7 +359,7 @@ make_layout() {
 start_munge() {
     alive "${RUN}/munged.pid" munged || clear_stale_munge_socket
     start_daemon munged "${RUN}/munged.pid" munged "${LOG}/munged.log" \
-        munged --socket="${MUNGE_SOCK}" --key-file="${MUNGE_DIR}/munge.key" --log-file="${LOG}/munged.log" \
+        munged --foreground --socket="${MUNGE_SOCK}" --key-file="${MUNGE_DIR}/munge.key" --log-file="${LOG}/munged.log" \
         --pid-file="${RUN}/munged.pid" --seed-file="${MUNGE_DIR}/munge.seed"
     wait_until 10 munge_works || die "munged runs but credentials do not round-trip (see ${LOG}/munged.log)"
 }
@@ -348,7 +379,6 @@ start_mariadb() {
             --auth-root-authentication-method=normal --skip-test-db >>"${LOG}/mariadb-install.log" 2>&1 ||
             { log_tail "${LOG}/mariadb-install.log"; die "mariadb-install-db failed (see ${LOG}/mariadb-install.log)"; }
     fi
-    alive "${RUN}/mariadbd.pid" mariadbd || need_port "${DB_PORT}" mariadbd
     start_daemon mariadbd "${RUN}/mariadbd.pid" mariadbd "${LOG}/mariadbd.log" \
         mariadbd --no-defaults --datadir="${DB_DIR}" --socket="${DB_SOCK}" --port="${DB_PORT}" \
         --bind-address=127.0.0.1 --user=root --pid-file="${RUN}/mariadbd.pid" --log-error="${LOG}/mariadbd.log" \
@@ -366,8 +396,7 @@ start_mariadb() {
 sacctmgr_ok() { timeout 10 sacctmgr -n -P show cluster format=cluster >/dev/null 2>&1; }
 
 start_slurmdbd() {
-    alive "${RUN}/slurmdbd.pid" slurmdbd || need_port "${DBD_PORT}" slurmdbd
-    start_daemon slurmdbd "${RUN}/slurmdbd.pid" slurmdbd "${LOG}/slurmdbd.log" slurmdbd
+    start_daemon slurmdbd "${RUN}/slurmdbd.pid" slurmdbd "${LOG}/slurmdbd.log" slurmdbd -D
     wait_until 30 sacctmgr_ok || { log_tail "${LOG}/slurmdbd.log"; die "slurmdbd does not answer sacctmgr"; }
     if ! timeout 10 sacctmgr -n -P show cluster format=cluster | grep -qx "${CLUSTER_NAME}"; then
         timeout 20 sacctmgr -i add cluster "${CLUSTER_NAME}" >&2 || die "sacctmgr add cluster ${CLUSTER_NAME} failed"
@@ -375,15 +404,13 @@ start_slurmdbd() {
 }
 
 start_slurmctld() {
-    alive "${RUN}/slurmctld.pid" slurmctld || need_port "${CTLD_PORT}" slurmctld
-    start_daemon slurmctld "${RUN}/slurmctld.pid" slurmctld "${LOG}/slurmctld.log" slurmctld -f "${SLURM_CONF_FILE}"
+    start_daemon slurmctld "${RUN}/slurmctld.pid" slurmctld "${LOG}/slurmctld.log" slurmctld -D -f "${SLURM_CONF_FILE}"
 }
 
 start_slurmd() {
-    local node=$1 port=$2
-    alive "${RUN}/slurmd.${node}.pid" slurmd || need_port "${port}" "slurmd ${node}"
+    local node=$1
     start_daemon "slurmd ${node}" "${RUN}/slurmd.${node}.pid" slurmd "${LOG}/slurmd.${node}.log" \
-        slurmd -f "${SLURM_CONF_FILE}" -N "${node}"
+        slurmd -D -f "${SLURM_CONF_FILE}" -N "${node}"
 }
 
 # Both nodes answer and are usable; a busy cluster (mix/alloc) counts as ready too.
@@ -422,9 +449,9 @@ check_mode_compatible() {
     [[ -n "${REC_ACCOUNTING}" ]] || return 0
     any_alive || return 0
     if [[ "${REC_ACCOUNTING}" != "${ACCOUNTING}" ]]; then
-        local was=with
-        [[ "${REC_ACCOUNTING}" == 1 ]] || was=without
-        die "the cluster in ${STATE_DIR} is running ${was} accounting; run 'down' first, or match --no-accounting"
+        local was="with accounting" hint="drop --no-accounting"
+        [[ "${REC_ACCOUNTING}" == 1 ]] || { was="without accounting"; hint="pass --no-accounting"; }
+        die "the cluster in ${STATE_DIR} is running ${was}; run 'down' first, or ${hint}"
     fi
     if [[ "${REC_PORT_BASE}" != "${PORT_BASE}" ]]; then
         die "the cluster in ${STATE_DIR} is running on port base ${REC_PORT_BASE}; run 'down' first, or use that --port-base"
@@ -437,6 +464,7 @@ cmd_up() {
     mkdir -p "${STATE_DIR}"
     check_mode_compatible
     set_ports
+    check_ports
     ensure_packages
     make_layout
     write_mode
@@ -444,6 +472,8 @@ cmd_up() {
     write_slurm_conf
     if ((ACCOUNTING)); then write_slurmdbd_conf; fi
 
+    # The daemons (and every job step) inherit our working dir; keep them off the caller's.
+    cd "${RUN}"
     start_munge
     if ((ACCOUNTING)); then
         start_mariadb
@@ -456,8 +486,8 @@ cmd_up() {
         say "config changed; scontrol reconfigure"
         timeout 20 scontrol reconfigure >&2 || say "scontrol reconfigure failed; run 'down' then 'up'"
     fi
-    start_slurmd n1 "${N1_PORT}"
-    start_slurmd n2 "${N2_PORT}"
+    start_slurmd n1
+    start_slurmd n2
     if ! wait_until "${UP_TIMEOUT_S}" nodes_ready; then
         timeout 10 sinfo -N -o '%N %t %G %E' >&2 || true
         log_tail "${LOG}/slurmctld.log"
@@ -466,9 +496,9 @@ cmd_up() {
     if ((ACCOUNTING)) && ! wait_until 30 sacct_ok; then
         die "sacct does not work (see ${LOG}/slurmdbd.log and ${LOG}/slurmctld.log)"
     fi
-    local mode=with
-    ((ACCOUNTING)) || mode=without
-    say "dev cluster up in ${STATE_DIR} (${mode} accounting, ports ${PORT_BASE}-${DB_PORT}) after $((SECONDS - started)) s"
+    local mode="with accounting, ports ${PORT_BASE}-${DB_PORT}"
+    ((ACCOUNTING)) || mode="without accounting, ports ${PORT_BASE}-${N2_PORT}"
+    say "dev cluster up in ${STATE_DIR} (${mode}) after $((SECONDS - started)) s"
     print_export
 }
 
@@ -487,6 +517,27 @@ cancel_all_jobs() {
     wait_until "${DRAIN_TIMEOUT_S}" no_jobs || say "jobs still listed after ${DRAIN_TIMEOUT_S} s: $(job_ids | tr '\n' ' ')"
 }
 
+kill_tree() {
+    local child
+    kill -STOP "$1" 2>/dev/null || true # no new children while we collect them
+    for child in $(ps -o pid= --ppid "$1"); do kill_tree "${child}"; done
+    kill -KILL "$1" 2>/dev/null || true
+}
+
+# A job step that outlived the drain wait keeps running after its slurmd is gone. Ours are the
+# slurmstepd processes holding our slurmd log open (each inherits it from its slurmd).
+kill_orphan_stepds() {
+    local proc pid
+    for proc in /proc/[0-9]*; do
+        pid=${proc#/proc/}
+        running "${pid}" slurmstepd || continue
+        if find "${proc}/fd" -lname "${LOG}/slurmd.*" 2>/dev/null | grep -q .; then
+            say "killing leftover $(tr '\0' ' ' <"${proc}/cmdline")(pid ${pid}) and its processes"
+            kill_tree "${pid}"
+        fi
+    done
+}
+
 cmd_down() {
     if [[ ! -d "${STATE_DIR}" ]]; then
         say "no dev cluster in ${STATE_DIR}"
@@ -498,6 +549,7 @@ cmd_down() {
     stop "${RUN}/slurmd.n1.pid" slurmd &
     stop "${RUN}/slurmd.n2.pid" slurmd &
     wait
+    kill_orphan_stepds
     stop "${RUN}/slurmctld.pid" slurmctld
     stop "${RUN}/slurmdbd.pid" slurmdbd
     stop "${RUN}/mariadbd.pid" mariadbd

@@ -1,0 +1,45 @@
+"""`fsdpjob dev-cluster up|down|status`: a real local Slurm cluster for trying fsdpjob and for its tests.
+
+Errors are FsdpjobError, formatted by the main CLI like every other command's."""
+
+from __future__ import annotations
+
+import click
+
+from . import manage
+
+_STATE_DIR = click.option(
+    "--state-dir", type=click.Path(file_okay=False), default=None, envvar="FSDPJOB_DEVCLUSTER_DIR",
+    show_envvar=True, help="Where the cluster keeps config, logs, spool and database [default: /tmp/fsdpjob-devcluster].")
+
+
+@click.group(name="dev-cluster")
+def dev_cluster() -> None:
+    """A real local Slurm cluster on this machine (root only): munge, slurmctld, two nodes n1/n2 with
+    4 CPUs and 2 fake GPUs each, partitions debug (preemptible) and high, and sacct via slurmdbd."""
+
+
+@dev_cluster.command()
+@click.option("--no-accounting", is_flag=True, help="Skip MariaDB + slurmdbd (faster, lighter; no sacct).")
+@click.option("--port-base", type=click.IntRange(1024, 65000), default=None,
+              help="First of 5 private ports (default 16810); give a second cluster another base.")
+@_STATE_DIR
+def up(no_accounting: bool, port_base: int | None, state_dir: str | None) -> None:
+    """Start the cluster (a no-op if it runs) and print `export SLURM_CONF=...` for `eval`."""
+    info = manage.up(accounting=not no_accounting, state_dir=state_dir, port_base=port_base, echo=True)
+    click.echo(f"export SLURM_CONF={info.slurm_conf}")
+
+
+@dev_cluster.command()
+@click.option("--purge", is_flag=True, help="Also delete the state dir (job history, database, logs).")
+@_STATE_DIR
+def down(purge: bool, state_dir: str | None) -> None:
+    """Cancel all jobs and stop the cluster's daemons."""
+    manage.down(state_dir=state_dir, purge=purge, echo=True)
+
+
+@dev_cluster.command()
+@_STATE_DIR
+def status(state_dir: str | None) -> None:
+    """Show which daemons run, the nodes and the queue."""
+    click.echo(manage.status(state_dir=state_dir), nl=False)

@@ -1,0 +1,140 @@
+"""Fixtures for tests on the real local Slurm dev cluster: bring-up, sharing, teardown, and small helpers.
+
+Two clusters may run side by side: `slurm_cluster` (with slurmdbd, so sacct works) and
+`slurm_cluster_noacct` (no accounting, like many real clusters). They live in
+$FSDPJOB_DEVCLUSTER_DIR (default /tmp/fsdpjob-devcluster) and the same path + "-noacct", on port
+bases $FSDPJOB_DEVCLUSTER_PORT_BASE (default 16810) and that + 20. Test sessions running at the same
+time share them; the last session out stops a cluster that a test session started
+(FSDPJOB_KEEP_CLUSTER=1 keeps it). When a cluster cannot be had, its tests skip, or fail where
+FSDPJOB_REQUIRE_SLURM=1 (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import pytest
+
+from fsdpjob.orchestrator.devcluster import manage
+from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
+from fsdpjob.orchestrator.errors import FsdpjobError
+
+T = TypeVar("T")
+
+HERE = Path(__file__).resolve().parent
+STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")
+PORT_BASE = int(os.environ.get("FSDPJOB_DEVCLUSTER_PORT_BASE", "16810"))
+USERS = "test-sessions"  # per-state-dir folder of live test sessions, one file per pytest PID
+STARTED_BY_TESTS = "started-by-tests"  # marker: a test session started it, so the last one out stops it
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.slurm)
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if os.environ.get("FSDPJOB_REQUIRE_SLURM") == "1":
+        pytest.fail(f"FSDPJOB_REQUIRE_SLURM=1 but the dev cluster is unavailable: {reason}", pytrace=False)
+    pytest.skip(f"dev cluster unavailable: {reason.splitlines()[0]}")
+
+
+def _live_users(state_dir: Path) -> list[Path]:
+    users = state_dir / USERS
+    live = []
+    for entry in users.glob("*") if users.is_dir() else []:
+        if entry.name.isdigit() and Path(f"/proc/{entry.name}").exists():
+            live.append(entry)
+        else:
+            entry.unlink(missing_ok=True)  # a session that died without teardown
+    return live
+
+
+def _stop_quietly(state_dir: str) -> None:
+    """Stop what a failed `up` started; its logs stay in the state dir."""
+    try:
+        manage.down(state_dir=state_dir)
+    except FsdpjobError:
+        pass
+
+
+def _cluster(accounting: bool, state_dir: str, port_base: int) -> Iterator[ClusterInfo]:
+    if os.geteuid() != 0:
+        _unavailable("needs root (the daemons run with SlurmUser=root)")
+    info, failure, was_up = None, "", True
+    try:
+        was_up = manage.status(state_dir).startswith("cluster: up")
+        info = manage.up(accounting=accounting, state_dir=state_dir, port_base=port_base)
+    except FsdpjobError as error:
+        failure = str(error)
+    if info is None:  # reported outside the except block, so pytest shows no chained traceback
+        if not was_up:
+            _stop_quietly(state_dir)
+        _unavailable(failure)
+    me = info.state_dir / USERS / str(os.getpid())
+    me.parent.mkdir(exist_ok=True)
+    me.touch()
+    if not was_up:
+        (info.state_dir / STARTED_BY_TESTS).touch()
+    yield info
+    me.unlink(missing_ok=True)
+    if os.environ.get("FSDPJOB_KEEP_CLUSTER") == "1" or _live_users(info.state_dir):
+        return
+    if (info.state_dir / STARTED_BY_TESTS).exists():
+        manage.down(state_dir=state_dir, purge=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_session() -> Iterator[ClusterInfo]:
+    """The accounting cluster for the whole session; does not touch SLURM_CONF (see slurm_env)."""
+    yield from _cluster(True, STATE_DIR, PORT_BASE)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_noacct_session() -> Iterator[ClusterInfo]:
+    """The cluster without accounting for the whole session; does not touch SLURM_CONF (see slurm_env)."""
+    yield from _cluster(False, f"{STATE_DIR}-noacct", PORT_BASE + 20)
+
+
+# SLURM_CONF is set per test, not per session: tests of both clusters interleave in one session.
+@pytest.fixture
+def slurm_cluster(slurm_cluster_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> ClusterInfo:
+    """The cluster with slurmdbd (sacct works); SLURM_CONF points at it for this test."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_session.slurm_conf))
+    return slurm_cluster_session
+
+
+@pytest.fixture
+def slurm_cluster_noacct(slurm_cluster_noacct_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> ClusterInfo:
+    """The cluster without accounting; SLURM_CONF points at it for this test."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_noacct_session.slurm_conf))
+    return slurm_cluster_noacct_session
+
+
+def slurm_env(info: ClusterInfo) -> dict[str, str]:
+    """os.environ with SLURM_CONF pointing at `info`, for subprocesses of session-scoped fixtures."""
+    return {**os.environ, "SLURM_CONF": str(info.slurm_conf)}
+
+
+def release_held(job_id: int | str) -> None:
+    """Lift the ~120 s BeginTime hold Slurm puts on every requeued job (tests only; the product never does this)."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True,
+                   text=True, timeout=30)
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.25, what: str = "condition") -> T:
+    """Poll until predicate() returns something truthy and return it; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {value!r})", pytrace=False)
+        time.sleep(interval)
