@@ -113,7 +113,7 @@ def run(run_dir: str) -> dict:
                          grad_accum_steps=grad_accum)
         report.event("ready", step=state.step, setup_s=round(time.time() - t_start, 2))
 
-        flops_per_token = model_flops_per_token(model.config)
+        flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
         last_save, last_log, tokens_since_log = time.time(), time.time(), 0
         stop_at = int(os.environ.get("FSDPJOB_STOP_AT_STEP", "0") or 0)  # test hook: a stop request at a step
         log_samples = bool(os.environ.get("FSDPJOB_LOG_SAMPLES"))  # test hook: global sample ids per step
