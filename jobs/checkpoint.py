@@ -1,0 +1,563 @@
+"""Sharded DCP checkpoints: step-N layout, crash-safe commit, verification, auto-resume with fallback, purge.
+
+Layout of a checkpoint root::
+
+    <root>/step-00000120/      DCP shards (__<rank>_0.distcp), .metadata, fsdpjob.json, COMMITTED
+    <root>/latest              name of the newest committed step folder (informational)
+
+A step counts only once ``COMMITTED`` exists. Rank 0 writes it last, after DCP's own final
+collective has gathered every rank's write results (so every shard is written and fsynced), and
+after the sidecar. A save killed at any point leaves a folder without the marker, which resume
+never chooses and purge removes.
+
+Fault injection (tests only): ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>`` makes ranks sleep that long in
+a save right after their shard file is written and before they report it, so a test can kill a
+rank mid-save. ``FSDPJOB_FAULT_SAVE_RANK=<r>`` limits it to one rank, ``FSDPJOB_FAULT_SAVE_STEP=<n>``
+to one step. Each pause logs ``fault injection: rank R pausing ...``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdpjob.orchestrator import __version__
+
+log = logging.getLogger("fsdpjob.checkpoint")
+
+MARKER = "COMMITTED"
+SIDECAR = "fsdpjob.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"step-(\d+)")
+_FRESH_HINT = "to start fresh instead, use a new run name or --set checkpoint.dir=<empty folder>"
+
+
+class CheckpointError(Exception):
+    """A checkpoint path the user gave (or the run's checkpoint folder) cannot be used."""
+
+
+class ResumeRefused(CheckpointError):
+    """The newest checkpoint was written by a run whose model-defining fields differ from this spec."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout and verification: plain filesystem functions, usable without a process group.
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """Step number of a folder named step-N (zero-padded or not); None for anything else."""
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(parse_step(p.name), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None)
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed step under root, oldest first."""
+    return [(s, p) for s, p in _step_dirs(root) if (p / MARKER).is_file()]
+
+
+def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
+    return [(s, p) for s, p in _step_dirs(root) if not (p / MARKER).is_file()]
+
+
+def read_sidecar(step_dir: Path) -> dict[str, Any]:
+    return json.loads((step_dir / SIDECAR).read_text())
+
+
+def damage(step_dir: Path) -> str | None:
+    """Why a step folder cannot be resumed from, or None when it verifies.
+
+    Checks the marker, the sidecar, the DCP ``.metadata``, and that every shard file the metadata
+    points into exists and is at least as long as its last item ends.
+    """
+    if not (step_dir / MARKER).is_file():
+        return f"no {MARKER} marker (the save did not finish)"
+    try:
+        read_sidecar(step_dir)
+    except (OSError, ValueError) as exc:
+        return f"sidecar {SIDECAR} is unreadable ({exc})"
+    try:
+        metadata = FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means the step is damaged
+        return f".metadata is unreadable ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = step_dir / name
+        if not shard.is_file():
+            return f"shard {name} is missing"
+        actual = shard.stat().st_size
+        if actual < size:
+            return f"shard {name} is truncated ({actual} bytes, expected at least {size})"
+    return None
+
+
+def fingerprint_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    keys = sorted(set(saved) | set(wanted))
+    return [
+        f"{k}: checkpoint has {saved.get(k, '<absent>')!r}, this spec has {wanted.get(k, '<absent>')!r}"
+        for k in keys
+        if saved.get(k) != wanted.get(k)
+    ]
+
+
+def check_fingerprint(step_dir: Path, fingerprint: dict[str, Any] | None) -> None:
+    if fingerprint is None:
+        return
+    saved = read_sidecar(step_dir).get("fingerprint", {})
+    diffs = fingerprint_differences(saved, fingerprint)
+    if diffs:
+        raise ResumeRefused(
+            f"refusing to resume from {step_dir}: model-defining fields changed ({'; '.join(diffs)}); {_FRESH_HINT}"
+        )
+
+
+def newest_valid_step(root: Path, fingerprint: dict[str, Any] | None = None) -> Path | None:
+    """Newest committed step under root that verifies; damaged ones are skipped with a warning."""
+    for step, step_dir in reversed(committed_steps(root)):
+        reason = damage(step_dir)
+        if reason is None:
+            check_fingerprint(step_dir, fingerprint)
+            return step_dir
+        log.warning("checkpoint %s is damaged: %s; falling back to the previous committed step", step_dir, reason)
+    return None
+
+
+def select_checkpoint(path: Path, fingerprint: dict[str, Any] | None = None) -> Path:
+    """A verified step folder from a step folder, a checkpoint root, or a run folder with checkpoints/."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    is_step = parse_step(path.name) is not None or (path / ".metadata").exists() or (path / MARKER).exists()
+    if is_step:
+        reason = damage(path)
+        if reason is not None:
+            raise CheckpointError(f"{path}: cannot resume from this checkpoint: {reason}")
+        check_fingerprint(path, fingerprint)
+        return path
+    root = path if _step_dirs(path) else _run_checkpoint_root(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint (no step-N folders and no checkpoints/ folder inside)")
+    found = newest_valid_step(root, fingerprint)
+    if found is None:
+        raise CheckpointError(f"{root}: no committed checkpoint that verifies")
+    return found
+
+
+@contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Silence DCP's 'assuming single process' warning where one process is what we mean (export, world size 1)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _run_checkpoint_root(run_dir: Path) -> Path:
+    """A run folder's checkpoint root: checkpoint.dir from its spec.json when set, else checkpoints/."""
+    try:
+        configured = json.loads((run_dir / "spec.json").read_text())["spec"]["checkpoint"].get("dir")
+    except (OSError, ValueError, KeyError, TypeError):
+        configured = None
+    return Path(configured) if configured else run_dir / "checkpoints"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _remove_step(step_dir: Path) -> None:
+    # The marker goes first, so a removal cut short leaves an uncommitted folder, never a half one.
+    (step_dir / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)
+    if step_dir.exists():
+        log.warning("could not fully remove %s; it is uncommitted and will be retried at the next purge", step_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stateful wrappers for the state passed to dcp.save/dcp.load.
+
+
+class ModelOptimState(Stateful):
+    """Sharded model and optimizer state through get_state_dict/set_state_dict (works with FSDP2)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
+
+
+class DictState(Stateful):
+    """Adapts an object with state_dict/load_state_dict (LR scheduler, data pipeline) to DCP."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict)
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    digest = hashlib.sha256(f"fsdpjob-rng/{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class RNGState(Stateful):
+    """Per-rank RNG state (torch CPU, CUDA when present, Python random, NumPy) under key rank<r>.
+
+    Each rank saves only its own entry, a pickled bytes item, so nothing is gathered. On a load
+    written by the same world size each rank reads its own entry back. On a different world size
+    the per-rank streams cannot be mapped, so every rank re-seeds from (seed, step, rank) instead:
+    the CheckpointManager calls ``expect_load`` with the writer's world size before dcp.load, and
+    this object then asks DCP for no entries at all.
+    """
+
+    def __init__(self, seed: int, rank: int, world_size: int) -> None:
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self._rederive_at: int | None = None
+
+    def expect_load(self, *, saved_world_size: int, step: int) -> None:
+        self._rederive_at = None if saved_world_size == self.world_size else step
+        if self._rederive_at is not None:
+            self._saved_world_size = saved_world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._rederive_at is not None:
+            return {}
+        return {f"rank{self.rank}": pickle.dumps(self._capture())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        step, self._rederive_at = self._rederive_at, None
+        if step is None:
+            self._restore(pickle.loads(state_dict[f"rank{self.rank}"]))
+            return
+        self.reseed(step)
+        log.info(
+            "RNG state re-derived from (seed=%d, step=%d, rank=%d): the checkpoint was written by %d ranks, "
+            "this run has %d",
+            self.seed,
+            step,
+            self.rank,
+            self._saved_world_size,
+            self.world_size,
+        )
+
+    def reseed(self, step: int) -> None:
+        value = derived_seed(self.seed, step, self.rank)
+        torch.manual_seed(value)  # also seeds every CUDA device
+        random.seed(value)
+        np.random.seed(value % 2**32)
+
+    @staticmethod
+    def _capture() -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    @staticmethod
+    def _restore(state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Fault injection (tests).
+
+
+class _PausingWriter(FileSystemWriter):
+    """FileSystemWriter that sleeps after writing this rank's shard, before DCP reports it."""
+
+    def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
+        super().__init__(str(path))
+        self.pause_s, self.fault_rank, self.step = pause_s, rank, step
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        written = super().write_data(plan, planner)
+        log.warning("fault injection: rank %d pausing %.1f s in the save of step %d", self.fault_rank, self.pause_s, self.step)
+        time.sleep(self.pause_s)
+        return written
+
+
+def _storage_writer(step_dir: Path, *, rank: int, step: int) -> FileSystemWriter:
+    pause = float(os.environ.get("FSDPJOB_FAULT_SAVE_PAUSE_S", "0") or 0)
+    only_rank = os.environ.get("FSDPJOB_FAULT_SAVE_RANK")
+    only_step = os.environ.get("FSDPJOB_FAULT_SAVE_STEP")
+    if pause > 0 and only_rank in (None, "", str(rank)) and only_step in (None, "", str(step)):
+        return _PausingWriter(step_dir, pause_s=pause, rank=rank, step=step)
+    return FileSystemWriter(str(step_dir))
+
+
+# ----------------------------------------------------------------------------------------------
+# The manager: collective save/load on every rank, filesystem decisions on rank 0.
+
+
+class CheckpointManager:
+    """Saves and restores the training state under ``root``; every public method is called on all ranks.
+
+    With torch.distributed initialized, the constructor is collective: it creates the gloo group
+    that DCP and the checkpoint barriers use (DCP's async save deadlocks on the training group).
+    ``sidecar`` holds the run's static facts (spec_hash, fingerprint, mesh_shape, global_batch_size,
+    model_path, ...); the manager adds world_size, step, reason, wall time and versions.
+    """
+
+    def __init__(
+        self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any]
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be at least 1 (got {keep_last})")
+        self.root = Path(root)
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.async_save = keep_last, async_save
+        self.sidecar = dict(sidecar)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._pending: tuple[int, str, Future, float] | None = None
+        self._commit_lock = threading.Lock()
+        self._committed_steps: set[int] = set()
+        self._last_step: int | None = None
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for _, step_dir in uncommitted_steps(self.root):
+                log.info("removing uncommitted checkpoint leftover %s", step_dir)
+                _remove_step(step_dir)
+        self._barrier()
+
+    # -- save ------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, reason: str) -> None:
+        """Save ``state`` as step ``step`` (collective). Async: returns once staged; at most one in flight."""
+        self.wait()
+        if step == self._last_step:
+            log.debug("step %d is already saved or loaded; not saving it again", step)
+            return
+        step_dir = self.root / step_dir_name(step)
+        if self.rank == 0 and step_dir.exists():
+            _remove_step(step_dir)
+        self._barrier()
+        writer = _storage_writer(step_dir, rank=self.rank, step=step)
+        # Export finds the weights under "<model_key>.model.<hf name>" through this sidecar field.
+        self.sidecar["model_key"] = next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None)
+        started = time.monotonic()
+        if not self.async_save:
+            with single_process_dcp():
+                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            self._last_step = step
+            # dcp.save returns only after the coordinator gathered every rank's write results.
+            if self.rank == 0:
+                self._commit(step, reason, started)
+                self.purge()
+            self._barrier()
+            return
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+        self._last_step = step
+        log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.monotonic() - started)
+        if self.rank == 0:
+            # Rank 0's save finishes only after DCP gathered every rank's write results, so its own
+            # completion is the moment all shards are on disk: commit then, not at the next wait().
+            future.add_done_callback(lambda f: self._commit_if_done(f, step, reason, started))
+        self._pending = (step, reason, future, started)
+
+    @property
+    def in_flight(self) -> int | None:
+        """Step of the async save not yet waited for (it may already be committed), if any."""
+        return self._pending[0] if self._pending else None
+
+    def wait(self) -> None:
+        """Finish the in-flight async save (if any), make sure it is committed, and purge (collective)."""
+        if self._pending is None:
+            return
+        step, reason, future, started = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            self._last_step = None
+            raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
+        if self.rank == 0:
+            self._commit_if_done(future, step, reason, started)
+            self.purge()
+        self._barrier()
+
+    def _commit_if_done(self, future: Future, step: int, reason: str, started: float) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._commit_lock:
+            if step not in self._committed_steps:
+                self._commit(step, reason, started)
+
+    def _commit(self, step: int, reason: str, started: float) -> None:
+        step_dir = self.root / step_dir_name(step)
+        seconds = time.monotonic() - started
+        sidecar = {
+            **self.sidecar,
+            "format": FORMAT_VERSION,
+            "fsdpjob_version": __version__,
+            "torch_version": torch.__version__,
+            "world_size": self.world_size,
+            "step": step,
+            "reason": reason,
+            "wall_time": time.time(),
+            "save_seconds": round(seconds, 3),
+        }
+        _atomic_write(step_dir / SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        _atomic_write(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar["wall_time"]}) + "\n")
+        _atomic_write(self.root / LATEST, step_dir.name + "\n")
+        self._committed_steps.add(step)
+        size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
+        log.info("checkpoint %s committed (%s, %.1f MB in %.2f s)", step_dir, reason, size / 1e6, seconds)
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def has_committed(self) -> bool:
+        """Whether the checkpoint root holds any committed step (same answer on every rank)."""
+        return self._decide(lambda: bool(committed_steps(self.root)))
+
+    def latest_committed(self) -> Path | None:
+        """Newest committed step folder (not verified); call after wait() so the last save is included."""
+        committed = committed_steps(self.root)
+        return committed[-1][1] if committed else None
+
+    @staticmethod
+    def read_sidecar(step_dir: Path) -> dict[str, Any]:
+        return read_sidecar(Path(step_dir))
+
+    def find_resume(self, fingerprint: dict[str, Any] | None) -> Path | None:
+        """Newest committed step that verifies (older ones when newer are damaged); None on a fresh run."""
+        return self._decide(lambda: newest_valid_step(self.root, fingerprint))
+
+    def resume_from(self, path: Path, fingerprint: dict[str, Any] | None = None) -> Path:
+        """Verified step folder from an explicit step folder, checkpoint root or run folder."""
+        return self._decide(lambda: select_checkpoint(Path(path), fingerprint))
+
+    def load(self, step_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load ``state`` in place from ``step_dir`` (collective, any world size); return its sidecar."""
+        step_dir = Path(step_dir)
+        sidecar = read_sidecar(step_dir)
+        for value in state.values():
+            if isinstance(value, RNGState):
+                value.expect_load(saved_world_size=sidecar["world_size"], step=sidecar["step"])
+        started = time.monotonic()
+        with single_process_dcp():
+            dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), process_group=self._pg, no_dist=self._pg is None)
+        self._last_step = sidecar["step"]
+        log.info(
+            "resumed from %s (step %d, written by %d ranks, this run has %d) in %.2f s",
+            step_dir,
+            sidecar["step"],
+            sidecar["world_size"],
+            self.world_size,
+            time.monotonic() - started,
+        )
+        if self.rank == 0 and step_dir.parent.resolve() == self.root.resolve():
+            self._uncommit_newer(sidecar["step"])
+        self._barrier()
+        return sidecar
+
+    def _uncommit_newer(self, step: int) -> None:
+        # Steps newer than the one resumed from were skipped as damaged (or the user chose an older
+        # one); training now diverges from them, so they must never be picked by a later resume.
+        newer = [p for s, p in committed_steps(self.root) if s > step]
+        for step_dir in newer:
+            log.warning("uncommitting %s: this run continues from step %d instead", step_dir, step)
+            (step_dir / MARKER).unlink(missing_ok=True)
+        if newer:
+            _atomic_write(self.root / LATEST, step_dir_name(step) + "\n")
+
+    # -- housekeeping ----------------------------------------------------------------------------
+
+    def purge(self) -> None:
+        """Rank 0: keep the newest keep_last committed steps; drop older ones and uncommitted leftovers."""
+        if self.rank != 0:
+            return
+        committed = committed_steps(self.root)
+        if not committed:
+            return
+        newest = committed[-1][0]
+        in_flight = self.in_flight
+        doomed = [p for _, p in committed[: -self.keep_last]]
+        doomed += [p for s, p in uncommitted_steps(self.root) if s < newest and s != in_flight]
+        for step_dir in doomed:
+            log.info("purging checkpoint %s", step_dir)
+            _remove_step(step_dir)
+
+    def close(self) -> None:
+        """Finish any in-flight save and release the checkpoint process group (collective)."""
+        try:
+            self.wait()
+        finally:
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
+
+    def _decide(self, decide: Callable[[], Any]) -> Any:
+        """Run a filesystem decision on rank 0 only and give every rank the same answer (or error)."""
+        answer: list[Any] = [None]
+        if self.rank == 0 or self._pg is None:
+            try:
+                answer[0] = ("ok", decide())
+            except CheckpointError as exc:
+                answer[0] = ("error", exc)
+        if self._pg is not None:
+            dist.broadcast_object_list(answer, src=0, group=self._pg)
+        kind, value = answer[0]
+        if kind == "error":
+            raise value
+        return value
