@@ -65,20 +65,10 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     phase, last_check = None, 0.0
     try:
         while True:
-            for line in events.lines():
-                ev = _parse(line)
-                if ev and ev.get("event") in ("start", "resume", "stop", "failed", "done", "export"):
-                    fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
-                    (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
-            for line in metrics.lines():
-                m = _parse(line)
-                if not m:
-                    continue
-                info = f"loss {m['loss']:.4f}  {m.get('tokens_per_s', 0):.0f} tok/s"
-                if bar:
-                    bar.update(task, completed=m["step"], info=info)
-                else:
-                    click.echo(f"step {m['step']}/{record.max_steps}  {info}  eta {m.get('eta_s', 0):.0f}s")
+            new = [dict(m, event="metric") for m in map(_parse, metrics.lines()) if m]
+            new += [e for e in map(_parse, events.lines()) if e]
+            for ev in sorted(new, key=lambda e: e.get("time", 0)):
+                _show(ev, record, bar, task if bar else None)
             if time.time() - last_check >= 2 * poll_s:
                 last_check = time.time()
                 phase = _terminal_phase(record)
@@ -101,6 +91,18 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
         err=report.phase != "COMPLETED",
     )
     return 0 if report.phase == "COMPLETED" else 1
+
+
+def _show(ev: dict, record: JobRecord, bar, task) -> None:
+    if ev["event"] == "metric":
+        info = f"loss {ev['loss']:.4f}  {ev.get('tokens_per_s', 0):.0f} tok/s"
+        if bar:
+            bar.update(task, completed=ev["step"], info=info)
+        else:
+            click.echo(f"step {ev['step']}/{record.max_steps}  {info}  eta {ev.get('eta_s', 0):.0f}s")
+    elif ev["event"] in ("start", "resume", "stop", "failed", "done", "export"):
+        fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
+        (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
 
 
 def _parse(line: str) -> dict | None:

@@ -1,0 +1,46 @@
+"""End to end on the local profile: `fsdpjob quickstart` + `fsdpjob submit --wait` (2 gloo processes, FSDP2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def fsdpjob(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdpjob.orchestrator.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> None:
+    work = tmp_path / "examples"
+    work.mkdir()
+    shutil.copy(REPO / "examples" / "quickstart.yaml", work / "quickstart.yaml")
+    made = fsdpjob("quickstart", str(work / "quickstart-assets"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+
+    run = fsdpjob("submit", "examples/quickstart.yaml", "--wait", "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    run_dir = Path(json.loads(run.stdout[: run.stdout.index("}") + 1])["run_dir"])
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 150
+    assert metrics[-1]["loss"] < 0.5 * metrics[0]["loss"], [m["loss"] for m in metrics]
+    assert (run_dir / "checkpoints" / "latest").exists()
+    committed = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "COMMITTED").exists()]
+    assert committed, "no committed checkpoint"
+    assert "COMPLETED" in run.stderr + run.stdout
+
+    status = fsdpjob("status", "--json", cwd=tmp_path)
+    report = json.loads(status.stdout)
+    assert report["phase"] == "COMPLETED" and report["step"] == 150 and report["last_checkpoint_step"] == 150
