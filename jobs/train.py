@@ -99,7 +99,7 @@ def run(run_dir: str) -> dict:
         resume_dir = (ckpt.resume_from(meta["resume_from"]) if meta.get("resume_from") and not ckpt.has_committed()
                       else ckpt.find_resume(spec.model_fingerprint()))
         if resume_dir is not None:
-            state.load_state_dict(_peek_train_state(ckpt, resume_dir))
+            ckpt.load(resume_dir, {"train": DictState(state)})  # its global batch sizes the data stream
         grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
         stream = BatchStream(table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                              micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
@@ -253,11 +253,6 @@ def _grad_accum(global_batch: int, micro_batch_size: int, world_size: int) -> in
             "pick a world size or micro-batch size that divides it"
         )
     return global_batch // per_step
-
-
-def _peek_train_state(ckpt: CheckpointManager, step_dir: Path) -> dict:
-    """The train counters of a checkpoint before the data stream exists (its global batch sizes the stream)."""
-    return ckpt.read_sidecar(step_dir)["train"]
 
 
 def _mfu(flops_per_token: float, tokens: int, seconds: float, env) -> float:

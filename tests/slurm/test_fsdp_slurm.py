@@ -1,0 +1,201 @@
+"""The product on the real local Slurm cluster: submit, multi-node FSDP2, preemption, time limit, requeue cap,
+status with and without accounting, sbatch refusals. Every job here is a real 2-node x 2-task FSDP2 run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm.conftest import release_held, wait_for
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def fsdpjob(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fsdpjob {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def status(ref: str) -> dict:
+    return json.loads(fsdpjob("status", ref, "--json").stdout)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    from fsdpjob.jobs.assets import make_quickstart
+
+    return make_quickstart(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture
+def make_spec(assets, tmp_path):
+    def make(name: str, **overrides) -> Path:
+        spec = {
+            "name": name,
+            "profile": "test-cluster",
+            "resources": {"nodes": 2, "time_limit": "10:00"},
+            "model": {"path": assets["model_path"]},
+            "data": {"path": assets["data_path"], "seq_len": 64},
+            "train": {"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
+            "fsdp": {"mixed_precision": "fp32"},
+            "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
+        }
+        for dotted, value in overrides.items():
+            node = spec
+            *parents, leaf = dotted.split("__")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    return make
+
+
+def submit(spec: Path, *extra: str) -> dict:
+    return _json_prefix(fsdpjob("submit", str(spec), "--json", *extra).stdout)
+
+
+def _json_prefix(text: str) -> dict:
+    return json.loads(text[text.index("{"): text.index("}") + 1])
+
+
+def final_weights(run_dir: str) -> dict:
+    """Model tensors of the newest committed checkpoint, read in this process without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = Path(run_dir) / "checkpoints"
+    step_dir = ckpt / (ckpt / "latest").read_text().strip()
+    out = Path(run_dir) / "final.pt"
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    model = next(v for k, v in state.items() if k == "model")
+    return {k: v for k, v in model["model"].items()}
+
+
+def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
+    def probe():
+        report = status(ref)
+        if seen is not None and (not seen or seen[-1] != report["phase"]):
+            seen.append(report["phase"])
+        return report if report["phase"] in phases else None
+
+    return wait_for(probe, timeout=timeout, interval=1.0, what=f"{ref} in {phases}")
+
+
+def release_when_held(job_id: str, timeout: float = 120) -> None:
+    """Tests only: skip Slurm's 120 s BeginTime hold after a requeue (the product never does this)."""
+    wait_for(lambda: status_of(job_id) == "PENDING", timeout=timeout, interval=1.0, what=f"job {job_id} pending")
+    release_held(job_id)
+
+
+def status_of(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    return out
+
+
+def preempt_now() -> str:
+    """A high-tier job that needs both nodes preempts the low-tier debug job."""
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 3"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    return out.split(";")[0]
+
+
+def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, make_spec):
+    spec = make_spec("preempt", train__max_steps=60)
+    ref = submit(spec)
+    wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)
+    assert status(ref["run_id"])["phase"] == "COMPLETED"
+
+    run = submit(spec)
+    seen: list[str] = []
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout=180, interval=1.0, what="step 10")
+    seen.append(status(run["run_id"])["phase"])
+    preempt_now()
+    interrupted = wait_phase(run["run_id"], {"REQUEUED", "PENDING"}, timeout=120, seen=seen)
+    assert interrupted["restarts"] >= 1
+    release_when_held(run["job_id"])
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED"}, timeout=300, seen=seen)
+    assert done["phase"] == "COMPLETED", done
+    assert seen[0] == "RUNNING" and "COMPLETED" == seen[-1] and ({"REQUEUED", "PENDING"} & set(seen)), seen
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 60
+
+    events = [json.loads(x) for x in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
+    stop = next(e for e in events if e["event"] == "stop")
+    assert stop["reason"] == "preemption" and stop["requeued"] is True
+    resume = next(e for e in events if e["event"] == "resume")
+    assert resume["step"] == stop["step"]
+
+    a, b = final_weights(ref["run_dir"]), final_weights(run["run_dir"])
+    assert a.keys() == b.keys()
+    mismatched = [k for k in a if not (a[k] == b[k]).all()]
+    assert not mismatched, f"weights differ from the uninterrupted run: {mismatched}"
+
+
+def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
+    # The warning signal comes 60-90 s before the end (Slurm checks on a 30 s tick): a 2-minute limit
+    # stops the first allocation mid-training.
+    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=400)
+    run = submit(spec)
+    wait_for(lambda: any(json.loads(x)["event"] == "stop" for x in _lines(run["run_dir"], "events.jsonl")),
+             timeout=200, interval=2.0, what="time-limit stop")
+    release_when_held(run["job_id"])
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "TIMEOUT"}, timeout=400)
+    assert done["phase"] == "COMPLETED", done
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    stops = [e for e in events if e["event"] == "stop"]
+    assert stops and all(e["reason"] == "time_limit" for e in stops), stops
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 400
+
+
+def _lines(run_dir: str, name: str) -> list[str]:
+    path = Path(run_dir, name)
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_requeue_cap_reached_fails_with_reason(slurm_cluster, make_spec):
+    spec = make_spec("cap", preemption__max_requeues=0, train__max_steps=400)
+    run = submit(spec)
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 4, timeout=180, interval=1.0, what="step 4")
+    preempt_now()
+    done = wait_phase(run["run_id"], {"FAILED", "COMPLETED", "CANCELLED"}, timeout=180)
+    assert done["phase"] == "FAILED", done
+    assert "requeue cap reached" in (done["failure_reason"] or ""), done
+    assert done["last_checkpoint_step"] is not None  # the stop checkpoint was still committed
+
+
+def test_status_list_cancel_without_accounting(slurm_cluster_noacct, make_spec):
+    spec = make_spec("noacct", train__max_steps=400)
+    run = submit(spec)
+    assert wait_phase(run["run_id"], {"RUNNING"}, timeout=120)["phase"] == "RUNNING"
+    listed = json.loads(fsdpjob("list", "--json").stdout)
+    assert any(r["run_id"] == run["run_id"] and r["phase"] == "RUNNING" for r in listed)
+    fsdpjob("cancel", run["run_id"])
+    assert wait_phase(run["run_id"], {"CANCELLED"}, timeout=60)["phase"] == "CANCELLED"
+    listed = json.loads(fsdpjob("list", "--json").stdout)
+    assert next(r for r in listed if r["run_id"] == run["run_id"])["phase"] == "CANCELLED"
+
+
+def test_sbatch_refusal_is_clear_and_leaves_no_record(slurm_cluster, make_spec):
+    spec = make_spec("refused", resources__partition="no-such-partition")
+    proc = fsdpjob("submit", str(spec), check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "invalid partition" in proc.stderr.lower(), proc.stderr
+    home = Path(os.environ["FSDPJOB_HOME"])
+    assert not list((home / "registry").glob("*.json")) if (home / "registry").exists() else True
+    assert not list((home / "runs").glob("refused-*")) if (home / "runs").exists() else True
