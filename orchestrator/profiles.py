@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -12,11 +13,14 @@ from pydantic import Field, ValidationError, field_validator
 
 from .errors import ProfileError
 from .slurmtime import parse_slurm_time
-from .spec import Strict, errors_from_validation
+from .spec import Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
+_SHELL_KEYWORDS = frozenset(
+    "! [[ ]] { } case coproc do done elif else esac fi for function if in select then time until while".split()
+)
 
 
 class ClusterProfile(Strict):
@@ -73,6 +77,11 @@ class ClusterProfile(Strict):
             parse_slurm_time(value)
         return value
 
+    @field_validator("partition", "account", "qos", "constraint", "python")
+    @classmethod
+    def _no_control_chars(cls, value: str | None) -> str | None:
+        return single_line(value)
+
     @field_validator("setup", "sbatch_extra", "srun_extra")
     @classmethod
     def _one_line_each(cls, value: list[str]) -> list[str]:
@@ -80,6 +89,27 @@ class ClusterProfile(Strict):
             if re.search(r"[\x00-\x1f\x7f]", item):
                 raise ValueError("each entry is one line: no newlines, tabs or other control characters")
         return value
+
+    @field_validator("setup")
+    @classmethod
+    def _simple_commands(cls, value: list[str]) -> list[str]:
+        for i, line in enumerate(value):
+            try:
+                words = shlex.split(line)
+            except ValueError as exc:
+                raise ValueError(f"setup line {i + 1} ({line!r}): {exc}; balance its quotes") from None
+            # Keywords and comments would make a line more (or less) than the one simple command it must be.
+            if words and (words[0] in _SHELL_KEYWORDS or words[0].startswith("#")):
+                raise ValueError(
+                    f"setup line {i + 1} ({line!r}) starts with {words[0]!r}; each line must be one simple command "
+                    "(put loops, conditions or comments in a script and source it)"
+                )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
 
     @field_validator("sbatch_extra", "srun_extra")
     @classmethod

@@ -79,6 +79,15 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
                 f"{profile.gpus_per_node}; lower it or add nodes",
             )
         )
+    if eff.gpus_per_node and eff.tasks_per_node != eff.gpus_per_node and spec.resources.gpus_per_node is None:
+        # The spec model checks this when the spec sets both; here the GPU count comes from the profile.
+        out.append(
+            (
+                ("resources", "tasks_per_node"),
+                f"tasks_per_node ({eff.tasks_per_node}) must equal gpus_per_node ({eff.gpus_per_node}, from profile "
+                f"{profile.name!r}): fsdpjob runs one worker per GPU; drop tasks_per_node to take the default",
+            )
+        )
     if eff.world_size % spec.fsdp.replicate_degree:
         out.append(
             (
@@ -91,8 +100,9 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
         out.append(
             (
                 ("resources", "time_limit"),
-                f"{spec.resources.time_limit} ({eff.time_limit}) exceeds profile {profile.name!r} max_time "
-                f"{profile.max_time}; shorten it (checkpoints and requeues carry the run across allocations)",
+                f"{spec.resources.time_limit} ({eff.time_limit} = {eff.time_limit_s} s) exceeds profile {profile.name!r} "
+                f"max_time {profile.max_time} ({profile.max_time_s} s); shorten it (checkpoints and requeues carry the "
+                "run across allocations)",
             )
         )
     if eff.signal_lead_s >= eff.time_limit_s:

@@ -6,12 +6,17 @@ import re
 import shlex
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_./:=@%+,-]+")
+_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _VAR = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 
 
 def literal(value: str) -> str:
-    """A single shell word that is exactly ``value``: nothing in it is expanded."""
-    return shlex.quote(value)
+    """A single shell word that is exactly ``value``: nothing in it is expanded.
+
+    Double quotes with every special character escaped rather than shlex.quote's single quotes, which
+    shellcheck flags as likely mistakes ('$(...)': SC2016, a trailing backslash: SC1003).
+    """
+    return value if _SAFE_WORD.fullmatch(value) else '"' + _escape_dq(value) + '"'
 
 
 def with_vars(value: str) -> str:
@@ -47,4 +52,10 @@ def command_line(line: str) -> str:
     command ``x;`` with literal arguments. Raises ValueError on unbalanced quotes.
     """
     words = shlex.split(line, comments=False, posix=True)
-    return " ".join(with_vars(w) for w in words)
+    out, prefix = [], True
+    for word in words:
+        # Leading NAME=value words stay assignments (a quoted "NAME=..." would be a command name).
+        assign = _ASSIGN.match(word) if prefix else None
+        prefix = assign is not None
+        out.append(assign.group(0) + with_vars(word[assign.end() :]) if assign else with_vars(word))
+    return " ".join(out)

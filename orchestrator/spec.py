@@ -5,11 +5,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import SpecError
 from .slurmtime import FORMATS_HELP, parse_slurm_time
@@ -22,9 +23,25 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
 
-def _single_line(value: str | None) -> str | None:
+def single_line(value: str | None) -> str | None:
     if value is not None and re.search(r"[\x00-\x1f\x7f]", value):
         raise ValueError("control characters (newline, tab, NUL) are not allowed here")
+    return value
+
+
+def path_value(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise ValueError("the path is empty; give a file or folder path")
+    return single_line(value)
+
+
+def check_env(value: dict[str, str]) -> dict[str, str]:
+    """Environment names a shell can export, and values a process environment can hold."""
+    for key, val in value.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+        if "\x00" in val:
+            raise ValueError(f"{key}: NUL bytes cannot be passed in the environment")
     return value
 
 
@@ -64,17 +81,20 @@ class Resources(Strict):
         parse_slurm_time(value)
         return str(value)
 
-    @field_validator("mem_per_node")
+    @field_validator("mem_per_node", mode="before")
     @classmethod
-    def _mem(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"\d+[KMGT]?", str(value)):
+    def _mem(cls, value: Any) -> str | None:
+        # Plain numbers (0 = all memory, 64000 = MB) are what YAML hands over for unquoted sizes.
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if value is not None and not (isinstance(value, str) and re.fullmatch(r"\d+[KMGT]?", value)):
             raise ValueError(f"{value!r} is not a Slurm memory size; use e.g. 500G, 64000M or 0 (all)")
         return value
 
     @field_validator("partition", "account", "qos", "constraint")
     @classmethod
     def _no_control_chars(cls, value: str | None) -> str | None:
-        return _single_line(value)
+        return single_line(value)
 
     @model_validator(mode="after")
     def _tasks_match_gpus(self) -> "Resources":
@@ -101,6 +121,8 @@ class ModelSpec(Strict):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
 
+    _path = field_validator("path")(path_value)
+
 
 class DataSpec(Strict):
     path: str
@@ -119,6 +141,8 @@ class DataSpec(Strict):
     """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
     shuffle: bool = True
     """Shuffle examples deterministically from train.seed."""
+
+    _path = field_validator("path")(path_value)
 
     @model_validator(mode="after")
     def _one_shape(self) -> "DataSpec":
@@ -214,6 +238,8 @@ class CheckpointSpec(Strict):
     export_final: bool = False
     """At the end of the job, export a Hugging Face folder (safetensors) to <run>/export."""
 
+    _dir = field_validator("dir")(path_value)
+
 
 class PreemptionSpec(Strict):
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = "USR2"
@@ -251,19 +277,16 @@ class JobSpec(Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, val in value.items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-            if "\x00" in val:
-                raise ValueError(f"{key}: NUL bytes cannot be passed in the environment")
-        return value
+        return check_env(value)
 
-    @model_validator(mode="after")
-    def _secrets_known(self) -> "JobSpec":
-        unknown = [n for n in self.secret_env if n not in self.env]
+    @field_validator("secret_env")
+    @classmethod
+    def _secrets_known(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        env = info.data.get("env")
+        unknown = [n for n in value if env is not None and n not in env]
         if unknown:
-            raise ValueError(f"secret_env names {unknown} are not in env")
-        return self
+            raise ValueError(f"names {unknown} are not in env; list only names that env sets")
+        return value
 
     def secret_names(self) -> set[str]:
         return {k for k in self.env if k in self.secret_env or SECRET_NAME_PATTERN.search(k)}
@@ -330,20 +353,22 @@ def _message(err: dict, model: type[BaseModel]) -> str:
 
 
 def errors_from_validation(exc: ValidationError, doc: YamlDoc, model: type[BaseModel] = JobSpec) -> list[SpecError]:
-    out = []
+    messages: dict[tuple, list[str]] = {}
     for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
         # Union branches add type names to loc (e.g. 'literal['auto']'); keep the field path only.
         loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
-        out.append(
-            SpecError(
-                _message(dict(err, loc=loc), model),
-                file=doc.file,
-                line=doc.line_of(loc),
-                loc=".".join(str(p) for p in loc) or None,
-            )
+        messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
+    # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
+    return [
+        SpecError(
+            "; or ".join(dict.fromkeys(texts)),
+            file=doc.file,
+            line=doc.line_of(loc),
+            loc=".".join(str(p) for p in loc) or None,
         )
-    return out
+        for loc, texts in messages.items()
+    ]
 
 
 class SpecErrors(SpecError):
@@ -362,8 +387,9 @@ def _resolve_paths(data: dict, base: Path) -> dict:
     """Make model.path, data.path and checkpoint.dir absolute, relative to the spec file's folder."""
     for section, key in (("model", "path"), ("data", "path"), ("checkpoint", "dir")):
         sec = data.get(section)
-        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key]:
-            p = Path(sec[key]).expanduser()
+        # A NUL cannot be resolved; leave it for the field validator to report.
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key] and "\x00" not in sec[key]:
+            p = Path(os.path.expanduser(sec[key]))  # unlike Path.expanduser, leaves an unknown ~user as it is
             sec[key] = str(p if p.is_absolute() else (base / p).resolve())
     return data
 

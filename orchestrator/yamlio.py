@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,27 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
 
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+# YAML 1.1 reads 30:00 and 1:30:00 as base-60 numbers (1800, 5400), which would turn a Slurm time of
+# 30 minutes into 1800 minutes. Resolve ints and floats without the sexagesimal forms: such scalars stay strings.
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_LineLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_LineLoader.add_implicit_resolver(
+    _NUMBER_TAGS[0],
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_LineLoader.add_implicit_resolver(
+    _NUMBER_TAGS[1],
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def _index_lines(node: yaml.Node, loc: Loc, out: dict[Loc, int]) -> None:
@@ -113,7 +135,7 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
         if not key.strip() or any(not p for p in parts):
             raise InputError(f"bad key {key!r}; use dotted field names such as train.max_steps", file=source)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_LineLoader) if raw.strip() else ""  # noqa: S506 - a SafeLoader
         except yaml.YAMLError:
             value = raw  # not YAML: take the text as it is
         node = data

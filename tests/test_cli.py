@@ -1,0 +1,212 @@
+"""The real `fsdpjob` CLI in a subprocess: exit codes, one-line FILE:LINE errors on stderr, stdout for results."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+INVALID = TESTS / "data" / "specs" / "invalid"
+VALID = TESTS / "data" / "specs" / "valid"
+GOLDEN = TESTS / "golden"
+GOLDEN_PYTHON = "/opt/fsdpjob/venv/bin/python"  # what test_render puts in the goldens for sys.executable
+
+
+def fsdpjob(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=60)  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def header(path: Path, key: str) -> str | None:
+    """The value of a '# key: value' line at the top of a sample spec."""
+    match = re.search(rf"^# {key}: (.*)$", path.read_text(), re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def invalid_cases() -> list:
+    cases = []
+    for path in sorted(INVALID.glob("*.yaml")):
+        reason = header(path, "xfail")
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        cases.append(pytest.param(path, marks=marks, id=path.stem))
+    return cases
+
+
+@pytest.mark.parametrize("path", invalid_cases())
+def test_invalid_spec_gives_one_line_at_file_line(path):
+    """tests/data/specs/invalid/*.yaml: '# expect: LINE: field: message' says what `validate` must print."""
+    expect = header(path, "expect")
+    assert expect, f"{path.name} has no '# expect:' line"
+    line, _, rest = expect.partition(": ")
+    rel = path.relative_to(REPO).as_posix()
+    done = fsdpjob("validate", rel, *(header(path, "args") or "").split())
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    prefix = f"{rel}:{line}: "
+    assert lines[0].startswith(prefix), f"expected {prefix!r}...: {lines[0]}"
+    loc_and_message = lines[0][len(prefix) :]
+    if rest.startswith("YAML"):
+        assert loc_and_message.startswith(rest), lines[0]
+    else:
+        loc, _, message = rest.partition(": ")
+        assert loc_and_message.startswith(f"{loc}: ") and message in loc_and_message, lines[0]
+
+
+def test_valid_specs_validate(tmp_path):
+    paths = [p.relative_to(REPO).as_posix() for p in sorted(VALID.glob("*.yaml"))]
+    done = fsdpjob("validate", *paths, "--no-file-checks")
+    assert done.returncode == 0 and done.stderr == ""
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == paths
+    assert all(": ok (profile " in line for line in done.stdout.splitlines())
+
+
+def test_validate_reports_every_bad_spec_and_fails():
+    good = "tests/data/specs/valid/single-node.yaml"
+    bad = ["tests/data/specs/invalid/zero-nodes.yaml", "tests/data/specs/invalid/negative-steps.yaml"]
+    done = fsdpjob("validate", good, *bad, "--no-file-checks")
+    assert done.returncode == 2
+    assert done.stdout.startswith(f"{good}: ok")
+    assert [line.split(":")[0] for line in done.stderr.splitlines()] == bad
+
+
+def test_missing_spec_file():
+    done = fsdpjob("validate", "no/such/spec.yaml")
+    assert done.returncode == 2 and done.stderr.strip() == "no/such/spec.yaml: file not found; check the path"
+
+
+# --- --set -------------------------------------------------------------------------------------------------------
+
+SPEC = "tests/data/specs/valid/single-node.yaml"
+
+
+def test_set_overrides_values_as_yaml():
+    done = fsdpjob("validate", SPEC, "--no-file-checks", "--set", "resources.nodes=2", "--set", "train.lr=1e-4")
+    assert done.returncode == 0 and "world size 4" in done.stdout, done.stderr
+    done = fsdpjob("render", SPEC, "--no-file-checks", "--run-dir", "/runs/x", "--set", "resources.time_limit=1:30:00")
+    assert done.returncode == 0 and "#SBATCH --time=01:30:00\n" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "item, expected",
+    [
+        ("train.max_stepz=5", f"{SPEC}:8: train.max_stepz: unknown key; did you mean 'max_steps'?"),
+        ("resources.nodes=0", f"{SPEC}:2: resources.nodes: Input should be greater than 0"),
+        ("resources.nodes=[1, 2]", f"{SPEC}:2: resources.nodes: Input should be a valid integer (got [1, 2])"),
+        ("name.first=x", "--set: 'name' is not a section; cannot set 'name.first'"),
+        ("nodes", "--set: expected KEY=VALUE (e.g. train.lr=1e-4), got 'nodes'"),
+        ("train..lr=1", "--set: bad key 'train..lr'; use dotted field names such as train.max_steps"),
+    ],
+)
+def test_bad_set(item, expected):
+    done = fsdpjob("validate", SPEC, "--no-file-checks", "--set", item)
+    assert (done.returncode, done.stderr.strip()) == (2, expected)
+
+
+def test_profile_option_overrides_the_spec():
+    done = fsdpjob("validate", SPEC, "--no-file-checks", "--profile", "h100")
+    assert done.returncode == 0 and "(profile h100, world size 8," in done.stdout
+    done = fsdpjob("validate", SPEC, "--no-file-checks", "--profile", "nope")
+    assert done.returncode == 2 and "valid profiles are: a100-80gb, example" in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
+# --- file checks (a minimal model folder; nothing is loaded) -----------------------------------------------------
+
+
+def write_job_with_files(tmp_path: Path, *, data: bool = True) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    (model / "tokenizer_config.json").write_text("{}")
+    if data:
+        (tmp_path / "data.jsonl").write_text('{"text": "1+1=2"}\n')
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: files\nprofile: test-cluster\nmodel:\n  path: model\ndata:\n  path: data.jsonl\n"
+                    "  seq_len: 128\ntrain:\n  max_steps: 5\n")  # fmt: skip
+    return spec
+
+
+def test_file_checks_pass_on_real_files(tmp_path):
+    spec = write_job_with_files(tmp_path)
+    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("job.yaml: ok (profile test-cluster"), done.stderr
+    assert fsdpjob("render", str(spec), "--run-dir", str(tmp_path / "run")).returncode == 0
+
+
+def test_missing_data_file_points_at_data_path(tmp_path):
+    write_job_with_files(tmp_path, data=False)
+    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"job.yaml:6: data.path: data file {tmp_path / 'data.jsonl'} does not exist"
+    assert fsdpjob("validate", "job.yaml", "--no-file-checks", cwd=tmp_path).returncode == 0
+
+
+# --- render, schema, profiles, help ------------------------------------------------------------------------------
+
+
+def spec_name(path: Path) -> str:
+    match = re.search(r"^name: (.*)$", path.read_text(), re.MULTILINE)
+    assert match, path
+    return match.group(1)
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in VALID.glob("*.yaml")))
+def test_render_prints_the_golden_script(stem):
+    """The CLI renders exactly what test_render's goldens hold (they use a fixed python path)."""
+    name = spec_name(VALID / f"{stem}.yaml")
+    done = fsdpjob("render", f"tests/data/specs/valid/{stem}.yaml", "--no-file-checks", "--run-dir", f"/runs/{name}")
+    assert done.returncode == 0, done.stderr
+    golden = (GOLDEN / f"{stem}.sbatch").read_text().replace(GOLDEN_PYTHON, sys.executable)
+    assert done.stdout == golden
+
+
+def test_render_local_profile_explains_there_is_no_script():
+    done = fsdpjob("render", SPEC, "--no-file-checks", "--profile", "local", "--set", "resources.tasks_per_node=2",
+                   "--run-dir", "/runs/local")  # fmt: skip
+    assert done.returncode == 0
+    assert done.stdout.startswith("# profile 'local' is local: no sbatch script; 2 worker process(es)")
+
+
+def test_render_refuses_a_run_dir_with_a_line_break(tmp_path):
+    done = fsdpjob("render", SPEC, "--no-file-checks", "--run-dir", str(tmp_path / "a\nb"))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "control character" in done.stderr
+
+
+def test_schema_matches_the_snapshot():
+    done = fsdpjob("schema")
+    assert done.returncode == 0
+    assert json.loads(done.stdout) == json.loads((GOLDEN / "jobspec.schema.json").read_text())
+
+
+def test_profiles_table_and_json():
+    names = sorted(p.stem for p in (REPO / "cluster_profiles").glob("*.yaml"))
+    table = fsdpjob("profiles")
+    assert table.returncode == 0
+    assert [line.split()[0] for line in table.stdout.splitlines()[1:]] == names
+    rows = json.loads(fsdpjob("profiles", "--json").stdout)
+    assert [r["name"] for r in rows] == names and {r["scheduler"] for r in rows} == {"slurm", "local"}
+
+
+def test_help_lists_the_commands():
+    done = fsdpjob("--help")
+    assert done.returncode == 0
+    for command in ("validate", "render", "schema", "profiles", "plan", "submit", "status", "cancel", "logs"):
+        assert re.search(rf"^\s+{command}\s", done.stdout, re.MULTILINE), command
+
+
+def test_unknown_command_is_a_usage_error():
+    done = fsdpjob("valiate")
+    assert done.returncode == 2 and "No such command 'valiate'" in done.stderr

@@ -1,0 +1,90 @@
+"""The login-node CLI never imports torch or transformers (they cost seconds to import and may be absent there)."""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers")
+
+PROBE = """
+import json, sys
+from fsdpjob.orchestrator.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+print(json.dumps({"code": code, "heavy": sorted(m for m in %r if m in sys.modules)}), file=sys.stderr)
+""" % (HEAVY,)
+
+
+def probe(*args: str, cwd: Path = REPO) -> dict:
+    """Run the CLI's main() in a fresh interpreter; report its exit code and which heavy modules it imported."""
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def make_model(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+
+
+SPEC = "tests/data/specs/valid/multi-node-hsdp.yaml"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["schema"],
+        ["profiles"],
+        ["profiles", "--json"],
+        ["validate", SPEC, "--no-file-checks"],
+        ["render", SPEC, "--no-file-checks", "--run-dir", "/runs/boundary"],
+        ["validate", "tests/data/specs/invalid/zero-nodes.yaml", "--no-file-checks"],
+    ],
+    ids=" ".join,
+)
+def test_commands_do_not_import_torch(args):
+    result = probe(*args)
+    assert result["heavy"] == [], f"`fsdpjob {' '.join(args)}` imported {result['heavy']}"
+    assert result["code"] in (0, 2)
+
+
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_file_checks_do_not_import_torch(tmp_path, command):
+    make_model(tmp_path / "model")
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    spec = "name: b\nmodel:\n  path: model\ndata:\n  path: data.jsonl\ntrain:\n  max_steps: 3\n"
+    (tmp_path / "job.yaml").write_text(spec)
+    extra = ["--run-dir", str(tmp_path / "run")] if command == "render" else []
+    assert probe(command, "job.yaml", *extra, cwd=tmp_path) == {"code": 0, "heavy": []}
+
+
+def orchestrator_modules() -> list[str]:
+    import fsdpjob.orchestrator as pkg
+
+    return sorted(f"fsdpjob.orchestrator.{m.name}" for m in pkgutil.walk_packages(pkg.__path__) if not m.ispkg)
+
+
+def test_no_orchestrator_module_imports_torch_at_import_time():
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {orchestrator_modules()!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
