@@ -265,6 +265,18 @@ def test_hostile_run_folder(tmp_path, hostile):
     assert argv[argv.index("--output") + 1] == f"{run_dir}/submitit/%j_%t_log.out"
 
 
+def test_setup_line_assignments_prefix_the_command(tmp_path):
+    case = make_case(tmp_path, "profile.setup", "q")
+    spec_file = write_inputs(case)
+    profile = yaml.safe_load((tmp_path / "site.yaml").read_text())
+    profile["setup"] = ['A="x y" B=$HOME/z module load q']
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(profile))
+    done = run_stubbed(case, script_for(case, load_job(str(spec_file), check_files=False)))
+    assert done.returncode == 0, done.stderr
+    argv, env = recorded(case, "module")
+    assert argv == ["load", "q"] and env["A"] == "x y" and env["B"] == f"{tmp_path}/home/z"
+
+
 def test_run_folder_with_a_line_break_is_refused(tmp_path):
     case = make_case(tmp_path, "env", "plain")
     job = load_or_error(case)

@@ -136,6 +136,8 @@ def test_unknown_key_without_a_close_match_lists_the_valid_ones(tmp_path):
         ("resources:\n  nodes: -3\n", 10, "resources.nodes", "greater than 0"),
         ("resources:\n  cpus_per_task: 0\n", 10, "resources.cpus_per_task", "greater than 0"),
         ("resources:\n  mem_per_node: lots\n", 10, "resources.mem_per_node", "500G"),
+        ("resources:\n  mem_per_node: true\n", 10, "resources.mem_per_node", "not a Slurm memory size"),
+        ("resources:\n  mem_per_node: 1.5\n", 10, "resources.mem_per_node", "not a Slurm memory size"),
         ("fsdp:\n  replicate_degree: 0\n", 10, "fsdp.replicate_degree", "greater than 0"),
         ("fsdp:\n  mixed_precision: fp8\n", 10, "fsdp.mixed_precision", "'bf16' or 'fp32'"),
         ("fsdp:\n  cpu_offload: maybe\n", 10, "fsdp.cpu_offload", "valid boolean"),
@@ -151,6 +153,12 @@ def test_wrong_values_point_at_their_line(tmp_path, extra, line, loc, words):
     err = only_error(write(tmp_path, BASE + extra))
     assert (err.line, err.loc) == (line, loc), err.format()
     assert words in err.message, err.message
+
+
+@pytest.mark.parametrize("given, stored", [("0", "0"), ("64000", "64000"), ("500G", "500G"), ("'2T'", "2T")])
+def test_memory_sizes_accept_plain_numbers(tmp_path, given, stored):
+    spec, _ = load_spec(write(tmp_path, BASE + f"resources:\n  mem_per_node: {given}\n"))
+    assert spec.resources.mem_per_node == stored
 
 
 def test_train_section_errors(tmp_path):
