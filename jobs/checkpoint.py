@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -146,13 +147,21 @@ def check_fingerprint(step_dir: Path, fingerprint: dict[str, Any] | None) -> Non
 
 
 def newest_valid_step(root: Path, fingerprint: dict[str, Any] | None = None) -> Path | None:
-    """Newest committed step under root that verifies; damaged ones are skipped with a warning."""
-    for step, step_dir in reversed(committed_steps(root)):
+    """Newest committed step under root that verifies; damaged ones are skipped with a warning.
+
+    None when nothing was ever committed. When every committed step is damaged this raises rather
+    than silently starting over.
+    """
+    damaged = []
+    for _, step_dir in reversed(committed_steps(root)):
         reason = damage(step_dir)
         if reason is None:
             check_fingerprint(step_dir, fingerprint)
             return step_dir
         log.warning("checkpoint %s is damaged: %s; falling back to the previous committed step", step_dir, reason)
+        damaged.append(f"{step_dir.name}: {reason}")
+    if damaged:
+        raise CheckpointError(f"{root}: every committed checkpoint is damaged ({'; '.join(damaged)}); {_FRESH_HINT}")
     return None
 
 
@@ -262,32 +271,26 @@ class RNGState(Stateful):
 
     def __init__(self, seed: int, rank: int, world_size: int) -> None:
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self._rederive_at: int | None = None
+        self._rederive: tuple[int, int] | None = None  # (step, writer's world size) of a resharded load
 
     def expect_load(self, *, saved_world_size: int, step: int) -> None:
-        self._rederive_at = None if saved_world_size == self.world_size else step
-        if self._rederive_at is not None:
-            self._saved_world_size = saved_world_size
+        self._rederive = None if saved_world_size == self.world_size else (step, saved_world_size)
 
     def state_dict(self) -> dict[str, Any]:
-        if self._rederive_at is not None:
+        if self._rederive is not None:
             return {}
         return {f"rank{self.rank}": pickle.dumps(self._capture())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        step, self._rederive_at = self._rederive_at, None
-        if step is None:
+        rederive, self._rederive = self._rederive, None
+        if rederive is None:
             self._restore(pickle.loads(state_dict[f"rank{self.rank}"]))
             return
+        step, saved_world_size = rederive
         self.reseed(step)
         log.info(
             "RNG state re-derived from (seed=%d, step=%d, rank=%d): the checkpoint was written by %d ranks, "
-            "this run has %d",
-            self.seed,
-            step,
-            self.rank,
-            self._saved_world_size,
-            self.world_size,
+            "this run has %d", self.seed, step, self.rank, saved_world_size, self.world_size,
         )
 
     def reseed(self, step: int) -> None:
@@ -321,11 +324,12 @@ class _PausingWriter(FileSystemWriter):
 
     def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
         super().__init__(str(path))
+        # Not self.rank: FileSystemWriter sets that itself in set_up_storage_writer.
         self.pause_s, self.fault_rank, self.step = pause_s, rank, step
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         written = super().write_data(plan, planner)
-        log.warning("fault injection: rank %d pausing %.1f s in the save of step %d", self.fault_rank, self.pause_s, self.step)
+        log.warning("fault injection: rank %d pausing %.1f s in step %d", self.fault_rank, self.pause_s, self.step)
         time.sleep(self.pause_s)
         return written
 
@@ -363,6 +367,10 @@ class CheckpointManager:
         self.sidecar = dict(sidecar)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
+        # Async saves copy the state into host buffers kept between saves (pinned on CUDA): later
+        # saves then block only for a memcpy, not for allocating and faulting in fresh memory.
+        staging = StagingOptions(torch.cuda.is_available(), False, False, False)
+        self._stager = DefaultStager(staging) if async_save else None
         self._pending: tuple[int, str, Future, float] | None = None
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
@@ -400,7 +408,9 @@ class CheckpointManager:
                 self.purge()
             self._barrier()
             return
-        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+        future = dcp.async_save(
+            state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
+        )
         self._last_step = step
         log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.monotonic() - started)
         if self.rank == 0:
@@ -490,7 +500,8 @@ class CheckpointManager:
                 value.expect_load(saved_world_size=sidecar["world_size"], step=sidecar["step"])
         started = time.monotonic()
         with single_process_dcp():
-            dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), process_group=self._pg, no_dist=self._pg is None)
+            reader = FileSystemReader(str(step_dir))
+            dcp.load(state, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
         self._last_step = sidecar["step"]
         log.info(
             "resumed from %s (step %d, written by %d ranks, this run has %d) in %.2f s",
@@ -533,10 +544,13 @@ class CheckpointManager:
             _remove_step(step_dir)
 
     def close(self) -> None:
-        """Finish any in-flight save and release the checkpoint process group (collective)."""
+        """Finish any in-flight save, free the staging buffers and the checkpoint process group (collective)."""
         try:
             self.wait()
         finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
             if self._pg is not None:
                 dist.destroy_process_group(self._pg)
                 self._pg = None

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="step folder, checkpoint folder or run folder")
     parser.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--model-dir", type=Path, default=None, help="original model folder (default: from the checkpoint)")
+    parser.add_argument("--model-dir", type=Path, help="original model folder (default: recorded in the checkpoint)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

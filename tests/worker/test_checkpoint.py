@@ -81,6 +81,16 @@ def _log_lines() -> list[str]:
 # Same world size: exact restore and bitwise continuation (sync and async).
 
 
+def _snapshot(t: Trainer) -> dict[str, Any]:
+    return {
+        "full": t.full_state(),
+        "rng": rng_snapshot(),
+        "sched": t.scheduler.state_dict(),
+        "train": dict(t.train),
+        "data": t.data.state_dict(),
+    }
+
+
 def _exact_resume(rank: int, world_size: int, root: str, async_save: bool) -> dict[str, Any]:
     _init(rank, world_size)
     t = Trainer(rank, world_size)
@@ -88,8 +98,7 @@ def _exact_resume(rank: int, world_size: int, root: str, async_save: bool) -> di
     for _ in range(3):
         t.step()
     ckpt.save(3, t.state(), reason="interval")
-    saved = {"full": t.full_state(), "rng": rng_snapshot(), "sched": t.scheduler.state_dict(), "train": dict(t.train)}
-    saved["data"] = t.data.state_dict()
+    saved = _snapshot(t)
     reference = [t.step()]
     in_flight = None
     if async_save:
@@ -99,10 +108,12 @@ def _exact_resume(rank: int, world_size: int, root: str, async_save: bool) -> di
     reference += [t.step(), t.step()]
     reference_full = t.full_state()
     ckpt.wait()
-    step_dir = ckpt.resume_from(Path(root) / step_dir_name(3), FINGERPRINT) if async_save else ckpt.find_resume(FINGERPRINT)
+    if async_save:
+        step_dir = ckpt.resume_from(Path(root) / step_dir_name(3), FINGERPRINT)
+    else:
+        step_dir = ckpt.find_resume(FINGERPRINT)
     sidecar = ckpt.load(step_dir, t.state())
-    restored = {"full": t.full_state(), "rng": rng_snapshot(), "sched": t.scheduler.state_dict(), "train": dict(t.train)}
-    restored["data"] = t.data.state_dict()
+    restored = _snapshot(t)
     continued = [t.step() for _ in range(3)]
     result = {
         "step_dir": step_dir.name,
@@ -236,7 +247,8 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> list[
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_rank_killed_mid_save_leaves_previous_step(tmp_path: Path, victim: int) -> None:
-    fault = {"FSDPJOB_FAULT_SAVE_PAUSE_S": "120", "FSDPJOB_FAULT_SAVE_RANK": str(victim), "FSDPJOB_FAULT_SAVE_STEP": "2"}
+    fault = {"FSDPJOB_FAULT_SAVE_PAUSE_S": "120", "FSDPJOB_FAULT_SAVE_RANK": str(victim)}
+    fault["FSDPJOB_FAULT_SAVE_STEP"] = "2"
     procs = _spawn_driver(tmp_path, 2, fault)
     try:
         _wait_for_line(procs[victim], "fault injection: rank", timeout=90)
@@ -294,6 +306,9 @@ def test_damaged_newest_step_falls_back(tmp_path: Path, caplog: pytest.LogCaptur
     # The damaged newer step is uncommitted after the load, so purge can remove it.
     assert [s for s, _ in committed_steps(tmp_path)] == [1] and ckpt.has_committed()
     assert (tmp_path / "latest").read_text().strip() == step_dir_name(1)
+    (tmp_path / step_dir_name(1) / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="every committed checkpoint is damaged.*metadata is unreadable"):
+        ckpt.find_resume(FINGERPRINT)  # never a silent fresh start over lost progress
 
 
 def test_keep_last_and_leftovers(tmp_path: Path) -> None:
@@ -357,7 +372,7 @@ def test_export_fp32_is_bitwise_and_sharded(two_rank_checkpoint: dict[str, Any],
     files = sorted(set(index["weight_map"].values()))
     assert sorted(index["weight_map"]) == sorted(expected)
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in expected.values())
-    assert files == sorted(p.name for p in out.glob("model-*.safetensors")) and files[0].endswith("-of-00001.safetensors")
+    assert files == sorted(p.name for p in out.glob("model-*.safetensors")) == ["model-00001-of-00001.safetensors"]
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert mismatches(expected, _loaded_weights(out, torch.float32)) == []
     assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
