@@ -52,8 +52,9 @@ class Reporter:
             except Exception:  # noqa: BLE001 - TensorBoard is optional
                 self._tb = None
 
-    def event(self, name: str, **fields: object) -> None:
-        if self.enabled:
+    def event(self, name: str, *, all_ranks: bool = False, **fields: object) -> None:
+        """Append a lifecycle event; ``all_ranks`` lets any rank report (failures happen on any rank)."""
+        if self.enabled or all_ranks:
             _append(self.events_file, {"event": name, "time": time.time(), "pid": os.getpid(), **fields})
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
 

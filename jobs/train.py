@@ -164,7 +164,8 @@ def run(run_dir: str) -> dict:
     except SystemExit:
         raise
     except BaseException as exc:
-        report.event("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        report.event("failed", all_ranks=True, rank=env.rank, error=f"{type(exc).__name__}: {exc}"[:2000],
+                     retryable=_retryable(exc))
         raise
     finally:
         if ckpt is not None:
@@ -227,11 +228,25 @@ def _stop_and_requeue(stop, signum, spec, state, report, t_save_start, device) -
         report.event("stop", reason=kind, signal=signum, step=state.step, requeued=requeued, detail=detail,
                      save_s=round(time.time() - t_save_start, 3), signal_to_commit_s=round(signal_to_commit, 3))
         if not requeued:
-            report.event("failed", reason=detail, step=state.step)
+            report.event("failed", reason=detail, step=state.step, retryable=False)
     flag = torch.tensor([int(requeued)], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)  # every rank exits the same way: requeued (0/144) or failed (1)
     close_distributed()
     preemption.exit_after_stop(bool(flag.item()))
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Whether a crash may pass on a new attempt: a lost peer or connection, yes; errors of the job itself
+    (data, resume refused, out of memory, bugs) or an interrupt, no. The batch script's failure policy
+    (orchestrator/failure.py) also requires that the attempt made progress."""
+    if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError)):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "nccl", "gloo")
+    )
 
 
 def _log_samples(paths: RunPaths, step: int, micro_batches, env) -> None:

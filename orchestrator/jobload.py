@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ProfileError
 from .profiles import ClusterProfile, load_profile
 from .resolve import Effective, check
 from .spec import JobSpec, load_spec
@@ -31,7 +32,12 @@ def load_job(
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
         spec = spec.model_copy(update={"profile": profile})
-    prof = load_profile(spec.profile)
+    try:
+        prof = load_profile(spec.profile)
+    except ProfileError as exc:
+        if profile or exc.file:  # from --profile, or an error inside the profile file itself
+            raise
+        raise ProfileError(exc.message, file=doc.file, line=doc.line_of(("profile",)), loc="profile") from None
     eff = check(spec, prof, doc)
     if check_files:
         from .inputs import check_inputs

@@ -31,6 +31,7 @@ class SbatchPlan:
     env: tuple[tuple[str, str], ...]
     srun: str
     command: str
+    python: str
 
     def with_command(self, command: str) -> "SbatchPlan":
         return replace(self, command=command)
@@ -133,6 +134,7 @@ def build_plan(spec: JobSpec, profile: ClusterProfile, paths: RunPaths, *, spec_
         env=tuple(sorted(env.items())),
         srun=" ".join(srun_opts),
         command=submitit_command(python, folder),
+        python=literal(python),
     )
 
 

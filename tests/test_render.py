@@ -180,7 +180,7 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (log / "module.argv").read_bytes().split(b"\0")[:-1] == [b"load", b"cuda/12.4"]
     argv = (log / "srun.argv").read_bytes().decode().split("\0")[:-1]
-    assert argv == ["--unbuffered", "--output", "/runs/example-run/submitit/%j_%t_log.out", "--error",
+    assert argv == ["--kill-on-bad-exit=1", "--unbuffered", "--output", "/runs/example-run/submitit/%j_%t_log.out", "--error",
                     "/runs/example-run/submitit/%j_%t_log.err", "--cpu-bind=none", PYTHON, "-u", "-m",
                     "submitit.core._submit", "/runs/example-run/submitit"]  # fmt: skip
     seen = dict(item.split("=", 1) for item in (log / "srun.env").read_bytes().decode().split("\0") if "=" in item)
@@ -207,5 +207,7 @@ def test_script_keeps_submitits_contract(monkeypatch):
             assert line in ours, line
     assert "--signal=USR1@300" in ours  # submitit hardcodes USR2; the spec chose USR1 (SUBMITIT_PREEMPT_SIGNAL)
     their_srun = next(line for line in theirs.splitlines() if line.startswith("srun "))
-    assert their_srun in script.splitlines()
+    # Ours adds --kill-on-bad-exit (a crashed rank ends the step) and keeps srun's exit code for the
+    # failure policy; submitit's own options and command follow unchanged.
+    assert their_srun.replace("srun ", "srun --kill-on-bad-exit=1 ", 1) + " || rc=$?" in script.splitlines()
     assert "export SUBMITIT_EXECUTOR=slurm" in script and "export SUBMITIT_PREEMPT_SIGNAL=USR1" in script

@@ -109,7 +109,7 @@ def status_of(job_id: str) -> str:
 def preempt_now() -> str:
     """A high-tier job that needs both nodes preempts the low-tier debug job."""
     out = subprocess.run(
-        ["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 3"],
+        ["sbatch", "--parsable", "--output=/dev/null", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 3"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     return out.split(";")[0]

@@ -1,0 +1,80 @@
+"""After a crashed attempt (srun failed): requeue or not. Run by the batch script; pure decision + one side effect.
+
+Which exits lead to a requeue:
+- a crash of an attempt that trained at least one step (a killed rank, a lost node, a peer's broken
+  connection): the job is requeued and resumes from the newest committed checkpoint;
+Which never do:
+- an attempt that failed before its first step (bad spec or data, missing files, out of memory at step 0,
+  a failed rendezvous): running it again would fail the same way;
+- a failure the worker itself marked as not retryable (e.g. a data error, a refused resume);
+- the requeue cap (preemption.max_requeues) is reached; the run then ends FAILED with that reason.
+Preemption and time limits never get here: their workers requeue and exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .paths import RunPaths
+from .progress import _json_lines
+
+
+def decide(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
+    """(requeue?, why) from the events of the run; only the current (last) attempt counts."""
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    attempt = events[starts[-1]:] if starts else []
+    if not attempt:
+        return False, "the workers never started (see the rank logs)"
+    if any(e.get("event") == "stop" and e.get("requeued") for e in attempt):
+        return False, "the workers already requeued this job after a stop checkpoint"
+    not_retryable = [e for e in attempt if e.get("event") == "failed" and e.get("retryable") is False]
+    if not_retryable:
+        return False, f"not retryable: {not_retryable[0].get('error') or not_retryable[0].get('reason')}"
+    ready = next((e for e in attempt if e.get("event") == "ready"), None)
+    first = int(ready.get("step", 0)) if ready else None
+    progressed = ready is not None and any(
+        e.get("event") == "metric" and int(e.get("step", 0)) > first for e in attempt
+    )
+    if not progressed:
+        return False, "the attempt failed before its first training step; it would fail the same way again"
+    if restarts >= max_requeues:
+        return False, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
+    return True, "a crash after training progressed; resuming from the newest committed checkpoint"
+
+
+def _attempt_timeline(paths: RunPaths) -> list[dict]:
+    events = _json_lines(paths.events_file.read_text(encoding="utf-8").splitlines()) if paths.events_file.exists() else []
+    metrics = _json_lines(paths.metrics_file.read_text(encoding="utf-8").splitlines()) if paths.metrics_file.exists() else []
+    return sorted(events + [dict(m, event="metric") for m in metrics], key=lambda e: e.get("time", 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_dir, exit_code = (argv or sys.argv[1:])[:2]
+    paths = RunPaths(Path(run_dir))
+    spec = json.loads(paths.spec_file.read_text(encoding="utf-8"))["spec"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    requeue, why = decide(_attempt_timeline(paths), restarts=restarts, max_requeues=spec["preemption"]["max_requeues"])
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    record = {"time": time.time(), "pid": os.getpid(), "exit_code": int(exit_code), "detail": why}
+    if requeue:
+        from .slurm_cli import requeue as scontrol_requeue
+
+        with open(paths.events_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "requeue", "reason": "failure", **record}) + "\n")
+        print(f"fsdpjob: workers failed (exit {exit_code}); requeueing job {job_id}: {why}", file=sys.stderr)
+        scontrol_requeue(job_id)
+        return 0
+    with open(paths.events_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"event": "failed", "reason": f"workers failed (exit {exit_code}), not requeued: {why}", **record}) + "\n")
+    print(f"fsdpjob: workers failed (exit {exit_code}); not requeued: {why}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
