@@ -37,8 +37,10 @@ def assets(tmp_path_factory) -> dict:
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 
 
-@pytest.fixture
-def make_spec(assets, tmp_path):
+@pytest.fixture(scope="module")
+def make_spec(assets, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("specs")
+
     def make(name: str, **overrides) -> Path:
         spec = {
             "name": name,
@@ -115,12 +117,26 @@ def preempt_now() -> str:
     return out.split(";")[0]
 
 
-def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, make_spec):
-    spec = make_spec("preempt", train__max_steps=60)
+@pytest.fixture(scope="module")
+def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
+    """An uninterrupted 2x2 run of the spec the interrupted runs use (their final weights must match it)."""
+    os.environ["SLURM_CONF"] = str(slurm_cluster_session.slurm_conf)
+    os.environ["FSDPJOB_HOME"] = str(tmp_path_factory.mktemp("reference_home"))
+    spec = make_spec("uninterrupted", train__max_steps=60)
     ref = submit(spec)
-    wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)
-    assert status(ref["run_id"])["phase"] == "COMPLETED"
+    assert wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)["phase"] == "COMPLETED"
+    return {"spec": spec, "weights": final_weights(ref["run_dir"])}
 
+
+def assert_same_weights(reference: dict, run_dir: str) -> None:
+    a, b = reference["weights"], final_weights(run_dir)
+    assert a.keys() == b.keys()
+    mismatched = [k for k in a if not (a[k] == b[k]).all()]
+    assert not mismatched, f"weights differ from the uninterrupted run: {mismatched}"
+
+
+def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, reference):
+    spec = reference["spec"]
     run = submit(spec)
     seen: list[str] = []
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout=180, interval=1.0, what="step 10")
@@ -140,10 +156,39 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_clus
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["step"] == stop["step"]
 
-    a, b = final_weights(ref["run_dir"]), final_weights(run["run_dir"])
-    assert a.keys() == b.keys()
-    mismatched = [k for k in a if not (a[k] == b[k]).all()]
-    assert not mismatched, f"weights differ from the uninterrupted run: {mismatched}"
+    assert_same_weights(reference, run["run_dir"])
+
+
+def worker_pids(run_dir: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {run_dir}/submitit"], capture_output=True, text=True)
+    return sorted(int(p) for p in out.stdout.split())
+
+
+def test_killed_rank_is_requeued_and_still_matches_uninterrupted_run(slurm_cluster, reference):
+    import signal
+
+    run = submit(reference["spec"])
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout=180, interval=1.0, what="step 10")
+    pids = wait_for(lambda: worker_pids(run["run_dir"]), timeout=10, what="worker pids")
+    os.kill(pids[-1], signal.SIGKILL)  # a hard crash of one rank: no signal handler, no checkpoint
+    release_when_held(run["job_id"])
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED"}, timeout=300)
+    assert done["phase"] == "COMPLETED", done
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    assert any(e["event"] == "requeue" and e["reason"] == "failure" for e in events), events
+    assert_same_weights(reference, run["run_dir"])
+
+
+def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, assets, tmp_path):
+    # A malformed line past what the login node scans (10000 lines): only the worker finds it, at setup.
+    data = tmp_path / "bad.jsonl"
+    good = Path(assets["data_path"]).read_text().splitlines()
+    data.write_text("\n".join((good * 3)[:10500] + ["{not json"]) + "\n")
+    run = submit(make_spec("badata", data__path=str(data)))
+    done = wait_phase(run["run_id"], {"FAILED", "COMPLETED", "REQUEUED", "PENDING"}, timeout=180)
+    done = wait_phase(run["run_id"], {"FAILED", "COMPLETED"}, timeout=60)
+    assert done["phase"] == "FAILED" and done["restarts"] == 0, done
+    assert "not requeued" in (done["failure_reason"] or "") or "line 10501" in (done["failure_reason"] or ""), done
 
 
 def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
