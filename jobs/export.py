@@ -140,6 +140,7 @@ def _write_folder(step_dir: Path, model_dir: Path, out: Path, target: torch.dtyp
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         tensors = {n: _cast(t, target) for n, t in _load_group(step_dir, prefix, entries, names).items()}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        shutil.copymode(out / "config.json", out / file_name)  # safetensors creates 0600; share like the rest
         weight_map.update(dict.fromkeys(names, file_name))
         del tensors
         log.info("export: wrote %s (%d tensors)", file_name, len(names))
