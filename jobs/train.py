@@ -231,7 +231,6 @@ def _stop_and_requeue(stop, signum, spec, state, report, t_save_start, device) -
             report.event("failed", reason=detail, step=state.step, retryable=False)
     flag = torch.tensor([int(requeued)], dtype=torch.int32, device=device)
     dist.broadcast(flag, src=0)  # every rank exits the same way: requeued (0/144) or failed (1)
-    close_distributed()
     preemption.exit_after_stop(bool(flag.item()))
 
 

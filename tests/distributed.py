@@ -65,3 +65,19 @@ def run_ranks(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def committed_model_state(run_dir) -> dict:
+    """Model tensors of a run's newest committed checkpoint, read in this process (no process group)."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = Path(run_dir) / "checkpoints"
+    step_dir = ckpt / (ckpt / "latest").read_text().strip()
+    out = Path(run_dir) / f"{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    out.unlink()
+    return dict(state["model"]["model"])

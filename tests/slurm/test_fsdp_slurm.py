@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distributed import committed_model_state
 from slurm.conftest import release_held, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -74,17 +75,7 @@ def _json_prefix(text: str) -> dict:
 
 
 def final_weights(run_dir: str) -> dict:
-    """Model tensors of the newest committed checkpoint, read in this process without a process group."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    ckpt = Path(run_dir) / "checkpoints"
-    step_dir = ckpt / (ckpt / "latest").read_text().strip()
-    out = Path(run_dir) / "final.pt"
-    dcp_to_torch_save(str(step_dir), str(out))
-    state = torch.load(out, weights_only=False)
-    model = next(v for k, v in state.items() if k == "model")
-    return {k: v for k, v in model["model"].items()}
+    return committed_model_state(run_dir)
 
 
 def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
