@@ -52,6 +52,9 @@ SIDECAR = "fsdpjob.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"step-(\d+)")
+# Sidecar fields the manager writes itself; state entries with these names are not copied into it.
+_MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
+                   "reason", "model_key"}
 _FRESH_HINT = "to start fresh instead, use a new run name or --set checkpoint.dir=<empty folder>"
 
 
@@ -371,7 +374,7 @@ class CheckpointManager:
         # saves then block only for a memcpy, not for allocating and faulting in fresh memory.
         staging = StagingOptions(torch.cuda.is_available(), False, False, False)
         self._stager = DefaultStager(staging) if async_save else None
-        self._pending: tuple[int, str, Future, float] | None = None
+        self._pending: tuple[int, dict[str, Any], Future, float] | None = None
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
         self._last_step: int | None = None
@@ -395,8 +398,7 @@ class CheckpointManager:
             _remove_step(step_dir)
         self._barrier()
         writer = _storage_writer(step_dir, rank=self.rank, step=step)
-        # Export finds the weights under "<model_key>.model.<hf name>" through this sidecar field.
-        self.sidecar["model_key"] = next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None)
+        facts = self._save_facts(state, reason)
         started = time.monotonic()
         if not self.async_save:
             with single_process_dcp():
@@ -404,7 +406,7 @@ class CheckpointManager:
             self._last_step = step
             # dcp.save returns only after the coordinator gathered every rank's write results.
             if self.rank == 0:
-                self._commit(step, reason, started)
+                self._commit(step, facts, started)
                 self.purge()
             self._barrier()
             return
@@ -416,8 +418,8 @@ class CheckpointManager:
         if self.rank == 0:
             # Rank 0's save finishes only after DCP gathered every rank's write results, so its own
             # completion is the moment all shards are on disk: commit then, not at the next wait().
-            future.add_done_callback(lambda f: self._commit_if_done(f, step, reason, started))
-        self._pending = (step, reason, future, started)
+            future.add_done_callback(lambda f: self._commit_if_done(f, step, facts, started))
+        self._pending = (step, facts, future, started)
 
     @property
     def in_flight(self) -> int | None:
@@ -428,7 +430,7 @@ class CheckpointManager:
         """Finish the in-flight async save (if any), make sure it is committed, and purge (collective)."""
         if self._pending is None:
             return
-        step, reason, future, started = self._pending
+        step, facts, future, started = self._pending
         self._pending = None
         try:
             future.result()
@@ -436,18 +438,34 @@ class CheckpointManager:
             self._last_step = None
             raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
         if self.rank == 0:
-            self._commit_if_done(future, step, reason, started)
+            self._commit_if_done(future, step, facts, started)
             self.purge()
         self._barrier()
 
-    def _commit_if_done(self, future: Future, step: int, reason: str, started: float) -> None:
+    def _save_facts(self, state: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Per-save sidecar fields, taken when the save starts (the state may move on during an async write).
+
+        Besides the reason: ``model_key``, where export finds the weights ("<model_key>.model.<hf
+        name>"), and every entry of flat scalars (train counters, data position) under its own key,
+        so a resume can read them before the objects that load them exist.
+        """
+        facts: dict[str, Any] = {"reason": reason}
+        facts["model_key"] = next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None)
+        for key, value in state.items():
+            flat = value.state_dict() if isinstance(value, DictState) else value
+            scalars = isinstance(flat, dict) and all(isinstance(x, (int, float, str, bool)) for x in flat.values())
+            if scalars and key not in self.sidecar and key not in _MANAGER_FIELDS:
+                facts[key] = dict(flat)
+        return facts
+
+    def _commit_if_done(self, future: Future, step: int, facts: dict[str, Any], started: float) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         with self._commit_lock:
             if step not in self._committed_steps:
-                self._commit(step, reason, started)
+                self._commit(step, facts, started)
 
-    def _commit(self, step: int, reason: str, started: float) -> None:
+    def _commit(self, step: int, facts: dict[str, Any], started: float) -> None:
         step_dir = self.root / step_dir_name(step)
         seconds = time.monotonic() - started
         sidecar = {
@@ -457,16 +475,16 @@ class CheckpointManager:
             "torch_version": torch.__version__,
             "world_size": self.world_size,
             "step": step,
-            "reason": reason,
             "wall_time": time.time(),
             "save_seconds": round(seconds, 3),
+            **facts,
         }
         _atomic_write(step_dir / SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
         _atomic_write(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar["wall_time"]}) + "\n")
         _atomic_write(self.root / LATEST, step_dir.name + "\n")
         self._committed_steps.add(step)
         size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
-        log.info("checkpoint %s committed (%s, %.1f MB in %.2f s)", step_dir, reason, size / 1e6, seconds)
+        log.info("checkpoint %s committed (%s, %.1f MB in %.2f s)", step_dir, facts["reason"], size / 1e6, seconds)
 
     # -- resume ----------------------------------------------------------------------------------
 

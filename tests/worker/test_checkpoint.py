@@ -118,6 +118,8 @@ def _exact_resume(rank: int, world_size: int, root: str, async_save: bool) -> di
     result = {
         "step_dir": step_dir.name,
         "sidecar_step": sidecar["step"],
+        "sidecar_counters": (sidecar["train"], sidecar["data"], sidecar["model_key"]),
+        "saved_counters": (saved["train"], saved["data"]),
         "restore_mismatches": mismatches(saved, restored),
         "losses": (reference, continued),
         "continue_mismatches": mismatches(reference_full, t.full_state()),
@@ -135,6 +137,7 @@ def test_resume_is_exact_and_continues_bitwise(tmp_path: Path, async_save: bool)
     for r in results:
         assert r["step_dir"] == step_dir_name(3) and r["sidecar_step"] == 3
         assert r["restore_mismatches"] == []
+        assert r["sidecar_counters"] == (*r["saved_counters"], "model")  # readable before loading
         reference, continued = r["losses"]
         assert continued == reference  # bitwise: float equality of every loss
         assert r["continue_mismatches"] == []
