@@ -95,8 +95,21 @@ def requeue(max_requeues: int, restarts: int) -> tuple[bool, str]:
     try:
         scontrol_requeue(job_id)
     except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled: nothing to requeue
-        return False, f"scontrol requeue {job_id} failed: {exc}"
+        state = _job_state(job_id)
+        if state in ("COMPLETING", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+            # Someone (scontrol requeue, Slurm itself at grace end) is already requeueing it.
+            return True, f"job {job_id} is already being requeued ({state})"
+        return False, f"scontrol requeue {job_id} failed ({state or 'state unknown'}): {exc}"
     return True, f"requeued Slurm job {job_id}"
+
+
+def _job_state(job_id: str) -> str | None:
+    from fsdpjob.orchestrator.slurm_cli import scontrol_job
+
+    try:
+        return (scontrol_job(job_id) or {}).get("JobState")
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def exit_after_stop(requeued: bool) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821

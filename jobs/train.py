@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ def run(run_dir: str) -> dict:
         report.event("ready", step=state.step, setup_s=round(time.time() - t_start, 2))
 
         flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
-        last_save, last_log, tokens_since_log = time.time(), time.time(), 0
+        last_save, last_log, tokens_since_log, logged_step = time.time(), time.time(), 0, state.step
         stop_at = int(os.environ.get("FSDPJOB_STOP_AT_STEP", "0") or 0)  # test hook: a stop request at a step
         log_samples = bool(os.environ.get("FSDPJOB_LOG_SAMPLES"))  # test hook: global sample ids per step
         while state.step < spec.train.max_steps:
@@ -129,16 +130,16 @@ def run(run_dir: str) -> dict:
             state.tokens_seen += tokens
             tokens_since_log += tokens
 
-            if state.step % spec.train.log_every == 0 or state.step == spec.train.max_steps:
+            if state.step % spec.train.log_every == 0 or state.step in (1, spec.train.max_steps):
                 now = time.time()
-                elapsed, steps_in_window = now - last_log, spec.train.log_every
+                elapsed, steps_in_window = now - last_log, max(1, state.step - logged_step)
                 report.step(state.step, {
                     "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
                     "tokens_per_s": tokens_since_log / max(elapsed, 1e-9),
                     "mfu": _mfu(flops_per_token, tokens_since_log, elapsed, env),
                     "peak_mem_mb": peak_memory_mb(env.device),
                 }, step_time_s=elapsed / steps_in_window)
-                last_log, tokens_since_log = now, 0
+                last_log, tokens_since_log, logged_step = now, 0, state.step
 
             if stop_at and state.step == stop_at and env.is_main:
                 stop.request()
@@ -156,6 +157,7 @@ def run(run_dir: str) -> dict:
         if spec.checkpoint.export_final and env.is_main:
             from .export import export_hf
 
+            shutil.rmtree(paths.export_dir, ignore_errors=True)  # a rerun after an earlier export replaces it
             export_hf(ckpt.latest_committed(), Path(spec.model.path), paths.export_dir, dtype="bf16")
             report.event("export", path=str(paths.export_dir))
         dist.barrier()

@@ -305,9 +305,13 @@ def cancel(run: str) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 def export(source: Path, out: Path, dtype: str) -> None:
     """Write a Hugging Face folder (sharded safetensors) from a run or a checkpoint."""
+    from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
-    written = export_from_path(source, out, dtype)
+    try:
+        written = export_from_path(source, out, dtype)
+    except CheckpointError as exc:
+        raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")
 
 

@@ -23,27 +23,51 @@ from .paths import RunPaths
 from .progress import _json_lines
 
 
-def decide(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
-    """(requeue?, why) from the events of the run; only the current (last) attempt counts."""
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    attempt = events[starts[-1]:] if starts else []
-    if not attempt:
-        return False, "the workers never started (see the rank logs)"
-    if any(e.get("event") == "stop" and e.get("requeued") for e in attempt):
-        return False, "the workers already requeued this job after a stop checkpoint"
-    not_retryable = [e for e in attempt if e.get("event") == "failed" and e.get("retryable") is False]
-    if not_retryable:
-        return False, f"not retryable: {not_retryable[0].get('error') or not_retryable[0].get('reason')}"
+# A crash during setup is retried only this many times in a row, and only after an earlier attempt trained:
+# the setup is known to work then, so a kill during it (lost node, preemption race) is transient.
+MAX_SETUP_CRASHES_IN_A_ROW = 2
+
+
+def _attempts(events: list[dict]) -> list[tuple[int, list[dict]]]:
+    """(restart number, events) per attempt, from the workers' start events."""
+    out: list[tuple[int, list[dict]]] = []
+    for e in events:
+        if e.get("event") == "start":
+            out.append((int(e.get("restart", 0) or 0), [e]))
+        elif out:
+            out[-1][1].append(e)
+    return out
+
+
+def _progressed(attempt: list[dict]) -> bool:
     ready = next((e for e in attempt if e.get("event") == "ready"), None)
-    first = int(ready.get("step", 0)) if ready else None
-    progressed = ready is not None and any(
-        e.get("event") == "metric" and int(e.get("step", 0)) > first for e in attempt
+    return ready is not None and any(
+        e.get("event") == "metric" and int(e.get("step", 0)) > int(ready.get("step", 0)) for e in attempt
     )
-    if not progressed:
-        return False, "the attempt failed before its first training step; it would fail the same way again"
+
+
+def decide(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
+    """(requeue?, why) for the attempt with Slurm restart count ``restarts`` that just failed."""
+    attempts = _attempts(events)
+    current = next((ev for r, ev in reversed(attempts) if r == restarts), None)
+    if current is not None:
+        if any(e.get("event") == "stop" and e.get("requeued") for e in current):
+            return False, "the workers already requeued this job after a stop checkpoint"
+        bad = [e for e in current if e.get("event") == "failed" and e.get("retryable") is False]
+        if bad:
+            return False, f"not retryable: {bad[0].get('error') or bad[0].get('reason')}"
+    if current is not None and _progressed(current):
+        why = "a crash after training progressed; resuming from the newest committed checkpoint"
+    else:
+        trained = [r for r, ev in attempts if _progressed(ev) and r < restarts]
+        if not trained:
+            return False, "the job failed before its first training step; it would fail the same way again"
+        if restarts - trained[-1] > MAX_SETUP_CRASHES_IN_A_ROW:
+            return False, f"{restarts - trained[-1]} attempts in a row crashed before training; giving up"
+        why = "a crash during setup after earlier attempts trained (transient); retrying"
     if restarts >= max_requeues:
         return False, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
-    return True, "a crash after training progressed; resuming from the newest committed checkpoint"
+    return True, why
 
 
 def _attempt_timeline(paths: RunPaths) -> list[dict]:

@@ -3,38 +3,43 @@
 from fsdpjob.orchestrator.failure import decide
 
 
-def attempt(*events):
-    return [{"event": "start", "time": 0}] + [dict(e, time=i + 1) for i, e in enumerate(events)]
+def attempt(restart, *events, t0=0):
+    out = [{"event": "start", "restart": restart, "time": t0}]
+    return out + [dict(e, time=t0 + i + 1) for i, e in enumerate(events)]
+
+
+TRAINED = ({"event": "ready", "step": 0}, {"event": "metric", "step": 5})
 
 
 def test_crash_after_progress_is_requeued():
-    ok, why = decide(attempt({"event": "ready", "step": 10}, {"event": "metric", "step": 12}), restarts=0, max_requeues=3)
+    ok, why = decide(attempt(0, {"event": "ready", "step": 10}, {"event": "metric", "step": 12}), restarts=0, max_requeues=3)
     assert ok, why
 
 
-def test_crash_before_first_step_is_not_requeued():
-    ok, why = decide(attempt({"event": "ready", "step": 0}), restarts=0, max_requeues=3)
+def test_first_attempt_crash_before_first_step_is_not_requeued():
+    ok, why = decide(attempt(0, {"event": "ready", "step": 0}), restarts=0, max_requeues=3)
     assert not ok and "before its first training step" in why
-    ok, _ = decide(attempt(), restarts=0, max_requeues=3)  # died during setup (bad spec, OOM at load)
-    assert not ok
+    assert not decide(attempt(0), restarts=0, max_requeues=3)[0]  # died during setup (bad spec, OOM at load)
+    assert not decide([], restarts=0, max_requeues=3)[0]  # never even started
 
 
 def test_not_retryable_failure_is_not_requeued():
-    events = attempt({"event": "ready", "step": 0}, {"event": "metric", "step": 5},
-                     {"event": "failed", "retryable": False, "error": "DataError: bad line"})
+    events = attempt(0, *TRAINED, {"event": "failed", "retryable": False, "error": "DataError: bad line"})
     ok, why = decide(events, restarts=0, max_requeues=3)
     assert not ok and "DataError" in why
 
 
 def test_cap_and_already_requeued():
-    events = attempt({"event": "ready", "step": 0}, {"event": "metric", "step": 5})
-    assert not decide(events, restarts=3, max_requeues=3)[0]
-    stopped = events + [{"event": "stop", "requeued": True, "time": 99}]
+    assert not decide(attempt(3, *TRAINED), restarts=3, max_requeues=3)[0]
+    stopped = attempt(0, *TRAINED, {"event": "stop", "requeued": True})
     ok, why = decide(stopped, restarts=0, max_requeues=3)
     assert not ok and "already requeued" in why
 
 
-def test_only_the_last_attempt_counts():
-    old = attempt({"event": "ready", "step": 0}, {"event": "metric", "step": 50})
-    new = [{"event": "start", "time": 100}, {"event": "ready", "step": 40, "time": 101}]
-    assert not decide(old + new, restarts=1, max_requeues=5)[0]  # the new attempt made no step
+def test_setup_crash_after_earlier_progress_is_retried_a_bounded_number_of_times():
+    earlier = attempt(0, *TRAINED)
+    assert decide(earlier + attempt(1, t0=100), restarts=1, max_requeues=9)[0]
+    assert decide(earlier, restarts=1, max_requeues=9)[0]  # killed before the new attempt wrote anything
+    assert decide(earlier, restarts=2, max_requeues=9)[0]
+    ok, why = decide(earlier, restarts=3, max_requeues=9)
+    assert not ok and "in a row" in why

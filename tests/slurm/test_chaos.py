@@ -1,0 +1,107 @@
+"""Chaos on the real cluster: one 2x2 FSDP2 run hit by random faults must finish with the bits of an
+uninterrupted run. Faults (seeded; the seed is printed): preemption by a high-tier job, the time-limit
+warning signal, an external `scontrol requeue`, SIGKILL of one worker rank, SIGKILL of a node's slurmd and
+its restart. FSDPJOB_CHAOS_FAULTS (default 5) and FSDPJOB_CHAOS_SEED set the count and the seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm.conftest import release_held, wait_for
+from slurm.test_fsdp_slurm import (  # noqa: F401 - assets and make_spec are fixtures
+    assets,
+    make_spec,
+    assert_same_weights,
+    final_weights,
+    preempt_now,
+    status,
+    status_of,
+    submit,
+    wait_phase,
+    worker_pids,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.distributed, pytest.mark.slow]
+
+FAULTS = ("preempt", "time_limit_signal", "scontrol_requeue", "kill_rank", "kill_slurmd")
+
+
+def inject(fault: str, job_id: str, run_dir: str, rng: random.Random, cluster) -> None:
+    if fault == "preempt":
+        preempt_now()
+    elif fault == "time_limit_signal":
+        # What Slurm sends before the time limit: the warning signal to every task of the job's steps.
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    elif fault == "scontrol_requeue":
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+    elif fault == "kill_rank":
+        pids = worker_pids(run_dir)
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+    elif fault == "kill_slurmd":
+        from fsdpjob.orchestrator.devcluster import manage
+
+        node = rng.choice(["n1", "n2"])
+        pidfile = Path(cluster.state_dir) / "run" / f"slurmd.{node}.pid"
+        os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+        time.sleep(rng.uniform(0.5, 3))
+        manage.up(accounting=cluster.accounting, state_dir=str(cluster.state_dir))  # restarts the missing slurmd
+
+
+def running_with_progress(run: dict) -> bool:
+    report = status(run["run_id"])
+    if report["phase"] in ("REQUEUED", "PENDING") and status_of(run["job_id"]) == "PENDING":
+        release_held(run["job_id"])  # tests only: skip the 120 s BeginTime hold
+    return report["phase"] == "RUNNING" and worker_pids(run["run_dir"]) != []
+
+
+def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spec, tmp_path_factory):
+    count = int(os.environ.get("FSDPJOB_CHAOS_FAULTS", "5"))
+    seed = int(os.environ.get("FSDPJOB_CHAOS_SEED", str(random.SystemRandom().randrange(10**6))))
+    print(f"chaos seed {seed}, {count} faults")
+    rng = random.Random(seed)
+    steps = 60 + 25 * count
+    spec = make_spec(f"chaos{count}", train__max_steps=steps, preemption__max_requeues=4 * count + 5)
+
+    reference = submit(spec)
+    assert wait_phase(reference["run_id"], {"COMPLETED", "FAILED"}, timeout=600)["phase"] == "COMPLETED"
+    run = submit(spec)
+    injected: list[tuple[str, int]] = []
+    # The first fault comes once training has begun (a crash before any step of the first attempt is
+    # treated as a setup failure and not requeued, by design); later ones may hit setup too.
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) > 0, timeout=300, interval=1.0, what="first step")
+    for _ in range(count):
+        wait_for(lambda: running_with_progress(run), timeout=300, interval=1.0, what="run back and training")
+        time.sleep(rng.uniform(2, 8))  # a random moment: mid-step, mid-save or mid-setup
+        report = status(run["run_id"])
+        if report["phase"] == "COMPLETED":
+            break
+        fault = rng.choice(FAULTS)
+        inject(fault, run["job_id"], run["run_dir"], rng, slurm_cluster)
+        injected.append((fault, report["step"] or 0))
+        print(f"injected {fault} near step {report['step']}")
+
+    def finished() -> dict | None:
+        report = status(run["run_id"])
+        if status_of(run["job_id"]) == "PENDING":
+            release_held(run["job_id"])
+        return report if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
+
+    done = wait_for(finished, timeout=900, interval=1.0, what="chaos run to finish")
+    summary = {"seed": seed, "faults": injected, "phase": done["phase"], "restarts": done["restarts"],
+               "steps_lost": done["steps_lost"]}
+    print("chaos summary", json.dumps(summary))
+    results = os.environ.get("FSDPJOB_CHAOS_REPORT")
+    if results:
+        Path(results).write_text(json.dumps(summary))
+    assert done["phase"] == "COMPLETED", (summary, done)
+    assert done["step"] == steps
+    assert_same_weights({"weights": final_weights(reference["run_dir"])}, run["run_dir"])
