@@ -37,6 +37,13 @@ def _json_lines(lines: list[str]) -> list[dict]:
     return out
 
 
+def _json_or_none(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
 def committed_steps(ckpt_dir: Path) -> list[int]:
     """Steps whose commit marker exists (the marker is written last, after every rank's shards)."""
     if not ckpt_dir.is_dir():
@@ -71,13 +78,15 @@ class Progress:
 def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progress:
     paths = RunPaths(run_dir)
     prog = Progress()
-    metrics = _json_lines(_tail_lines(paths.metrics_file))
-    if metrics:
-        last = metrics[-1]
+    metric_lines = _tail_lines(paths.metrics_file)
+    last = next((m for m in map(_json_or_none, reversed(metric_lines)) if m), None)
+    if last:
         prog.step, prog.loss = last.get("step"), last.get("loss")
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
     events = _json_lines(_tail_lines(paths.events_file, 1 << 20))
     prog.events = events
+    # Metrics matter for steps lost only around resumes; most runs have none, so skip parsing them.
+    metrics = _json_lines(metric_lines) if any(e.get("event") == "resume" for e in events) else []
     # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
     timeline = sorted(events + [dict(m, event="metric") for m in metrics], key=lambda e: e.get("time", 0))
     reached = 0

@@ -8,7 +8,6 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from filelock import FileLock
 
 from .errors import RunNotFound
 from .paths import fsdpjob_home
@@ -61,6 +60,8 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
 
 def save(record: JobRecord) -> None:
     """Add or replace a record. One file per run + a lock: concurrent submits never lose a record."""
+    from filelock import FileLock  # imported here: 0.1 s that list/status don't need
+
     root = _private_dir(registry_dir())
     with FileLock(str(root / ".lock"), timeout=30):
         write_atomic(root / f"{record.run_id}.json", json.dumps(asdict(record), indent=1, sort_keys=True))
