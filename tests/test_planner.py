@@ -1,0 +1,299 @@
+"""Planner: parameter counts against transformers, the Llama-2-70B seed case, fixes, signal lead, CPU mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdpjob.orchestrator.errors import InputError
+from fsdpjob.orchestrator.planner import GiB, count_params, format_plan, make_plan, read_model_shape
+from fsdpjob.orchestrator.profiles import load_profile
+from fsdpjob.orchestrator.spec import JobSpec
+from fsdpjob.orchestrator.yamlio import apply_overrides
+
+# Public config.json values of meta-llama/Llama-2-70b-hf.
+LLAMA2_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+}
+
+
+def write_config(folder: Path, cfg: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def make_spec(model_dir: Path, **sections: dict) -> JobSpec:
+    data = {
+        "name": "plan-test",
+        "model": {"path": str(model_dir)},
+        "data": {"path": "train.jsonl"},
+        "train": {"max_steps": 500},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return JobSpec.model_validate(data)
+
+
+def with_changes(spec: JobSpec, change: str) -> JobSpec:
+    """Apply a fix's `a.b=v a.c=w` change the way `--set` would."""
+    return JobSpec.model_validate(apply_overrides(spec.model_dump(mode="json"), change.split()))
+
+
+@pytest.fixture
+def seed_70b(tmp_path: Path) -> JobSpec:
+    """The seed recipe: Llama-2-70B, 2 nodes x 8 A100-80GB, fp32 master weights, bf16 compute, AC, seq 2048, mb 1."""
+    return make_spec(
+        write_config(tmp_path / "llama-2-70b", LLAMA2_70B),
+        resources={"nodes": 2},
+        model={"activation_checkpointing": True},
+        data={"seq_len": 2048},
+    )
+
+
+A100 = load_profile("a100-80gb")
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter counts.
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+
+
+def _transformers_config(model_type: str, **kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**TINY, **kw})
+
+
+@pytest.mark.parametrize(
+    "model_type, extra",
+    [
+        ("llama", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+        ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+        ("llama", {"num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True}),
+        ("llama", {"num_key_value_heads": 2, "head_dim": 32}),
+        ("mistral", {"num_key_value_heads": 2}),
+        ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+        ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+        ("qwen3", {"num_key_value_heads": 2, "head_dim": 24}),
+        ("qwen3", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
+        ("granite", {"num_key_value_heads": 2}),
+    ],
+)
+def test_param_count_matches_transformers(tmp_path: Path, model_type: str, extra: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _transformers_config(model_type, **extra)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    expected = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
+    counted = count_params(read_model_shape(tmp_path))
+    assert counted.total == expected
+    layer = model.model.layers[0]
+    assert counted.per_layer == sum(p.numel() for p in layer.parameters())
+    assert (counted.lm_head == 0) == bool(cfg.tie_word_embeddings)
+
+
+def test_keys_left_out_of_config_json_take_the_transformers_defaults(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Qwen3Config defaults head_dim to 128 and the Qwen configs 32 kv heads; Mistral 8; Llama = heads.
+    for model_type in ("qwen3", "qwen2", "mistral", "llama", "granite"):
+        folder = write_config(tmp_path / model_type, {"model_type": model_type, **TINY})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        assert count_params(read_model_shape(folder)).total == sum(p.numel() for p in model.parameters()), model_type
+
+
+def test_llama2_70b_count_is_the_published_one(seed_70b: JobSpec) -> None:
+    counted = count_params(read_model_shape(seed_70b.model.path))
+    assert counted.total == 68_976_648_192  # "68.98B" on the model card
+    assert counted.per_layer == 855_654_400
+
+
+def test_unsupported_model_type_is_refused_with_the_list(tmp_path: Path) -> None:
+    write_config(tmp_path, {**LLAMA2_70B, "model_type": "mixtral"})
+    with pytest.raises(InputError) as err:
+        read_model_shape(tmp_path)
+    msg = err.value.format()
+    assert "'mixtral'" in msg and "llama, mistral, qwen2, qwen3, granite" in msg and "config.json" in msg
+
+
+def test_missing_config_and_bad_json_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="config.json: model.path: not found"):
+        read_model_shape(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n oops}')
+    with pytest.raises(InputError, match="line 2: not valid JSON"):
+        read_model_shape(tmp_path)
+    write_config(tmp_path, {k: v for k, v in LLAMA2_70B.items() if k != "hidden_size"})
+    with pytest.raises(InputError, match="hidden_size is missing"):
+        read_model_shape(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The golden seed case.
+
+
+def test_seed_70b_fits_on_two_a100_nodes(seed_70b: JobSpec) -> None:
+    plan = make_plan(seed_70b, A100)
+    assert plan.fits and plan.device.fits and plan.host.fits
+    state = sum(i.bytes for i in plan.device.breakdown if i.name in ("parameters", "gradients", "AdamW state"))
+    assert state == pytest.approx(16 * 68.98e9 / 16, rel=0.01)  # ~69 GB of model state per GPU
+    assert state < plan.device.peak <= 80 * GiB
+    assert plan.setup.world == 16 and plan.setup.shard_degree == 16
+    assert plan.host.load_every_rank == pytest.approx(2.2e12, rel=0.03)  # 70e9 x 4 B x 8 ranks
+    # One fp16 copy (the checkpoint's dtype) on rank 0; the fp32 shards are materialized on the GPUs.
+    assert plan.host.load_rank0 == pytest.approx(68.98e9 * 2, rel=0.03)
+    assert plan.host.load_every_rank > plan.host.budget  # why rank-0 loading: 2 TB nodes cannot load on every rank
+    assert plan.fixes == () and plan.warnings == ()
+
+
+def test_seed_70b_on_one_node_needs_offload_or_a_second_node(seed_70b: JobSpec) -> None:
+    one = with_changes(seed_70b, "resources.nodes=1")
+    plan = make_plan(one, A100)
+    assert not plan.fits
+    state = sum(i.bytes for i in plan.device.breakdown if i.name in ("parameters", "gradients", "AdamW state"))
+    assert state == pytest.approx(138e9, rel=0.01)  # ~140 GB per GPU for model state alone
+    changes = [f.change for f in plan.fixes]
+    assert changes == ["fsdp.cpu_offload=true", "resources.nodes=2"]  # AC is on already; mb is 1
+    offload = plan.fixes[0]
+    assert offload.saves > 100 * GiB and offload.peak < 20 * GiB
+    assert any("does not fit" in w and "per GPU" in w for w in plan.warnings)
+    assert "DOES NOT FIT" in format_plan(plan)
+    host = make_plan(with_changes(one, offload.change), A100).host
+    assert host.offloaded_per_rank == pytest.approx(16 * 68.98e9 / 8, rel=0.01)  # params + grads + AdamW, fp32
+    assert host.training == pytest.approx(8 * host.offloaded_per_rank, rel=0.01) and host.fits  # 1.1 TB of 2 TB
+
+
+def test_every_fix_fits_and_they_come_cheapest_first(seed_70b: JobSpec) -> None:
+    spec = with_changes(seed_70b, "model.activation_checkpointing=false train.micro_batch_size=4")
+    plan = make_plan(spec, A100)
+    assert not plan.fits
+    order = ["model.activation_checkpointing", "train.micro_batch_size", "fsdp.cpu_offload", "resources.nodes"]
+    ranks = [min(i for i, key in enumerate(order) if key in f.change) for f in plan.fixes]
+    assert ranks == sorted(ranks) and ranks[0] == 0
+    for fix in plan.fixes:
+        fixed = make_plan(with_changes(spec, fix.change), A100)
+        assert fixed.fits, fix.change
+        assert fixed.device.peak == fix.peak and fix.saves == plan.device.peak - fix.peak
+
+
+def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
+    eight_layers = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 8})
+    spec = make_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
+    plan = make_plan(spec, A100)
+    assert [f.change.split()[0] for f in plan.fixes] == ["model.activation_checkpointing=true", "train.micro_batch_size=3"]
+    changed = with_changes(spec, plan.fixes[1].change)
+    assert changed.train.grad_accum_steps == 6  # ceil(8 x 2 / 3): the global batch does not shrink
+    assert make_plan(changed, A100).fits
+
+
+# ------------------------------------------------------------------------------------------------
+# Time: checkpoint, step, signal lead.
+
+
+def test_checkpoint_size_and_save_time(seed_70b: JobSpec) -> None:
+    t = make_plan(seed_70b, A100).timing
+    assert t.checkpoint_bytes == 68_976_648_192 * 4 * 3  # fp32 params + 2 AdamW moments
+    assert t.save_s == pytest.approx(t.checkpoint_bytes / (2.0e9 * 2))  # 2 GB/s per node, 2 nodes
+    # 6 x N x 16 x 2048 tokens x 4/3 (AC) / 16 GPUs at 40 % of 312 TFLOP/s: about 9 s.
+    assert 5 < t.step_s < 15
+
+
+def test_short_signal_lead_warns_with_the_value_to_use(seed_70b: JobSpec) -> None:
+    short = with_changes(seed_70b, "preemption.signal_lead_s=60")
+    plan = make_plan(short, A100)
+    needed = plan.timing.needed_lead_s
+    assert needed > plan.timing.step_s + plan.timing.save_s
+    assert any(f"set preemption.signal_lead_s: {needed}" in w for w in plan.warnings)
+    assert plan.fits  # a warning, not a refusal
+    enough = make_plan(with_changes(seed_70b, f"preemption.signal_lead_s={needed}"), A100)
+    assert not any("signal" in w for w in enough.warnings)
+
+
+def test_unknown_gpu_type_makes_step_time_unknown(seed_70b: JobSpec) -> None:
+    profile = A100.model_copy(update={"gpu_type": "MI300X"})
+    plan = make_plan(seed_70b, profile)
+    assert plan.timing.step_s is None
+    assert any("step time is unknown" in w and "MI300X" in w for w in plan.warnings)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU profiles, HSDP, output formats, import boundary.
+
+
+def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
+    tiny = write_config(tmp_path, {**LLAMA2_70B, "hidden_size": 256, "intermediate_size": 688,
+                                   "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                   "vocab_size": 4096, "torch_dtype": "float32"})
+    local = load_profile("local")
+    plan = make_plan(make_spec(tiny, resources={"tasks_per_node": 2}), local)
+    assert plan.device.kind == "cpu" and plan.fits
+    assert plan.device.budget == int(local.host_ram_gb * GiB / 2)
+    assert "CUDA context" not in [i.name for i in plan.device.breakdown]
+    assert plan.host.training == 2 * plan.device.peak
+    assert plan.timing.step_s is not None  # CPU throughput is a measured constant
+
+
+def test_cpu_profile_too_small_proposes_activation_checkpointing(tmp_path: Path) -> None:
+    big = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 6, "torch_dtype": "bfloat16"})
+    spec = make_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
+    profile = load_profile("local").model_copy(update={"host_ram_gb": 100.0})
+    plan = make_plan(spec, profile)
+    assert not plan.fits and any("per rank (host RAM / tasks_per_node)" in w for w in plan.warnings)
+    # Offload means nothing on CPU and the local profile has one node: activation checkpointing is the only fix.
+    assert [f.change for f in plan.fixes] == ["model.activation_checkpointing=true"]
+    assert make_plan(with_changes(spec, plan.fixes[0].change), profile).fits
+
+
+def test_hsdp_shards_over_the_group_only(seed_70b: JobSpec) -> None:
+    full = make_plan(seed_70b, A100)
+    hsdp = make_plan(with_changes(seed_70b, "fsdp.replicate_degree=2"), A100)
+    assert hsdp.setup.shard_degree == 8
+    params = {p.name: p.bytes for p in hsdp.device.state}
+    assert params["parameters"] == 2 * {p.name: p.bytes for p in full.device.state}["parameters"]
+
+
+def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None:
+    out = make_plan(with_changes(seed_70b, "resources.nodes=1"), A100).to_json()
+    assert json.loads(json.dumps(out)) == out
+    assert set(out) == {"fits", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
+                        "signal", "fixes", "warnings"}
+    assert out["fits"] is False and out["params"]["total"] == 68_976_648_192
+    assert out["device_memory"]["peak_bytes"] == sum(i["bytes"] for i in out["device_memory"]["breakdown"])
+    assert {"change", "peak_bytes", "saves_bytes", "why"} == set(out["fixes"][0])
+
+
+def test_text_report_shows_the_breakdown_and_verdict(seed_70b: JobSpec) -> None:
+    text = format_plan(make_plan(seed_70b, A100))
+    for needle in ("parameters", "AdamW state", "gradients", "CUDA context", "rank-0 loading", "every rank loading",
+                   "checkpoint:", "signal lead:", "verdict: FITS"):
+        assert needle in text, needle
+
+
+def test_planner_imports_neither_torch_nor_transformers() -> None:
+    code = (
+        "import sys, fsdpjob.orchestrator.planner; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
