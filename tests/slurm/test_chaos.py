@@ -40,9 +40,9 @@ def inject(fault: str, job_id: str, run_dir: str, rng: random.Random, cluster) -
         preempt_now()
     elif fault == "time_limit_signal":
         # What Slurm sends before the time limit: the warning signal to every task of the job's steps.
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        _retry(["scancel", "--signal=USR2", job_id])
     elif fault == "scontrol_requeue":
-        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        _retry(["scontrol", "requeue", job_id])
     elif fault == "kill_rank":
         pids = worker_pids(run_dir)
         if pids:
@@ -55,6 +55,15 @@ def inject(fault: str, job_id: str, run_dir: str, rng: random.Random, cluster) -
         os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
         time.sleep(rng.uniform(0.5, 3))
         manage.up(accounting=cluster.accounting, state_dir=str(cluster.state_dir))  # restarts the missing slurmd
+
+
+def _retry(argv: list[str], attempts: int = 10) -> None:
+    """Slurm refuses to alter a job in some transitions ("try again later"): the fault then lands a moment later."""
+    for _ in range(attempts):
+        if subprocess.run(argv, capture_output=True, text=True).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{argv} kept failing")
 
 
 def running_with_progress(run: dict) -> bool:
