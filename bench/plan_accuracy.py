@@ -219,7 +219,8 @@ def measure_rank(rank: int, world_size: int, *, model_dir: str, case: dict, step
 
 
 def _warmup(case: Case) -> Case:
-    return replace(case, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, vocab=128, seq_len=32, grad_accum=1)
+    tiny = dict(hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, vocab=128, seq_len=32, grad_accum=1)
+    return replace(case, **tiny)
 
 
 def measure(case: Case, model_dir: Path, stock_malloc: bool = False) -> dict:
@@ -255,14 +256,16 @@ def main() -> None:
     args = ap.parse_args()
     cases = QUICK if args.quick else grid()
     stock = f" {'stock glibc':>11} {'error':>7} {'s/step':>6}" if args.stock else ""
-    print(f"{'case':<26} {'predicted':>9} {'measured':>9} {'error':>7} {'s/step':>6}{stock}   load, rank 0: predicted / measured (MiB)")
+    header = f"{'case':<26} {'predicted':>9} {'measured':>9} {'error':>7} {'s/step':>6}{stock}"
+    print(f"{header}   load, rank 0: predicted / measured (MiB)")
     errors = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             model_dir = write_model(case, Path(tmp) / case.label.replace(" ", "_"))
             pred, got = predict(case, model_dir), measure(case, model_dir)
             errors.append((pred - got["peak"]) / got["peak"])
-            row = f"{case.label:<26} {pred / MiB:>9.1f} {got['peak'] / MiB:>9.1f} {errors[-1]:>+7.1%} {got['step_s']:>6.2f}"
+            row = f"{case.label:<26} {pred / MiB:>9.1f} {got['peak'] / MiB:>9.1f} {errors[-1]:>+7.1%}"
+            row += f" {got['step_s']:>6.2f}"
             if args.stock:
                 st = measure(case, model_dir, stock_malloc=True)
                 row += f" {st['peak'] / MiB:>11.1f} {(pred - st['peak']) / st['peak']:>+7.1%} {st['step_s']:>6.2f}"

@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 from .errors import InputError
 from .profiles import ClusterProfile
-from .resolve import effective
+from .resolve import Effective, effective
 from .spec import JobSpec
 
 GiB = 1024**3
@@ -73,10 +73,6 @@ _OMITTED_DEFAULTS = {
     "head_dim": {"qwen3": 128},
 }
 
-
-def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
-    value = cfg[key] if key in cfg else _OMITTED_DEFAULTS[key].get(model_type)
-    return value or fallback
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
 
@@ -151,13 +147,19 @@ def _config_error(path: Path, message: str) -> InputError:
     return InputError(message, file=str(path), loc="model.path")
 
 
+def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
+    value = cfg[key] if key in cfg else _OMITTED_DEFAULTS[key].get(model_type)
+    return value or fallback
+
+
 def read_model_shape(model_dir: str | Path) -> ModelShape:
     """Parse ``<model_dir>/config.json``; refuse model types whose layer shape the planner does not know."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise _config_error(path, "not found; model.path must be a Hugging Face model folder with config.json") from None
+        missing = "not found; model.path must be a Hugging Face model folder with config.json"
+        raise _config_error(path, missing) from None
     except json.JSONDecodeError as exc:
         raise _config_error(path, f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
     model_type = cfg.get("model_type")
@@ -286,13 +288,15 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
     grads = Item("gradients", on_device * shard * m, f"sharded, {m} B")
     early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
     root = Item("root gathered", p.root * c, "embedding + final norm + lm_head, compute dtype")
-    kept = Item("layers kept gathered", s.layers * p.per_layer * c * (not u.reshard), "fsdp.reshard_after_forward: false")
+    kept = Item("layers kept gathered", s.layers * p.per_layer * c * (not u.reshard),
+                "fsdp.reshard_after_forward: false")
     head = [
         Item("lm_head gradient", s.vocab * s.hidden * c, "unsharded until the root's reduce-scatter"),
         Item("logits", t * s.vocab * c, "held by the loss code through backward"),
     ]
     kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2), "oneDNN (measured)")
     largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
+    root_grads = Item("root gradients", p.root * (c + r), "unsharded + fp32 reduce-scatter input")
     adamw_temp = Item("AdamW temporaries", 0 if u.on_gpu else 2 * math.ceil(largest / w) * m, "per-tensor AdamW on CPU")
     moments = [
         Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
@@ -301,8 +305,7 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
                                       kernels)),
         Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
                                         *_layer_transients(s, p, u), kernels)),
-        Moment("backward end", (grads, Item("root gradients", p.root * (c + r), "unsharded + fp32 reduce-scatter input"),
-                                kernels)),
+        Moment("backward end", (grads, root_grads, kernels)),
         Moment("optimizer step", (grads, adamw_temp, kernels)),
     ]
     return state, moments
@@ -313,7 +316,8 @@ def _saved_activations(s: ModelShape, u: Setup) -> Item:
     per_layer = t * s.hidden * c if u.activation_checkpointing else _layer_activations(s, u)[0]
     final_norm = (4 + 3 * c) * t * s.hidden
     unit = _unit(per_layer)
-    note = f"{s.layers} layers x {_size(per_layer, unit)} {unit[0]}" + (" (layer inputs, AC)" if u.activation_checkpointing else "")
+    note = f"{s.layers} layers x {_size(per_layer, unit)} {unit[0]}"
+    note += " (layer inputs, AC)" if u.activation_checkpointing else ""
     return Item("activations", s.layers * per_layer + final_norm, note)
 
 
@@ -355,7 +359,8 @@ class DeviceMemory:
     def breakdown(self) -> tuple[Item, ...]:
         """What is alive at the peak: state, the peak moment's transients, runtime and fragmentation; sums to peak."""
         live = [i for i in (*self.state, *self.peak_moment.items) if i.bytes]
-        frag = Item("fragmentation", int(self.fragmentation * sum(i.bytes for i in live)), f"{self.fragmentation:.0%} of the above")
+        frag = Item("fragmentation", int(self.fragmentation * sum(i.bytes for i in live)),
+                    f"{self.fragmentation:.0%} of the above")
         return (*live, self.runtime, frag)
 
     @property
@@ -444,7 +449,8 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
     if not u.on_gpu:
         cores = cpus_per_task or 1
         rate = CPU_FLOPS_PER_CORE[c] * cores
-        return rate, f"{rate / 1e9:.0f} GFLOP/s per rank ({cores} cores x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU)"
+        basis = f"{_count(cores, 'core')} x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU"
+        return rate, f"{rate / 1e9:.0f} GFLOP/s per rank ({basis})"
     gpu = (profile.gpu_type or "").lower()
     for key, peaks in GPU_PEAK_FLOPS.items():
         if key in gpu:
@@ -535,12 +541,14 @@ class Plan:
             "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
                      "assumption": t.throughput_note},
             "signal": {"lead_s": t.signal_lead_s, "needed_s": t.needed_lead_s},
-            "fixes": [{"change": f.change, "peak_bytes": f.peak, "saves_bytes": f.saves, "why": f.why} for f in self.fixes],
+            "fixes": [
+                {"change": f.change, "peak_bytes": f.peak, "saves_bytes": f.saves, "why": f.why} for f in self.fixes
+            ],
             "warnings": list(self.warnings),
         }
 
 
-def _setup(spec: JobSpec, profile: ClusterProfile) -> tuple[Setup, Any]:
+def _setup(spec: JobSpec, profile: ClusterProfile) -> tuple[Setup, Effective]:
     eff = effective(spec, profile)
     if eff.world_size % spec.fsdp.replicate_degree:
         raise InputError(
@@ -584,6 +592,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
     ac = replace(u, activation_checkpointing=True)
     if not u.activation_checkpointing:
         consider("model.activation_checkpointing=true", ac, "recompute layers in backward: ~30% more compute")
+    # A smaller micro-batch alone, else together with AC (only when neither alone was enough).
     for base, prefix in ((u, ""), (ac, "model.activation_checkpointing=true ")):
         if base is ac and (u.activation_checkpointing or out):
             break
@@ -598,7 +607,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
         for nodes in range(u.nodes + 1, max(4 * u.nodes, u.nodes + 64) + 1):
             more = replace(u, nodes=nodes)
             if more.world % u.replicate_degree == 0 and consider(
-                f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks (smallest node count that fits)"
+                f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit"
             ):
                 break
     return out

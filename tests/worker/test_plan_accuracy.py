@@ -20,4 +20,5 @@ def test_predicted_peak_within_15_percent(case: Case, tmp_path: Path) -> None:
     predicted = predict(case, model_dir)
     measured = measure(case, model_dir)["peak"]
     assert measured > 10 * 1024**2, "the measurement saw no training memory"
-    assert abs(predicted - measured) <= 0.15 * measured, f"predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+    message = f"predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+    assert abs(predicted - measured) <= 0.15 * measured, message
