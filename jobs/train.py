@@ -73,8 +73,10 @@ def run(run_dir: str) -> dict:
             activation_checkpointing=spec.model.activation_checkpointing, cpu_offload=spec.fsdp.cpu_offload,
         )
         model.train()
+        # Fused on CUDA: foreach AdamW holds one more shard-sized temporary (the planner assumes fused).
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=spec.train.lr, betas=spec.train.betas, weight_decay=spec.train.weight_decay
+            model.parameters(), lr=spec.train.lr, betas=spec.train.betas, weight_decay=spec.train.weight_decay,
+            fused=env.device.type == "cuda" or None,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
             s, max_steps=spec.train.max_steps, warmup_steps=spec.train.warmup_steps,
