@@ -44,3 +44,10 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     status = fsdpjob("status", "--json", cwd=tmp_path)
     report = json.loads(status.stdout)
     assert report["phase"] == "COMPLETED" and report["step"] == 150 and report["last_checkpoint_step"] == 150
+
+    logs = fsdpjob("logs", report["run_id"], "--rank", "0", cwd=tmp_path)
+    assert logs.returncode == 0 and "step 150/150" in logs.stdout
+    listed = json.loads(fsdpjob("list", "--json", cwd=tmp_path).stdout)
+    assert [r["phase"] for r in listed] == ["COMPLETED"]
+    bad_rank = fsdpjob("logs", report["run_id"], "--rank", "7", cwd=tmp_path)
+    assert bad_rank.returncode == 1 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
