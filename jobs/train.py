@@ -194,9 +194,10 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, max_gra
     for mb in micro_batches:
         input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
         logits = model(input_ids=input_ids, use_cache=False).logits
+        # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
-            ignore_index=-100, reduction="sum",
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )
         (token_loss * (world / denom)).backward()
         loss_sum += token_loss.detach()
