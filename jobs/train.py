@@ -48,6 +48,7 @@ class TrainState:
 
 
 def run(run_dir: str) -> dict:
+    os.umask(0o077)  # run folders hold checkpoints and logs of the user's data: owner only
     paths = RunPaths(Path(run_dir))
     meta = json.loads(paths.spec_file.read_text(encoding="utf-8"))
     spec = JobSpec.model_validate(meta["spec"])
