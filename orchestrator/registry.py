@@ -40,6 +40,7 @@ def registry_dir() -> Path:
 
 def _private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)  # also when it existed: records name every run and its folder
     return path
 
 
@@ -63,7 +64,7 @@ def save(record: JobRecord) -> None:
     from filelock import FileLock  # imported here: 0.1 s that list/status don't need
 
     root = _private_dir(registry_dir())
-    with FileLock(str(root / ".lock"), timeout=30):
+    with FileLock(str(root / ".lock"), timeout=30, mode=0o600):
         write_atomic(root / f"{record.run_id}.json", json.dumps(asdict(record), indent=1, sort_keys=True))
 
 

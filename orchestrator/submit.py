@@ -54,6 +54,18 @@ def _job_environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _owner_only():
+    """Files and folders created meanwhile are the owner's only: here (run folder, registry), by the local
+    workers (they inherit the umask) and by the Slurm job (sbatch passes it on as SLURM_UMASK), so logs,
+    metrics and checkpoints are never readable by other users."""
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None) -> None:
     paths.run_dir.mkdir(parents=True, mode=0o700)
     paths.submitit_dir.mkdir(mode=0o700)
@@ -100,7 +112,28 @@ def _submit_local(job: LoadedJob, paths: RunPaths):
         timeout_min=job.eff.time_limit_s / 60,
         signal_delay_s=job.eff.signal_lead_s,
     )
-    return executor.submit(TrainJob(str(paths.run_dir)))
+    with _stdio_detached():
+        return executor.submit(TrainJob(str(paths.run_dir)))
+
+
+@contextlib.contextmanager
+def _stdio_detached():
+    """submitit's local controller inherits fds 0-2 and outlives this process: on the caller's pipes it would make
+    `out=$(fsdpjob submit ...)` (or any captured run) wait for the whole job. It gets /dev/null instead; the
+    workers write to their own log files."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        for fd, copy in zip((0, 1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
 
 
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None) -> Submission:
@@ -108,6 +141,13 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
     paths, plan, script = dry_run(job, run_dir)
     if paths.run_dir.exists():
         raise SubmissionError(f"run folder {paths.run_dir} already exists; pick another --run-dir")
+    with _owner_only():
+        return _submit_private(job, paths, plan, script, resume_from)
+
+
+def _submit_private(
+    job: LoadedJob, paths: RunPaths, plan: SbatchPlan | None, script: str, resume_from: str | None
+) -> Submission:
     _write_run_folder(job, paths, script if plan else None, resume_from)
     env = dict(job.profile.env) if job.profile.scheduler == "local" else {}
     env.update(job.spec.env if job.profile.scheduler == "local" else {k: job.spec.env[k] for k in job.spec.secret_names()})
