@@ -66,8 +66,22 @@ def _owner_only():
         os.umask(previous)
 
 
+def _claim_run_folder(name: str, run_dir: Path | None) -> RunPaths:
+    """Create a new run folder. mkdir is the claim: two submits of one name in the same second (run ids differ
+    by 2 random bytes) never share a folder; the second draws another id."""
+    for _ in range(100):
+        paths = RunPaths(run_dir or runs_root() / new_run_id(name))
+        paths.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            paths.run_dir.mkdir(mode=0o700)
+            return paths
+        except FileExistsError:
+            if run_dir is not None:
+                raise SubmissionError(f"run folder {run_dir} already exists; pick another --run-dir") from None
+    raise SubmissionError(f"no free run folder name under {paths.run_dir.parent} in 100 tries")
+
+
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None) -> None:
-    paths.run_dir.mkdir(parents=True, mode=0o700)
     paths.submitit_dir.mkdir(mode=0o700)
     resolved = job.spec.redacted().model_dump(mode="json")
     meta = {
@@ -138,17 +152,18 @@ def _stdio_detached():
 
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed."""
-    paths, plan, script = dry_run(job, run_dir)
-    if paths.run_dir.exists():
-        raise SubmissionError(f"run folder {paths.run_dir} already exists; pick another --run-dir")
     with _owner_only():
-        return _submit_private(job, paths, plan, script, resume_from)
+        paths = _claim_run_folder(job.spec.name, run_dir)
+        try:
+            _, plan, script = dry_run(job, paths.run_dir)
+            _write_run_folder(job, paths, script if plan else None, resume_from)
+        except BaseException:
+            shutil.rmtree(paths.run_dir, ignore_errors=True)
+            raise
+        return _submit_and_record(job, paths, plan)
 
 
-def _submit_private(
-    job: LoadedJob, paths: RunPaths, plan: SbatchPlan | None, script: str, resume_from: str | None
-) -> Submission:
-    _write_run_folder(job, paths, script if plan else None, resume_from)
+def _submit_and_record(job: LoadedJob, paths: RunPaths, plan: SbatchPlan | None) -> Submission:
     env = dict(job.profile.env) if job.profile.scheduler == "local" else {}
     env.update(job.spec.env if job.profile.scheduler == "local" else {k: job.spec.env[k] for k in job.spec.secret_names()})
     env["FSDPJOB_RUN_DIR"] = str(paths.run_dir)
