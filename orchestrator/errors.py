@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+_LINE_BREAKS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+
 
 class FsdpjobError(Exception):
     """Base class: a failure the user can act on. Exit code 1 unless a subclass says otherwise."""
@@ -29,8 +33,8 @@ class InputError(FsdpjobError):
         if self.file:
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
         field = f"{self.loc}: " if self.loc else ""
-        # One line, always: newlines in user values must not break the format.
-        return (where + field + self.message).replace("\n", "\\n")
+        # One line, always: no line break of any kind (\r, \x85, \u2028, ...) from user values gets through.
+        return _LINE_BREAKS.sub(lambda m: m.group(0).encode("unicode_escape").decode(), where + field + self.message)
 
 
 class SpecError(InputError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ProfileError
+from .errors import InputError, ProfileError
 from .profiles import ClusterProfile, load_profile
 from .resolve import Effective, check
 from .spec import JobSpec, load_spec
@@ -35,12 +35,17 @@ def load_job(
     try:
         prof = load_profile(spec.profile)
     except ProfileError as exc:
-        if profile or exc.file:  # from --profile, or an error inside the profile file itself
+        if exc.file:  # an error inside the profile file itself
             raise
+        if profile:
+            raise ProfileError(exc.message, file="--profile") from None
         raise ProfileError(exc.message, file=doc.file, line=doc.line_of(("profile",)), loc="profile") from None
     eff = check(spec, prof, doc)
     if check_files:
         from .inputs import check_inputs
 
-        check_inputs(spec, doc)
+        try:
+            check_inputs(spec, doc)
+        except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
+            raise InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file) from None
     return LoadedJob(spec=spec, doc=doc, profile=prof, eff=eff, source=str(Path(spec_path)))

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from .errors import ProfileError
 from .slurmtime import parse_slurm_time
-from .spec import Strict, check_env, errors_from_validation, single_line
+from .spec import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -117,6 +117,16 @@ class ClusterProfile(Strict):
         for item in value:
             if not re.fullmatch(r"--?[A-Za-z][A-Za-z0-9-]*(=\S.*)?", item):
                 raise ValueError(f"{item!r} is not an option; write it as --name or --name=value")
+            if len(item.encode()) >= MAX_ARG_BYTES:
+                raise ValueError("an option over Linux's 128 KiB argument limit: srun could not start; shorten it")
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _python_path(cls, value: str | None) -> str | None:
+        # An interpreter path, used as a command word: no shell syntax, so it needs no quoting to stay one word.
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_./+@%:,=~-]+", value):
+            raise ValueError(f"{value!r} is not a plain interpreter path (letters, digits and ._/+@%:,=~- only)")
         return value
 
     @property
@@ -150,7 +160,7 @@ def load_profile_file(path: Path) -> ClusterProfile:
     try:
         return ClusterProfile.model_validate(data)
     except ValidationError as exc:
-        errors = errors_from_validation(exc, doc, ClusterProfile)
+        errors = errors_from_validation(exc, doc, ClusterProfile, data=data)
         first = errors[0]
         raise ProfileError(first.message, file=first.file, line=first.line, loc=first.loc) from None
 
@@ -160,7 +170,11 @@ def load_profile(name_or_path: str) -> ClusterProfile:
     looks_like_path = os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml"))
     if looks_like_path:
         path = Path(name_or_path).expanduser()
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as exc:  # e.g. a name too long for the file system
+            raise ProfileError(f"profile file {name_or_path!r} cannot be read: {exc.strerror}") from None
+        if not found:
             raise ProfileError(f"profile file {name_or_path!r} not found")
         return load_profile_file(path)
     profiles = available_profiles()

@@ -29,9 +29,15 @@ def single_line(value: str | None) -> str | None:
     return value
 
 
+# Linux refuses a single argument or environment string over 128 KiB (MAX_ARG_STRLEN): srun could not start.
+MAX_ARG_BYTES = 131072
+
+
 def path_value(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise ValueError("the path is empty; give a file or folder path")
+    if value is not None and (len(value.encode()) > 4095 or any(len(p.encode()) > 255 for p in value.split("/"))):
+        raise ValueError("the path is too long for the file system (4095 bytes, 255 per name); shorten it")
     return single_line(value)
 
 
@@ -42,6 +48,11 @@ def check_env(value: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"{key!r} is not a valid environment variable name")
         if "\x00" in val:
             raise ValueError(f"{key}: NUL bytes cannot be passed in the environment")
+        if "\r" in val:
+            raise ValueError(f"{key}: carriage returns are not allowed (sbatch refuses scripts with DOS line breaks)")
+        if len(key.encode()) + 1 + len(val.encode()) >= MAX_ARG_BYTES:
+            raise ValueError(f"{key}: the value is over Linux's 128 KiB limit for one environment string; "
+                             "put large values in a file and pass its path")
     return value
 
 
@@ -352,12 +363,46 @@ def _message(err: dict, model: type[BaseModel]) -> str:
     return msg
 
 
-def errors_from_validation(exc: ValidationError, doc: YamlDoc, model: type[BaseModel] = JobSpec) -> list[SpecError]:
+def _field_loc(loc: tuple, data: object) -> tuple:
+    """The part of a pydantic error location that names places in the document.
+
+    pydantic adds tags for union branches and validators (e.g. 'literal['auto']', 'int',
+    'function-after[...]'); a user's key may look just like one, so tags are told apart by walking the
+    data: a part is kept when it is a key or index of the data there, or names a missing field.
+    """
+    out: list = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict):
+            if part in node:
+                out.append(part)
+                node = node[part]
+                continue
+            if isinstance(part, str) and not _is_tag(part):
+                out.append(part)  # a missing field, or an unknown key reported at its section
+                node = None
+                continue
+        elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):
+            out.append(part)
+            node = node[part]
+            continue
+        elif node is None and isinstance(part, str) and not _is_tag(part):
+            out.append(part)
+            continue
+        # anything else is a pydantic tag: drop it
+    return tuple(out)
+
+
+def _is_tag(part: str) -> bool:
+    return part.startswith(("function-", "constrained-")) or "[" in part or part in ("int", "str", "float", "bool")
+
+
+def errors_from_validation(
+    exc: ValidationError, doc: YamlDoc, model: type[BaseModel] = JobSpec, data: object = None
+) -> list[SpecError]:
     messages: dict[tuple, list[str]] = {}
     for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
-        # Union branches add type names to loc (e.g. 'literal['auto']'); keep the field path only.
-        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "str", "float", "bool"))))
+        loc = _field_loc(tuple(err["loc"]), doc.data if data is None else data)
         messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
     # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
     return [
@@ -401,7 +446,7 @@ def spec_from_doc(doc: YamlDoc, overrides: list[str] = (), base_dir: Path | None
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecErrors(errors_from_validation(exc, doc)) from None
+        raise SpecErrors(errors_from_validation(exc, doc, data=data)) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[JobSpec, YamlDoc]:

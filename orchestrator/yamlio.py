@@ -21,6 +21,10 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
     seen: dict = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, (list, dict, set)):
+            raise yaml.constructor.ConstructorError(
+                None, None, "a list or mapping cannot be a key; keys are plain names", key_node.start_mark
+            )
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark
@@ -117,8 +121,10 @@ def read_yaml(path: str | Path) -> YamlDoc:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError("file not found; check the path", file=str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc.__class__.__name__}", file=str(path)) from None
+    except UnicodeDecodeError:
+        raise InputError("cannot read: not UTF-8 text", file=str(path)) from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or type(exc).__name__}", file=str(path)) from None
     return parse_yaml(text, str(path))
 
 
