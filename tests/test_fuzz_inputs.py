@@ -50,30 +50,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 ONE_LINE = re.compile(r"^[^\n]+: .+$")
 TRIED: Counter[str] = Counter()  # inputs tried per property, printed at the end of the module
 
-# Faults these suites found in files they do not own, until the owner fixes them (bench/RESULTS.md has the
-# reproducers and patches). Each keeps a strict xfail below (it must still fail: once fixed, delete its entry);
-# the fuzzers count an input whose only faults are pending ones instead of failing on it again.
-PENDING = {
-    "name-too-long": "OSError ENAMETOOLONG escapes as an internal error (orchestrator/inputs.py check_inputs, "
-                     "yamlio.py read_yaml, profiles.py load_profile)",
-    "tag-like-key": "a key such as '[' or 'int' is dropped from loc as if a pydantic tag (IndexError at the top "
-                    "level, wrong field below): orchestrator/spec.py errors_from_validation",
-    "complex-key": "a list or mapping as a YAML key: TypeError unhashable (orchestrator/yamlio.py _construct_mapping)",
-    "line-break": "\\r, \\x85, \\u2028 in a key reach the one-line error unescaped (orchestrator/errors.py format)",
-    "no-where": "an error about --profile has no 'WHERE: ' prefix (orchestrator/jobload.py load_job)",
-    "arg-max": "an env or srun value over Linux's 128 KiB string limit is accepted, then srun cannot start "
-               "(E2BIG): spec.py check_env / profiles.py should refuse it",
-    "sc2288": "profile.python ending in ')' fails shellcheck SC2288 (profiles.py: validate python as a path)",
-    "crlf": "an env value with \\r\\n makes sbatch refuse the whole script ('DOS line breaks'): spec.py check_env "
-            "or shellquote.with_vars",
-}  # fmt: skip
-SIGNATURES = {"name-too-long": "File name too long", "tag-like-key": "IndexError: tuple index out of range",
-              "complex-key": "unhashable type"}  # fmt: skip
-
-
-def pending(key: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"pending fix: {PENDING[key]}")
-
 
 def dotted_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     """Every field of the spec as a dotted path (sections and leaves)."""
@@ -160,9 +136,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def folder(tmp_path_factory: pytest.TempPathFactory):
     yield tmp_path_factory.mktemp("fuzz")
     tracebacks = TRIED.pop("TRACEBACKS", 0)
-    tried = {k: v for k, v in TRIED.items() if not k.startswith("pending")}
-    print(f"\nfuzz inputs tried: {tried} (total {sum(tried.values())}); unexpected tracebacks: {tracebacks}; "
-          f"inputs hitting pending fixes: { {k: v for k, v in TRIED.items() if k.startswith('pending')} }")
+    print(f"\nfuzz inputs tried: {dict(TRIED)} (total {sum(TRIED.values())}); tracebacks: {tracebacks}")
 
 
 _serial = itertools.count()
@@ -189,9 +163,8 @@ def faults(code: int, out: str, err: str) -> list[str]:
     """Breaches of the CLI contract: exit 0 or 2, no traceback, every error one line of ``WHERE: message``."""
     found = []
     if "Traceback" in out + err or "internal error" in err:
-        known = [k for k, sig in SIGNATURES.items() if sig in err]
-        found.append(known[0] if known else "traceback")
-    if code not in (0, 2) and not found:
+        found.append("traceback")
+    elif code not in (0, 2):
         found.append(f"exit {code}")
     if code == 2:
         lines = err.split("\n")[:-1] if err.endswith("\n") else err.split("\n")
@@ -199,21 +172,17 @@ def faults(code: int, out: str, err: str) -> list[str]:
             found.append("no message")
         # splitlines() also breaks at \r, \x85, \u2028...: a terminal or a line-reading tool would see more lines.
         if err.splitlines() != lines:
-            found.append("line-break")
+            found.append("line break other than \\n")
         if not all(ONE_LINE.match(line) for line in lines):
-            found.append("no-where")
+            found.append("a line without 'WHERE: '")
     return found
 
 
-def check_cli(kind: str, argv: list[str], allow_pending: bool = True) -> None:
+def check_cli(kind: str, argv: list[str]) -> None:
     TRIED[kind] += 1
     code, out, err = run_cli(argv)
     found = faults(code, out, err)
-    if any(f not in PENDING for f in found if f in SIGNATURES or f == "traceback"):
-        TRIED["TRACEBACKS"] += 1
-    if found and allow_pending and all(f in PENDING for f in found):
-        TRIED[f"pending fix: {'+'.join(found)}"] += 1
-        return
+    TRIED["TRACEBACKS"] += "traceback" in found
     assert not found, f"{found}\nargv={argv!r}\nexit {code}\nstderr={err!r}"
 
 
@@ -255,34 +224,28 @@ def test_the_valid_base_spec_passes(folder: Path, assets: dict) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        pytest.param(["validate", "SPEC", "--set", "model.path=" + "a" * 300], id="long-model-path-component",
-                     marks=pending("name-too-long")),
-        pytest.param(["validate", "SPEC", "--set", "data.path=/" + "b" * 300], id="long-data-path-component",
-                     marks=pending("name-too-long")),
-        pytest.param(["validate", "DIR/" + "c" * 300 + ".yaml"], id="long-spec-file-name",
-                     marks=pending("name-too-long")),
-        pytest.param(["validate", "SPEC", "-p", "DIR/" + "d" * 300 + ".yaml"], id="long-profile-file-name",
-                     marks=pending("name-too-long")),
-        pytest.param(["validate", "SPEC", "--set", "a\rb=1"], id="carriage-return-in-key", marks=pending("line-break")),
-        pytest.param(["validate", "SPEC", "--set", "a\u2028b=1"], id="unicode-line-separator-in-key",
-                     marks=pending("line-break")),
-        pytest.param(["validate", "SPEC", "-p", "x/" + "d" * 300], id="profile-error-without-where",
-                     marks=pending("no-where")),
-        pytest.param(["validate", "SPEC", "--set", "[=null"], id="key-like-a-union-tag", marks=pending("tag-like-key")),
-        pytest.param(["validate", "SPEC", "--set", "int=1"], id="key-named-like-a-type", marks=pending("tag-like-key")),
-        pytest.param(["validate", "DIR/complex-key.yaml"], id="mapping-as-a-key", marks=pending("complex-key")),
+        pytest.param(["validate", "SPEC", "--set", "model.path=" + "a" * 300], id="long-model-path-component"),
+        pytest.param(["validate", "SPEC", "--set", "data.path=/" + "b" * 300], id="long-data-path-component"),
+        pytest.param(["validate", "DIR/" + "c" * 300 + ".yaml"], id="long-spec-file-name"),
+        pytest.param(["validate", "SPEC", "-p", "DIR/" + "d" * 300 + ".yaml"], id="long-profile-file-name"),
+        pytest.param(["validate", "SPEC", "--set", "a\rb=1"], id="carriage-return-in-key"),
+        pytest.param(["validate", "SPEC", "--set", "a\u2028b=1"], id="unicode-line-separator-in-key"),
+        pytest.param(["validate", "SPEC", "-p", "x/" + "d" * 300], id="profile-error-without-where"),
+        pytest.param(["validate", "SPEC", "--set", "[=null"], id="key-like-a-union-tag"),
+        pytest.param(["validate", "SPEC", "--set", "int=1"], id="key-named-like-a-type"),
+        pytest.param(["validate", "DIR/complex-key.yaml"], id="mapping-as-a-key"),
         pytest.param(["validate", "SPEC", "--set", "env.A=$(touch x)\n`id`", "--set", "name=" + "n" * 64],
                      id="hostile-but-valid"),
     ],
 )  # fmt: skip
 def test_found_by_fuzzing(folder: Path, assets: dict, argv: list[str]) -> None:
-    """Inputs the fuzzers found (and one that must pass), as fixed cases."""
+    """Inputs the fuzzers found (all were tracebacks, stray line breaks or lines without WHERE), and one that must
+    pass, as fixed cases."""
     spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
     (folder / "complex-key.yaml").write_text("? {name: x}\n: y\n? [a]\n: z\n")
-    check_cli("regression", [a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv], allow_pending=False)
+    check_cli("regression", [a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv])
 
 
-@pending("tag-like-key")
 @pytest.mark.parametrize("key", ["int", "str", "[", "literal['auto']", "function-after"])
 def test_unknown_key_named_like_a_pydantic_tag_is_named(folder: Path, assets: dict, key: str) -> None:
     spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
@@ -329,14 +292,7 @@ def directives_read_by(script: Path) -> list[str]:
     return lines
 
 
-PENDING_CASES = {("env", "very-long-payload"): "arg-max", ("profile.env", "very-long-payload"): "arg-max",
-                 ("profile.srun_extra", "very-long-payload"): "arg-max", ("profile.python", "very-long-payload"): "sc2288",
-                 ("profile.python", "long-path-component"): "sc2288"}  # fmt: skip
-SMUGGLE_CASES = [
-    pytest.param(field, payload, id=f"{field}-{payload}",
-                 marks=[pending(PENDING_CASES[field, payload])] if (field, payload) in PENDING_CASES else [])
-    for field in [*FIELDS, *EXTRA_PROFILE_FIELDS] for payload in SMUGGLING
-]  # fmt: skip
+SMUGGLE_CASES = [(field, payload) for field in [*FIELDS, *EXTRA_PROFILE_FIELDS] for payload in SMUGGLING]
 
 
 @pytest.mark.parametrize(("field", "payload"), SMUGGLE_CASES)
@@ -349,6 +305,7 @@ def test_line_breaks_nul_and_long_strings_smuggle_nothing(tmp_path: Path, field:
     script = script_for(case, outcome)
     plan = build_plan(outcome.spec, outcome.profile, RunPaths(case.folder / "run"), spec_source="job.yaml")
     assert directives_read_by(script) == [f"#SBATCH {d}" for d in plan.directives]  # no line of a value's own
+    assert b"\r\n" not in script.read_bytes(), "sbatch refuses a script with DOS line breaks"
     check_static(script)
     done = run_stubbed(case, script)
     assert not case.marker.exists(), "the payload ran"
@@ -356,7 +313,7 @@ def test_line_breaks_nul_and_long_strings_smuggle_nothing(tmp_path: Path, field:
 
 
 @pytest.mark.skipif(SBATCH is None, reason="sbatch is not installed")
-@pytest.mark.parametrize("payload", ["newline", pytest.param("crlf", marks=pending("crlf")), "very-long-then-directive"])
+@pytest.mark.parametrize("payload", ["newline", "very-long-then-directive"])
 def test_sbatch_itself_reads_no_smuggled_directive(tmp_path: Path, payload: str) -> None:
     """The real sbatch parser over the whole rendered script, with line breaks and #SBATCH in an env value."""
     case, job = hostile_case(tmp_path, "env", SMUGGLING[payload])
