@@ -283,7 +283,8 @@ def main() -> None:
             outcomes.append(out)
             p = out.plan
             print(f"trial {i + 1:2d} seed {p.seed} {p.mode:5s} kill {p.victims:3s} rank {p.rank} step {p.step} "
-                  f"+{p.delay_s:.2f}s {'async' if p.async_save else 'sync '}: committed {out.committed} partial {out.partial_left} "
+                  f"+{p.delay_s:.2f}s {'async' if p.async_save else 'sync '}: committed {out.committed} "
+                  f"partial {out.partial_left} "
                   f"acked {out.acked} resumed {out.resumed} {'OK' if not out.problems else out.problems} "
                   f"({out.seconds:.1f} s)", flush=True)  # fmt: skip
     partial = sum(o.partial for o in outcomes)

@@ -67,7 +67,8 @@ KEYWORDS = sorted({p.rsplit(".", 1)[-1] for p in PATHS})
 INTERESTING = ["", " ", "~", "~/x", "../..", "/", ".", "auto", "1:00:00", "99999999999999999999-00", "bf16", "USR2",
                "local", "test-cluster", "a" * 300, "/" + "b" * 300, "x" * 20_000, "$(touch /tmp/pwned)", "`id`",
                "a\x00b", "a\rb", "a\nb", "a\u2028b", "a\x85b", "\ufeff", "naïve ✓ 🚀", "-1", "1e400", ".nan", "0x1F",
-               "0o17", "1_000", "null", "~user/x", "%s%n", "{{ x }}", "*", "[", "{", "&a", "*a", "!!binary aGk="]  # fmt: skip
+               "0o17", "1_000", "null", "~user/x", "%s%n", "{{ x }}", "*", "[", "{", "&a", "*a",
+               "!!binary aGk="]  # fmt: skip
 TEXT = st.one_of(st.sampled_from(INTERESTING), st.text(max_size=40), st.text(st.characters(codec="ascii"), max_size=8))
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(-(2**70), 2**70), st.floats(), TEXT,

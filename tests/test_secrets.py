@@ -66,22 +66,26 @@ def write_spec(folder: Path, assets: dict, profile: str) -> Path:
 
 
 def worker_environments(run_dir: str, ranks: int, timeout: float = 180) -> list[dict[str, str]]:
-    """The environment of each worker process of a run, read from /proc while they are alive."""
+    """The environment of each worker process (one per rank) of a run, read from /proc while they are alive."""
     pattern = f"submitit.core._submit {run_dir}/submitit"
-    found: dict[int, dict[str, str]] = {}
+    found: dict[str, dict[str, str]] = {}  # by rank
     deadline = time.monotonic() + timeout
     while len(found) < ranks and time.monotonic() < deadline:
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-        for pid in map(int, pids):
+        for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split():
             try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
                 raw = Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
                 continue  # gone already
+            if b"python" not in Path(argv0.decode()).name.encode():
+                continue  # srun, whose command line names the worker's
             env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-            if "SUBMITIT_EXECUTOR" in env:  # a worker, not a shell or srun wrapping it
-                found[pid] = env
+            rank_key = "SLURM_PROCID" if env.get("SUBMITIT_EXECUTOR") == "slurm" else "SUBMITIT_LOCAL_GLOBALID"
+            rank = env.get(rank_key)
+            if rank is not None:
+                found[rank] = env
         time.sleep(0.05)
-    assert len(found) >= ranks, f"found {len(found)} of {ranks} worker processes of {run_dir}"
+    assert sorted(found) == [str(r) for r in range(ranks)], f"worker ranks found: {sorted(found)} of {ranks}"
     return list(found.values())
 
 
@@ -140,6 +144,8 @@ def check_run(spec: Path, ranks: int) -> dict:
     written = files_under(run_dir, registry)
     assert any("step-00000002" in p for p in written) and any(p.endswith("_log.out") for p in written), sorted(written)
     assert leaks(written | printed) == []
+    print(f"{len(SECRETS)} secrets in {len(envs)} workers' environments; searched {len(written)} files "
+          f"({sum(map(len, written.values()))} bytes) and {len(printed)} command outputs: 0 hits")
     spec_json = json.loads((run_dir / "spec.json").read_text())["spec"]
     assert spec_json["env"] == {**{k: "<secret>" for k in SECRETS}, **PUBLIC}
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and stat.S_IMODE(registry.stat().st_mode) == 0o700
@@ -152,7 +158,9 @@ def test_local_run_keeps_secrets_out_of_everything_it_writes(tmp_path: Path, ass
 
 
 @pytest.mark.slurm
-def test_slurm_run_keeps_secrets_out_of_script_and_run_folder(slurm_cluster, tmp_path: Path, assets: dict) -> None:  # noqa: F811
+def test_slurm_run_keeps_secrets_out_of_script_and_run_folder(
+    slurm_cluster, tmp_path: Path, assets: dict  # noqa: F811 - the fixture imported above
+) -> None:
     run = check_run(write_spec(tmp_path, assets, "test-cluster"), ranks=2)
     script = (Path(run["run_dir"]) / "job.sbatch").read_bytes()
     assert PUBLIC["PLAIN_SETTING"].encode() in script and leaks({"job.sbatch": script}) == []

@@ -25,7 +25,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 
 
-def test_fifty_concurrent_submits_lose_nothing(slurm_cluster, assets: dict, tmp_path: Path, _isolated_home: Path) -> None:
+def test_fifty_concurrent_submits_lose_nothing(
+    slurm_cluster, assets: dict, tmp_path: Path, _isolated_home: Path
+) -> None:
     result = storm(held_spec(tmp_path, assets), SUBMITS, _isolated_home)
     try:
         summary = result.summary()
