@@ -233,6 +233,8 @@ def resume_and_check(root: Path, out: Outcome) -> None:
     out.partial_left = [s for s, _ in uncommitted_steps(root)]
     ledger = {r["step"]: r["sha256"] for r in map(json.loads, (root.parent / LEDGER).read_text().splitlines())}
     ckpt = manager(root, 0, 1, keep_last=2)  # start-up removes uncommitted leftovers
+    if uncommitted_steps(root):
+        out.problems.append(f"partial steps left after start-up: {[s for s, _ in uncommitted_steps(root)]}")
     step_dir = ckpt.find_resume(FINGERPRINT)
     if step_dir is None:
         out.problems += ["nothing to resume from"] if out.acked else []
