@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import shlex
 
-_SAFE_WORD = re.compile(r"[A-Za-z0-9_./:=@%+,-]+")
+# A leading "=" is safe for bash but reads like a typo ("export A==x") to shellcheck (SC1097): quote it.
+_SAFE_WORD = re.compile(r"[A-Za-z0-9_./:@%+,-][A-Za-z0-9_./:=@%+,-]*")
 _ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _VAR = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 

@@ -182,9 +182,15 @@ def expected_outcome(field: str, value: str) -> str:
     if field == "name":
         return "reject" if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value) else "accept"
     if field in ("env", "profile.env"):
-        return "reject" if "\x00" in value else "accept"
+        # NUL cannot live in an environment; CR would make sbatch refuse the script (DOS line breaks);
+        # Linux refuses one environment string over 128 KiB.
+        return "reject" if "\x00" in value or "\r" in value or len(value.encode()) >= 131000 else "accept"
     if CONTROL.search(value) or (field in ("model.path", "data.path", "checkpoint.dir") and not value.strip()):
         return "reject"
+    if field in ("model.path", "data.path", "checkpoint.dir") and (
+        len(value.encode()) > 4095 or any(len(p.encode()) > 255 for p in value.split("/"))
+    ):
+        return "reject"  # longer than the file system allows
     if field == "profile.setup":
         try:
             shlex.split(value)
