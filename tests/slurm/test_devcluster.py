@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
