@@ -31,7 +31,6 @@ def assert_golden(name: str, text: str) -> None:
     """Compare ``text`` with tests/golden/<name>; write it when missing or when FSDPJOB_REGEN_GOLDEN=1."""
     path = GOLDEN / name
     if REGEN or not path.exists():
-        existed = path.exists()
         path.write_text(text, encoding="utf-8")
         if not REGEN:
             pytest.fail(f"golden file {path} was missing and has been written; check it, commit it and rerun")
