@@ -185,7 +185,7 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
 def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
     # The warning signal comes 60-90 s before the end (Slurm checks on a 30 s tick): a 2-minute limit
     # stops the first allocation mid-training.
-    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=150)
+    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=800)
     run = submit(spec)
 
     def finished_releasing_holds():
@@ -200,7 +200,7 @@ def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
     stops = [e for e in events if e["event"] == "stop"]
     assert stops and all(e["reason"] == "time_limit" for e in stops), stops
-    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 150
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 800
 
 
 def _lines(run_dir: str, name: str) -> list[str]:
