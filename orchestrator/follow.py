@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -14,6 +13,7 @@ import click
 from . import registry, slurm_cli
 from .errors import FsdpjobError
 from .paths import RunPaths
+from .progress import _json_or_none
 from .registry import JobRecord
 from .status import build_report, single_view
 
@@ -65,8 +65,8 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     phase, last_check = None, 0.0
     try:
         while True:
-            new = [dict(m, event="metric") for m in map(_parse, metrics.lines()) if m]
-            new += [e for e in map(_parse, events.lines()) if e]
+            new = [dict(m, event="metric") for m in map(_json_or_none, metrics.lines()) if m]
+            new += [e for e in map(_json_or_none, events.lines()) if e]
             for ev in sorted(new, key=lambda e: e.get("time", 0)):
                 _show(ev, record, bar, task if bar else None)
             if time.time() - last_check >= 2 * poll_s:
@@ -77,7 +77,7 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
             time.sleep(poll_s)
         # The last lines may land between the final poll and the phase change.
         for line in metrics.lines():
-            m = _parse(line)
+            m = _json_or_none(line)
             if m and bar:
                 bar.update(task, completed=m["step"])
     finally:
@@ -103,13 +103,6 @@ def _show(ev: dict, record: JobRecord, bar, task) -> None:
     elif ev["event"] in ("start", "resume", "stop", "failed", "done", "export"):
         fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
         (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
-
-
-def _parse(line: str) -> dict | None:
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:

@@ -28,13 +28,8 @@ def _tail_lines(path: Path, max_bytes: int = 65536) -> list[str]:
 
 
 def _json_lines(lines: list[str]) -> list[dict]:
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written right now
-    return out
+    """Parsed lines; a line being written right now (not yet valid JSON) is skipped."""
+    return [d for d in map(_json_or_none, lines) if d is not None]
 
 
 def _json_or_none(line: str) -> dict | None:
