@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -455,7 +456,8 @@ class CheckpointManager:
             flat = value.state_dict() if isinstance(value, DictState) else value
             scalars = isinstance(flat, dict) and all(isinstance(x, (int, float, str, bool)) for x in flat.values())
             if scalars and key not in self.sidecar and key not in _MANAGER_FIELDS:
-                facts[key] = dict(flat)
+                # Strict JSON readers (jq, other languages) reject NaN/Infinity: leave those out.
+                facts[key] = {k: v for k, v in flat.items() if not (isinstance(v, float) and not math.isfinite(v))}
         return facts
 
     def _commit_if_done(self, future: Future, step: int, facts: dict[str, Any], started: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -38,13 +39,17 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     global_batch: int = 0
+    # The last trained step's loss: a start that resumes from the final checkpoint trains no step
+    # and still reports it. NaN before the first step (DCP keeps a float; None would need pickling).
+    loss: float = float("nan")
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "global_batch": self.global_batch}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "global_batch": self.global_batch,
+                "loss": self.loss}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.global_batch = int(state["global_batch"])
+        self.global_batch, self.loss = int(state["global_batch"]), float(state.get("loss", float("nan")))
 
 
 def run(run_dir: str) -> dict:
@@ -123,7 +128,7 @@ def run(run_dir: str) -> dict:
         log_samples = bool(os.environ.get("FSDPJOB_LOG_SAMPLES"))  # test hook: global sample ids per step
         while state.step < spec.train.max_steps:
             micro_batches = stream.next_step()
-            loss, tokens, grad_norm = train_step(model, optimizer, micro_batches, env.device,
+            state.loss, tokens, grad_norm = train_step(model, optimizer, micro_batches, env.device,
                                                  max_grad_norm=spec.train.max_grad_norm)
             if log_samples:
                 _log_samples(paths, state.step + 1, micro_batches, env)
@@ -137,7 +142,7 @@ def run(run_dir: str) -> dict:
                 now = time.time()
                 elapsed, steps_in_window = now - last_log, max(1, state.step - logged_step)
                 report.step(state.step, {
-                    "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
+                    "loss": state.loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
                     "tokens_per_s": tokens_since_log / max(elapsed, 1e-9),
                     "mfu": _mfu(flops_per_token, tokens_since_log, elapsed, env),
                     "peak_mem_mb": peak_memory_mb(env.device),
@@ -164,7 +169,7 @@ def run(run_dir: str) -> dict:
             export_hf(ckpt.latest_committed(), Path(spec.model.path), paths.export_dir, dtype="bf16")
             report.event("export", path=str(paths.export_dir))
         dist.barrier()
-        report.event("done", step=state.step, loss=loss if spec.train.max_steps else None)
+        report.event("done", step=state.step, loss=None if math.isnan(state.loss) else state.loss)
         return {"rank": env.rank, "step": state.step, "status": "completed"}
     except SystemExit:
         raise

@@ -112,3 +112,19 @@ def test_resume_on_other_world_size_matches_and_sees_every_sample_once(runs, whi
     events = [json.loads(x) for x in (runs[which] / "events.jsonl").read_text().splitlines()]
     resume = [e for e in events if e["event"] == "resume"][-1]
     assert resume["world_size"] == int(which[-1]) and resume["grad_accum_steps"] == 6 // int(which[-1])
+
+
+def test_restart_after_the_final_checkpoint_completes_without_training(runs, tmp_path):
+    # A signal or requeue can land after the final checkpoint committed but before the job ended
+    # (export, last barrier, time limit): the next start must finish cleanly, not train or crash.
+    again = tmp_path / "again"
+    shutil.copytree(runs["full"], again)
+    before = committed_model_state(again)
+    assert train(again, 2) == [0, 0]
+    events = [json.loads(x) for x in (again / "events.jsonl").read_text().splitlines()]
+    resume, done = [e for e in events if e["event"] == "resume"][-1], [e for e in events if e["event"] == "done"][-1]
+    assert resume["step"] == STEPS and done["step"] == STEPS and "failed" not in {e["event"] for e in events}
+    assert done["loss"] == losses(runs["full"])[STEPS]  # the last trained step's loss, carried by the checkpoint
+    assert set(losses(again)) == set(range(1, STEPS + 1))  # no step trained twice
+    after = committed_model_state(again)
+    assert all((before[k] == after[k]).all() for k in before)
