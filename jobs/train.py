@@ -152,7 +152,10 @@ def run(run_dir: str) -> dict:
             if stop_at and state.step == stop_at and env.is_main:
                 stop.request()
             signum, time_due = _decide(stop, env.device, spec, last_save)
-            if signum or time_due or _interval_due(spec, state.step):
+            if signum and state.step >= spec.train.max_steps:
+                # The last step is trained: the final save below ends the job sooner than a requeue would.
+                log.info("stop signal %d after the last step: finishing instead of requeueing", signum)
+            elif signum or time_due or _interval_due(spec, state.step):
                 why = "stop" if signum else "interval"
                 t0 = time.time()
                 ckpt.save(state.step, app_state, reason=why)

@@ -128,3 +128,10 @@ def test_restart_after_the_final_checkpoint_completes_without_training(runs, tmp
     assert set(losses(again)) == set(range(1, STEPS + 1))  # no step trained twice
     after = committed_model_state(again)
     assert all((before[k] == after[k]).all() for k in before)
+
+
+def test_stop_signal_at_the_last_step_completes_instead_of_requeueing(assets, tmp_path):
+    run_dir = make_run(tmp_path, "late-signal", assets)
+    assert train(run_dir, 2, FSDPJOB_STOP_AT_STEP=str(STEPS)) == [0, 0]
+    events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert "stop" not in events and events[-1] == "done"
