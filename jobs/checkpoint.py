@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator.fileio import write_atomic
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -205,15 +206,6 @@ def _run_checkpoint_root(run_dir: Path) -> Path:
     except (OSError, ValueError, KeyError, TypeError):
         configured = None
     return Path(configured) if configured else run_dir / "checkpoints"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _remove_step(step_dir: Path) -> None:
@@ -481,9 +473,9 @@ class CheckpointManager:
             "save_seconds": round(seconds, 3),
             **facts,
         }
-        _atomic_write(step_dir / SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-        _atomic_write(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar["wall_time"]}) + "\n")
-        _atomic_write(self.root / LATEST, step_dir.name + "\n")
+        write_atomic(step_dir / SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar["wall_time"]}) + "\n")
+        write_atomic(self.root / LATEST, step_dir.name + "\n")
         self._committed_steps.add(step)
         size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
         log.info("checkpoint %s committed (%s, %.1f MB in %.2f s)", step_dir, facts["reason"], size / 1e6, seconds)
@@ -544,7 +536,7 @@ class CheckpointManager:
             log.warning("uncommitting %s: this run continues from step %d instead", step_dir, step)
             (step_dir / MARKER).unlink(missing_ok=True)
         if newer:
-            _atomic_write(self.root / LATEST, step_dir_name(step) + "\n")
+            write_atomic(self.root / LATEST, step_dir_name(step) + "\n")
 
     # -- housekeeping ----------------------------------------------------------------------------
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+from .fileio import write_atomic
 from .errors import RunNotFound
 from .paths import fsdpjob_home
 
@@ -42,21 +41,6 @@ def _private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.chmod(0o700)  # also when it existed: records name every run and its folder
     return path
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write-then-rename so that a reader never sees a half-written file, even under SIGKILL."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save(record: JobRecord) -> None:

@@ -15,7 +15,8 @@ from . import registry
 from .errors import SubmissionError
 from .jobload import LoadedJob
 from .paths import RunPaths, new_run_id, runs_root
-from .registry import JobRecord, write_atomic
+from .fileio import write_atomic
+from .registry import JobRecord
 from .render import SbatchPlan, build_plan, render_script
 
 

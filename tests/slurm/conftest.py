@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import pytest
+import yaml
 
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
@@ -138,3 +139,40 @@ def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.25,
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {value!r})", pytrace=False)
         time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny Llama model, tokenizer and JSONL data set, built once per session."""
+    from fsdpjob.jobs.assets import make_quickstart
+
+    return make_quickstart(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="session")
+def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make(name, section__field=value, ...) writes a 2-node x 2-task spec YAML and returns its path."""
+    tmp_path = tmp_path_factory.mktemp("specs")
+
+    def make(name: str, **overrides) -> Path:
+        spec = {
+            "name": name,
+            "profile": "test-cluster",
+            "resources": {"nodes": 2, "time_limit": "10:00"},
+            "model": {"path": assets["model_path"]},
+            "data": {"path": assets["data_path"], "seq_len": 64},
+            "train": {"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
+            "fsdp": {"mixed_precision": "fp32"},
+            "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
+        }
+        for dotted, value in overrides.items():
+            node = spec
+            *parents, leaf = dotted.split("__")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    return make

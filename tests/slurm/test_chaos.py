@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm.conftest import release_held, wait_for
-from slurm.test_fsdp_slurm import (  # noqa: F401 - assets and make_spec are fixtures
-    assets,
-    make_spec,
+from slurm.test_fsdp_slurm import (
     assert_same_weights,
     final_weights,
     preempt_now,

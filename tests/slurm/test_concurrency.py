@@ -18,13 +18,6 @@ from fsdpjob.orchestrator.errors import SubmissionError  # noqa: E402
 SUBMITS = 50
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
-
-    return make_quickstart(tmp_path_factory.mktemp("assets"))
-
-
 def test_fifty_concurrent_submits_lose_nothing(
     slurm_cluster, assets: dict, tmp_path: Path, _isolated_home: Path
 ) -> None:

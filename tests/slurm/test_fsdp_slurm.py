@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from distributed import committed_model_state
 from slurm.conftest import release_held, wait_for
@@ -29,41 +28,6 @@ def fsdpjob(*args: str, check: bool = True, timeout: float = 120) -> subprocess.
 
 def status(ref: str) -> dict:
     return json.loads(fsdpjob("status", ref, "--json").stdout)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
-
-    return make_quickstart(tmp_path_factory.mktemp("assets"))
-
-
-@pytest.fixture(scope="module")
-def make_spec(assets, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("specs")
-
-    def make(name: str, **overrides) -> Path:
-        spec = {
-            "name": name,
-            "profile": "test-cluster",
-            "resources": {"nodes": 2, "time_limit": "10:00"},
-            "model": {"path": assets["model_path"]},
-            "data": {"path": assets["data_path"], "seq_len": 64},
-            "train": {"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
-            "fsdp": {"mixed_precision": "fp32"},
-            "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
-        }
-        for dotted, value in overrides.items():
-            node = spec
-            *parents, leaf = dotted.split("__")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = value
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(spec))
-        return path
-
-    return make
 
 
 def submit(spec: Path, *extra: str) -> dict:
