@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import socket
-import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,18 +51,19 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
 
 
 def _node_addr_from_scontrol(node: str) -> str:
-    argv = ["scontrol", "show", "node", node]
+    from fsdpjob.orchestrator.errors import FsdpjobError
+    from fsdpjob.orchestrator.slurm_cli import node_addr
+
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
+        addr = node_addr(node, timeout=_SCONTROL_TIMEOUT_S)
+    except FsdpjobError as e:  # SlurmCommandError included: its text carries argv and stderr
         raise RuntimeError(
-            f"the job's first node {node!r} does not resolve and `{' '.join(argv)}` failed ({e}); "
+            f"the job's first node {node!r} does not resolve and scontrol could not tell its address ({e}); "
             "make node names resolvable (DNS or /etc/hosts) on every node"
         ) from e
-    match = re.search(r"\bNodeAddr=(\S+)", out)
-    if match is None:
-        raise RuntimeError(f"the job's first node {node!r} does not resolve and `{' '.join(argv)}` shows no NodeAddr=")
-    return match.group(1)
+    if addr is None:
+        raise RuntimeError(f"the job's first node {node!r} does not resolve and `scontrol show node` shows no NodeAddr=")
+    return addr
 
 
 def resolve_master_addr(node: str) -> str:

@@ -97,6 +97,11 @@ def scontrol_job(job_id: str) -> dict[str, str] | None:
         raise
 
 
+def node_addr(node: str, timeout: float = 30) -> str | None:
+    """A node's NodeAddr from `scontrol show node` (Slurm node names need not resolve as host names)."""
+    return parse_scontrol(run(["scontrol", "show", "node", node], timeout=timeout)).get("NodeAddr") or None
+
+
 def accounting_enabled() -> bool:
     """True when slurmdbd accounting is configured (sacct works)."""
     out = run(["scontrol", "show", "config"])

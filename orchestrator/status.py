@@ -104,7 +104,6 @@ def slurm_views(records: list[JobRecord]) -> dict[str, SchedView]:
     if not ids:
         return {}
     with_accounting = all(r.extra.get("accounting") is not False for r in records if r.scheduler == "slurm")
-    views: dict[str, SchedView] = {}
     if with_accounting:
         try:
             rows = slurm_cli.sacct(ids)
@@ -113,16 +112,41 @@ def slurm_views(records: list[JobRecord]) -> dict[str, SchedView]:
                 raise
             rows = None
         if rows is not None:
-            by_id: dict[str, list] = {}
-            for row in rows:
-                by_id.setdefault(row.job_id, []).append(row)
-            for job_id, runs in by_id.items():
-                last = runs[-1]
-                views[job_id] = SchedView(state=last.state, restarts=len(runs) - 1, nodes=last.nodes)
-            return views
-    for job_id, info in slurm_cli.squeue(ids).items():
-        views[job_id] = SchedView(state=info["state"], reason=info["reason"], nodes=info["nodes"])
-    return views
+            return views_from_sacct(rows)
+    return views_from_squeue(slurm_cli.squeue(ids))
+
+
+def views_from_sacct(rows: list[slurm_cli.SacctRow]) -> dict[str, SchedView]:
+    """sacct -D gives one row per run of a job, oldest first: the last is now, the others are restarts."""
+    by_id: dict[str, list[slurm_cli.SacctRow]] = {}
+    for row in rows:
+        by_id.setdefault(row.job_id, []).append(row)
+    return {
+        job_id: SchedView(state=runs[-1].state, restarts=len(runs) - 1, nodes=runs[-1].nodes or None)
+        for job_id, runs in by_id.items()
+    }
+
+
+def views_from_squeue(jobs: dict[str, dict[str, str]]) -> dict[str, SchedView]:
+    """squeue knows no restart count; the worker's own start events fill it in (build_report)."""
+    return {
+        job_id: SchedView(state=info["state"], reason=_slurm_value(info["reason"]), nodes=info["nodes"] or None)
+        for job_id, info in jobs.items()
+    }
+
+
+def view_from_scontrol(info: dict[str, str]) -> SchedView:
+    return SchedView(
+        state=info.get("JobState", "UNKNOWN"),
+        reason=_slurm_value(info.get("Reason")),
+        restarts=int(info.get("Restarts", "0") or 0),
+        nodes=_slurm_value(info.get("NodeList")),
+    )
+
+
+def _slurm_value(value: str | None) -> str | None:
+    """Slurm's words for 'nothing' ("None", "(null)", "") as None."""
+    return None if value in (None, "", "None", "(null)") else value
 
 
 def local_view(record: JobRecord) -> SchedView:
@@ -190,12 +214,7 @@ def single_view(record: JobRecord) -> SchedView:
         return local_view(record)
     info = slurm_cli.scontrol_job(record.job_id)
     if info:
-        return SchedView(
-            state=info.get("JobState", "UNKNOWN"),
-            reason=info.get("Reason") if info.get("Reason") not in (None, "None") else None,
-            restarts=int(info.get("Restarts", "0") or 0),
-            nodes=info.get("NodeList") if info.get("NodeList") not in (None, "(null)") else None,
-        )
+        return view_from_scontrol(info)
     return slurm_views([record]).get(record.job_id, SchedView(state="UNKNOWN"))
 
 

@@ -1,0 +1,68 @@
+"""Slurm output parsers and the scheduler views built from them, on output recorded from the real
+dev cluster (Slurm 22.05, tests/data/slurm-22.05/). Only interfaces stable from 22.05 to 25.x are read:
+`sacct --parsable2`, squeue with an explicit -o format, `scontrol show job|node` key=value pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdpjob.orchestrator import slurm_cli
+from fsdpjob.orchestrator.progress import Progress
+from fsdpjob.orchestrator.status import phase_of, view_from_scontrol, views_from_sacct, views_from_squeue
+
+RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
+
+
+def recorded(name: str) -> str:
+    return (RECORDED / name).read_text()
+
+
+def test_sacct_skips_job_steps_and_keeps_one_row_per_run():
+    rows = slurm_cli.parse_sacct(recorded("sacct-with-steps.txt"))
+    assert [(r.job_id, r.state) for r in rows] == [("64", "REQUEUED")] * 3 + [("64", "COMPLETED")]
+    assert rows[0].nodes == "n[1-2]" and rows[0].elapsed == "00:00:57"
+
+
+def test_sacct_views_count_restarts_and_take_the_latest_state():
+    views = views_from_sacct(slurm_cli.parse_sacct(recorded("sacct-requeued-and-failed.txt")))
+    assert views["64"].state == "COMPLETED" and views["64"].restarts == 3  # three time-limit requeues, then the run that finished
+    assert views["63"].state == "FAILED" and views["63"].restarts == 0
+    assert phase_of(views["64"].state, views["64"].restarts, Progress()) == "COMPLETED"
+
+
+@pytest.mark.parametrize("line", [
+    "",
+    "garbage without separators",
+    "12|name|RUNNING",  # too few fields (a different -o): skipped, never an IndexError
+])
+def test_sacct_tolerates_lines_it_did_not_ask_for(line):
+    assert slurm_cli.parse_sacct(line) == []
+
+
+def test_sacct_state_words_of_newer_slurm_map_to_phases():
+    # 23.x-25.x print "CANCELLED by <uid>" and use OUT_OF_MEMORY/NODE_FAIL; the first word decides.
+    rows = slurm_cli.parse_sacct("7|j|CANCELLED by 1000|0:0|a|b|n1|00:00:01\n8|j|OUT_OF_MEMORY|0:125|a|b|n1|00:00:01\n")
+    views = views_from_sacct(rows)
+    assert phase_of(views["7"].state, 0, Progress()) == "CANCELLED"
+    assert phase_of(views["8"].state, 0, Progress()) == "FAILED"
+
+
+def test_squeue_views_read_state_reason_and_nodes():
+    views = views_from_squeue(slurm_cli.parse_squeue(recorded("squeue.txt")))
+    assert views["67"].state == "COMPLETED" and views["67"].nodes == "n[1-2]"
+    assert views["68"].state == "PENDING" and views["68"].reason is None and views["68"].nodes is None
+
+
+def test_scontrol_show_job_of_a_requeued_pending_job():
+    info = slurm_cli.parse_scontrol(recorded("scontrol-show-job-pending.txt"))
+    view = view_from_scontrol(info)
+    assert (view.state, view.restarts, view.reason, view.nodes) == ("PENDING", 2, None, None)
+    assert phase_of(view.state, view.restarts, Progress()) == "REQUEUED"
+    assert info["TimeLimit"] == "00:10:00" and info["Requeue"] == "1"
+
+
+def test_scontrol_show_node_gives_the_node_address():
+    info = slurm_cli.parse_scontrol(recorded("scontrol-show-node.txt"))
+    assert info["NodeName"] == "n1" and info["NodeAddr"] == "127.0.0.1"
