@@ -17,16 +17,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import SIDECAR, CheckpointError, read_sidecar, select_checkpoint, single_process_dcp
+from .model import side_files
 
 log = logging.getLogger("fsdpjob.export")
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Weight files of the source model folder; everything else at its top level (tokenizer, generation
-# config, chat template, ...) is copied as is.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
 
 class ExportError(CheckpointError):
     """The export cannot be done as asked (missing model folder, output folder in the way, ...)."""
@@ -91,10 +87,9 @@ def _write_config(model_dir: Path, out_dir: Path, dtype: torch.dtype) -> dict[st
 
 
 def _copy_side_files(model_dir: Path, out_dir: Path) -> None:
-    for item in sorted(model_dir.iterdir()):
-        if item.is_file() and item.name != "config.json" and item.name not in _WEIGHT_INDEXES:
-            if not item.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(item, out_dir / item.name)
+    for item in side_files(model_dir):
+        if item.name != "config.json":  # written anew, with the export's dtype
+            shutil.copy2(item, out_dir / item.name)
 
 
 def export_hf(

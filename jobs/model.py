@@ -23,6 +23,17 @@ log = logging.getLogger(__name__)
 _MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = (_INDEX_FILE, "pytorch_model.bin.index.json")
+
+
+def side_files(model_dir: Path) -> list[Path]:
+    """The model folder's top-level files other than weights and their index: config, tokenizer files,
+    generation config, chat template. Export copies them; the data cache keys on them."""
+    return [
+        item for item in sorted(Path(model_dir).iterdir())
+        if item.is_file() and item.name not in _WEIGHT_INDEXES and not item.name.endswith(_WEIGHT_SUFFIXES)
+    ]
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -23,6 +23,7 @@ from fsdpjob.orchestrator.spec import JobSpec
 from . import preemption
 from .checkpoint import CheckpointManager, DictState, ModelOptimState, RNGState
 from .data import BatchStream, build_sequences, count_tokens, read_examples
+from .datacache import load_or_build
 from .dist import close_distributed, init_distributed
 from .metrics import Reporter, peak_memory_mb
 from .model import load_model, model_flops_per_token
@@ -92,8 +93,14 @@ def run(run_dir: str) -> dict:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
-        table = build_sequences(read_examples(spec.data, tokenizer), spec.data.seq_len, spec.data.packing,
-                                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        t_data = time.time()
+        table, cached = load_or_build(
+            spec.data, spec.model.path, pad_id, paths.cache_dir, is_main=env.is_main,
+            build=lambda: build_sequences(read_examples(spec.data, tokenizer), spec.data.seq_len,
+                                          spec.data.packing, pad_id))
+        report.event("data", sequences=len(table), examples=table.num_examples, truncated=table.truncated,
+                     cached=cached, seconds=round(time.time() - t_data, 2))
 
         # Resume: newest committed, verified checkpoint (or --resume-from); keeps the global batch.
         state = TrainState(global_batch=spec.train.micro_batch_size * spec.train.grad_accum_steps * env.world_size)

@@ -67,6 +67,11 @@ class RunPaths:
         return self.run_dir / "checkpoints"
 
     @property
+    def cache_dir(self) -> Path:
+        """The tokenized, packed data set, reused by every later start of the run (jobs/datacache.py)."""
+        return self.run_dir / "cache"
+
+    @property
     def export_dir(self) -> Path:
         return self.run_dir / "export"
 

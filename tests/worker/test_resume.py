@@ -90,6 +90,8 @@ def test_stop_request_commits_the_step_and_records_it(runs):
     stop = next(e for e in events if e["event"] == "stop")
     resume = next(e for e in events if e["event"] == "resume")
     assert stop["step"] == STOP_AT and resume["step"] == STOP_AT and stop["requeued"] is True
+    # The first start tokenized; the restart read the packed table back from the run's cache.
+    assert [e["cached"] for e in events if e["event"] == "data"] == [False, True]
 
 
 def test_resume_on_same_world_size_is_bitwise(runs):

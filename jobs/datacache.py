@@ -1,0 +1,104 @@
+"""Tokenize once per run, not once per start.
+
+Every start tokenizes and packs the whole data file on every rank; on a real data set that is minutes
+of each requeue. The first start still does (ranks work in parallel, so nobody waits for rank 0 under a
+collective timeout), and rank 0 saves the packed table in the run folder as safetensors. Every later
+start (requeue after preemption or time limit, resume) reads it back, on every rank, when its key
+matches: the data file's bytes, the tokenizer's files, the data settings and the pad id. A cache that is
+missing, stale or unreadable is rebuilt, never trusted; a half-written one never exists (write, fsync,
+rename). Without a shared run folder the other nodes simply keep tokenizing themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from fsdpjob.orchestrator.spec import DataSpec
+
+from .data import SequenceTable
+from .model import side_files
+
+log = logging.getLogger("fsdpjob.data")
+
+FORMAT = 1  # bump when build_sequences or read_examples change what they produce
+_CHUNK = 1 << 20
+
+
+def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+
+
+def table_key(data: DataSpec, model_path: str | Path, pad_id: int) -> str:
+    """What the packed table depends on. The model folder's side files stand for the tokenizer
+    (tokenizer.json, its config, special tokens, chat template); the weights cannot change the tokens."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"format": FORMAT, "data": data.model_dump(mode="json"), "pad_id": pad_id},
+                        sort_keys=True).encode())
+    _hash_file(h, Path(data.path))
+    for path in side_files(Path(model_path)):
+        h.update(path.name.encode() + b"\0")
+        _hash_file(h, path)
+    return h.hexdigest()
+
+
+def _cache_file(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"sequences-{key[:32]}.safetensors"
+
+
+def _read(path: Path, key: str) -> SequenceTable | None:
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
+                return None
+            ids, labels = f.get_tensor("input_ids"), f.get_tensor("labels")
+        if ids.shape != labels.shape or ids.dim() != 2 or ids.dtype != torch.long:
+            return None
+        return SequenceTable(ids, labels, int(meta["num_examples"]), int(meta["truncated"]))
+    except (OSError, KeyError, ValueError, SafetensorError) as exc:
+        log.warning("data cache %s unreadable (%s); tokenizing again", path, exc)
+        return None
+
+
+def _write(cache_dir: Path, key: str, table: SequenceTable) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = _cache_file(cache_dir, key)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({"input_ids": table.input_ids.contiguous(), "labels": table.labels.contiguous()}, tmp,
+              metadata={"key": key, "num_examples": str(table.num_examples), "truncated": str(table.truncated)})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for old in cache_dir.glob("sequences-*.safetensors"):  # another data file or tokenizer: stale for good
+        if old != path:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def load_or_build(data: DataSpec, model_path: str | Path, pad_id: int, cache_dir: Path, *, is_main: bool,
+                  build: Callable[[], SequenceTable]) -> tuple[SequenceTable, bool]:
+    """The packed table, and whether it came from the cache. Only ``is_main`` writes the cache."""
+    key = table_key(data, model_path, pad_id)
+    path = _cache_file(cache_dir, key)
+    if path.is_file():
+        table = _read(path, key)
+        if table is not None:
+            return table, True
+    table = build()
+    if is_main:
+        try:
+            _write(cache_dir, key, table)
+        except OSError as exc:  # a cache is an optimisation: a full disk must not stop training
+            log.warning("could not write the data cache in %s (%s); later starts tokenize again", cache_dir, exc)
+    return table, False
