@@ -105,7 +105,8 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from fsdpjob.jobs.checkpoint import CheckpointManager, ModelOptimState
+    from fsdpjob.jobs.checkpoint import CheckpointManager
+    from fsdpjob.jobs.ckpt_state import ModelOptimState
 
     work = Path(workdir)
     model, optimizer = _build(world_size, args["hidden"], args["layers"], args["vocab"])

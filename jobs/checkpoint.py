@@ -18,14 +18,10 @@ to one step. Each pause logs ``fault injection: rank R pausing ...``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import pickle
-import random
-import re
 import shutil
 import threading
 import time
@@ -35,25 +31,32 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator.ckptlayout import (
+    LATEST,
+    MARKER,
+    SIDECAR,
+    committed_steps,
+    parse_step,
+    read_sidecar,
+    run_checkpoint_root,
+    step_dir_name,
+    step_dirs,
+    uncommitted_steps,
+)
 from fsdpjob.orchestrator.fileio import write_atomic
+
+from .ckpt_state import DictState, ModelOptimState, RNGState
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
-MARKER = "COMMITTED"
-SIDECAR = "fsdpjob.json"
-LATEST = "latest"
 FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"step-(\d+)")
 # Sidecar fields the manager writes itself; state entries with these names are not copied into it.
 _MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
                    "reason", "model_key"}
@@ -70,36 +73,6 @@ class ResumeRefused(CheckpointError):
 
 # ----------------------------------------------------------------------------------------------
 # Layout and verification: plain filesystem functions, usable without a process group.
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    """Step number of a folder named step-N (zero-padded or not); None for anything else."""
-    match = _STEP_RE.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = [(parse_step(p.name), p) for p in root.iterdir() if p.is_dir()]
-    return sorted((s, p) for s, p in found if s is not None)
-
-
-def committed_steps(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every committed step under root, oldest first."""
-    return [(s, p) for s, p in _step_dirs(root) if (p / MARKER).is_file()]
-
-
-def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
-    return [(s, p) for s, p in _step_dirs(root) if not (p / MARKER).is_file()]
-
-
-def read_sidecar(step_dir: Path) -> dict[str, Any]:
-    return json.loads((step_dir / SIDECAR).read_text())
 
 
 def damage(step_dir: Path) -> str | None:
@@ -182,7 +155,7 @@ def select_checkpoint(path: Path, fingerprint: dict[str, Any] | None = None) -> 
             raise CheckpointError(f"{path}: cannot resume from this checkpoint: {reason}")
         check_fingerprint(path, fingerprint)
         return path
-    root = path if _step_dirs(path) else _run_checkpoint_root(path)
+    root = path if step_dirs(path) else run_checkpoint_root(path)
     if not root.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint (no step-N folders and no checkpoints/ folder inside)")
     found = newest_valid_step(root, fingerprint)
@@ -199,116 +172,12 @@ def single_process_dcp() -> Iterator[None]:
         yield
 
 
-def _run_checkpoint_root(run_dir: Path) -> Path:
-    """A run folder's checkpoint root: checkpoint.dir from its spec.json when set, else checkpoints/."""
-    try:
-        configured = json.loads((run_dir / "spec.json").read_text())["spec"]["checkpoint"].get("dir")
-    except (OSError, ValueError, KeyError, TypeError):
-        configured = None
-    return Path(configured) if configured else run_dir / "checkpoints"
-
-
 def _remove_step(step_dir: Path) -> None:
     # The marker goes first, so a removal cut short leaves an uncommitted folder, never a half one.
     (step_dir / MARKER).unlink(missing_ok=True)
     shutil.rmtree(step_dir, ignore_errors=True)
     if step_dir.exists():
         log.warning("could not fully remove %s; it is uncommitted and will be retried at the next purge", step_dir)
-
-
-# ----------------------------------------------------------------------------------------------
-# Stateful wrappers for the state passed to dcp.save/dcp.load.
-
-
-class ModelOptimState(Stateful):
-    """Sharded model and optimizer state through get_state_dict/set_state_dict (works with FSDP2)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
-        )
-
-
-class DictState(Stateful):
-    """Adapts an object with state_dict/load_state_dict (LR scheduler, data pipeline) to DCP."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.obj.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state_dict)
-
-
-def derived_seed(seed: int, step: int, rank: int) -> int:
-    digest = hashlib.sha256(f"fsdpjob-rng/{seed}/{step}/{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-class RNGState(Stateful):
-    """Per-rank RNG state (torch CPU, CUDA when present, Python random, NumPy) under key rank<r>.
-
-    Each rank saves only its own entry, a pickled bytes item, so nothing is gathered. On a load
-    written by the same world size each rank reads its own entry back. On a different world size
-    the per-rank streams cannot be mapped, so every rank re-seeds from (seed, step, rank) instead:
-    the CheckpointManager calls ``expect_load`` with the writer's world size before dcp.load, and
-    this object then asks DCP for no entries at all.
-    """
-
-    def __init__(self, seed: int, rank: int, world_size: int) -> None:
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self._rederive: tuple[int, int] | None = None  # (step, writer's world size) of a resharded load
-
-    def expect_load(self, *, saved_world_size: int, step: int) -> None:
-        self._rederive = None if saved_world_size == self.world_size else (step, saved_world_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._rederive is not None:
-            return {}
-        return {f"rank{self.rank}": pickle.dumps(self._capture())}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rederive, self._rederive = self._rederive, None
-        if rederive is None:
-            self._restore(pickle.loads(state_dict[f"rank{self.rank}"]))
-            return
-        step, saved_world_size = rederive
-        self.reseed(step)
-        log.info(
-            "RNG state re-derived from (seed=%d, step=%d, rank=%d): the checkpoint was written by %d ranks, "
-            "this run has %d", self.seed, step, self.rank, saved_world_size, self.world_size,
-        )
-
-    def reseed(self, step: int) -> None:
-        value = derived_seed(self.seed, step, self.rank)
-        torch.manual_seed(value)  # also seeds every CUDA device
-        random.seed(value)
-        np.random.seed(value % 2**32)
-
-    @staticmethod
-    def _capture() -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
-
-    @staticmethod
-    def _restore(state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
 
 
 # ----------------------------------------------------------------------------------------------

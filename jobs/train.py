@@ -21,7 +21,8 @@ from fsdpjob.orchestrator.paths import RunPaths
 from fsdpjob.orchestrator.spec import JobSpec
 
 from . import preemption
-from .checkpoint import CheckpointManager, DictState, ModelOptimState, RNGState
+from .checkpoint import CheckpointManager
+from .ckpt_state import DictState, ModelOptimState, RNGState
 from .data import BatchStream, build_sequences, count_tokens, read_examples
 from .datacache import load_or_build
 from .dist import close_distributed, init_distributed

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .ckptlayout import committed_steps, run_checkpoint_root
 from .paths import RunPaths
 
-COMMIT_MARKER = "COMMITTED"
-LATEST_POINTER = "latest"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _tail_lines(path: Path, max_bytes: int = 65536) -> list[str]:
@@ -37,18 +34,6 @@ def _json_or_none(line: str) -> dict | None:
         return json.loads(line)
     except ValueError:
         return None
-
-
-def committed_steps(ckpt_dir: Path) -> list[int]:
-    """Steps whose commit marker exists (the marker is written last, after every rank's shards)."""
-    if not ckpt_dir.is_dir():
-        return []
-    steps = []
-    for child in ckpt_dir.iterdir():
-        m = STEP_DIR.match(child.name)
-        if m and (child / COMMIT_MARKER).exists():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
 
 
 @dataclass
@@ -102,6 +87,6 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.step = ev.get("step", prog.step)
         elif kind == "failed":
             prog.failure = ev.get("reason") or ev.get("error")
-    steps = committed_steps(checkpoints_dir or paths.checkpoints_dir)
-    prog.last_checkpoint_step = steps[-1] if steps else None
+    steps = committed_steps(checkpoints_dir or run_checkpoint_root(run_dir))  # honours checkpoint.dir
+    prog.last_checkpoint_step = steps[-1][0] if steps else None
     return prog

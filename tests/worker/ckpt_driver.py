@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fsdpjob.jobs.checkpoint import CheckpointManager, DictState, ModelOptimState, RNGState
+from fsdpjob.jobs.checkpoint import CheckpointManager
+from fsdpjob.jobs.ckpt_state import DictState, ModelOptimState, RNGState
 
 SEED = 7
 FINGERPRINT = {"model.path": "tiny-llama", "model.dtype": "float32", "data.seq_len": 16}

@@ -24,10 +24,10 @@ from fsdpjob.jobs.checkpoint import (
     CheckpointError,
     ResumeRefused,
     committed_steps,
-    derived_seed,
     select_checkpoint,
     step_dir_name,
 )
+from fsdpjob.jobs.ckpt_state import derived_seed
 from fsdpjob.jobs.export import export_from_path, export_hf
 
 pytestmark = pytest.mark.distributed

@@ -1,0 +1,60 @@
+"""The on-disk layout of a checkpoint root, shared by the worker (jobs/checkpoint.py writes it) and the
+login node (status reads it): plain file reads, no torch.
+
+    <root>/step-00000120/      DCP shards (__<rank>_0.distcp), .metadata, fsdpjob.json, COMMITTED
+    <root>/latest              name of the newest committed step folder (informational)
+
+A step counts only once ``COMMITTED`` exists; it is written last (see jobs/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+MARKER = "COMMITTED"
+SIDECAR = "fsdpjob.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"step-(\d+)")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """Step number of a folder named step-N (zero-padded or not); None for anything else."""
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step-N folder under root, committed or not, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(parse_step(p.name), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None)
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed step under root, oldest first."""
+    return [(s, p) for s, p in step_dirs(root) if (p / MARKER).is_file()]
+
+
+def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
+    return [(s, p) for s, p in step_dirs(root) if not (p / MARKER).is_file()]
+
+
+def read_sidecar(step_dir: Path) -> dict[str, Any]:
+    return json.loads((step_dir / SIDECAR).read_text())
+
+
+def run_checkpoint_root(run_dir: Path) -> Path:
+    """A run folder's checkpoint root: checkpoint.dir from its spec.json when set, else checkpoints/."""
+    try:
+        configured = json.loads((Path(run_dir) / "spec.json").read_text())["spec"]["checkpoint"].get("dir")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        configured = None
+    return Path(configured) if configured else Path(run_dir) / "checkpoints"

@@ -1,0 +1,64 @@
+"""Training progress as the login node reads it from a run folder (no scheduler, no torch): step and loss
+from metrics.jsonl, restarts and steps lost from events.jsonl, the last committed checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdpjob.orchestrator.ckptlayout import MARKER, step_dir_name
+from fsdpjob.orchestrator.progress import read_progress
+
+
+def write_lines(path: Path, rows: list[dict], tail: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def step_folder(root: Path, step: int, committed: bool) -> None:
+    folder = root / step_dir_name(step)
+    folder.mkdir(parents=True)
+    if committed:
+        (folder / MARKER).write_text("{}\n")
+
+
+def test_a_preempted_and_resumed_run(tmp_path):
+    write_lines(tmp_path / "metrics.jsonl", [
+        {"step": s, "loss": 5.0 - s / 10, "time": 10 + s} for s in range(1, 8)     # first attempt reached 7
+    ] + [{"step": s, "loss": 5.0 - s / 10, "time": 100 + s} for s in range(6, 10)],  # second went on from 5
+        tail='{"step": 10, "lo')  # a line being written right now
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "time": 1},
+        {"event": "checkpoint", "step": 5, "time": 16},
+        {"event": "start", "time": 90},
+        {"event": "resume", "step": 5, "time": 95},
+    ])
+    for step, committed in ((5, True), (9, False)):  # step 9: a save killed before its marker
+        step_folder(tmp_path / "checkpoints", step, committed)
+    prog = read_progress(tmp_path)
+    assert (prog.step, prog.loss) == (9, 5.0 - 0.9)
+    assert (prog.restarts, prog.steps_lost, prog.last_checkpoint_step) == (1, 2, 5)
+    assert not prog.done and prog.failure is None
+
+
+def test_done_and_failed_follow_the_latest_start(tmp_path):
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "time": 1}, {"event": "failed", "error": "RuntimeError: gloo", "time": 2},
+        {"event": "start", "time": 3}, {"event": "done", "step": 40, "time": 4},
+    ])
+    prog = read_progress(tmp_path)
+    assert prog.done and prog.failure is None and prog.step == 40 and prog.restarts == 1
+
+
+def test_checkpoints_are_read_where_the_spec_put_them(tmp_path):
+    elsewhere = tmp_path / "scratch" / "ckpt"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spec.json").write_text(json.dumps({"spec": {"checkpoint": {"dir": str(elsewhere)}}}))
+    step_folder(elsewhere, 30, committed=True)
+    step_folder(run / "checkpoints", 10, committed=True)  # not this run's checkpoint root
+    assert read_progress(run).last_checkpoint_step == 30
+
+
+def test_an_empty_run_folder(tmp_path):
+    prog = read_progress(tmp_path)
+    assert (prog.step, prog.restarts, prog.last_checkpoint_step, prog.done) == (None, 0, None, False)
