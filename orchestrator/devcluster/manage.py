@@ -113,3 +113,20 @@ def _drain(stream: IO[str] | None, sink: list[str] | deque[str], echo_to: IO[str
         if echo_to is not None and not line.startswith(_REASON_PREFIX):
             echo_to.write(line)
             echo_to.flush()
+
+
+def lift_requeue_hold(job_id: int | str) -> None:
+    """Dev cluster, tests and benches only (the product never does this): start a requeued job now
+    instead of after Slurm's ~120 s BeginTime hold.
+
+    Not at once: slurmd revokes the old incarnation's credential at the requeue, with one-second
+    resolution, and refuses a new start whose credential is no newer ("Killing non-startable batch
+    JobId=N: Job credential revoked", and the job ends FAILED). That is part of why the hold exists;
+    a few seconds after the requeue are enough.
+    """
+    import time
+
+    from ..slurm_cli import run
+
+    time.sleep(3)
+    run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])

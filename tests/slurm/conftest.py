@@ -12,7 +12,6 @@ FSDPJOB_REQUIRE_SLURM=1 (CI).
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,9 +123,8 @@ def slurm_env(info: ClusterInfo) -> dict[str, str]:
 
 
 def release_held(job_id: int | str) -> None:
-    """Lift the ~120 s BeginTime hold Slurm puts on every requeued job (tests only; the product never does this)."""
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True,
-                   text=True, timeout=30)
+    """Lift the BeginTime hold of a requeued job (tests only; see manage.lift_requeue_hold)."""
+    manage.lift_requeue_hold(job_id)
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.25, what: str = "condition") -> T:
