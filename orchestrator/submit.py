@@ -6,7 +6,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,18 +135,26 @@ def _submit_local(job: LoadedJob, paths: RunPaths):
 
 @contextlib.contextmanager
 def _stdio_detached():
-    """submitit's local controller inherits fds 0-2 and outlives this process: on the caller's pipes it would make
-    `out=$(fsdpjob submit ...)` (or any captured run) wait for the whole job. It gets /dev/null instead; the
-    workers write to their own log files."""
+    """Start submitit's local controller the way nohup would: it outlives this process, like a batch job.
+
+    It inherits fds 0-2: on the caller's pipes it would make `out=$(fsdpjob submit ...)` (or any captured
+    run) wait for the whole job, so it gets /dev/null (the workers write to their own log files). And it
+    inherits signal dispositions across exec: SIGHUP ignored, so closing the terminal does not kill the
+    run. SIGINT keeps its default, since `fsdpjob cancel` (and Ctrl-C under --wait) stops a local run with it.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(fd) for fd in (0, 1, 2)]
     devnull = os.open(os.devnull, os.O_RDWR)
+    in_main = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN) if in_main else None
     try:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         yield
     finally:
+        if in_main:
+            signal.signal(signal.SIGHUP, old_hup)
         for fd, copy in zip((0, 1, 2), saved):
             os.dup2(copy, fd)
             os.close(copy)

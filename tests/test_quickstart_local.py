@@ -51,3 +51,52 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     assert [r["phase"] for r in listed] == ["COMPLETED"]
     bad_rank = fsdpjob("logs", report["run_id"], "--rank", "7", cwd=tmp_path)
     assert bad_rank.returncode == 1 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
+
+
+def _run_pids(run_dir: Path) -> list[int]:
+    """The local controller and its worker processes (their command lines name the run's submitit folder)."""
+    out = subprocess.run(["pgrep", "-f", f"{run_dir}/submitit"], capture_output=True, text=True).stdout
+    return sorted(int(p) for p in out.split())
+
+
+def _wait(predicate, timeout: float, what: str):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return value
+
+
+def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None:
+    import signal
+
+    made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    spec = tmp_path / "long.yaml"
+    spec.write_text((REPO / "examples" / "quickstart.yaml").read_text())
+    sub = fsdpjob("submit", str(spec), "--json", "--set", "train.max_steps=100000",
+                  "--set", f"model.path={tmp_path / 'assets' / 'model'}",
+                  "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}", cwd=tmp_path)
+    assert sub.returncode == 0, sub.stdout + sub.stderr  # returns at once: no --wait
+    run = json.loads(sub.stdout[: sub.stdout.index("}") + 1])
+    run_dir = Path(run["run_dir"])
+
+    def step() -> int:
+        return json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)["step"] or 0
+
+    _wait(lambda: step() >= 2, 180, "step 2")
+    pids = _run_pids(run_dir)
+    assert len(pids) == 3, pids  # controller + 2 ranks
+    for pid in pids:  # what a closed terminal sends to the processes it started
+        os.kill(pid, signal.SIGHUP)
+    reached = step()
+    _wait(lambda: step() >= reached + 3, 120, "training to go on after SIGHUP")
+    assert _run_pids(run_dir) == pids
+
+    cancelled = fsdpjob("cancel", run["run_id"], cwd=tmp_path)
+    assert cancelled.returncode == 0, cancelled.stderr
+    _wait(lambda: not _run_pids(run_dir), 60, "the run's processes to exit")
+    report = json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)
+    assert report["phase"] == "CANCELLED", report
