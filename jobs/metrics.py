@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -62,11 +63,16 @@ class Reporter:
         if not self.enabled:
             return
         eta = (self.max_steps - step) * step_time_s
-        record = {"step": step, "time": time.time(), "eta_s": round(eta, 1), **values}
+        # NaN/inf (MFU on an unknown GPU, a diverged loss) become null: strict JSON readers (jq) reject NaN.
+        finite = {k: (v if v is None or math.isfinite(v) else None) for k, v in values.items()}
+        record = {"step": step, "time": time.time(), "eta_s": round(eta, 1), **finite}
+        if nonfinite := sorted(k for k, v in values.items() if v is not None and not math.isfinite(v)):
+            record["nonfinite"] = nonfinite  # which nulls were NaN/inf, so a diverged loss stays visible
         _append(self.metrics_file, record)
         if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(f"train/{key}", value, step)
+            for key, value in finite.items():
+                if value is not None:
+                    self._tb.add_scalar(f"train/{key}", value, step)
         log.info(
             "step %d/%d loss %.4f lr %.3g grad_norm %.3g tok/s %.0f peak_mem %.0f MiB eta %s",
             step,
