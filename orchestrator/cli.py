@@ -157,7 +157,8 @@ def profiles(as_json: bool) -> None:
 def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead."""
     from .jobload import load_job
-    from .planner import format_plan, make_plan
+    from .planformat import format_plan
+    from .planner import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
     result = make_plan(job.spec, job.profile)
@@ -183,7 +184,8 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from . import submit as submission
     from .jobload import load_job
-    from .planner import format_plan, make_plan
+    from .planformat import format_plan
+    from .planner import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
     fit = make_plan(job.spec, job.profile)

@@ -1,8 +1,9 @@
 """Preflight planner: parameter count from config.json, per-rank and per-node memory, checkpoint and step time.
 
 Pure arithmetic on the login node: reads the model folder's ``config.json`` only (never weights) and imports
-neither torch nor transformers. ``make_plan(spec, profile)`` returns a :class:`Plan`; ``format_plan`` renders it
-as a text table and ``Plan.to_json()`` as a dict with stable keys (documented on the method).
+neither torch nor transformers. ``make_plan(spec, profile)`` returns a :class:`Plan`; ``planformat.format_plan``
+renders it as a text table and ``Plan.to_json()`` as a dict with stable keys (documented on the method). The
+model's shape and parameter count come from ``modelshape.py``.
 
 Units. Memory is in bytes internally and shown in GiB: a profile's ``gpu_memory_gb`` and ``host_ram_gb`` are read
 as GiB (an "80GB" A100 has 80 GiB; Slurm's ``G`` is GiB). Checkpoint sizes and storage bandwidth are decimal GB.
@@ -49,29 +50,17 @@ The golden seed case (Llama-2-70B, 68.98e9 params, fp32 master weights, bf16 com
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 from .errors import InputError
+from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .profiles import ClusterProfile
 from .resolve import Effective, effective
 from .spec import JobSpec
+from .units import GB, GiB, count_text, params_text, size_text, unit_for
 
-GiB = 1024**3
-GB = 10**9
-
-# Model types whose decoder layer is Llama-shaped: q/k/v/o attention with GQA, SwiGLU gate/up/down MLP,
-# two RMSNorms per layer, final RMSNorm, optional tied lm_head.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
-# Defaults of the transformers config classes for keys a config.json may leave out (absent, not null):
-# an untied lm_head everywhere; kv heads = heads and head_dim = hidden / heads unless listed here.
-_OMITTED_DEFAULTS = {
-    "num_key_value_heads": {"mistral": 8, "qwen2": 32, "qwen3": 32},
-    "head_dim": {"qwen3": 128},
-}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
@@ -87,128 +76,6 @@ GPU_PEAK_FLOPS = {"a100": {2: 312e12, 4: 19.5e12}, "h100": {2: 989e12, 4: 67e12}
 # Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
 CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
 SIGNAL_MARGIN_S = 10  # the lead must cover a step + a save + this (or 25 %, whichever is larger)
-
-
-# ------------------------------------------------------------------------------------------------
-# The model: shape from config.json and parameter counts.
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    checkpoint_dtype: str
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class ParamCount:
-    embedding: int
-    attention: int  # per layer
-    mlp: int  # per layer
-    norms: int  # per layer
-    layers: int
-    final_norm: int
-    lm_head: int  # 0 when tied to the embedding
-
-    @property
-    def per_layer(self) -> int:
-        return self.attention + self.mlp + self.norms
-
-    @property
-    def root(self) -> int:
-        """Parameters the root FSDP unit owns: embedding, final norm, untied lm_head."""
-        return self.embedding + self.final_norm + self.lm_head
-
-    @property
-    def total(self) -> int:
-        return self.root + self.layers * self.per_layer
-
-
-def _config_error(path: Path, message: str) -> InputError:
-    return InputError(message, file=str(path), loc="model.path")
-
-
-def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
-    value = cfg[key] if key in cfg else _OMITTED_DEFAULTS[key].get(model_type)
-    return value or fallback
-
-
-def read_model_shape(model_dir: str | Path) -> ModelShape:
-    """Parse ``<model_dir>/config.json``; refuse model types whose layer shape the planner does not know."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        missing = "not found; model.path must be a Hugging Face model folder with config.json"
-        raise _config_error(path, missing) from None
-    except json.JSONDecodeError as exc:
-        raise _config_error(path, f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _config_error(
-            path,
-            f"model_type {model_type!r} is not supported by the planner; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
-        )
-
-    def need(key: str) -> int:
-        if not isinstance(cfg.get(key), int):
-            raise _config_error(path, f"{key} is missing or not an integer")
-        return cfg[key]
-
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    attention_bias = bool(cfg.get("attention_bias", False))
-    return ModelShape(
-        model_type=model_type,
-        vocab=need("vocab_size"),
-        hidden=hidden,
-        intermediate=need("intermediate_size"),
-        layers=need("num_hidden_layers"),
-        heads=heads,
-        kv_heads=_omitted(cfg, "num_key_value_heads", model_type, heads),
-        head_dim=_omitted(cfg, "head_dim", model_type, hidden // heads),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias,  # qwen2 always has q/k/v biases, never o
-        o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"),
-        qk_norm=model_type == "qwen3",
-        checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-    )
-
-
-def count_params(s: ModelShape) -> ParamCount:
-    h = s.hidden
-    attention = h * s.q_dim + 2 * h * s.kv_dim + s.q_dim * h
-    attention += (s.q_dim + 2 * s.kv_dim) * s.qkv_bias + h * s.o_bias + 2 * s.head_dim * s.qk_norm
-    mlp = 3 * h * s.intermediate + (2 * s.intermediate + h) * s.mlp_bias
-    return ParamCount(
-        embedding=s.vocab * h,
-        attention=attention,
-        mlp=mlp,
-        norms=2 * h,
-        layers=s.layers,
-        final_norm=h,
-        lm_head=0 if s.tied else s.vocab * h,
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +149,7 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
     m, c, r, w = u.model_bytes, u.compute_bytes, REDUCE_BYTES, u.shard_degree
     t, shard, on_device = u.micro_batch * u.seq_len, math.ceil(p.total / w), not u.cpu_offload
     state = [
-        Item("parameters", on_device * shard * m, f"{_params(p.total)} params x {m} B / {_count(w, 'shard')}"),
+        Item("parameters", on_device * shard * m, f"{params_text(p.total)} params x {m} B / {count_text(w, 'shard')}"),
         Item("AdamW state", on_device * 2 * shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
     ]
     grads = Item("gradients", on_device * shard * m, f"sharded, {m} B")
@@ -315,8 +182,8 @@ def _saved_activations(s: ModelShape, u: Setup) -> Item:
     c, t = u.compute_bytes, u.micro_batch * u.seq_len
     per_layer = t * s.hidden * c if u.activation_checkpointing else _layer_activations(s, u)[0]
     final_norm = (4 + 3 * c) * t * s.hidden
-    unit = _unit(per_layer)
-    note = f"{s.layers} layers x {_size(per_layer, unit)} {unit[0]}"
+    unit = unit_for(per_layer)
+    note = f"{s.layers} layers x {size_text(per_layer, unit)} {unit[0]}"
     note += " (layer inputs, AC)" if u.activation_checkpointing else ""
     return Item("activations", s.layers * per_layer + final_norm, note)
 
@@ -449,7 +316,7 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
     if not u.on_gpu:
         cores = cpus_per_task or 1
         rate = CPU_FLOPS_PER_CORE[c] * cores
-        basis = f"{_count(cores, 'core')} x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU"
+        basis = f"{count_text(cores, 'core')} x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU"
         return rate, f"{rate / 1e9:.0f} GFLOP/s per rank ({basis})"
     gpu = (profile.gpu_type or "").lower()
     for key, peaks in GPU_PEAK_FLOPS.items():
@@ -656,85 +523,3 @@ def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[F
             f"set preemption.signal_lead_s: {t.needed_lead_s}"
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Text rendering.
-
-
-def _unit(largest: int) -> tuple[str, int]:
-    """GiB for tables that reach a GiB, MiB below (a CPU quickstart fits in a few MiB)."""
-    return ("GiB", GiB) if largest >= GiB else ("MiB", 1024**2)
-
-
-def _size(n: int | None, unit: tuple[str, int]) -> str:
-    return "?" if n is None else f"{n / unit[1]:,.2f}" if n < 10 * unit[1] else f"{n / unit[1]:,.1f}"
-
-
-def _params(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.3g} {suffix}"
-    return str(n)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _row(label: str, value: str, note: str = "") -> str:
-    return f"  {label:<28} {value:>16}  {note}".rstrip()
-
-
-def _memory_lines(d: DeviceMemory) -> list[str]:
-    unit = _unit(d.peak)
-    where = "GPU" if d.kind == "gpu" else "rank (host RAM of CPU workers)"
-    return [
-        f"memory per {where}, peak at {d.peak_moment.name}:",
-        _row("", unit[0]),
-        *(_row(i.name, _size(i.bytes, unit), i.note) for i in d.breakdown),
-        _row("total", f"{_size(d.peak, unit)} / {_size(d.budget, unit)}", "FITS" if d.fits else "DOES NOT FIT"),
-        "  other moments, on top of params + AdamW: "
-        + ", ".join(f"{mo.name} {_size(mo.bytes, unit)}" for mo in d.moments),
-    ]
-
-
-def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
-    unit = _unit(max(h.load_rank0, h.load_every_rank, h.training))
-    offload = f"{u.tasks_per_node} x {_size(h.offloaded_per_rank, unit)} {unit[0]} offloaded + processes"
-    return [
-        f"host RAM per node ({unit[0]}):",
-        _row("load, rank-0 loading", f"{_size(h.load_rank0, unit)} / {_size(h.budget, unit)}",
-             f"full {s.checkpoint_dtype} copy" + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
-        _row("load, every rank loading", _size(h.load_every_rank, unit), "not used: fsdpjob loads on rank 0"),
-        _row("training", _size(h.training, unit), offload if u.cpu_offload else ""),
-    ]
-
-
-def format_plan(plan: Plan) -> str:
-    """A readable plain-text report; the CLI prints it as is."""
-    s, p, u, d, t = plan.model, plan.params, plan.setup, plan.device, plan.timing
-    head = ", lm_head tied" if s.tied else f", lm_head {_params(p.lm_head)}"
-    step = f"~{t.step_s:,.1f} s" if t.step_s is not None else "unknown"
-    lines = [
-        f"plan for {plan.name}: {s.model_type}, {_params(p.total)} params "
-        f"(embedding {_params(p.embedding)}, {p.layers} layers x {_params(p.per_layer)}{head})",
-        f"topology: {_count(u.nodes, 'node')} x {_count(u.tasks_per_node, 'task')} = {_count(u.world, 'rank')} "
-        f"on {d.kind.upper()}, shard degree {u.shard_degree}, replicate {u.replicate_degree}",
-        "",
-        *_memory_lines(d),
-        "",
-        *_host_lines(plan.host, s, u),
-        "",
-        f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB (params + AdamW), save ~{t.save_s:,.0f} s",
-        f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
-        f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: step + save + margin)",
-    ]
-    if plan.fixes:
-        unit = _unit(max(f.peak for f in plan.fixes))
-        lines += ["", "fixes, cheapest first (each fits alone):"]
-        lines += [f"  --set {' --set '.join(f.change.split())}  -> {_size(f.peak, unit)} {unit[0]} ({f.why})"
-                  for f in plan.fixes]
-    lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
-    lines += ["", f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}"]
-    return "\n".join(lines)

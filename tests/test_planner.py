@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.errors import InputError
-from fsdpjob.orchestrator.planner import GiB, count_params, format_plan, make_plan, read_model_shape
+from fsdpjob.orchestrator.modelshape import count_params, read_model_shape
+from fsdpjob.orchestrator.planformat import format_plan
+from fsdpjob.orchestrator.planner import make_plan
+from fsdpjob.orchestrator.units import GiB
 from fsdpjob.orchestrator.profiles import load_profile
 from fsdpjob.orchestrator.spec import JobSpec
 from fsdpjob.orchestrator.yamlio import apply_overrides

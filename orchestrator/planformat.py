@@ -1,0 +1,64 @@
+"""The planner's plain-text report (what `fsdpjob plan` and `submit --dry-run` print)."""
+
+from __future__ import annotations
+
+from .modelshape import ModelShape
+from .planner import DeviceMemory, HostMemory, Plan, Setup
+from .units import GB, count_text, params_text, size_text, unit_for
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<28} {value:>16}  {note}".rstrip()
+
+
+def _memory_lines(d: DeviceMemory) -> list[str]:
+    unit = unit_for(d.peak)
+    where = "GPU" if d.kind == "gpu" else "rank (host RAM of CPU workers)"
+    return [
+        f"memory per {where}, peak at {d.peak_moment.name}:",
+        _row("", unit[0]),
+        *(_row(i.name, size_text(i.bytes, unit), i.note) for i in d.breakdown),
+        _row("total", f"{size_text(d.peak, unit)} / {size_text(d.budget, unit)}", "FITS" if d.fits else "DOES NOT FIT"),
+        "  other moments, on top of params + AdamW: "
+        + ", ".join(f"{mo.name} {size_text(mo.bytes, unit)}" for mo in d.moments),
+    ]
+
+
+def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
+    unit = unit_for(max(h.load_rank0, h.load_every_rank, h.training))
+    offload = f"{u.tasks_per_node} x {size_text(h.offloaded_per_rank, unit)} {unit[0]} offloaded + processes"
+    return [
+        f"host RAM per node ({unit[0]}):",
+        _row("load, rank-0 loading", f"{size_text(h.load_rank0, unit)} / {size_text(h.budget, unit)}",
+             f"full {s.checkpoint_dtype} copy" + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
+        _row("load, every rank loading", size_text(h.load_every_rank, unit), "not used: fsdpjob loads on rank 0"),
+        _row("training", size_text(h.training, unit), offload if u.cpu_offload else ""),
+    ]
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable plain-text report; the CLI prints it as is."""
+    s, p, u, d, t = plan.model, plan.params, plan.setup, plan.device, plan.timing
+    head = ", lm_head tied" if s.tied else f", lm_head {params_text(p.lm_head)}"
+    step = f"~{t.step_s:,.1f} s" if t.step_s is not None else "unknown"
+    lines = [
+        f"plan for {plan.name}: {s.model_type}, {params_text(p.total)} params "
+        f"(embedding {params_text(p.embedding)}, {p.layers} layers x {params_text(p.per_layer)}{head})",
+        f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = {count_text(u.world, 'rank')} "
+        f"on {d.kind.upper()}, shard degree {u.shard_degree}, replicate {u.replicate_degree}",
+        "",
+        *_memory_lines(d),
+        "",
+        *_host_lines(plan.host, s, u),
+        "",
+        f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB (params + AdamW), save ~{t.save_s:,.0f} s",
+        f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
+        f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: step + save + margin)",
+    ]
+    if plan.fixes:
+        unit = unit_for(max(f.peak for f in plan.fixes))
+        lines += ["", "fixes, cheapest first (each fits alone):"]
+        lines += [f"  --set {' --set '.join(f.change.split())}  -> {size_text(f.peak, unit)} {unit[0]} ({f.why})"
+                  for f in plan.fixes]
+    lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
+    lines += ["", f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}"]
+    return "\n".join(lines)
