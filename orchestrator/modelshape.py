@@ -20,7 +20,6 @@ _OMITTED_DEFAULTS = {
 }
 
 
-
 @dataclass(frozen=True)
 class ModelShape:
     model_type: str
