@@ -6,11 +6,11 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -65,6 +65,36 @@ def _vocab_size_for(out_dir: Path, vocab_size: int | None) -> tuple[int, dict[st
     return len(tokenizer), ids
 
 
+def tiny_config(
+    arch: str = "llama",
+    *,
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    **extra: Any,
+) -> PretrainedConfig:
+    """A small transformers config of ``arch`` (GQA: fewer kv heads than heads, so that path is exercised)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
+    return AutoConfig.for_model(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        **extra,
+    )
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -84,22 +114,13 @@ def build_tiny_model(
 
     The vocab size comes from the tokenizer already in ``out_dir`` when there is one.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab, special_ids = _vocab_size_for(out, vocab_size)
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=vocab,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        **special_ids,
+    config = tiny_config(
+        arch, vocab_size=vocab, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings, **special_ids,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

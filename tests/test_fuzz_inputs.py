@@ -13,7 +13,6 @@ import io
 import itertools
 import os
 import re
-import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from test_hostile import (
     load_or_error,
     make_case,
     run_stubbed,
+    sbatch_parse,
     script_for,
     write_inputs,
 )
@@ -318,30 +318,9 @@ def test_line_breaks_nul_and_long_strings_smuggle_nothing(tmp_path: Path, field:
 def test_sbatch_itself_reads_no_smuggled_directive(tmp_path: Path, payload: str) -> None:
     """The real sbatch parser over the whole rendered script, with line breaks and #SBATCH in an env value."""
     case, job = hostile_case(tmp_path, "env", SMUGGLING[payload])
-    parsed = sbatch_options(tmp_path, script_for(case, job))
+    parsed = sbatch_parse(tmp_path, script_for(case, job))
     assert parsed.get("partition") == "debug" and str(case.marker) not in parsed.get("output", ""), parsed
     assert "high" not in parsed.values()
-
-
-def sbatch_options(folder: Path, script: Path) -> dict[str, str]:
-    """The options the real sbatch parses from a script (as test_hostile.sbatch_reads, for a whole script)."""
-    conf = folder / "slurm.conf"
-    conf.write_text("ClusterName=parse\nSlurmctldHost=localhost\nSlurmctldPort=1\nAuthType=auth/none\n"
-                    "CredType=cred/none\nNodeName=n1 CPUs=1\nPartitionName=debug Nodes=n1 Default=YES\n")  # fmt: skip
-    proc = subprocess.Popen([SBATCH, "--test-only", "-vv", str(script)], env=dict(os.environ, SLURM_CONF=str(conf)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, encoding="utf-8")  # fmt: skip
-    parsed: dict[str, str] = {}
-    try:
-        for line in proc.stderr:  # type: ignore[union-attr]
-            if "end of defined options" in line:
-                break
-            match = re.match(r"sbatch: (\S+)\s+: (.*)\n?$", line)
-            if match:
-                parsed[match.group(1)] = match.group(2)
-    finally:
-        proc.kill()
-        proc.wait()
-    return parsed
 
 
 def check_rejection(err: InputError, case: Case) -> None:

@@ -291,16 +291,21 @@ def test_run_folder_with_a_line_break_is_refused(tmp_path):
 
 
 def sbatch_reads(folder: Path, options: dict[str, str]) -> dict[str, str]:
-    """The options the real sbatch parses from #SBATCH lines (sbatch -vv lists them before it would submit).
+    """The options the real sbatch parses from #SBATCH lines written the way render.py writes them."""
+    script = folder / "parse.sbatch"
+    lines = [f"#SBATCH --{name}={sbatch_word(value)}" for name, value in options.items()]
+    script.write_text("#!/bin/bash\n" + "\n".join(lines) + "\ntrue\n", encoding="utf-8")
+    return sbatch_parse(folder, script)
+
+
+def sbatch_parse(folder: Path, script: Path) -> dict[str, str]:
+    """The options the real sbatch parses from a script (sbatch -vv lists them before it would submit).
 
     The config points at a closed port and --test-only is set; sbatch is stopped once it has printed them.
     """
     conf = folder / "slurm.conf"
     conf.write_text("ClusterName=parse\nSlurmctldHost=localhost\nSlurmctldPort=1\nAuthType=auth/none\n"
                     "CredType=cred/none\nNodeName=n1 CPUs=1\nPartitionName=debug Nodes=n1 Default=YES\n")  # fmt: skip
-    script = folder / "parse.sbatch"
-    lines = [f"#SBATCH --{name}={sbatch_word(value)}" for name, value in options.items()]
-    script.write_text("#!/bin/bash\n" + "\n".join(lines) + "\ntrue\n", encoding="utf-8")
     env = dict(os.environ, SLURM_CONF=str(conf))
     proc = subprocess.Popen([SBATCH, "--test-only", "-vv", str(script)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, encoding="utf-8")  # fmt: skip

@@ -26,18 +26,10 @@ FINGERPRINT = {"model.path": "tiny-llama", "model.dtype": "float32", "data.seq_l
 
 
 def tiny_config(tie: bool = False) -> Any:
-    from transformers import LlamaConfig
+    from fsdpjob.jobs.assets import tiny_config as config
 
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
+    return config("llama", vocab_size=128, hidden_size=32, intermediate_size=64, max_position_embeddings=64,
+                  tie_word_embeddings=tie)
 
 
 class DataPosition:
