@@ -100,28 +100,19 @@ def build_tiny_model(
     *,
     arch: str = "llama",
     vocab_size: int | None = None,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: str = "float32",
+    **shape: Any,
 ) -> Path:
     """Save a randomly initialised (seeded) ``arch`` causal LM as safetensors in ``out_dir``.
 
-    The vocab size comes from the tokenizer already in ``out_dir`` when there is one.
+    ``shape`` takes tiny_config's keywords (hidden_size, num_layers, ...). The vocab size comes from the
+    tokenizer already in ``out_dir`` when there is one.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab, special_ids = _vocab_size_for(out, vocab_size)
-    config = tiny_config(
-        arch, vocab_size=vocab, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings, **special_ids,
-    )
+    config = tiny_config(arch, vocab_size=vocab, **shape, **special_ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
