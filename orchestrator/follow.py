@@ -15,7 +15,7 @@ from .errors import FsdpjobError
 from .paths import RunPaths
 from .progress import _json_or_none
 from .registry import JobRecord
-from .status import build_report, single_view
+from .status import build_report, local_controller_alive, single_view
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
@@ -124,10 +124,35 @@ def cancel_run(record: JobRecord) -> None:
         slurm_cli.scancel(record.job_id)
         return
     pid = int(record.job_id)
-    try:
-        # submitit's local controller forwards SIGINT to its tasks, then kills them.
-        os.kill(pid, signal.SIGINT)
-    except ProcessLookupError:
-        raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)") from None
+    if not local_controller_alive(record):
+        raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)")
+    workers = _children(pid)
     record.extra["cancelled"] = True
     registry.save(record)
+    # submitit's local controller turns SIGINT into SIGINT then SIGKILL for its tasks. SIGINT can be
+    # ignored, though (a controller started from a script's background job inherits that): then kill.
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + LOCAL_CANCEL_GRACE_S
+    while local_controller_alive(record) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    folder = str(RunPaths(Path(record.run_dir)).submitit_dir).encode()
+    for victim in [*workers, pid]:
+        try:  # only processes still running this run (their command lines name its submitit folder)
+            if folder in Path(f"/proc/{victim}/cmdline").read_bytes():
+                os.kill(victim, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+LOCAL_CANCEL_GRACE_S = 15
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the worker ranks of a local controller)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out

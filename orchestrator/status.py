@@ -149,16 +149,19 @@ def _slurm_value(value: str | None) -> str | None:
     return None if value in (None, "", "None", "(null)") else value
 
 
+def local_controller_alive(record: JobRecord) -> bool:
+    """Whether the run's submitit controller (pid = job id) still runs; a recycled pid does not count."""
+    try:
+        with open(f"/proc/{int(record.job_id)}/cmdline", "rb") as f:
+            return b"submitit" in f.read()
+    except OSError:
+        return False
+
+
 def local_view(record: JobRecord) -> SchedView:
     """A local run: the submitit controller process, then its result pickles."""
     pid = int(record.job_id)
-    alive = False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            alive = b"submitit" in f.read()
-    except OSError:
-        alive = False
-    if alive:
+    if local_controller_alive(record):
         return SchedView(state="RUNNING", nodes=os.uname().nodename)
     if record.extra.get("cancelled"):
         return SchedView(state="CANCELLED")

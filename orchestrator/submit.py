@@ -140,7 +140,7 @@ def _stdio_detached():
     It inherits fds 0-2: on the caller's pipes it would make `out=$(fsdpjob submit ...)` (or any captured
     run) wait for the whole job, so it gets /dev/null (the workers write to their own log files). And it
     inherits signal dispositions across exec: SIGHUP ignored, so closing the terminal does not kill the
-    run. SIGINT keeps its default, since `fsdpjob cancel` (and Ctrl-C under --wait) stops a local run with it.
+    run. SIGINT keeps (or gets back) its default: `fsdpjob cancel` and Ctrl-C under --wait stop a local run with it.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -148,6 +148,11 @@ def _stdio_detached():
     devnull = os.open(os.devnull, os.O_RDWR)
     in_main = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN) if in_main else None
+    # An ignored SIGINT (this CLI run as a script's background job) would be inherited too, and the
+    # controller would then ignore `fsdpjob cancel`: it gets the default back.
+    old_int = signal.getsignal(signal.SIGINT)
+    if in_main and old_int == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -155,6 +160,7 @@ def _stdio_detached():
     finally:
         if in_main:
             signal.signal(signal.SIGHUP, old_hup)
+            signal.signal(signal.SIGINT, old_int)
         for fd, copy in zip((0, 1, 2), saved):
             os.dup2(copy, fd)
             os.close(copy)

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,6 @@ def _run_pids(run_dir: Path) -> list[int]:
 
 
 def _wait(predicate, timeout: float, what: str):
-    import time
-
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -72,13 +71,20 @@ def _wait(predicate, timeout: float, what: str):
 def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None:
     import signal
 
+    from fsdpjob.orchestrator.follow import LOCAL_CANCEL_GRACE_S
+
     made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     spec = tmp_path / "long.yaml"
     spec.write_text((REPO / "examples" / "quickstart.yaml").read_text())
-    sub = fsdpjob("submit", str(spec), "--json", "--set", "train.max_steps=100000",
-                  "--set", f"model.path={tmp_path / 'assets' / 'model'}",
-                  "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}", cwd=tmp_path)
+    # Submitted the way a script's background job would be: SIGINT ignored (inherited over exec).
+    sub = subprocess.run(
+        [sys.executable, "-m", "fsdpjob.orchestrator.cli", "submit", str(spec), "--json",
+         "--set", "train.max_steps=100000", "--set", f"model.path={tmp_path / 'assets' / 'model'}",
+         "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     assert sub.returncode == 0, sub.stdout + sub.stderr  # returns at once: no --wait
     run = json.loads(sub.stdout[: sub.stdout.index("}") + 1])
     run_dir = Path(run["run_dir"])
@@ -95,8 +101,10 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None
     _wait(lambda: step() >= reached + 3, 120, "training to go on after SIGHUP")
     assert _run_pids(run_dir) == pids
 
+    started = time.monotonic()
     cancelled = fsdpjob("cancel", run["run_id"], cwd=tmp_path)
     assert cancelled.returncode == 0, cancelled.stderr
-    _wait(lambda: not _run_pids(run_dir), 60, "the run's processes to exit")
+    assert not _run_pids(run_dir)  # cancel returns once the run's processes are gone
+    assert time.monotonic() - started < LOCAL_CANCEL_GRACE_S  # by SIGINT, not the SIGKILL fallback
     report = json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)
     assert report["phase"] == "CANCELLED", report

@@ -126,7 +126,12 @@ def lift_requeue_hold(job_id: int | str) -> None:
     """
     import time
 
+    from ..errors import SlurmCommandError
     from ..slurm_cli import run
 
     time.sleep(3)
-    run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    try:
+        run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    except SlurmCommandError as exc:
+        if "no longer pending" not in exc.stderr:  # it started meanwhile (its hold had run out): done
+            raise

@@ -104,17 +104,46 @@ def slurm_cluster_noacct_session() -> Iterator[ClusterInfo]:
 
 # SLURM_CONF is set per test, not per session: tests of both clusters interleave in one session.
 @pytest.fixture
-def slurm_cluster(slurm_cluster_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> ClusterInfo:
+def slurm_cluster(
+    slurm_cluster_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterInfo]:
     """The cluster with slurmdbd (sacct works); SLURM_CONF points at it for this test."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_session.slurm_conf))
-    return slurm_cluster_session
+    yield slurm_cluster_session
+    _cancel_leftovers(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
-def slurm_cluster_noacct(slurm_cluster_noacct_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> ClusterInfo:
+def slurm_cluster_noacct(
+    slurm_cluster_noacct_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterInfo]:
     """The cluster without accounting; SLURM_CONF points at it for this test."""
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_noacct_session.slurm_conf))
-    return slurm_cluster_noacct_session
+    yield slurm_cluster_noacct_session
+    _cancel_leftovers(tmp_path_factory.getbasetemp())
+
+
+def _cancel_leftovers(basetemp: Path) -> None:
+    """Cancel this session's jobs that a test left behind (a failed test must not hold the nodes for
+    the next ones). This session's jobs write their output under its pytest folder; jobs of another
+    test session sharing the cluster do not, and are left alone."""
+    from fsdpjob.orchestrator import slurm_cli
+
+    mine = []
+    for job_id in slurm_cli.squeue():
+        info = slurm_cli.scontrol_job(job_id) or {}
+        active = info.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
+        if active and info.get("StdOut", "").startswith(str(basetemp)):
+            mine.append(job_id)
+    for job_id in mine:
+        try:
+            slurm_cli.scancel(job_id)
+        except slurm_cli.SlurmCommandError:
+            pass  # it ended meanwhile
+    if mine:
+        wait_for(lambda: not set(mine) & {j for j, v in slurm_cli.squeue(mine).items()
+                                          if v["state"] in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")},
+                 timeout=60, interval=0.5, what=f"left-over jobs {mine} to end")
 
 
 def slurm_env(info: ClusterInfo) -> dict[str, str]:
