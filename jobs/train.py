@@ -137,7 +137,7 @@ def run(run_dir: str) -> dict:
         while state.step < spec.train.max_steps:
             micro_batches = stream.next_step()
             state.loss, tokens, grad_norm = train_step(model, optimizer, micro_batches, env.device,
-                                                 max_grad_norm=spec.train.max_grad_norm)
+                                                       max_grad_norm=spec.train.max_grad_norm)
             if log_samples:
                 _log_samples(paths, state.step + 1, micro_batches, env)
             lr = scheduler.get_last_lr()[0]
