@@ -12,9 +12,9 @@ clock, from just before the parent spawns the ranks:
   each import (torch; transformers and AutoModelForCausalLM; the Llama model class, which
   transformers imports lazily; the worker modules);
 * the worker's own phases: time stamps around the real functions run() calls (init_distributed,
-  load_model and inside it apply_fsdp, the rank-0 read and the broadcast, read_examples,
-  build_sequences, CheckpointManager's constructor, find_resume and load, the first train_step),
-  wrapped in place;
+  load_model and inside it apply_fsdp, the rank-0 read and the broadcast, load_or_build (the packed
+  data: read back from the run's cache on a restart), CheckpointManager's constructor, find_resume and
+  load, the first train_step), wrapped in place;
 * the worker's events.jsonl (start, resume, ready with setup_s) and its first metrics.jsonl line.
 
 The import cost is also measured on its own, in the same run:
@@ -57,9 +57,8 @@ PHASES = [
     ("model: to_empty + non-persistent buffers", "read_on_rank0.start"),
     ("model: rank-0 safetensors read", "read_on_rank0.end"),
     ("model: broadcast into shards", "set_model_state_dict.end"),
-    ("optimizer, scheduler, tokenizer load", "read_examples.start"),
-    ("data: read + tokenize the JSONL (read_examples)", "read_examples.end"),
-    ("data: pack into sequences (build_sequences)", "build_sequences.end"),
+    ("optimizer, scheduler, tokenizer load", "load_or_build.start"),
+    ("data: packed table (the run's cache on a restart)", "load_or_build.end"),
     ("checkpoint manager (its own gloo group)", "checkpoint_manager.end"),
     ("find + verify the newest checkpoint", "find_resume.end"),
     ("checkpoint load (DCP, 2 calls)", "checkpoint_load.end"),
@@ -106,8 +105,7 @@ def rank_main(run_dir: Path, entered: float) -> None:
     _timed(model, "apply_fsdp", "apply_fsdp", marks)
     _timed(model, "_read_on_rank0", "read_on_rank0", marks)
     _timed(model, "set_model_state_dict", "set_model_state_dict", marks)
-    _timed(train, "read_examples", "read_examples", marks)
-    _timed(train, "build_sequences", "build_sequences", marks)
+    _timed(train, "load_or_build", "load_or_build", marks)
     _timed(train.CheckpointManager, "__init__", "checkpoint_manager", marks)
     _timed(train.CheckpointManager, "find_resume", "find_resume", marks)
     _timed(train.CheckpointManager, "load", "checkpoint_load", marks)
@@ -145,7 +143,8 @@ def resumed_marks(run_dir: Path, launched: float) -> tuple[dict[str, float], dic
     marks["event.start"], marks["event.ready"] = events["start"]["time"], events["ready"]["time"]
     first, second = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["time"] > launched][:2]
     marks["metrics.first"] = first["time"]
-    facts = {"resume": events["resume"], "ready": events["ready"], "first": first, "second": second}
+    data = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "data"]
+    facts = {"resume": events["resume"], "ready": events["ready"], "first": first, "second": second, "data": data}
     return marks, facts, ranks[1]["marks"]["train_step.end"]
 
 
@@ -166,7 +165,7 @@ def report(marks: dict[str, float], facts: dict[str, Any], rank1_end: float, imp
     groups |= {
         "process group init": marks["init_distributed.end"] - marks["init_distributed.start"],
         "model build (mesh, meta init, FSDP wrap, weight load)": marks["load_model.end"] - marks["event.start"],
-        "data (tokenize + pack, every rank, every start)": marks["build_sequences.end"] - marks["read_examples.start"],
+        "data (packed table from the run's cache)": marks["load_or_build.end"] - marks["load_or_build.start"],
         "checkpoint find + load": marks["checkpoint_load.end"] - marks["find_resume.start"],
         "first step": marks["train_step.end"] - marks["train_step.start"],
     }
@@ -178,6 +177,9 @@ def report(marks: dict[str, float], facts: dict[str, Any], rank1_end: float, imp
     print(f"{'process start -> first step after resume (rank 0)':<52} {total:>6.2f}")
     print(f"{'  same, rank 1 (its first step end)':<52} {rank1_end - launched:>6.2f}")
     print(f"{'worker ready event setup_s (start -> ready)':<52} {facts['ready']['setup_s']:>6.2f}")
+    for e in facts["data"]:  # the first start tokenized and wrote the cache; the timed one read it
+        how = "read from the cache" if e["cached"] else "tokenized + packed + cache written"
+        print(f"{'data, ' + how + ' (rank 0, data event)':<52} {e['seconds']:>6.2f}")
     steady = facts["second"]["time"] - facts["first"]["time"]
     print(f"{'next step (steady state, from metrics.jsonl)':<52} {steady:>6.2f}")
     print(f"\nstandalone, median of runs: python -c pass {imports['pass']:.2f} s; "
