@@ -33,6 +33,9 @@ def _status_mib(field: str) -> float:
 def _worker(method: str, model_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per rank would bury the table
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import find_decoder_layers, load_model
@@ -91,6 +94,9 @@ def _run(method: str, model_dir: Path, ranks: int) -> list[dict]:
 def _make_models(workdir: Path, layers: int) -> dict[str, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     dirs = {name: workdir / f"llama_{layers}l_{name}" for name in STORAGE}
     if all((d / "model.safetensors").is_file() for d in dirs.values()):
