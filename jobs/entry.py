@@ -10,9 +10,15 @@ class TrainJob:
         self.run_dir = run_dir
 
     def __call__(self) -> dict:
+        # First thing, before torch and transformers load (seconds): submitit's handlers are live from
+        # here on and would swallow a SIGTERM (an external requeue or cancel) or the warning signal that
+        # lands during those imports; the job would then train on until Slurm's SIGKILL and lose steps.
+        from .preemption import StopFlag
+
+        stop = StopFlag(_stop_signal(self.run_dir))
         from .train import run
 
-        return run(self.run_dir)
+        return run(self.run_dir, stop=stop)
 
     def checkpoint(self, *args, **kwargs):
         """submitit's requeue hook. fsdpjob replaces submitit's signal handlers on every rank, so this only
@@ -23,3 +29,14 @@ class TrainJob:
 
     def __repr__(self) -> str:
         return f"TrainJob({self.run_dir!r})"
+
+
+def _stop_signal(run_dir: str) -> str:
+    """The spec's preemption.signal, read from the run folder without pydantic (run() validates it)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(run_dir) / "spec.json").read_text())["spec"]["preemption"]["signal"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "USR2"

@@ -14,9 +14,6 @@ import os
 import signal
 import time
 
-import torch
-import torch.distributed as dist
-
 log = logging.getLogger("fsdpjob.preemption")
 
 # submitit's local controller restarts tasks that exit with this code (its requeue contract).
@@ -24,7 +21,8 @@ LOCAL_REQUEUE_EXIT_CODE = 144
 
 
 class StopFlag:
-    """Records the first stop signal; ``agree()`` turns it into a decision every rank shares."""
+    """Records the first stop signal; the training loop's per-step all-reduce turns it into a decision
+    every rank shares. This module imports no torch: the flag is set up before the worker's heavy imports."""
 
     def __init__(self, signal_name: str):
         self.signum = 0
@@ -44,12 +42,6 @@ class StopFlag:
     def request(self, signum: int = signal.SIGUSR2) -> None:
         """Ask for a stop from code (tests, fault injection): same path as a signal."""
         self._handle(signum, None)
-
-    def agree(self, device: torch.device) -> int:
-        """Collective: the signal number any rank received (max), or 0. Call on every rank at the same point."""
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
 
 
 def slurm_job_id() -> str | None:

@@ -54,13 +54,13 @@ class TrainState:
         self.global_batch, self.loss = int(state["global_batch"]), float(state.get("loss", float("nan")))
 
 
-def run(run_dir: str) -> dict:
+def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     os.umask(0o077)  # run folders hold checkpoints and logs of the user's data: owner only
     paths = RunPaths(Path(run_dir))
     meta = json.loads(paths.spec_file.read_text(encoding="utf-8"))
     spec = JobSpec.model_validate(meta["spec"])
     # First thing on every rank: our flag-only handlers replace submitit's (see preemption.py).
-    stop = preemption.StopFlag(spec.preemption.signal)
+    stop = stop or preemption.StopFlag(spec.preemption.signal)
     _setup_logging()
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload)
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=spec.train.max_steps)

@@ -28,6 +28,33 @@ def _worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
     return 0
 
 
+def _worker_signalled_while_importing(rank: int, world_size: int, run_dir: str, env: dict) -> int:
+    """A task as submitit runs it: submitit's SIGTERM handler (it only logs "Bypassing signal SIGTERM") is
+    live before the job is called, and an external requeue's SIGTERM lands while the worker imports torch."""
+    import importlib.abc
+    import signal
+    import sys
+
+    os.environ.update(env)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+    class SignalDuringImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "fsdpjob.jobs.train":
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return None
+
+    sys.meta_path.insert(0, SignalDuringImport())
+    from fsdpjob.jobs.entry import TrainJob
+
+    try:
+        TrainJob(run_dir)()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
     from fsdpjob.jobs.assets import make_quickstart
@@ -137,3 +164,13 @@ def test_stop_signal_at_the_last_step_completes_instead_of_requeueing(assets, tm
     assert train(run_dir, 2, FSDPJOB_STOP_AT_STEP=str(STEPS)) == [0, 0]
     events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert "stop" not in events and events[-1] == "done"
+
+
+def test_signal_during_the_worker_imports_is_kept_and_honoured(assets, tmp_path):
+    # Seen in a 50-fault chaos run: the SIGTERM of an `scontrol requeue` came while torch was loading,
+    # submitit's handler swallowed it, and the job trained on until Slurm's SIGKILL (11 steps lost).
+    run_dir = make_run(tmp_path, "early-signal", assets)
+    assert run_ranks(_worker_signalled_while_importing, 1, run_dir=str(run_dir), env={}) == [0]
+    stop = next(json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
+                if json.loads(x)["event"] == "stop")
+    assert stop["step"] == 1 and stop["signal"] == 15 and stop["requeued"] is True
