@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from fsdpjob.orchestrator import slurm_cli
+
 log = logging.getLogger("fsdpjob.preemption")
 
 # submitit's local controller restarts tasks that exit with this code (its requeue contract).
@@ -44,26 +46,17 @@ class StopFlag:
         self._handle(signum, None)
 
 
-def slurm_job_id() -> str | None:
-    """Array-safe id for scontrol: <array job>_<task> for array jobs, else the job id."""
-    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return os.environ.get("SLURM_JOB_ID")
-
-
 def classify_stop(signum: int) -> str:
     """'preemption' or 'time_limit' under Slurm (PreemptTime is set only on preemption); 'signal' elsewhere.
+    A cancel (scancel sends SIGTERM too) is told apart when requeueing (requeue below).
 
     Remaining time is misleading during a grace period (squeue %L ignores it), so it is not used.
     """
-    job_id = slurm_job_id()
+    job_id = slurm_cli.job_id_from_env()
     if not job_id or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
         return "signal"
-    from fsdpjob.orchestrator.slurm_cli import scontrol_job
-
     try:
-        info = scontrol_job(job_id) or {}
+        info = slurm_cli.scontrol_job(job_id) or {}
     except Exception as exc:  # noqa: BLE001 - the classification is informational
         log.warning("could not ask scontrol about job %s: %s", job_id, exc)
         return "signal"
@@ -75,40 +68,47 @@ def restart_count() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
-def requeue(max_requeues: int, restarts: int) -> tuple[bool, str]:
-    """Rank 0 only, after every rank committed: requeue the job once. Returns (requeued, detail)."""
-    if restarts >= max_requeues:
-        return False, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return True, "local: the controller restarts the workers"
-    from fsdpjob.orchestrator.slurm_cli import requeue as scontrol_requeue
+# How a stop ends on every rank (rank 0 decides, the others follow its broadcast).
+REQUEUED, CANCELLED, NOT_REQUEUED = 0, 1, 2
 
-    job_id = slurm_job_id()
+
+def requeue(max_requeues: int, restarts: int) -> tuple[int, str]:
+    """Rank 0 only, after every rank committed: requeue the job once. Returns (outcome, detail)."""
+    if restarts >= max_requeues:
+        return NOT_REQUEUED, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return REQUEUED, "local: the controller restarts the workers"
+    job_id = slurm_cli.job_id_from_env()
     try:
-        scontrol_requeue(job_id)
-    except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled: nothing to requeue
+        refused = slurm_cli.requeue_unless_cancelled(job_id)
+    except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled or requeued right now
         state = _job_state(job_id)
+        if state == "CANCELLED":
+            return CANCELLED, f"job {job_id} was cancelled while stopping; not requeued"
         if state in ("COMPLETING", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
             # Someone (scontrol requeue, Slurm itself at grace end) is already requeueing it.
-            return True, f"job {job_id} is already being requeued ({state})"
-        return False, f"scontrol requeue {job_id} failed ({state or 'state unknown'}): {exc}"
-    return True, f"requeued Slurm job {job_id}"
+            return REQUEUED, f"job {job_id} is already being requeued ({state})"
+        return NOT_REQUEUED, f"scontrol requeue {job_id} failed ({state or 'state unknown'}): {exc}"
+    if refused:
+        return CANCELLED, refused
+    return REQUEUED, f"requeued Slurm job {job_id}"
 
 
 def _job_state(job_id: str) -> str | None:
-    from fsdpjob.orchestrator.slurm_cli import scontrol_job
-
     try:
-        return (scontrol_job(job_id) or {}).get("JobState")
+        return slurm_cli.job_state(job_id)
     except Exception:  # noqa: BLE001
         return None
 
 
-def exit_after_stop(requeued: bool) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def exit_after_stop(outcome: int) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
     """Leave without a result on every rank: Slurm then keeps the requeue (a normal return would be
-    recorded COMPLETED), submitit writes no result pickle, and the local controller restarts on 144."""
-    if not requeued:
+    recorded COMPLETED), submitit writes no result pickle, and the local controller restarts on 144.
+    A cancelled job exits 0 so that the batch script's failure policy has nothing to act on."""
+    if outcome == NOT_REQUEUED:
         raise SystemExit(1)
+    if outcome == CANCELLED:
+        raise SystemExit(0)
     if os.environ.get("SUBMITIT_EXECUTOR") == "local":
         raise SystemExit(LOCAL_REQUEUE_EXIT_CODE)
     raise SystemExit(0)

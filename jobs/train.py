@@ -64,7 +64,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     _setup_logging()
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload)
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=spec.train.max_steps)
-    ckpt = None
+    ckpt, state = None, None
     try:
         t_start = time.time()
         torch.manual_seed(spec.train.seed)
@@ -185,8 +185,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     except SystemExit:
         raise
     except BaseException as exc:
+        # The step reached counts the steps this crash loses (fsdpjob status: steps lost).
         report.event("failed", all_ranks=True, rank=env.rank, error=f"{type(exc).__name__}: {exc}"[:2000],
-                     retryable=_retryable(exc))
+                     retryable=_retryable(exc), step=state.step if state else None)
         raise
     finally:
         if ckpt is not None:
@@ -241,19 +242,22 @@ def _interval_due(spec: JobSpec, step: int) -> bool:
 
 
 def _stop_and_requeue(stop, signum, spec, state, report, t_save_start, device) -> None:
-    """After a committed stop checkpoint: one rank requeues, every rank leaves without a result."""
-    requeued, detail = True, ""
+    """After a committed stop checkpoint: one rank requeues (unless the job was cancelled), every rank
+    leaves without a result."""
+    outcome = preemption.REQUEUED
     if dist.get_rank() == 0:
         kind = preemption.classify_stop(signum)
         signal_to_commit = time.time() - (stop.received_at or t_save_start)
-        requeued, detail = preemption.requeue(spec.preemption.max_requeues, preemption.restart_count())
-        report.event("stop", reason=kind, signal=signum, step=state.step, requeued=requeued, detail=detail,
-                     save_s=round(time.time() - t_save_start, 3), signal_to_commit_s=round(signal_to_commit, 3))
-        if not requeued:
+        outcome, detail = preemption.requeue(spec.preemption.max_requeues, preemption.restart_count())
+        kind = "cancelled" if outcome == preemption.CANCELLED else kind
+        report.event("stop", reason=kind, signal=signum, step=state.step, requeued=outcome == preemption.REQUEUED,
+                     detail=detail, save_s=round(time.time() - t_save_start, 3),
+                     signal_to_commit_s=round(signal_to_commit, 3))
+        if outcome == preemption.NOT_REQUEUED:
             report.event("failed", reason=detail, step=state.step, retryable=False)
-    flag = torch.tensor([int(requeued)], dtype=torch.int32, device=device)
-    dist.broadcast(flag, src=0)  # every rank exits the same way: requeued (0/144) or failed (1)
-    preemption.exit_after_stop(bool(flag.item()))
+    flag = torch.tensor([outcome], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0)  # every rank exits the same way
+    preemption.exit_after_stop(int(flag.item()))
 
 
 def _retryable(exc: BaseException) -> bool:

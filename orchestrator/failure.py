@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import slurm_cli
 from .paths import RunPaths
 from .progress import _json_lines
 
@@ -81,18 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunPaths(Path(run_dir))
     spec = json.loads(paths.spec_file.read_text(encoding="utf-8"))["spec"]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    requeue, why = decide(_attempt_timeline(paths), restarts=restarts, max_requeues=spec["preemption"]["max_requeues"])
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    record = {"time": time.time(), "pid": os.getpid(), "exit_code": int(exit_code), "detail": why}
+    job_id = slurm_cli.job_id_from_env() or ""
+    timeline = _attempt_timeline(paths)
+    requeue, why = decide(timeline, restarts=restarts, max_requeues=spec["preemption"]["max_requeues"])
+    # The step this attempt reached: what the next resume loses beyond its checkpoint (fsdpjob status).
+    current = next((ev for r, ev in reversed(_attempts(timeline)) if r == restarts), [])
+    reached = max((e["step"] for e in current if isinstance(e.get("step"), int)), default=None)
+    record = {"time": time.time(), "pid": os.getpid(), "exit_code": int(exit_code), "detail": why, "step": reached}
     if requeue:
-        from .slurm_cli import requeue as scontrol_requeue
-
+        refused = slurm_cli.requeue_unless_cancelled(job_id)  # a scancel'ed job's workers fail too
+        if refused:
+            print(f"fsdpjob: workers exited {exit_code}; {refused}", file=sys.stderr)
+            return 0
         with open(paths.events_file, "a", encoding="utf-8") as f:
             f.write(json.dumps({"event": "requeue", "reason": "failure", **record}) + "\n")
-        print(f"fsdpjob: workers failed (exit {exit_code}); requeueing job {job_id}: {why}", file=sys.stderr)
-        scontrol_requeue(job_id)
+        print(f"fsdpjob: workers failed (exit {exit_code}); requeued job {job_id}: {why}", file=sys.stderr)
         return 0
     with open(paths.events_file, "a", encoding="utf-8") as f:
         f.write(json.dumps({"event": "failed", "reason": f"workers failed (exit {exit_code}), not requeued: {why}", **record}) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -110,8 +111,63 @@ def accounting_enabled() -> bool:
 
 
 def scancel(job_id: str) -> None:
+    """Cancel for good. scancel sends the tasks the same SIGTERM a preemption does, and `scontrol requeue`
+    accepts a job that is being cancelled; so first turn the job's requeue off (its workers then cannot
+    bring it back even where no accounting tells them it was cancelled)."""
+    try:
+        run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
+    except SlurmCommandError:
+        pass  # e.g. the job already ended; scancel below says what matters
     run(["scancel", job_id])
 
 
 def requeue(job_id: str) -> None:
     run(["scontrol", "requeue", job_id])
+
+
+def job_id_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """The running job's id as scontrol takes it: <array job>_<task> for an array task, else SLURM_JOB_ID."""
+    env = os.environ if environ is None else environ
+    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def job_state(job_id: str) -> str | None:
+    """The first word of scontrol's JobState ("RUNNING", "CANCELLED", ...), None for a job slurmctld forgot."""
+    info = scontrol_job(job_id)
+    return info.get("JobState") if info else None
+
+
+def cancelled(job_id: str) -> bool:
+    """Whether the job was cancelled. While its tasks stop, scontrol shows a cancelled job as COMPLETING
+    (22.05), so then ask sacct, which records CANCELLED at once where accounting runs."""
+    state = job_state(job_id)
+    if state != "COMPLETING":
+        return state == "CANCELLED"
+    try:
+        rows = sacct([job_id])
+    except SlurmCommandError:
+        return False  # no accounting: `fsdpjob cancel` turned requeue off instead (scancel above)
+    return bool(rows) and rows[-1].state.startswith("CANCELLED")
+
+
+REQUEUE_DISABLED = "presently disabled"  # scontrol's words for a job whose requeue is off
+
+
+def requeue_unless_cancelled(job_id: str) -> str | None:
+    """Requeue one of our jobs, unless its user cancelled it; returns why not, or None once requeued.
+
+    `scontrol requeue` also takes back a job that is being cancelled, and `scancel` sends the same SIGTERM a
+    preemption does: without this check a worker (or the failure policy) would undo the cancel.
+    """
+    if cancelled(job_id):
+        return f"job {job_id} was cancelled; not requeueing it"
+    try:
+        requeue(job_id)
+    except SlurmCommandError as exc:
+        if REQUEUE_DISABLED in exc.stderr:
+            return f"job {job_id} has requeue turned off (fsdpjob cancel does that); not requeueing it"
+        raise
+    return None

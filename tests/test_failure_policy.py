@@ -43,3 +43,23 @@ def test_setup_crash_after_earlier_progress_is_retried_a_bounded_number_of_times
     assert decide(earlier, restarts=2, max_requeues=9)[0]
     ok, why = decide(earlier, restarts=3, max_requeues=9)
     assert not ok and "in a row" in why
+
+
+def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path, monkeypatch):
+    # Outside a Slurm job the requeue itself cannot run: stop right before it and check the record.
+    import json
+
+    from fsdpjob.orchestrator import failure, slurm_cli
+
+    (tmp_path / "spec.json").write_text(json.dumps({"spec": {"preemption": {"max_requeues": 5}}}))
+    events = attempt(0, *TRAINED, t0=0) + attempt(1, {"event": "ready", "step": 5},
+                                                   {"event": "checkpoint", "step": 8}, t0=100)
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 100 + s}) + "\n" for s in (6, 9, 11)))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    asked = []
+    monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", lambda job_id: asked.append(job_id))
+    assert failure.main([str(tmp_path), "1"]) == 0
+    last = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
+    assert asked == ["77"] and last["event"] == "requeue" and last["step"] == 11 and last["exit_code"] == 1

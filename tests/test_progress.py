@@ -62,3 +62,20 @@ def test_checkpoints_are_read_where_the_spec_put_them(tmp_path):
 def test_an_empty_run_folder(tmp_path):
     prog = read_progress(tmp_path)
     assert (prog.step, prog.restarts, prog.last_checkpoint_step, prog.done) == (None, 0, None, False)
+
+
+def test_steps_lost_to_a_crash_count_even_when_the_metrics_lie_beyond_the_tail(tmp_path):
+    # A long run: metrics.jsonl is far larger than the tail status reads, so the crash's step comes from
+    # the failure policy's requeue event (orchestrator/failure.py records the step the attempt reached).
+    filler = "x" * 200
+    write_lines(tmp_path / "metrics.jsonl", [{"step": s, "loss": 1.0, "time": 10 + s, "note": filler}
+                                             for s in range(1, 1001)])
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "restart": 0, "time": 1},
+        {"event": "checkpoint", "step": 400, "time": 410},
+        {"event": "requeue", "reason": "failure", "step": 437, "time": 448},
+        {"event": "start", "restart": 1, "time": 500},
+        {"event": "resume", "step": 400, "time": 505},
+    ])
+    assert (tmp_path / "metrics.jsonl").stat().st_size > 3 * 65536
+    assert read_progress(tmp_path).steps_lost == 37

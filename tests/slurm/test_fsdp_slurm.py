@@ -183,6 +183,22 @@ def test_requeue_cap_reached_fails_with_reason(slurm_cluster, make_spec):
     assert done["last_checkpoint_step"] is not None  # the stop checkpoint was still committed
 
 
+def stays_cancelled(run: dict) -> dict:
+    """After a cancel: CANCELLED, and still CANCELLED once the workers had KillWait (10 s) to react.
+    Slurm's SIGTERM looks like a preemption to the workers, and `scontrol requeue` accepts a job that is
+    being cancelled: a worker that requeued here would bring the job back (seen in CI)."""
+    assert wait_phase(run["run_id"], {"CANCELLED"}, timeout=60)["phase"] == "CANCELLED"
+    wait_for(lambda: not status_of(run["job_id"]) or status_of(run["job_id"]) == "CANCELLED", timeout=60,
+             interval=1.0, what=f"job {run['job_id']} to stop completing")
+    report = status(run["run_id"])
+    assert report["phase"] == "CANCELLED" and report["restarts"] == 0, report
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    assert [e["event"] for e in events].count("start") == 1, events
+    assert not [e for e in events if e["event"] in ("requeue", "failed")], events
+    assert all(e["reason"] == "cancelled" and not e["requeued"] for e in events if e["event"] == "stop"), events
+    return report
+
+
 def test_status_list_cancel_without_accounting(slurm_cluster_noacct, make_spec):
     spec = make_spec("noacct", train__max_steps=400)
     run = submit(spec)
@@ -190,9 +206,23 @@ def test_status_list_cancel_without_accounting(slurm_cluster_noacct, make_spec):
     listed = json.loads(fsdpjob("list", "--json").stdout)
     assert any(r["run_id"] == run["run_id"] and r["phase"] == "RUNNING" for r in listed)
     fsdpjob("cancel", run["run_id"])
-    assert wait_phase(run["run_id"], {"CANCELLED"}, timeout=60)["phase"] == "CANCELLED"
+    stays_cancelled(run)
     listed = json.loads(fsdpjob("list", "--json").stdout)
     assert next(r for r in listed if r["run_id"] == run["run_id"])["phase"] == "CANCELLED"
+
+
+def test_plain_scancel_mid_training_is_not_requeued(slurm_cluster, make_spec):
+    # A user's own scancel (requeue still on): the workers checkpoint on its SIGTERM, see in sacct that the
+    # job was cancelled, and leave it cancelled.
+    run = submit(make_spec("scancel", train__max_steps=400))
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 2, timeout=180, interval=1.0, what="step 2")
+    subprocess.run(["scancel", run["job_id"]], check=True)
+    stays_cancelled(run)
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    assert [e["reason"] for e in events if e["event"] == "stop"] == ["cancelled"], events
+    out = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", run["job_id"], "-o", "State"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out and all(line.startswith("CANCELLED") for line in out), out  # one run, never requeued
 
 
 def test_sbatch_refusal_is_clear_and_leaves_no_record(slurm_cluster, make_spec):
