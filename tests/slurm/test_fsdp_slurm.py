@@ -193,7 +193,7 @@ def stays_cancelled(run: dict) -> dict:
     report = status(run["run_id"])
     assert report["phase"] == "CANCELLED" and report["restarts"] == 0, report
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
-    assert [e["event"] for e in events].count("start") == 1, events
+    assert [e["event"] for e in events].count("start") <= 1, events  # 0: cancelled before the workers began
     assert not [e for e in events if e["event"] in ("requeue", "failed")], events
     assert all(e["reason"] == "cancelled" and not e["requeued"] for e in events if e["event"] == "stop"), events
     return report
