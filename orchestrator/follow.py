@@ -18,6 +18,8 @@ from .registry import JobRecord
 from .status import build_report, local_controller_alive, single_view
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+# Seconds a local run gets to stop after SIGINT before fsdpjob cancel kills what is left.
+LOCAL_CANCEL_GRACE_S = 15
 
 
 def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
@@ -120,8 +122,13 @@ def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:
 
 
 def cancel_run(record: JobRecord) -> None:
+    """Stop a run for good: Slurm jobs with requeue turned off first (slurm_cli.scancel), local runs by
+    signalling their controller."""
     if record.scheduler == "slurm":
         slurm_cli.scancel(record.job_id)
+        # Without accounting slurmctld forgets the job after MinJobAge; the record still says it.
+        record.extra["cancelled"] = True
+        registry.save(record)
         return
     pid = int(record.job_id)
     if not local_controller_alive(record):
@@ -142,9 +149,6 @@ def cancel_run(record: JobRecord) -> None:
                 os.kill(victim, signal.SIGKILL)
         except (OSError, ProcessLookupError):
             pass
-
-
-LOCAL_CANCEL_GRACE_S = 15
 
 
 def _children(pid: int) -> list[int]:

@@ -183,6 +183,8 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
     view = view or SchedView(state="UNKNOWN")
     restarts = max(view.restarts, progress.restarts)
     phase = phase_of(view.state, restarts, progress)
+    if phase == "UNKNOWN" and record.extra.get("cancelled"):
+        phase = "CANCELLED"  # fsdpjob cancel, and slurmctld (no accounting) has forgotten the job since
     failure = progress.failure if phase in ("FAILED", "CANCELLED", "TIMEOUT", "UNKNOWN") else None
     if phase == "FAILED" and not failure:
         failure = view.reason or f"scheduler state {view.state}"

@@ -66,3 +66,16 @@ def test_scontrol_show_job_of_a_requeued_pending_job():
 def test_scontrol_show_node_gives_the_node_address():
     info = slurm_cli.parse_scontrol(recorded("scontrol-show-node.txt"))
     assert info["NodeName"] == "n1" and info["NodeAddr"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("cancelled, phase", [(True, "CANCELLED"), (False, "UNKNOWN")])
+def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, cancelled, phase):
+    # No accounting: after MinJobAge neither squeue nor scontrol knows the job (view None); the worker
+    # may have died before writing anything, so only the record's cancel mark tells.
+    from fsdpjob.orchestrator.registry import JobRecord
+    from fsdpjob.orchestrator.status import build_report
+
+    record = JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="slurm", job_id="9", profile="p",
+                       submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=10,
+                       extra={"cancelled": True} if cancelled else {})
+    assert build_report(record, None).phase == phase

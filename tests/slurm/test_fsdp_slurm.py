@@ -207,6 +207,8 @@ def test_status_list_cancel_without_accounting(slurm_cluster_noacct, make_spec):
     assert any(r["run_id"] == run["run_id"] and r["phase"] == "RUNNING" for r in listed)
     fsdpjob("cancel", run["run_id"])
     stays_cancelled(run)
+    record = json.loads((Path(os.environ["FSDPJOB_HOME"]) / "registry" / f"{run['run_id']}.json").read_text())
+    assert record["extra"]["cancelled"] is True  # status says CANCELLED after slurmctld forgets the job
     listed = json.loads(fsdpjob("list", "--json").stdout)
     assert next(r for r in listed if r["run_id"] == run["run_id"])["phase"] == "CANCELLED"
 
