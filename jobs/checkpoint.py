@@ -376,9 +376,12 @@ class CheckpointManager:
         """Load ``state`` in place from ``step_dir`` (collective, any world size); return its sidecar."""
         step_dir = Path(step_dir)
         sidecar = read_sidecar(step_dir)
-        for value in state.values():
+        saved = set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+        for name, value in state.items():
             if isinstance(value, RNGState):
                 value.expect_load(saved_world_size=sidecar["world_size"], step=sidecar["step"])
+            elif isinstance(value, DictState):
+                value.expect_keys(name, saved)
         started = time.monotonic()
         with single_process_dcp():
             reader = FileSystemReader(str(step_dir))

@@ -34,16 +34,27 @@ class ModelOptimState(Stateful):
 
 
 class DictState(Stateful):
-    """Adapts an object with state_dict/load_state_dict (LR scheduler, data pipeline) to DCP."""
+    """Adapts an object with state_dict/load_state_dict (LR scheduler, data pipeline) to DCP.
 
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
+    ``optional`` names keys added after checkpoints were already being written: a checkpoint without one
+    still loads (the object keeps its default). DCP's load is strict otherwise, which is what we want for
+    everything else: a missing weight must never pass silently.
+    """
+
+    def __init__(self, obj: Any, optional: tuple[str, ...] = ()) -> None:
+        self.obj, self.optional = obj, optional
+        self._absent: set[str] = set()
+
+    def expect_keys(self, name: str, saved: set[str]) -> None:
+        """Before a load: the checkpoint's flattened keys (``<name>.<key>``); absent optional keys are not asked for."""
+        self._absent = {k for k in self.optional if f"{name}.{k}" not in saved}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.obj.state_dict()
+        return {k: v for k, v in self.obj.state_dict().items() if k not in self._absent}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.obj.load_state_dict(state_dict)
+        self._absent = set()
 
 
 def derived_seed(seed: int, step: int, rank: int) -> int:

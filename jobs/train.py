@@ -44,6 +44,8 @@ class TrainState:
     # The last trained step's loss: a start that resumes from the final checkpoint trains no step
     # and still reports it. NaN before the first step (DCP keeps a float; None would need pickling).
     loss: float = float("nan")
+    # Keys added after checkpoints were already written (absent from older ones; see DictState).
+    ADDED = ("loss",)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "global_batch": self.global_batch,
@@ -116,13 +118,14 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         resume_dir = (ckpt.resume_from(meta["resume_from"]) if meta.get("resume_from") and not ckpt.has_committed()
                       else ckpt.find_resume(spec.model_fingerprint()))
         if resume_dir is not None:
-            ckpt.load(resume_dir, {"train": DictState(state)})  # its global batch sizes the data stream
+            # Its global batch sizes the data stream below.
+            ckpt.load(resume_dir, {"train": DictState(state, optional=TrainState.ADDED)})
         grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
         stream = BatchStream(table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                              micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
                              dp_rank=env.rank, dp_world=env.world_size)
         app_state = {"model": ModelOptimState(model, optimizer), "scheduler": DictState(scheduler),
-                     "train": DictState(state), "data": DictState(stream),
+                     "train": DictState(state, optional=TrainState.ADDED), "data": DictState(stream),
                      "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
         if resume_dir is not None:
             ckpt.load(resume_dir, app_state)

@@ -65,8 +65,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
     events = _json_lines(_tail_lines(paths.events_file, 1 << 20))
     prog.events = events
-    # Metrics matter for steps lost only around resumes; most runs have none, so skip parsing them.
-    metrics = _json_lines(metric_lines) if any(e.get("event") == "resume" for e in events) else []
+    # Metrics matter for steps lost only when the run started more than once; most runs did not.
+    metrics = _json_lines(metric_lines) if sum(e.get("event") == "start" for e in events) > 1 else []
     # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
     timeline = sorted(events + [dict(m, event="metric") for m in metrics], key=lambda e: e.get("time", 0))
     reached = 0
@@ -75,7 +75,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         if kind == "start":
             prog.starts += 1
             prog.done, prog.failure = False, None
-        elif kind == "resume":
+        elif kind in ("resume", "ready"):
+            # Where an attempt starts training: a resume's step, or 0 after a crash before any checkpoint.
             prog.steps_lost += max(0, reached - int(ev.get("step", 0)))
             reached = int(ev.get("step", 0))
         elif kind == "done":

@@ -79,3 +79,15 @@ def test_steps_lost_to_a_crash_count_even_when_the_metrics_lie_beyond_the_tail(t
     ])
     assert (tmp_path / "metrics.jsonl").stat().st_size > 3 * 65536
     assert read_progress(tmp_path).steps_lost == 37
+
+
+def test_a_crash_before_the_first_checkpoint_loses_every_step_it_trained(tmp_path):
+    write_lines(tmp_path / "metrics.jsonl", [{"step": s, "loss": 1.0, "time": 10 + s} for s in range(1, 31)]
+                + [{"step": s, "loss": 1.0, "time": 100 + s} for s in range(1, 6)])
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "restart": 0, "time": 1}, {"event": "ready", "step": 0, "time": 5},
+        {"event": "failed", "error": "DistBackendError: peer gone", "step": 30, "time": 41},
+        {"event": "start", "restart": 1, "time": 90}, {"event": "ready", "step": 0, "time": 95},  # no checkpoint
+    ])
+    prog = read_progress(tmp_path)
+    assert (prog.restarts, prog.steps_lost, prog.step) == (1, 30, 5)

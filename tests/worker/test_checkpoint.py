@@ -406,3 +406,27 @@ def test_export_skips_tied_lm_head(tmp_path: Path) -> None:
     loaded = _loaded_weights(out, torch.float32)
     assert torch.equal(loaded["lm_head.weight"], t.model.model.embed_tokens.weight.detach())
     assert mismatches({k: v.detach() for k, v in t.model.state_dict().items()}, loaded) == []
+
+
+def test_a_checkpoint_written_before_a_train_field_was_added_still_loads(tmp_path: Path) -> None:
+    import math
+
+    from fsdpjob.jobs.ckpt_state import DictState
+    from fsdpjob.jobs.train import TrainState
+
+    class Before:  # TrainState as checkpoints from before the "loss" field hold it
+        def state_dict(self) -> dict:
+            return {"step": 7, "tokens_seen": 70, "global_batch": 4}
+
+    ckpt = manager(tmp_path, 0, 1)
+    ckpt.save(7, {"train": DictState(Before())}, reason="stop")
+    ckpt.wait()
+    state = TrainState()
+    ckpt.load(tmp_path / step_dir_name(7), {"train": DictState(state, optional=TrainState.ADDED)})
+    assert (state.step, state.tokens_seen, state.global_batch) == (7, 70, 4) and math.isnan(state.loss)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as info:  # only declared additions may be missing
+        ckpt.load(tmp_path / step_dir_name(7), {"train": DictState(TrainState())})
+    assert "Missing key in checkpoint state_dict: train.loss" in repr(info.value.failures)
+    ckpt.close()
