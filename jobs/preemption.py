@@ -47,8 +47,8 @@ class StopFlag:
 
 
 def classify_stop(signum: int) -> str:
-    """'preemption' or 'time_limit' under Slurm (PreemptTime is set only on preemption); 'signal' elsewhere.
-    A cancel (scancel sends SIGTERM too) is told apart when requeueing (requeue below).
+    """Under Slurm: 'preemption' (PreemptTime is set only then), 'requeue' (someone ran `scontrol requeue`)
+    or 'time_limit'; 'signal' elsewhere. A cancel (scancel sends SIGTERM too) is told apart when requeueing.
 
     Remaining time is misleading during a grace period (squeue %L ignores it), so it is not used.
     """
@@ -60,8 +60,11 @@ def classify_stop(signum: int) -> str:
     except Exception as exc:  # noqa: BLE001 - the classification is informational
         log.warning("could not ask scontrol about job %s: %s", job_id, exc)
         return "signal"
-    preempt_time = info.get("PreemptTime", "None")
-    return "preemption" if preempt_time not in ("None", "", "Unknown") else "time_limit"
+    if info.get("PreemptTime", "None") not in ("None", "", "Unknown"):
+        return "preemption"
+    if int(info.get("Restarts", "0") or 0) > restart_count():
+        return "requeue"  # an external `scontrol requeue`: Slurm counted the restart before sending SIGTERM
+    return "time_limit"
 
 
 def restart_count() -> int:

@@ -234,7 +234,8 @@ def status(run: str | None, as_json: bool) -> None:
         + (f"  {r.tokens_per_s:.0f} tok/s" if r.tokens_per_s else "")
         + f"  eta {format_eta(r.eta_s)}",
         f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",
-        f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})",
+        f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})"
+        + (f"  last stop: {r.last_stop['reason']} at step {r.last_stop['step']}" if r.last_stop else ""),
         f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
         f"folder     {r.run_dir}",
     ]

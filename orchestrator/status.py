@@ -40,7 +40,7 @@ PHASES = {
 STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
-    "world_size", "run_dir", "submitted_at", "failure_reason",
+    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop",
 )
 
 
@@ -69,6 +69,8 @@ class StatusReport:
     run_dir: str
     submitted_at: float
     failure_reason: str | None
+    # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
+    last_stop: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -210,6 +212,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
         failure_reason=failure,
+        last_stop={k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")} if progress.last_stop else None,
     )
 
 

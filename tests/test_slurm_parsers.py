@@ -79,3 +79,22 @@ def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, c
                        submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=10,
                        extra={"cancelled": True} if cancelled else {})
     assert build_report(record, None).phase == phase
+
+
+def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_path):
+    import json
+
+    from fsdpjob.orchestrator.registry import JobRecord
+    from fsdpjob.orchestrator.status import STATUS_KEYS, SchedView, build_report
+
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "start", "restart": 0, "time": 1}, {"event": "ready", "step": 0, "time": 2},
+        {"event": "stop", "reason": "requeue", "step": 9, "requeued": True, "detail": "x", "time": 3},
+        {"event": "start", "restart": 1, "time": 4}, {"event": "resume", "step": 9, "time": 5},
+    ]))
+    record = JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="slurm", job_id="9", profile="p",
+                       submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=40)
+    report = build_report(record, SchedView(state="RUNNING", restarts=1)).to_json()
+    assert tuple(report) == STATUS_KEYS
+    assert report["last_stop"] == {"reason": "requeue", "step": 9, "requeued": True}
+    assert (report["restarts"], report["steps_lost"], report["phase"]) == (1, 0, "RUNNING")

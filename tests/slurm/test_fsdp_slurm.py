@@ -114,6 +114,22 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_clus
     assert_same_weights(reference, run["run_dir"])
 
 
+def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec):
+    # An admin's (or a user's) `scontrol requeue`: Slurm counts the restart, then sends SIGTERM. The
+    # workers checkpoint, see that the job is already requeued, and do not requeue it a second time.
+    run = submit(make_spec("extrequeue", train__max_steps=40))
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 3, timeout=180, interval=1.0, what="step 3")
+    subprocess.run(["scontrol", "requeue", run["job_id"]], check=True)
+    release_when_held(run["job_id"])
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+    assert done["phase"] == "COMPLETED" and done["restarts"] == 1 and done["steps_lost"] == 0, done
+    assert done["last_stop"]["reason"] == "requeue" and done["last_stop"]["requeued"] is True, done
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    stops = [e for e in events if e["event"] == "stop"]
+    assert [(e["reason"], e["requeued"]) for e in stops] == [("requeue", True)], stops
+    assert next(e for e in events if e["event"] == "resume")["step"] == stops[0]["step"]
+
+
 def worker_pids(run_dir: str) -> list[int]:
     out = subprocess.run(["pgrep", "-f", f"submitit.core._submit {run_dir}/submitit"], capture_output=True, text=True)
     return sorted(int(p) for p in out.stdout.split())
