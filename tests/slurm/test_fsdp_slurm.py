@@ -210,7 +210,10 @@ def stays_cancelled(run: dict) -> dict:
     assert report["phase"] == "CANCELLED" and report["restarts"] == 0, report
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
     assert [e["event"] for e in events].count("start") <= 1, events  # 0: cancelled before the workers began
-    assert not [e for e in events if e["event"] in ("requeue", "failed")], events
+    # A "failed" event may appear: a cancel during start-up leaves the ranks about 10 s (KillWait) to load and
+    # save, and on a busy machine Slurm's SIGKILL ends some of them first, so their peers fail in a collective
+    # (seen in CI). What matters is that nothing requeued the job.
+    assert not [e for e in events if e["event"] == "requeue"], events
     assert all(e["reason"] == "cancelled" and not e["requeued"] for e in events if e["event"] == "stop"), events
     return report
 
