@@ -62,13 +62,9 @@ def classify_stop(signum: int) -> str:
         return "signal"
     if info.get("PreemptTime", "None") not in ("None", "", "Unknown"):
         return "preemption"
-    if int(info.get("Restarts", "0") or 0) > restart_count():
+    if int(info.get("Restarts", "0") or 0) > slurm_cli.restart_count():
         return "requeue"  # an external `scontrol requeue`: Slurm counted the restart before sending SIGTERM
     return "time_limit"
-
-
-def restart_count() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 # How a stop ends on every rank (rank 0 decides, the others follow its broadcast).

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator import __version__, slurm_cli
 from fsdpjob.orchestrator.paths import RunPaths
 from fsdpjob.orchestrator.spec import JobSpec
 
@@ -70,7 +70,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     try:
         t_start = time.time()
         torch.manual_seed(spec.train.seed)
-        report.event("start", restart=preemption.restart_count(), world_size=env.world_size,
+        report.event("start", restart=slurm_cli.restart_count(), world_size=env.world_size,
                      job_id=os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
                      host=os.uname().nodename)
 
@@ -117,15 +117,15 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         )
         resume_dir = (ckpt.resume_from(meta["resume_from"]) if meta.get("resume_from") and not ckpt.has_committed()
                       else ckpt.find_resume(spec.model_fingerprint()))
+        train_state = DictState(state, optional=TrainState.ADDED)
         if resume_dir is not None:
-            # Its global batch sizes the data stream below.
-            ckpt.load(resume_dir, {"train": DictState(state, optional=TrainState.ADDED)})
+            ckpt.load(resume_dir, {"train": train_state})  # its global batch sizes the data stream below
         grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
         stream = BatchStream(table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                              micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
                              dp_rank=env.rank, dp_world=env.world_size)
         app_state = {"model": ModelOptimState(model, optimizer), "scheduler": DictState(scheduler),
-                     "train": DictState(state, optional=TrainState.ADDED), "data": DictState(stream),
+                     "train": train_state, "data": DictState(stream),
                      "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
         if resume_dir is not None:
             ckpt.load(resume_dir, app_state)
@@ -251,7 +251,7 @@ def _stop_and_requeue(stop, signum, spec, state, report, t_save_start, device) -
     if dist.get_rank() == 0:
         kind = preemption.classify_stop(signum)
         signal_to_commit = time.time() - (stop.received_at or t_save_start)
-        outcome, detail = preemption.requeue(spec.preemption.max_requeues, preemption.restart_count())
+        outcome, detail = preemption.requeue(spec.preemption.max_requeues, slurm_cli.restart_count())
         kind = "cancelled" if outcome == preemption.CANCELLED else kind
         report.event("stop", reason=kind, signal=signum, step=state.step, requeued=outcome == preemption.REQUEUED,
                      detail=detail, save_s=round(time.time() - t_save_start, 3),

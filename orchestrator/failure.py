@@ -47,10 +47,15 @@ def _progressed(attempt: list[dict]) -> bool:
     )
 
 
+def _current(attempts: list[tuple[int, list[dict]]], restarts: int) -> list[dict] | None:
+    """The events of the attempt with Slurm restart count ``restarts`` (the newest such), if it wrote any."""
+    return next((ev for r, ev in reversed(attempts) if r == restarts), None)
+
+
 def decide(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
     """(requeue?, why) for the attempt with Slurm restart count ``restarts`` that just failed."""
     attempts = _attempts(events)
-    current = next((ev for r, ev in reversed(attempts) if r == restarts), None)
+    current = _current(attempts, restarts)
     if current is not None:
         if any(e.get("event") == "stop" and e.get("requeued") for e in current):
             return False, "the workers already requeued this job after a stop checkpoint"
@@ -81,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, exit_code = (argv or sys.argv[1:])[:2]
     paths = RunPaths(Path(run_dir))
     spec = json.loads(paths.spec_file.read_text(encoding="utf-8"))["spec"]
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    restarts = slurm_cli.restart_count()
     job_id = slurm_cli.job_id_from_env() or ""
     timeline = _attempt_timeline(paths)
     requeue, why = decide(timeline, restarts=restarts, max_requeues=spec["preemption"]["max_requeues"])
     # The step this attempt reached: what the next resume loses beyond its checkpoint (fsdpjob status).
-    current = next((ev for r, ev in reversed(_attempts(timeline)) if r == restarts), [])
+    current = _current(_attempts(timeline), restarts) or []
     reached = max((e["step"] for e in current if isinstance(e.get("step"), int)), default=None)
     record = {"time": time.time(), "pid": os.getpid(), "exit_code": int(exit_code), "detail": why, "step": reached}
     if requeue:

@@ -84,11 +84,11 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.step = ev.get("step", prog.step)
         elif kind == "failed":
             prog.failure = ev.get("reason") or ev.get("error")
+        elif kind == "stop":
+            prog.last_stop = ev
         if kind in ("stop", "checkpoint", "metric", "failed", "requeue") and isinstance(ev.get("step"), int):
             # Failure events carry the step a crash reached: older metrics may be past the tail read.
             reached = max(reached, ev["step"])
-            if kind == "stop":
-                prog.last_stop = ev
     steps = committed_steps(checkpoints_dir or run_checkpoint_root(run_dir))  # honours checkpoint.dir
     prog.last_checkpoint_step = steps[-1][0] if steps else None
     return prog

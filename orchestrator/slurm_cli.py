@@ -125,13 +125,17 @@ def requeue(job_id: str) -> None:
     run(["scontrol", "requeue", job_id])
 
 
-def job_id_from_env(environ: dict[str, str] | None = None) -> str | None:
+def job_id_from_env() -> str | None:
     """The running job's id as scontrol takes it: <array job>_<task> for an array task, else SLURM_JOB_ID."""
-    env = os.environ if environ is None else environ
-    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     if array_job and array_task:
         return f"{array_job}_{array_task}"
-    return env.get("SLURM_JOB_ID") or None
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def restart_count() -> int:
+    """How often Slurm has restarted the running job (0 on its first run)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def job_state(job_id: str) -> str | None:

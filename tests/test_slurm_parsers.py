@@ -68,23 +68,26 @@ def test_scontrol_show_node_gives_the_node_address():
     assert info["NodeName"] == "n1" and info["NodeAddr"] == "127.0.0.1"
 
 
+
+def slurm_record(run_dir: Path, **extra_fields):
+    from fsdpjob.orchestrator.registry import JobRecord
+
+    return JobRecord(run_id="r-1", name="r", run_dir=str(run_dir), scheduler="slurm", job_id="9", profile="p",
+                     submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=40, **extra_fields)
+
 @pytest.mark.parametrize("cancelled, phase", [(True, "CANCELLED"), (False, "UNKNOWN")])
 def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, cancelled, phase):
     # No accounting: after MinJobAge neither squeue nor scontrol knows the job (view None); the worker
     # may have died before writing anything, so only the record's cancel mark tells.
-    from fsdpjob.orchestrator.registry import JobRecord
     from fsdpjob.orchestrator.status import build_report
 
-    record = JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="slurm", job_id="9", profile="p",
-                       submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=10,
-                       extra={"cancelled": True} if cancelled else {})
+    record = slurm_record(tmp_path, extra={"cancelled": True} if cancelled else {})
     assert build_report(record, None).phase == phase
 
 
 def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_path):
     import json
 
-    from fsdpjob.orchestrator.registry import JobRecord
     from fsdpjob.orchestrator.status import STATUS_KEYS, SchedView, build_report
 
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
@@ -92,8 +95,7 @@ def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_pat
         {"event": "stop", "reason": "requeue", "step": 9, "requeued": True, "detail": "x", "time": 3},
         {"event": "start", "restart": 1, "time": 4}, {"event": "resume", "step": 9, "time": 5},
     ]))
-    record = JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="slurm", job_id="9", profile="p",
-                       submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=40)
+    record = slurm_record(tmp_path)
     report = build_report(record, SchedView(state="RUNNING", restarts=1)).to_json()
     assert tuple(report) == STATUS_KEYS
     assert report["last_stop"] == {"reason": "requeue", "step": 9, "requeued": True}
