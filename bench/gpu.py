@@ -53,7 +53,7 @@ def main() -> None:
         sys.exit("no CUDA device: run on a GPU machine, or pass --tiny to check the script on CPU")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from fsdpjob.jobs.train import run
-    from fsdpjob.orchestrator.spec import JobSpec
+    from fsdpjob.orchestrator.core.spec import JobSpec
 
     with tempfile.TemporaryDirectory(prefix="fsdpjob-gpu-") as tmp:
         root = Path(tmp)

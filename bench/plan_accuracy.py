@@ -127,9 +127,9 @@ def write_model(case: Case, folder: Path) -> Path:
 
 
 def plan_for(case: Case, model_dir: Path):
-    from fsdpjob.orchestrator.planner import make_plan
-    from fsdpjob.orchestrator.profiles import load_profile
-    from fsdpjob.orchestrator.spec import JobSpec
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.core.spec import JobSpec
 
     spec = JobSpec.model_validate(
         {
@@ -242,7 +242,7 @@ def measure(case: Case, model_dir: Path, stock_malloc: bool = False) -> dict:
 
 def predict_load_rank0(case: Case, model_dir: Path) -> int:
     """Rank 0's host memory at load above its baseline: the full checkpoint in its file dtype + its shard."""
-    from fsdpjob.orchestrator.planner import DTYPE_BYTES
+    from fsdpjob.orchestrator.planner.fit import DTYPE_BYTES
 
     plan = plan_for(case, model_dir)
     full = plan.params.total * DTYPE_BYTES[plan.model.checkpoint_dtype]

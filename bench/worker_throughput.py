@@ -110,7 +110,7 @@ def job_spec(
 
 def write_run_folder(run_dir: Path, spec: dict, resume_from: str | None = None) -> Path:
     """The run folder the worker reads (spec.json as orchestrator/submit.py::_write_run_folder writes it)."""
-    from fsdpjob.orchestrator.spec import JobSpec
+    from fsdpjob.orchestrator.core.spec import JobSpec
 
     resolved = JobSpec.model_validate(spec)
     run_dir.mkdir(parents=True)
@@ -182,7 +182,7 @@ def hand_written_rank(run_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from fsdpjob.jobs.data import BatchStream, build_sequences, read_examples
-    from fsdpjob.orchestrator.spec import JobSpec
+    from fsdpjob.orchestrator.core.spec import JobSpec
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate(json.loads((run_dir / "spec.json").read_text())["spec"])

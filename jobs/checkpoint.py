@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdpjob.orchestrator import __version__
-from fsdpjob.orchestrator.ckptlayout import (
+from fsdpjob.orchestrator.core.ckptlayout import (
     LATEST,
     MARKER,
     SIDECAR,
@@ -50,7 +50,7 @@ from fsdpjob.orchestrator.ckptlayout import (
     step_dirs,
     uncommitted_steps,
 )
-from fsdpjob.orchestrator.fileio import write_atomic
+from fsdpjob.orchestrator.core.fileio import write_atomic
 
 from .ckpt_state import DictState, ModelOptimState, RNGState
 

@@ -11,8 +11,8 @@ from typing import Any
 import jinja2
 import torch
 
-from fsdpjob.orchestrator.inputs import RecordError, iter_records
-from fsdpjob.orchestrator.spec import DataSpec
+from fsdpjob.orchestrator.core.inputs import RecordError, iter_records
+from fsdpjob.orchestrator.core.spec import DataSpec
 
 IGNORE = -100  # label value the HF loss skips
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fsdpjob.orchestrator.spec import DataSpec
+from fsdpjob.orchestrator.core.spec import DataSpec
 
 from .data import SequenceTable
 from .model import side_files

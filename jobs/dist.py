@@ -51,8 +51,8 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
 
 
 def _node_addr_from_scontrol(node: str) -> str:
-    from fsdpjob.orchestrator.errors import FsdpjobError
-    from fsdpjob.orchestrator.slurm_cli import node_addr
+    from fsdpjob.orchestrator.core.errors import FsdpjobError
+    from fsdpjob.orchestrator.slurm.commands import node_addr
 
     try:
         addr = node_addr(node, timeout=_SCONTROL_TIMEOUT_S)

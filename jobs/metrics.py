@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from fsdpjob.orchestrator.core import runlog
 
 log = logging.getLogger("fsdpjob.train")
 
@@ -30,19 +30,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _append(path: Path, record: dict) -> None:
-    # One write() of one line: a reader never sees a partial JSON object, even across restarts.
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-
-
 class Reporter:
     """Writes only on the main rank; every other rank gets a no-op reporter."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int):
         self.enabled = enabled
-        self.metrics_file = run_dir / "metrics.jsonl"
-        self.events_file = run_dir / "events.jsonl"
+        self.run_dir = run_dir
         self.max_steps = max_steps
         self._tb = None
         if enabled:
@@ -56,7 +49,7 @@ class Reporter:
     def event(self, name: str, *, all_ranks: bool = False, **fields: object) -> None:
         """Append a lifecycle event; ``all_ranks`` lets any rank report (failures happen on any rank)."""
         if self.enabled or all_ranks:
-            _append(self.events_file, {"event": name, "time": time.time(), "pid": os.getpid(), **fields})
+            runlog.append(self.run_dir, name, **fields)
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def step(self, step: int, values: dict[str, float], step_time_s: float) -> None:
@@ -68,7 +61,7 @@ class Reporter:
         record = {"step": step, "time": time.time(), "eta_s": round(eta, 1), **finite}
         if nonfinite := sorted(k for k, v in values.items() if v is not None and not math.isfinite(v)):
             record["nonfinite"] = nonfinite  # which nulls were NaN/inf, so a diverged loss stays visible
-        _append(self.metrics_file, record)
+        runlog.append_metric(self.run_dir, record)
         if self._tb is not None:
             for key, value in finite.items():
                 if value is not None:

@@ -14,7 +14,8 @@ import os
 import signal
 import time
 
-from fsdpjob.orchestrator import slurm_cli
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.slurm.failure import cap_reached
 
 log = logging.getLogger("fsdpjob.preemption")
 
@@ -73,8 +74,8 @@ REQUEUED, CANCELLED, NOT_REQUEUED = 0, 1, 2
 
 def requeue(max_requeues: int, restarts: int) -> tuple[int, str]:
     """Rank 0 only, after every rank committed: requeue the job once. Returns (outcome, detail)."""
-    if restarts >= max_requeues:
-        return NOT_REQUEUED, f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
+    if capped := cap_reached(restarts, max_requeues):
+        return NOT_REQUEUED, capped
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
         return REQUEUED, "local: the controller restarts the workers"
     job_id = slurm_cli.job_id_from_env()

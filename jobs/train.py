@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdpjob.orchestrator import __version__, slurm_cli
-from fsdpjob.orchestrator.paths import RunPaths
-from fsdpjob.orchestrator.spec import JobSpec
+from fsdpjob.orchestrator import __version__
+
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import preemption
 from .checkpoint import CheckpointManager

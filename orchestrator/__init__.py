@@ -1,3 +1,3 @@
-"""Login-node side of fsdpjob: spec, profiles, planning, rendering, submission, status. Never imports torch."""
+"""fsdpjob's orchestration: core (both sides), slurm and local backends, planner, views, cli (login node). Never imports torch."""
 
 __version__ = "0.1.0"

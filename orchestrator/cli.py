@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import FsdpjobError, InputError, PlanRefused
+from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False, path_type=str))
 PROFILE_OPT = click.option("--profile", "-p", help="Cluster profile name or YAML path (overrides the spec's profile).")
@@ -54,8 +54,8 @@ def cli(debug: bool) -> None:
 @click.option("--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file.")
 def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...], no_file_checks: bool) -> None:
     """Validate job specs (and their model folder and data file). Exit 2 on the first invalid one."""
-    from .jobload import load_job
-    from .spec import SpecErrors
+    from fsdpjob.orchestrator.planner.jobload import load_job
+    from fsdpjob.orchestrator.core.spec import SpecErrors
 
     failed: list[FsdpjobError] = []
     for path in specs:
@@ -78,9 +78,9 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
 @click.option("--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file.")
 def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path | None, no_file_checks: bool) -> None:
     """Print the exact sbatch script `fsdpjob submit` would submit (touches nothing)."""
-    from .jobload import load_job
-    from .paths import RunPaths, new_run_id, runs_root
-    from .render import build_plan, render_script
+    from fsdpjob.orchestrator.planner.jobload import load_job
+    from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
+    from fsdpjob.orchestrator.slurm.render import build_plan, render_script
 
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks)
     paths = RunPaths(run_dir.resolve() if run_dir else runs_root() / new_run_id(job.spec.name))
@@ -96,7 +96,7 @@ def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path 
 @cli.command()
 def schema() -> None:
     """Print the JSON Schema of job specs (for editors' YAML language servers)."""
-    from .spec import json_schema
+    from fsdpjob.orchestrator.core.spec import json_schema
 
     _echo_json(json_schema())
 
@@ -105,7 +105,7 @@ def schema() -> None:
 @JSON_OPT
 def profiles(as_json: bool) -> None:
     """List the cluster profiles (shipped ones and those in $FSDPJOB_PROFILES)."""
-    from .profiles import available_profiles, load_profile
+    from fsdpjob.orchestrator.core.profiles import available_profiles, load_profile
 
     rows = []
     for name, path in available_profiles().items():
@@ -127,7 +127,7 @@ def profiles(as_json: bool) -> None:
     if as_json:
         _echo_json(rows)
         return
-    from .display import table
+    from fsdpjob.orchestrator.views.display import table
 
     click.echo(
         table(
@@ -156,9 +156,9 @@ def profiles(as_json: bool) -> None:
 @JSON_OPT
 def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead."""
-    from .jobload import load_job
-    from .planformat import format_plan
-    from .planner import make_plan
+    from fsdpjob.orchestrator.planner.jobload import load_job
+    from fsdpjob.orchestrator.planner.planformat import format_plan
+    from fsdpjob.orchestrator.planner.fit import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
     result = make_plan(job.spec, job.profile)
@@ -182,10 +182,10 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
 @JSON_OPT
 def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_json) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
-    from . import submit as submission
-    from .jobload import load_job
-    from .planformat import format_plan
-    from .planner import make_plan
+    from fsdpjob.orchestrator import submit as submission
+    from fsdpjob.orchestrator.planner.jobload import load_job
+    from fsdpjob.orchestrator.planner.planformat import format_plan
+    from fsdpjob.orchestrator.planner.fit import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
     fit = make_plan(job.spec, job.profile)
@@ -205,7 +205,7 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
     else:
         click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}")
     if wait:
-        from .follow import wait_for
+        from fsdpjob.orchestrator.views.follow import wait_for
 
         raise SystemExit(wait_for(sub.record))
 
@@ -215,15 +215,15 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
 @JSON_OPT
 def status(run: str | None, as_json: bool) -> None:
     """Status of a run (default: the newest): scheduler state joined with training progress."""
-    from . import registry
-    from .status import build_report, single_view
+    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator.views.status import build_report, single_view
 
     record = registry.find(run) if run else registry.latest()
     report = build_report(record, single_view(record))
     if as_json:
         _echo_json(report.to_json())
         return
-    from .status import format_eta
+    from fsdpjob.orchestrator.views.status import format_eta
 
     r = report
     lines = [
@@ -248,14 +248,14 @@ def status(run: str | None, as_json: bool) -> None:
 @JSON_OPT
 def list_runs(as_json: bool) -> None:
     """All runs in the registry, with one scheduler call."""
-    from . import registry
-    from .status import reports
+    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator.views.status import reports
 
     rows = reports(registry.all_records())
     if as_json:
         _echo_json([r.to_json() for r in rows])
         return
-    from .display import table
+    from fsdpjob.orchestrator.views.display import table
 
     click.echo(
         table(
@@ -277,8 +277,8 @@ def list_runs(as_json: bool) -> None:
 @click.option("--stderr", "stream", flag_value="err", default="out", help="Show stderr instead of stdout.")
 def logs(run: str, rank: int, follow: bool, stream: str) -> None:
     """Print a worker's log (all attempts of a requeued job are in one file)."""
-    from . import registry
-    from .follow import follow_file, log_path
+    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator.views.follow import follow_file, log_path
 
     record = registry.find(run)
     path = log_path(record, rank, stream)
@@ -294,8 +294,8 @@ def logs(run: str, rank: int, follow: bool, stream: str) -> None:
 @click.argument("run")
 def cancel(run: str) -> None:
     """Cancel a run (scancel, or stop the local workers)."""
-    from . import registry
-    from .follow import cancel_run
+    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator.views.follow import cancel_run
 
     record = registry.find(run)
     cancel_run(record)

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import registry
-from .errors import SubmissionError
-from .jobload import LoadedJob
-from .paths import RunPaths, new_run_id, runs_root
-from .fileio import write_atomic
-from .registry import JobRecord
-from .render import SbatchPlan, build_plan, render_script
+from fsdpjob.orchestrator.views import registry
+from fsdpjob.orchestrator.core.errors import SubmissionError
+from fsdpjob.orchestrator.planner.jobload import LoadedJob
+from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.core.fileio import write_atomic
+from fsdpjob.orchestrator.views.registry import JobRecord
+from fsdpjob.orchestrator.slurm.render import SbatchPlan, build_plan, render_script
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
 
 
 def _submit_slurm(job: LoadedJob, paths: RunPaths, plan: SbatchPlan):
-    from .executor import FsdpjobSlurmExecutor
+    from fsdpjob.orchestrator.slurm.executor import FsdpjobSlurmExecutor
     from fsdpjob.jobs.entry import TrainJob
 
     executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=plan, python=job.profile.python or sys.executable)
@@ -212,7 +212,7 @@ def _submit_and_record(job: LoadedJob, paths: RunPaths, plan: SbatchPlan | None)
 
 
 def _accounting() -> bool | None:
-    from .slurm_cli import accounting_enabled
+    from fsdpjob.orchestrator.slurm.commands import accounting_enabled
 
     try:
         return accounting_enabled()

@@ -1,6 +1,6 @@
 """Which crashed attempts are requeued (orchestrator/failure.py::decide), on recorded event timelines."""
 
-from fsdpjob.orchestrator.failure import decide
+from fsdpjob.orchestrator.slurm.failure import decide
 
 
 def attempt(restart, *events, t0=0):
@@ -49,7 +49,9 @@ def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path
     # Outside a Slurm job the requeue itself cannot run: stop right before it and check the record.
     import json
 
-    from fsdpjob.orchestrator import failure, slurm_cli
+    from fsdpjob.orchestrator.slurm import failure
+
+    from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
     (tmp_path / "spec.json").write_text(json.dumps({"spec": {"preemption": {"max_requeues": 5}}}))
     events = attempt(0, *TRAINED, t0=0) + attempt(1, {"event": "ready", "step": 5},

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from fsdpjob.orchestrator.cli import main
-from fsdpjob.orchestrator.errors import InputError
-from fsdpjob.orchestrator.jobload import LoadedJob, load_job
-from fsdpjob.orchestrator.paths import RunPaths
-from fsdpjob.orchestrator.render import build_plan
-from fsdpjob.orchestrator.spec import JobSpec
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.slurm.render import build_plan
+from fsdpjob.orchestrator.core.spec import JobSpec
 from test_hostile import check_rejection as hostile_rejection
 from test_hostile import (
     CONTROL,

@@ -75,7 +75,15 @@ def test_file_checks_do_not_import_torch(tmp_path, command):
 def orchestrator_modules() -> list[str]:
     import fsdpjob.orchestrator as pkg
 
-    return sorted(f"fsdpjob.orchestrator.{m.name}" for m in pkgutil.walk_packages(pkg.__path__) if not m.ispkg)
+    # The prefix makes walk_packages import sub-packages by their real names (without it, it tried bare
+    # names such as `devcluster` and skipped them).
+    return sorted(m.name for m in pkgutil.walk_packages(pkg.__path__, prefix="fsdpjob.orchestrator.") if not m.ispkg)
+
+
+def test_the_walk_sees_every_sub_package():
+    names = orchestrator_modules()
+    for sub in ("core", "slurm", "local", "planner", "views", "devcluster"):
+        assert any(n.startswith(f"fsdpjob.orchestrator.{sub}.") for n in names), sub
 
 
 def test_no_orchestrator_module_imports_torch_at_import_time():

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.errors import InputError
-from fsdpjob.orchestrator.inputs import SCAN_LINES, SUPPORTED_MODEL_TYPES, check_inputs
-from fsdpjob.orchestrator.spec import load_spec
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.inputs import SCAN_LINES, SUPPORTED_MODEL_TYPES, check_inputs
+from fsdpjob.orchestrator.core.spec import load_spec
 
 SPEC = """\
 name: inputs-test
@@ -223,5 +223,5 @@ def test_supported_families_are_decoder_only():
 
 
 def test_no_torch_on_the_login_node():
-    code = "import sys, fsdpjob.orchestrator.inputs; assert not {'torch', 'transformers'} & set(sys.modules)"
+    code = "import sys, fsdpjob.orchestrator.core.inputs; assert not {'torch', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)

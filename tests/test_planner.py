@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.errors import InputError
-from fsdpjob.orchestrator.modelshape import count_params, read_model_shape
-from fsdpjob.orchestrator.planformat import format_plan
-from fsdpjob.orchestrator.planner import make_plan
-from fsdpjob.orchestrator.units import GiB
-from fsdpjob.orchestrator.profiles import load_profile
-from fsdpjob.orchestrator.spec import JobSpec
-from fsdpjob.orchestrator.yamlio import apply_overrides
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
+from fsdpjob.orchestrator.planner.planformat import format_plan
+from fsdpjob.orchestrator.planner.fit import make_plan
+from fsdpjob.orchestrator.core.units import GiB
+from fsdpjob.orchestrator.core.profiles import load_profile
+from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.yamlio import apply_overrides
 
 # Public config.json values of meta-llama/Llama-2-70b-hf.
 LLAMA2_70B = {
@@ -296,7 +296,7 @@ def test_text_report_shows_the_breakdown_and_verdict(seed_70b: JobSpec) -> None:
 
 def test_planner_imports_neither_torch_nor_transformers() -> None:
     code = (
-        "import sys, fsdpjob.orchestrator.planner; "
+        "import sys, fsdpjob.orchestrator.planner.fit; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )

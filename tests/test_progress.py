@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdpjob.orchestrator.ckptlayout import MARKER, step_dir_name
-from fsdpjob.orchestrator.progress import read_progress
+from fsdpjob.orchestrator.core.ckptlayout import MARKER, step_dir_name
+from fsdpjob.orchestrator.views.progress import read_progress
 
 
 def write_lines(path: Path, rows: list[dict], tail: str = "") -> None:

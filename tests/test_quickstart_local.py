@@ -71,7 +71,7 @@ def _wait(predicate, timeout: float, what: str):
 def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None:
     import signal
 
-    from fsdpjob.orchestrator.follow import LOCAL_CANCEL_GRACE_S
+    from fsdpjob.orchestrator.views.follow import LOCAL_CANCEL_GRACE_S
 
     made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
     assert made.returncode == 0, made.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from fsdpjob.orchestrator.spec import JobSpec
+from fsdpjob.orchestrator.core.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator import slurm_cli
-from fsdpjob.orchestrator.progress import Progress
-from fsdpjob.orchestrator.status import phase_of, view_from_scontrol, views_from_sacct, views_from_squeue
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.views.progress import Progress
+from fsdpjob.orchestrator.views.status import phase_of, view_from_scontrol, views_from_sacct, views_from_squeue
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
 
@@ -70,7 +70,7 @@ def test_scontrol_show_node_gives_the_node_address():
 
 
 def slurm_record(run_dir: Path, **extra_fields):
-    from fsdpjob.orchestrator.registry import JobRecord
+    from fsdpjob.orchestrator.views.registry import JobRecord
 
     return JobRecord(run_id="r-1", name="r", run_dir=str(run_dir), scheduler="slurm", job_id="9", profile="p",
                      submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=40, **extra_fields)
@@ -79,7 +79,7 @@ def slurm_record(run_dir: Path, **extra_fields):
 def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, cancelled, phase):
     # No accounting: after MinJobAge neither squeue nor scontrol knows the job (view None); the worker
     # may have died before writing anything, so only the record's cancel mark tells.
-    from fsdpjob.orchestrator.status import build_report
+    from fsdpjob.orchestrator.views.status import build_report
 
     record = slurm_record(tmp_path, extra={"cancelled": True} if cancelled else {})
     assert build_report(record, None).phase == phase
@@ -88,7 +88,7 @@ def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, c
 def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_path):
     import json
 
-    from fsdpjob.orchestrator.status import STATUS_KEYS, SchedView, build_report
+    from fsdpjob.orchestrator.views.status import STATUS_KEYS, SchedView, build_report
 
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
         {"event": "start", "restart": 0, "time": 1}, {"event": "ready", "step": 0, "time": 2},

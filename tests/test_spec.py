@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.errors import InputError, SpecError
-from fsdpjob.orchestrator.jobload import load_job
-from fsdpjob.orchestrator.profiles import load_profile
-from fsdpjob.orchestrator.resolve import check
-from fsdpjob.orchestrator.slurmtime import format_slurm_time, parse_slurm_time
-from fsdpjob.orchestrator.spec import JobSpec, SpecErrors, load_spec
-from fsdpjob.orchestrator.yamlio import apply_overrides
+from fsdpjob.orchestrator.core.errors import InputError, SpecError
+from fsdpjob.orchestrator.planner.jobload import load_job
+from fsdpjob.orchestrator.core.profiles import load_profile
+from fsdpjob.orchestrator.planner.resolve import check
+from fsdpjob.orchestrator.core.slurmtime import format_slurm_time, parse_slurm_time
+from fsdpjob.orchestrator.core.spec import JobSpec, SpecErrors, load_spec
+from fsdpjob.orchestrator.core.yamlio import apply_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 VALID = REPO / "tests" / "data" / "specs" / "valid"

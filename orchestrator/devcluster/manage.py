@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO
 
-from ..errors import FsdpjobError
+from fsdpjob.orchestrator.core.errors import FsdpjobError
 
 SCRIPT_TIMEOUT_S = 900  # a fresh machine installs packages first (~15 s measured, apt can be far slower)
 _EXPORT_PREFIX = "export SLURM_CONF="
@@ -126,8 +126,8 @@ def lift_requeue_hold(job_id: int | str) -> None:
     """
     import time
 
-    from ..errors import SlurmCommandError
-    from ..slurm_cli import run
+    from fsdpjob.orchestrator.core.errors import SlurmCommandError
+    from fsdpjob.orchestrator.slurm.commands import run
 
     time.sleep(3)
     try:

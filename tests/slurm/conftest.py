@@ -22,7 +22,7 @@ import yaml
 
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
-from fsdpjob.orchestrator.errors import FsdpjobError
+from fsdpjob.orchestrator.core.errors import FsdpjobError
 
 T = TypeVar("T")
 
@@ -127,7 +127,7 @@ def _cancel_leftovers(basetemp: Path) -> None:
     """Cancel this session's jobs that a test left behind (a failed test must not hold the nodes for
     the next ones). This session's jobs write their output under its pytest folder; jobs of another
     test session sharing the cluster do not, and are left alone."""
-    from fsdpjob.orchestrator import slurm_cli
+    from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
     mine = []
     for job_id in slurm_cli.squeue():

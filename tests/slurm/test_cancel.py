@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator import slurm_cli
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from slurm.conftest import wait_for
 
 pytestmark = [pytest.mark.slow]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow]
 BATCH = """\
 #!/bin/bash
 on_term() {{
-    {python} -m fsdpjob.orchestrator.failure {run_dir} 1 2>{run_dir}/policy.err
+    {python} -m fsdpjob.orchestrator.slurm.failure {run_dir} 1 2>{run_dir}/policy.err
     echo "policy rc=$?" >>{run_dir}/policy.err
     exit 1
 }}

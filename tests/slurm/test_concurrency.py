@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from concurrency import cancel_all, held_spec, squeue_ids, storm  # noqa: E402
 
 from fsdpjob.orchestrator import submit  # noqa: E402
-from fsdpjob.orchestrator.errors import SubmissionError  # noqa: E402
+from fsdpjob.orchestrator.core.errors import SubmissionError  # noqa: E402
 
 SUBMITS = 50
 

@@ -20,8 +20,8 @@ from fsdpjob.jobs.data import (
     count_tokens,
     read_examples,
 )
-from fsdpjob.orchestrator.inputs import check_inputs
-from fsdpjob.orchestrator.spec import DataSpec, load_spec
+from fsdpjob.orchestrator.core.inputs import check_inputs
+from fsdpjob.orchestrator.core.spec import DataSpec, load_spec
 
 CORPUS = ["hello world", "the quick brown fox jumps", "12+345=357", "naïve café 日本語 🎉", "a\tb\nc  d"] * 20
 CHATML = (

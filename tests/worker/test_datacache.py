@@ -13,7 +13,7 @@ import torch
 from fsdpjob.jobs.assets import make_quickstart
 from fsdpjob.jobs.data import build_sequences, read_examples
 from fsdpjob.jobs.datacache import load_or_build
-from fsdpjob.orchestrator.spec import DataSpec
+from fsdpjob.orchestrator.core.spec import DataSpec
 
 
 @pytest.fixture(scope="module")

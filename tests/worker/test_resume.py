@@ -63,7 +63,7 @@ def assets(tmp_path_factory) -> dict:
 
 
 def make_run(root: Path, name: str, assets: dict) -> Path:
-    from fsdpjob.orchestrator.spec import JobSpec
+    from fsdpjob.orchestrator.core.spec import JobSpec
 
     spec = JobSpec.model_validate({
         "name": name,

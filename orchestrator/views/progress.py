@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ckptlayout import committed_steps, run_checkpoint_root
-from .paths import RunPaths
+from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core import runlog
 
-
-
-def _tail_lines(path: Path, max_bytes: int = 65536) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    lines = data.splitlines()
-    return lines[1:] if size > max_bytes else lines  # the first line of a tail may be cut
-
-
-def _json_lines(lines: list[str]) -> list[dict]:
-    """Parsed lines; a line being written right now (not yet valid JSON) is skipped."""
-    return [d for d in map(_json_or_none, lines) if d is not None]
-
-
-def _json_or_none(line: str) -> dict | None:
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 @dataclass
@@ -48,6 +22,7 @@ class Progress:
     done: bool = False
     failure: str | None = None
     last_stop: dict | None = None
+    cancelled: bool = False  # `fsdpjob cancel` asked for it (its cancel event)
     events: list[dict] = field(default_factory=list)
 
     @property
@@ -55,38 +30,45 @@ class Progress:
         return max(0, self.starts - 1)
 
 
+# How much of each file's end status reads: enough for the newest values on a long run.
+METRICS_TAIL_BYTES, EVENTS_TAIL_BYTES = 65536, 1 << 20
+
+
 def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progress:
-    paths = RunPaths(run_dir)
     prog = Progress()
-    metric_lines = _tail_lines(paths.metrics_file)
-    last = next((m for m in map(_json_or_none, reversed(metric_lines)) if m), None)
-    if last:
+    metrics = runlog.read_metrics(run_dir, METRICS_TAIL_BYTES)
+    if metrics:
+        last = metrics[-1]
         prog.step, prog.loss = last.get("step"), last.get("loss")
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
-    events = _json_lines(_tail_lines(paths.events_file, 1 << 20))
+    events = runlog.read_events(run_dir, EVENTS_TAIL_BYTES)
     prog.events = events
     # Metrics matter for steps lost only when the run started more than once; most runs did not.
-    metrics = _json_lines(metric_lines) if sum(e.get("event") == "start" for e in events) > 1 else []
+    if sum(e.get("event") == runlog.START for e in events) <= 1:
+        metrics = []
     # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
-    timeline = sorted(events + [dict(m, event="metric") for m in metrics], key=lambda e: e.get("time", 0))
     reached = 0
-    for ev in timeline:
+    for ev in runlog.merge(events, metrics):
         kind = ev.get("event")
-        if kind == "start":
+        if kind == runlog.START:
             prog.starts += 1
             prog.done, prog.failure = False, None
-        elif kind in ("resume", "ready"):
+        elif kind in (runlog.RESUME, runlog.READY):
             # Where an attempt starts training: a resume's step, or 0 after a crash before any checkpoint.
             prog.steps_lost += max(0, reached - int(ev.get("step", 0)))
             reached = int(ev.get("step", 0))
-        elif kind == "done":
+        elif kind == runlog.DONE:
             prog.done = True
             prog.step = ev.get("step", prog.step)
-        elif kind == "failed":
+        elif kind == runlog.FAILED:
             prog.failure = ev.get("reason") or ev.get("error")
-        elif kind == "stop":
+        elif kind == runlog.STOP:
             prog.last_stop = ev
-        if kind in ("stop", "checkpoint", "metric", "failed", "requeue") and isinstance(ev.get("step"), int):
+        elif kind == runlog.CANCEL:
+            prog.cancelled = True
+        if kind in (runlog.STOP, runlog.CHECKPOINT, runlog.METRIC, runlog.FAILED, runlog.REQUEUE) and isinstance(
+            ev.get("step"), int
+        ):
             # Failure events carry the step a crash reached: older metrics may be past the tail read.
             reached = max(reached, ev["step"])
     steps = committed_steps(checkpoints_dir or run_checkpoint_root(run_dir))  # honours checkpoint.dir

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from .errors import FsdpjobError, SlurmCommandError
+from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError
 
 SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed")
 

@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import slurm_cli
-from .errors import FsdpjobError
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.core.errors import FsdpjobError
 from .progress import Progress, read_progress
 from .registry import JobRecord
 

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import click
 
-from . import registry, slurm_cli
-from .errors import FsdpjobError
-from .paths import RunPaths
-from .progress import _json_or_none
+from fsdpjob.orchestrator.views import registry
+
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.fileio import Tail
+from fsdpjob.orchestrator.core.paths import RunPaths
 from .registry import JobRecord
 from .status import build_report, local_controller_alive, single_view
 
@@ -28,25 +31,6 @@ def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
     return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
 
 
-class _Tail:
-    """New complete lines of a growing file."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, ""
-
-    def lines(self) -> list[str]:
-        try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except OSError:
-            return []
-        data = self.partial + data
-        *complete, self.partial = data.split("\n")
-        return complete
-
-
 def _terminal_phase(record: JobRecord) -> str | None:
     report = build_report(record, single_view(record))
     return report.phase if report.phase in TERMINAL else None
@@ -54,8 +38,7 @@ def _terminal_phase(record: JobRecord) -> str | None:
 
 def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     """Stream progress (a bar on a terminal, plain lines otherwise) until the run ends; its exit status."""
-    paths = RunPaths(Path(record.run_dir))
-    metrics, events = _Tail(paths.metrics_file), _Tail(paths.events_file)
+    timeline = runlog.Follower(record.run_dir)
     bar = None
     if sys.stdout.isatty():
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -67,9 +50,7 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     phase, last_check = None, 0.0
     try:
         while True:
-            new = [dict(m, event="metric") for m in map(_json_or_none, metrics.lines()) if m]
-            new += [e for e in map(_json_or_none, events.lines()) if e]
-            for ev in sorted(new, key=lambda e: e.get("time", 0)):
+            for ev in timeline.new_entries():
                 _show(ev, record, bar, task if bar else None)
             if time.time() - last_check >= 2 * poll_s:
                 last_check = time.time()
@@ -78,10 +59,9 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
                     break
             time.sleep(poll_s)
         # The last lines may land between the final poll and the phase change.
-        for line in metrics.lines():
-            m = _json_or_none(line)
-            if m and bar:
-                bar.update(task, completed=m["step"])
+        for ev in timeline.new_entries():
+            if ev["event"] == runlog.METRIC and bar:
+                bar.update(task, completed=ev["step"])
     finally:
         if bar:
             bar.stop()
@@ -96,19 +76,19 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
 
 
 def _show(ev: dict, record: JobRecord, bar, task) -> None:
-    if ev["event"] == "metric":
+    if ev["event"] == runlog.METRIC:
         info = f"loss {ev['loss']:.4f}  {ev.get('tokens_per_s', 0):.0f} tok/s"
         if bar:
             bar.update(task, completed=ev["step"], info=info)
         else:
             click.echo(f"step {ev['step']}/{record.max_steps}  {info}  eta {ev.get('eta_s', 0):.0f}s")
-    elif ev["event"] in ("start", "resume", "stop", "failed", "done", "export"):
+    elif ev["event"] in (runlog.START, runlog.RESUME, runlog.STOP, runlog.FAILED, runlog.DONE, runlog.EXPORT):
         fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
         (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
 
 
 def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:
-    tail = _Tail(path)
+    tail = Tail(path)
     idle_checks = 0
     while True:
         for line in tail.lines():

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError, ProfileError
-from .profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.core.errors import InputError, ProfileError
+from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
 from .resolve import Effective, check
-from .spec import JobSpec, load_spec
-from .yamlio import YamlDoc
+from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def load_job(
         raise ProfileError(exc.message, file=doc.file, line=doc.line_of(("profile",)), loc="profile") from None
     eff = check(spec, prof, doc)
     if check_files:
-        from .inputs import check_inputs
+        from fsdpjob.orchestrator.core.inputs import check_inputs
 
         try:
             check_inputs(spec, doc)

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from .fileio import write_atomic
-from .errors import RunNotFound
-from .paths import fsdpjob_home
+from fsdpjob.orchestrator.core.fileio import write_atomic
+from fsdpjob.orchestrator.core.errors import RunNotFound
+from fsdpjob.orchestrator.core.paths import fsdpjob_home
 
 
 @dataclass

@@ -12,13 +12,13 @@ from typing import Callable
 
 import jinja2
 
-from . import __version__
-from .errors import InputError
-from .paths import RunPaths
-from .profiles import ClusterProfile
-from .resolve import Effective, effective
+from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.planner.resolve import Effective, effective
 from .shellquote import command_line, literal, with_vars
-from .spec import JobSpec
+from fsdpjob.orchestrator.core.spec import JobSpec
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .errors import InputError
+from fsdpjob.orchestrator.core.errors import InputError
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
-from .profiles import ClusterProfile
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from .resolve import Effective, effective
-from .spec import JobSpec
-from .units import GB, GiB, count_text, params_text, size_text, unit_for
+from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.units import GB, GiB, count_text, params_text, size_text, unit_for
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from fsdpjob.orchestrator.core.errors import InputError
 
 # Model types whose decoder layer is Llama-shaped: q/k/v/o attention with GQA, SwiGLU gate/up/down MLP,
 # two RMSNorms per layer, final RMSNorm, optional tied lm_head.

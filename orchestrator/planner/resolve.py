@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import SpecError
-from .profiles import ClusterProfile
-from .slurmtime import format_slurm_time
-from .spec import JobSpec, SpecErrors
-from .yamlio import YamlDoc
+from fsdpjob.orchestrator.core.errors import SpecError
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
+from fsdpjob.orchestrator.core.spec import JobSpec, SpecErrors
+from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
 
 @dataclass(frozen=True)

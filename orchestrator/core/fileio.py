@@ -1,4 +1,4 @@
-"""Atomic file writes: the one helper the registry, the run folder and checkpoint commits share."""
+"""File helpers both sides share: atomic writes (registry, run folder, checkpoint commits) and tailing a growing file."""
 
 from __future__ import annotations
 
@@ -29,3 +29,21 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class Tail:
+    """New complete lines of a growing text file (a line still being written waits for its newline)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return []
+        *complete, self.partial = (self.partial + data).split("\n")
+        return complete
