@@ -128,6 +128,7 @@ def write_model(case: Case, folder: Path) -> Path:
 
 def plan_for(case: Case, model_dir: Path):
     from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.resolve import resolve
     from fsdpjob.orchestrator.core.profiles import load_profile
     from fsdpjob.orchestrator.core.spec import JobSpec
 
@@ -142,7 +143,7 @@ def plan_for(case: Case, model_dir: Path):
             "fsdp": {"mixed_precision": case.mp, "reshard_after_forward": case.reshard},
         }
     )
-    return make_plan(spec, load_profile("local"))
+    return make_plan(resolve(spec, load_profile("local")))
 
 
 def predict(case: Case, model_dir: Path) -> int:

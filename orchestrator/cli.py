@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import click
-
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 
@@ -54,8 +53,8 @@ def cli(debug: bool) -> None:
 @click.option("--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file.")
 def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...], no_file_checks: bool) -> None:
     """Validate job specs (and their model folder and data file). Exit 2 on the first invalid one."""
-    from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.core.spec import SpecErrors
+    from fsdpjob.orchestrator.planner.jobload import load_job
 
     failed: list[FsdpjobError] = []
     for path in specs:
@@ -79,18 +78,10 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
 def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path | None, no_file_checks: bool) -> None:
     """Print the exact sbatch script `fsdpjob submit` would submit (touches nothing)."""
     from fsdpjob.orchestrator.planner.jobload import load_job
-    from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
-    from fsdpjob.orchestrator.slurm.render import build_plan, render_script
+    from fsdpjob.orchestrator.submit import dry_run
 
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks)
-    paths = RunPaths(run_dir.resolve() if run_dir else runs_root() / new_run_id(job.spec.name))
-    if job.profile.scheduler == "local":
-        click.echo(
-            f"# profile {job.profile.name!r} is local: no sbatch script; {job.eff.tasks_per_node} worker process(es) "
-            f"start on this machine (submitit local executor), run folder {paths.run_dir}",
-        )
-        return
-    click.echo(render_script(build_plan(job.spec, job.profile, paths, spec_source=job.source)), nl=False)
+    click.echo(dry_run(job, run_dir.resolve() if run_dir else None).text, nl=False)
 
 
 @cli.command()
@@ -156,12 +147,12 @@ def profiles(as_json: bool) -> None:
 @JSON_OPT
 def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead."""
+    from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
-    from fsdpjob.orchestrator.planner.fit import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
-    result = make_plan(job.spec, job.profile)
+    result = make_plan(job)
     if as_json:
         _echo_json(result.to_json())
     else:
@@ -183,16 +174,16 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
 def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_json) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from fsdpjob.orchestrator import submit as submission
+    from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
-    from fsdpjob.orchestrator.planner.fit import make_plan
 
     job = load_job(spec, profile=profile, overrides=sets)
-    fit = make_plan(job.spec, job.profile)
+    fit = make_plan(job)
     if dry_run:
-        paths, _, script = submission.dry_run(job, run_dir.resolve() if run_dir else None)
+        request = submission.dry_run(job, run_dir.resolve() if run_dir else None)
         click.echo(format_plan(fit), err=True)
-        click.echo(script, nl=False)
+        click.echo(request.text, nl=False)
         return
     if not fit.fits and not force:
         click.echo(format_plan(fit), err=True)
@@ -216,10 +207,10 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
 def status(run: str | None, as_json: bool) -> None:
     """Status of a run (default: the newest): scheduler state joined with training progress."""
     from fsdpjob.orchestrator.views import registry
-    from fsdpjob.orchestrator.views.status import build_report, single_view
+    from fsdpjob.orchestrator.views.status import report_for
 
     record = registry.find(run) if run else registry.latest()
-    report = build_report(record, single_view(record))
+    report = report_for(record)
     if as_json:
         _echo_json(report.to_json())
         return
@@ -294,8 +285,8 @@ def logs(run: str, rank: int, follow: bool, stream: str) -> None:
 @click.argument("run")
 def cancel(run: str) -> None:
     """Cancel a run (scancel, or stop the local workers)."""
+    from fsdpjob.orchestrator.submit import cancel as cancel_run
     from fsdpjob.orchestrator.views import registry
-    from fsdpjob.orchestrator.views.follow import cancel_run
 
     record = registry.find(run)
     cancel_run(record)

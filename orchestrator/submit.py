@@ -1,4 +1,5 @@
-"""Submission side effects, all here: run folder, resolved spec, script, submitit submit, registry record."""
+"""Side effects of submitting and cancelling, all here: run folder, resolved spec, script, the backend's
+submit, the registry record; cancel's scheduler call, run-log event and registry mark."""
 
 from __future__ import annotations
 
@@ -6,39 +7,24 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.views import registry
+from fsdpjob.orchestrator.backend import Request, backend_for
+from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import SubmissionError
-from fsdpjob.orchestrator.planner.jobload import LoadedJob
-from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.fileio import write_atomic
+from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.planner.jobload import LoadedJob
+from fsdpjob.orchestrator.views import registry
 from fsdpjob.orchestrator.views.registry import JobRecord
-from fsdpjob.orchestrator.slurm.render import SbatchPlan, build_plan, render_script
 
 
 @dataclass(frozen=True)
 class Submission:
     record: JobRecord
     paths: RunPaths
-
-
-def dry_run(job: LoadedJob, run_dir: Path | None = None) -> tuple[RunPaths, SbatchPlan | None, str]:
-    """What would be submitted, touching nothing: (paths, plan, script text or local description)."""
-    paths = RunPaths(run_dir or runs_root() / new_run_id(job.spec.name))
-    if job.profile.scheduler == "local":
-        text = (
-            f"# local profile: {job.eff.tasks_per_node} worker process(es) on this machine through submitit's "
-            f"local executor\n# run folder: {paths.run_dir}\n"
-        )
-        return paths, None, text
-    plan = build_plan(job.spec, job.profile, paths, spec_source=job.source)
-    return paths, plan, render_script(plan)
 
 
 @contextlib.contextmanager
@@ -84,6 +70,11 @@ def _claim_run_folder(name: str, run_dir: Path | None) -> RunPaths:
     raise SubmissionError(f"no free run folder name under {paths.run_dir.parent} in 100 tries")
 
 
+def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
+    """What would be submitted, touching nothing."""
+    return backend_for(job.profile.scheduler).dry_run(job, RunPaths(run_dir or runs_root() / new_run_id(job.spec.name)))
+
+
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None) -> None:
     paths.submitit_dir.mkdir(mode=0o700)
     resolved = job.spec.redacted().model_dump(mode="json")
@@ -108,116 +99,51 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
         write_atomic(paths.sbatch_file, script, mode=0o700)
 
 
-def _submit_slurm(job: LoadedJob, paths: RunPaths, plan: SbatchPlan):
-    from fsdpjob.orchestrator.slurm.executor import FsdpjobSlurmExecutor
-    from fsdpjob.jobs.entry import TrainJob
-
-    executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=plan, python=job.profile.python or sys.executable)
-    executor.update_parameters(time=max(1, job.eff.time_limit_s // 60), signal_delay_s=job.eff.signal_lead_s)
-    return executor.submit(TrainJob(str(paths.run_dir)))
-
-
-def _submit_local(job: LoadedJob, paths: RunPaths):
-    import submitit
-
-    from fsdpjob.jobs.entry import TrainJob
-
-    executor = submitit.LocalExecutor(folder=str(paths.submitit_dir))
-    executor.update_parameters(
-        tasks_per_node=job.eff.tasks_per_node,
-        nodes=1,
-        timeout_min=job.eff.time_limit_s / 60,
-        signal_delay_s=job.eff.signal_lead_s,
-    )
-    with _stdio_detached():
-        return executor.submit(TrainJob(str(paths.run_dir)))
-
-
-@contextlib.contextmanager
-def _stdio_detached():
-    """Start submitit's local controller the way nohup would: it outlives this process, like a batch job.
-
-    It inherits fds 0-2: on the caller's pipes it would make `out=$(fsdpjob submit ...)` (or any captured
-    run) wait for the whole job, so it gets /dev/null (the workers write to their own log files). And it
-    inherits signal dispositions across exec: SIGHUP ignored, so closing the terminal does not kill the
-    run. SIGINT keeps (or gets back) its default: `fsdpjob cancel` and Ctrl-C under --wait stop a local run with it.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(fd) for fd in (0, 1, 2)]
-    devnull = os.open(os.devnull, os.O_RDWR)
-    in_main = threading.current_thread() is threading.main_thread()  # signal.signal works only there
-    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN) if in_main else None
-    # An ignored SIGINT (this CLI run as a script's background job) would be inherited too, and the
-    # controller would then ignore `fsdpjob cancel`: it gets the default back.
-    old_int = signal.getsignal(signal.SIGINT)
-    if in_main and old_int == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)
-        yield
-    finally:
-        if in_main:
-            signal.signal(signal.SIGHUP, old_hup)
-            signal.signal(signal.SIGINT, old_int)
-        for fd, copy in zip((0, 1, 2), saved):
-            os.dup2(copy, fd)
-            os.close(copy)
-        os.close(devnull)
-
-
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed."""
+    backend = backend_for(job.profile.scheduler)
     with _owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
         try:
-            _, plan, script = dry_run(job, paths.run_dir)
-            _write_run_folder(job, paths, script if plan else None, resume_from)
+            request = backend.dry_run(job, paths)
+            _write_run_folder(job, paths, request.script, resume_from)
         except BaseException:
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise
-        return _submit_and_record(job, paths, plan)
+        try:
+            with _job_environment(request.env):
+                submitted = backend.submit(job, request)
+        except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
+            shutil.rmtree(paths.run_dir, ignore_errors=True)
+            raise SubmissionError(f"submission failed, nothing was recorded: {_reason(exc)}") from None
+        record = JobRecord(
+            run_id=paths.run_id,
+            name=job.spec.name,
+            run_dir=str(paths.run_dir),
+            scheduler=backend.name,
+            job_id=submitted.job_id,
+            profile=job.profile.name,
+            submitted_at=time.time(),
+            spec_hash=job.spec.spec_hash(),
+            nodes=job.eff.nodes,
+            tasks_per_node=job.eff.tasks_per_node,
+            max_steps=job.spec.train.max_steps,
+            **submitted.record_fields,
+        )
+        registry.save(record)
+        return Submission(record=record, paths=paths)
 
 
-def _submit_and_record(job: LoadedJob, paths: RunPaths, plan: SbatchPlan | None) -> Submission:
-    env = dict(job.profile.env) if job.profile.scheduler == "local" else {}
-    env.update(job.spec.env if job.profile.scheduler == "local" else {k: job.spec.env[k] for k in job.spec.secret_names()})
-    env["FSDPJOB_RUN_DIR"] = str(paths.run_dir)
-    if job.profile.scheduler == "local" and job.eff.cpus_per_task:
-        env.setdefault("OMP_NUM_THREADS", str(job.eff.cpus_per_task))
-    try:
-        with _job_environment(env):
-            handle = _submit_slurm(job, paths, plan) if plan else _submit_local(job, paths)
-    except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
-        shutil.rmtree(paths.run_dir, ignore_errors=True)
-        raise SubmissionError(f"submission failed, nothing was recorded: {_reason(exc)}") from None
-    record = JobRecord(
-        run_id=paths.run_id,
-        name=job.spec.name,
-        run_dir=str(paths.run_dir),
-        scheduler=job.profile.scheduler,
-        job_id=str(handle.job_id),
-        profile=job.profile.name,
-        submitted_at=time.time(),
-        spec_hash=job.spec.spec_hash(),
-        nodes=job.eff.nodes,
-        tasks_per_node=job.eff.tasks_per_node,
-        max_steps=job.spec.train.max_steps,
-        slurm_conf=os.environ.get("SLURM_CONF") if plan else None,
-        extra={"accounting": _accounting() if plan else None},
-    )
-    registry.save(record)
-    return Submission(record=record, paths=paths)
+def cancel(record: JobRecord) -> None:
+    """Stop a run for good. The run log and the record both say so: status shows CANCELLED after a
+    scheduler without accounting has forgotten the job, and the local backend's view reads the mark."""
 
+    def mark() -> None:
+        runlog.append(record.run_dir, runlog.CANCEL, by="fsdpjob cancel")
+        record.extra["cancelled"] = True
+        registry.save(record)
 
-def _accounting() -> bool | None:
-    from fsdpjob.orchestrator.slurm.commands import accounting_enabled
-
-    try:
-        return accounting_enabled()
-    except Exception:  # noqa: BLE001 - status falls back to squeue/scontrol when unknown
-        return None
+    backend_for(record.scheduler).cancel(record, mark=mark)
 
 
 def _reason(exc: BaseException) -> str:

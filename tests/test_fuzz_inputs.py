@@ -304,7 +304,7 @@ def test_line_breaks_nul_and_long_strings_smuggle_nothing(tmp_path: Path, field:
         return
     assert not must_reject(field, case.value), f"{field}={case.value[:80]!r} was accepted"
     script = script_for(case, outcome)
-    plan = build_plan(outcome.spec, outcome.profile, RunPaths(case.folder / "run"), spec_source="job.yaml")
+    plan = build_plan(outcome, RunPaths(case.folder / "run"), spec_source="job.yaml")
     assert directives_read_by(script) == [f"#SBATCH {d}" for d in plan.directives]  # no line of a value's own
     assert b"\r\n" not in script.read_bytes(), "sbatch refuses a script with DOS line breaks"
     check_static(script)

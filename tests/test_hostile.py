@@ -137,7 +137,7 @@ def load_or_error(case: Case) -> LoadedJob | InputError:
 def script_for(case: Case, job: LoadedJob, run_dir: Path | None = None) -> Path:
     paths = RunPaths(run_dir or case.folder / "run")
     path = case.folder / "job.sbatch"
-    path.write_text(render_script(build_plan(job.spec, job.profile, paths, spec_source="job.yaml")), encoding="utf-8")
+    path.write_text(render_script(build_plan(job, paths, spec_source="job.yaml")), encoding="utf-8")
     return path
 
 
@@ -287,7 +287,7 @@ def test_run_folder_with_a_line_break_is_refused(tmp_path):
     case = make_case(tmp_path, "env", "plain")
     job = load_or_error(case)
     with pytest.raises(InputError, match="control character"):
-        build_plan(job.spec, job.profile, RunPaths(tmp_path / "a\ntouch x"))
+        build_plan(job, RunPaths(tmp_path / "a\ntouch x"))
 
 
 def sbatch_reads(folder: Path, options: dict[str, str]) -> dict[str, str]:

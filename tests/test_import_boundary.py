@@ -26,15 +26,18 @@ print(json.dumps({"code": code, "heavy": sorted(m for m in %r if m in sys.module
 """ % (HEAVY,)
 
 
-def probe(*args: str, cwd: Path = REPO) -> dict:
+def probe(*args: str, cwd: Path = REPO, env: dict | None = None) -> dict:
     """Run the CLI's main() in a fresh interpreter; report its exit code and which heavy modules it imported."""
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd, timeout=60,
+                          env=env)
     return json.loads(done.stderr.strip().splitlines()[-1])
 
 
 def make_model(folder: Path) -> None:
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}
+    (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").write_bytes(b"")
     (folder / "tokenizer.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text("{}")
@@ -70,6 +73,29 @@ def test_file_checks_do_not_import_torch(tmp_path, command):
     (tmp_path / "job.yaml").write_text(spec)
     extra = ["--run-dir", str(tmp_path / "run")] if command == "render" else []
     assert probe(command, "job.yaml", *extra, cwd=tmp_path) == {"code": 0, "heavy": []}
+
+
+def test_plan_submit_dry_run_status_and_list_do_not_import_torch(tmp_path):
+    import os
+
+    make_model(tmp_path / "model")
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "job.yaml").write_text("name: b\nmodel:\n  path: model\ndata:\n  path: data.jsonl\ntrain:\n  max_steps: 3\n")
+    env = {**os.environ, "FSDPJOB_HOME": str(tmp_path / "home")}
+    for args in (["plan", "job.yaml"], ["submit", "job.yaml", "--dry-run"], ["list"], ["list", "--json"]):
+        assert probe(*args, cwd=tmp_path, env=env) == {"code": 0, "heavy": []}, args
+    # status of a recorded run (a finished local run: its controller pid is gone)
+    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator.views.registry import JobRecord
+
+    os.environ["FSDPJOB_HOME"], saved = str(tmp_path / "home"), os.environ.get("FSDPJOB_HOME")
+    try:
+        registry.save(JobRecord(run_id="b-1", name="b", run_dir=str(tmp_path / "run"), scheduler="local", job_id="999999999",
+                                profile="local", submitted_at=1.0, spec_hash="x", nodes=1, tasks_per_node=1, max_steps=3))
+    finally:
+        os.environ.pop("FSDPJOB_HOME") if saved is None else os.environ.update(FSDPJOB_HOME=saved)
+    for args in (["status"], ["status", "b-1", "--json"], ["list"]):
+        assert probe(*args, cwd=tmp_path, env=env) == {"code": 0, "heavy": []}, args
 
 
 def orchestrator_modules() -> list[str]:

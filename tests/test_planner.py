@@ -13,6 +13,7 @@ from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
 from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.fit import make_plan
+from fsdpjob.orchestrator.planner.resolve import resolve
 from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.core.profiles import load_profile
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -157,7 +158,7 @@ def test_missing_config_and_bad_json_are_one_line_errors(tmp_path: Path) -> None
 
 
 def test_seed_70b_fits_on_two_a100_nodes(seed_70b: JobSpec) -> None:
-    plan = make_plan(seed_70b, A100)
+    plan = make_plan(resolve(seed_70b, A100))
     assert plan.fits and plan.device.fits and plan.host.fits
     state = sum(i.bytes for i in plan.device.breakdown if i.name in ("parameters", "gradients", "AdamW state"))
     assert state == pytest.approx(16 * 68.98e9 / 16, rel=0.01)  # ~69 GB of model state per GPU
@@ -172,7 +173,7 @@ def test_seed_70b_fits_on_two_a100_nodes(seed_70b: JobSpec) -> None:
 
 def test_seed_70b_on_one_node_needs_offload_or_a_second_node(seed_70b: JobSpec) -> None:
     one = with_changes(seed_70b, "resources.nodes=1")
-    plan = make_plan(one, A100)
+    plan = make_plan(resolve(one, A100))
     assert not plan.fits
     state = sum(i.bytes for i in plan.device.breakdown if i.name in ("parameters", "gradients", "AdamW state"))
     assert state == pytest.approx(138e9, rel=0.01)  # ~140 GB per GPU for model state alone
@@ -182,20 +183,20 @@ def test_seed_70b_on_one_node_needs_offload_or_a_second_node(seed_70b: JobSpec) 
     assert offload.saves > 100 * GiB and offload.peak < 20 * GiB
     assert any("does not fit" in w and "per GPU" in w for w in plan.warnings)
     assert "DOES NOT FIT" in format_plan(plan)
-    host = make_plan(with_changes(one, offload.change), A100).host
+    host = make_plan(resolve(with_changes(one, offload.change), A100)).host
     assert host.offloaded_per_rank == pytest.approx(16 * 68.98e9 / 8, rel=0.01)  # params + grads + AdamW, fp32
     assert host.training == pytest.approx(8 * host.offloaded_per_rank, rel=0.01) and host.fits  # 1.1 TB of 2 TB
 
 
 def test_every_fix_fits_and_they_come_cheapest_first(seed_70b: JobSpec) -> None:
     spec = with_changes(seed_70b, "model.activation_checkpointing=false train.micro_batch_size=4")
-    plan = make_plan(spec, A100)
+    plan = make_plan(resolve(spec, A100))
     assert not plan.fits
     order = ["model.activation_checkpointing", "train.micro_batch_size", "fsdp.cpu_offload", "resources.nodes"]
     ranks = [min(i for i, key in enumerate(order) if key in f.change) for f in plan.fixes]
     assert ranks == sorted(ranks) and ranks[0] == 0
     for fix in plan.fixes:
-        fixed = make_plan(with_changes(spec, fix.change), A100)
+        fixed = make_plan(resolve(with_changes(spec, fix.change), A100))
         assert fixed.fits, fix.change
         assert fixed.device.peak == fix.peak and fix.saves == plan.device.peak - fix.peak
 
@@ -203,12 +204,12 @@ def test_every_fix_fits_and_they_come_cheapest_first(seed_70b: JobSpec) -> None:
 def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
     eight_layers = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 8})
     spec = make_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
-    plan = make_plan(spec, A100)
+    plan = make_plan(resolve(spec, A100))
     first_keys = [f.change.split()[0] for f in plan.fixes]
     assert first_keys == ["model.activation_checkpointing=true", "train.micro_batch_size=3"]
     changed = with_changes(spec, plan.fixes[1].change)
     assert changed.train.grad_accum_steps == 6  # ceil(8 x 2 / 3): the global batch does not shrink
-    assert make_plan(changed, A100).fits
+    assert make_plan(resolve(changed, A100)).fits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
 
 
 def test_checkpoint_size_and_save_time(seed_70b: JobSpec) -> None:
-    t = make_plan(seed_70b, A100).timing
+    t = make_plan(resolve(seed_70b, A100)).timing
     assert t.checkpoint_bytes == 68_976_648_192 * 4 * 3  # fp32 params + 2 AdamW moments
     assert t.save_s == pytest.approx(t.checkpoint_bytes / (2.0e9 * 2))  # 2 GB/s per node, 2 nodes
     # 6 x N x 16 x 2048 tokens x 4/3 (AC) / 16 GPUs at 40 % of 312 TFLOP/s: about 9 s.
@@ -225,18 +226,18 @@ def test_checkpoint_size_and_save_time(seed_70b: JobSpec) -> None:
 
 def test_short_signal_lead_warns_with_the_value_to_use(seed_70b: JobSpec) -> None:
     short = with_changes(seed_70b, "preemption.signal_lead_s=60")
-    plan = make_plan(short, A100)
+    plan = make_plan(resolve(short, A100))
     needed = plan.timing.needed_lead_s
     assert needed > plan.timing.step_s + plan.timing.save_s
     assert any(f"set preemption.signal_lead_s: {needed}" in w for w in plan.warnings)
     assert plan.fits  # a warning, not a refusal
-    enough = make_plan(with_changes(seed_70b, f"preemption.signal_lead_s={needed}"), A100)
+    enough = make_plan(resolve(with_changes(seed_70b, f"preemption.signal_lead_s={needed}"), A100))
     assert not any("signal" in w for w in enough.warnings)
 
 
 def test_unknown_gpu_type_makes_step_time_unknown(seed_70b: JobSpec) -> None:
     profile = A100.model_copy(update={"gpu_type": "MI300X"})
-    plan = make_plan(seed_70b, profile)
+    plan = make_plan(resolve(seed_70b, profile))
     assert plan.timing.step_s is None
     assert any("step time is unknown" in w and "MI300X" in w for w in plan.warnings)
 
@@ -250,7 +251,7 @@ def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
                                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                                    "vocab_size": 4096, "torch_dtype": "float32"})
     local = load_profile("local")
-    plan = make_plan(make_spec(tiny, resources={"tasks_per_node": 2}), local)
+    plan = make_plan(resolve(make_spec(tiny, resources={"tasks_per_node": 2}), local))
     assert plan.device.kind == "cpu" and plan.fits
     assert plan.device.budget == int(local.host_ram_gb * GiB / 2)
     assert "CUDA context" not in [i.name for i in plan.device.breakdown]
@@ -262,23 +263,23 @@ def test_cpu_profile_too_small_proposes_activation_checkpointing(tmp_path: Path)
     big = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 6, "torch_dtype": "bfloat16"})
     spec = make_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
     profile = load_profile("local").model_copy(update={"host_ram_gb": 100.0})
-    plan = make_plan(spec, profile)
+    plan = make_plan(resolve(spec, profile))
     assert not plan.fits and any("per rank (host RAM / tasks_per_node)" in w for w in plan.warnings)
     # Offload means nothing on CPU and the local profile has one node: activation checkpointing is the only fix.
     assert [f.change for f in plan.fixes] == ["model.activation_checkpointing=true"]
-    assert make_plan(with_changes(spec, plan.fixes[0].change), profile).fits
+    assert make_plan(resolve(with_changes(spec, plan.fixes[0].change), profile)).fits
 
 
 def test_hsdp_shards_over_the_group_only(seed_70b: JobSpec) -> None:
-    full = make_plan(seed_70b, A100)
-    hsdp = make_plan(with_changes(seed_70b, "fsdp.replicate_degree=2"), A100)
+    full = make_plan(resolve(seed_70b, A100))
+    hsdp = make_plan(resolve(with_changes(seed_70b, "fsdp.replicate_degree=2"), A100))
     assert hsdp.setup.shard_degree == 8
     params = {p.name: p.bytes for p in hsdp.device.state}
     assert params["parameters"] == 2 * {p.name: p.bytes for p in full.device.state}["parameters"]
 
 
 def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None:
-    out = make_plan(with_changes(seed_70b, "resources.nodes=1"), A100).to_json()
+    out = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1"), A100)).to_json()
     assert json.loads(json.dumps(out)) == out
     assert set(out) == {"fits", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
                         "signal", "fixes", "warnings"}
@@ -288,7 +289,7 @@ def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None
 
 
 def test_text_report_shows_the_breakdown_and_verdict(seed_70b: JobSpec) -> None:
-    text = format_plan(make_plan(seed_70b, A100))
+    text = format_plan(make_plan(resolve(seed_70b, A100)))
     for needle in ("parameters", "AdamW state", "gradients", "CUDA context", "rank-0 loading", "every rank loading",
                    "checkpoint:", "signal lead:", "verdict: FITS"):
         assert needle in text, needle

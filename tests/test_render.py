@@ -55,7 +55,7 @@ def render(spec_path: Path, monkeypatch, *, profile: str | None = None, override
     job = load_job(str(spec_path), profile=profile, overrides=overrides, check_files=False)
     paths = RunPaths(Path("/runs") / job.spec.name)
     source = spec_path.relative_to(REPO).as_posix() if spec_path.is_relative_to(REPO) else spec_path.name
-    return render_script(build_plan(job.spec, job.profile, paths, spec_source=source))
+    return render_script(build_plan(job, paths, spec_source=source))
 
 
 @pytest.mark.parametrize("stem", GOLDEN_SPECS)

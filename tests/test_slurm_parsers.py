@@ -10,7 +10,8 @@ import pytest
 
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.views.progress import Progress
-from fsdpjob.orchestrator.views.status import phase_of, view_from_scontrol, views_from_sacct, views_from_squeue
+from fsdpjob.orchestrator.slurm.backend import view_from_scontrol, views_from_sacct, views_from_squeue
+from fsdpjob.orchestrator.views.status import phase_of
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
 
@@ -88,7 +89,8 @@ def test_a_job_slurmctld_forgot_is_cancelled_if_fsdpjob_cancelled_it(tmp_path, c
 def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_path):
     import json
 
-    from fsdpjob.orchestrator.views.status import STATUS_KEYS, SchedView, build_report
+    from fsdpjob.orchestrator.backend import SchedView
+    from fsdpjob.orchestrator.views.status import STATUS_KEYS, build_report
 
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
         {"event": "start", "restart": 0, "time": 1}, {"event": "ready", "step": 0, "time": 2},

@@ -269,7 +269,7 @@ def test_more_gpus_than_the_nodes_have(tmp_path):
 
 def test_local_profile_is_one_node(tmp_path):
     (err,) = cross_errors(tmp_path, "resources:\n  nodes: 2\n", profile="local")
-    assert err.loc == "resources.nodes" and "nodes must be 1, got 2" in err.message
+    assert err.loc == "resources.nodes" and "nodes must be at most 1, got 2" in err.message
 
 
 def test_cpu_profile_allows_several_tasks(tmp_path):

@@ -23,6 +23,12 @@ _SHELL_KEYWORDS = frozenset(
 )
 
 
+# What each scheduler kind allows, as data: the planner and the resolver read these instead of branching
+# on the scheduler's name (the backends in orchestrator/slurm and orchestrator/local hold the behaviour).
+MAX_NODES = {"slurm": None, "local": 1}  # None: as many as the cluster has
+WHERE = {"slurm": "the cluster's nodes", "local": "this machine"}
+
+
 class ClusterProfile(Strict):
     name: str
     """Profile name (the file name without .yaml)."""
@@ -69,6 +75,15 @@ class ClusterProfile(Strict):
     """Python interpreter on the compute nodes. Default: the interpreter running fsdpjob."""
     default_signal_lead_s: PositiveInt = 120
     """Signal lead used when the spec says signal_lead_s: auto."""
+
+    @property
+    def max_nodes(self) -> int | None:
+        """The most nodes a job on this profile can use (None: no limit known here)."""
+        return MAX_NODES[self.scheduler]
+
+    @property
+    def where(self) -> str:
+        return WHERE[self.scheduler]
 
     @field_validator("max_time")
     @classmethod

@@ -1,7 +1,7 @@
 """Preflight planner: parameter count from config.json, per-rank and per-node memory, checkpoint and step time.
 
 Pure arithmetic on the login node: reads the model folder's ``config.json`` only (never weights) and imports
-neither torch nor transformers. ``make_plan(spec, profile)`` returns a :class:`Plan`; ``planformat.format_plan``
+neither torch nor transformers. ``make_plan(resolved)`` returns a :class:`Plan`; ``planformat.format_plan``
 renders it as a text table and ``Plan.to_json()`` as a dict with stable keys (documented on the method). The
 model's shape and parameter count come from ``modelshape.py``.
 
@@ -54,13 +54,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from fsdpjob.orchestrator.core.errors import InputError
-from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from .resolve import Effective, effective
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.units import GB, GiB, count_text, params_text, size_text, unit_for
 
+from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
+from .resolve import Effective, Resolved
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
@@ -415,15 +414,9 @@ class Plan:
         }
 
 
-def _setup(spec: JobSpec, profile: ClusterProfile) -> tuple[Setup, Effective]:
-    eff = effective(spec, profile)
-    if eff.world_size % spec.fsdp.replicate_degree:
-        raise InputError(
-            f"world size {eff.world_size} is not divisible by replicate_degree {spec.fsdp.replicate_degree}",
-            loc="fsdp.replicate_degree",
-        )
+def _setup(spec: JobSpec, eff: Effective) -> Setup:
     on_gpu = eff.gpus_per_node > 0
-    u = Setup(
+    return Setup(
         nodes=eff.nodes,
         tasks_per_node=eff.tasks_per_node,
         replicate_degree=spec.fsdp.replicate_degree,
@@ -438,7 +431,6 @@ def _setup(spec: JobSpec, profile: ClusterProfile) -> tuple[Setup, Effective]:
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
     )
-    return u, eff
 
 
 def _fits(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> tuple[bool, int]:
@@ -470,8 +462,9 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
                 break
     if u.on_gpu and not u.cpu_offload:
         consider("fsdp.cpu_offload=true", replace(u, cpu_offload=True), "state on the host: steps much slower")
-    if profile.scheduler == "slurm":
-        for nodes in range(u.nodes + 1, max(4 * u.nodes, u.nodes + 64) + 1):
+    if profile.max_nodes is None or profile.max_nodes > u.nodes:
+        most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
+        for nodes in range(u.nodes + 1, most + 1):
             more = replace(u, nodes=nodes)
             if more.world % u.replicate_degree == 0 and consider(
                 f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit"
@@ -480,11 +473,12 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
     return out
 
 
-def make_plan(spec: JobSpec, profile: ClusterProfile) -> Plan:
-    """Plan a validated spec on a profile. Pure: reads config.json only."""
+def make_plan(job: Resolved) -> Plan:
+    """Plan a spec resolved against its profile. Pure: reads config.json only."""
+    spec, profile, eff = job.spec, job.profile, job.eff
     shape = read_model_shape(spec.model.path)
     params = count_params(shape)
-    u, eff = _setup(spec, profile)
+    u = _setup(spec, eff)
     dev = _device(shape, params, u, profile)
     host = _host(shape, params, u, profile, dev)
     timing = _timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)

@@ -6,18 +6,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
-from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
-from .resolve import Effective, check
-from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.profiles import load_profile
+from fsdpjob.orchestrator.core.spec import load_spec
 from fsdpjob.orchestrator.core.yamlio import YamlDoc
+
+from .resolve import Resolved, resolve
 
 
 @dataclass(frozen=True)
-class LoadedJob:
-    spec: JobSpec
+class LoadedJob(Resolved):
+    """A resolved job and where it came from (the YAML document for line numbers, the spec file)."""
+
     doc: YamlDoc
-    profile: ClusterProfile
-    eff: Effective
     source: str
 
 
@@ -40,7 +40,7 @@ def load_job(
         if profile:
             raise ProfileError(exc.message, file="--profile") from None
         raise ProfileError(exc.message, file=doc.file, line=doc.line_of(("profile",)), loc="profile") from None
-    eff = check(spec, prof, doc)
+    resolved = resolve(spec, prof, doc)
     if check_files:
         from fsdpjob.orchestrator.core.inputs import check_inputs
 
@@ -48,4 +48,4 @@ def load_job(
             check_inputs(spec, doc)
         except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
             raise InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file) from None
-    return LoadedJob(spec=spec, doc=doc, profile=prof, eff=eff, source=str(Path(spec_path)))
+    return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))

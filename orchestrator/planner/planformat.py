@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from .modelshape import ModelShape
-from .fit import DeviceMemory, HostMemory, Plan, Setup
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
+
+from .fit import DeviceMemory, HostMemory, Plan, Setup
+from .modelshape import ModelShape
+
 
 def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<28} {value:>16}  {note}".rstrip()

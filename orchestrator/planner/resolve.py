@@ -113,9 +113,29 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
-    if profile.scheduler == "local" and eff.nodes != 1:
-        out.append((("resources", "nodes"), f"the local profile runs on this machine only: nodes must be 1, got {eff.nodes}"))
+    if profile.max_nodes is not None and eff.nodes > profile.max_nodes:
+        out.append(
+            (
+                ("resources", "nodes"),
+                f"the {profile.scheduler} profile runs on {profile.where} only: nodes must be at most "
+                f"{profile.max_nodes}, got {eff.nodes}",
+            )
+        )
     return out
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A spec resolved against its profile, once; planning and rendering take this."""
+
+    spec: JobSpec
+    profile: ClusterProfile
+    eff: Effective
+
+
+def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) -> Resolved:
+    """Check spec against profile (SpecErrors with FILE:LINE when ``doc`` is given) and apply its defaults."""
+    return Resolved(spec=spec, profile=profile, eff=check(spec, profile, doc))
 
 
 def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) -> Effective:

@@ -17,10 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
-
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 # A crash during setup is retried only this many times in a row, and only after an earlier attempt trained:
 # the setup is known to work then, so a kill during it (lost node, preemption race) is transient.

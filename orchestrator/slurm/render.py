@@ -11,14 +11,14 @@ from importlib import resources
 from typing import Callable
 
 import jinja2
-
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.planner.resolve import Effective, effective
-from .shellquote import command_line, literal, with_vars
 from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.planner.resolve import Effective, Resolved
+
+from .shellquote import command_line, literal, with_vars
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
     return tuple(lines)
 
 
-def build_plan(spec: JobSpec, profile: ClusterProfile, paths: RunPaths, *, spec_source: str = "") -> SbatchPlan:
-    """The sbatch plan for a Slurm profile. Pure: no file or scheduler is touched."""
-    eff = effective(spec, profile)
+def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> SbatchPlan:
+    """The sbatch plan for a job resolved against a Slurm profile. Pure: no file or scheduler is touched."""
+    spec, profile, eff = job.spec, job.profile, job.eff
     python = profile.python or sys.executable
     # User values may use $VAR; fsdpjob's own values are literal (a run folder may contain a '$').
     env = {k: with_vars(v) for k, v in {**profile.env, **spec.public_env()}.items()}

@@ -1,38 +1,31 @@
-"""Watching a run: --wait progress streaming, log paths and --follow, and cancel."""
+"""Watching a run: --wait progress streaming, log paths and --follow."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import click
-
-from fsdpjob.orchestrator.views import registry
-
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.fileio import Tail
-from fsdpjob.orchestrator.core.paths import RunPaths
+
 from .registry import JobRecord
-from .status import build_report, local_controller_alive, single_view
+from .status import report_for
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
-# Seconds a local run gets to stop after SIGINT before fsdpjob cancel kills what is left.
-LOCAL_CANCEL_GRACE_S = 15
 
 
 def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
     if not 0 <= rank < record.world_size:
         raise FsdpjobError(f"rank {rank} is out of range: this run has ranks 0..{record.world_size - 1}")
-    return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+    return backend_for(record.scheduler).log_path(record, rank, stream)
 
 
 def _terminal_phase(record: JobRecord) -> str | None:
-    report = build_report(record, single_view(record))
+    report = report_for(record)
     return report.phase if report.phase in TERMINAL else None
 
 
@@ -65,7 +58,7 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     finally:
         if bar:
             bar.stop()
-    report = build_report(record, single_view(record))
+    report = report_for(record)
     click.echo(
         f"{record.run_id}: {report.phase} at step {report.step}/{record.max_steps}"
         + (f", loss {report.loss:.4f}" if report.loss is not None else "")
@@ -99,44 +92,3 @@ def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:
                 click.echo(line)
             return
         time.sleep(poll_s)
-
-
-def cancel_run(record: JobRecord) -> None:
-    """Stop a run for good: Slurm jobs with requeue turned off first (slurm_cli.scancel), local runs by
-    signalling their controller."""
-    if record.scheduler == "slurm":
-        slurm_cli.scancel(record.job_id)
-        # Without accounting slurmctld forgets the job after MinJobAge; the record still says it.
-        record.extra["cancelled"] = True
-        registry.save(record)
-        return
-    pid = int(record.job_id)
-    if not local_controller_alive(record):
-        raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)")
-    workers = _children(pid)
-    record.extra["cancelled"] = True
-    registry.save(record)
-    # submitit's local controller turns SIGINT into SIGINT then SIGKILL for its tasks. SIGINT can be
-    # ignored, though (a controller started from a script's background job inherits that): then kill.
-    os.kill(pid, signal.SIGINT)
-    deadline = time.monotonic() + LOCAL_CANCEL_GRACE_S
-    while local_controller_alive(record) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    folder = str(RunPaths(Path(record.run_dir)).submitit_dir).encode()
-    for victim in [*workers, pid]:
-        try:  # only processes still running this run (their command lines name its submitit folder)
-            if folder in Path(f"/proc/{victim}/cmdline").read_bytes():
-                os.kill(victim, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (the worker ranks of a local controller)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
 from fsdpjob.orchestrator.core import runlog
-
+from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
 
 
 @dataclass

@@ -6,9 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
-from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.errors import RunNotFound
+from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import fsdpjob_home
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.backend import SchedView, backend_for
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+
 from .progress import Progress, read_progress
 from .registry import JobRecord
 
@@ -76,16 +77,6 @@ class StatusReport:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class SchedView:
-    """What the scheduler says about one job."""
-
-    state: str  # raw Slurm state word (first word of e.g. "CANCELLED by 0"), or local pseudo-state
-    reason: str | None = None
-    restarts: int = 0
-    nodes: str | None = None
-
-
 def phase_of(state: str, restarts: int, progress: Progress) -> str:
     word = state.split()[0] if state else "UNKNOWN"
     phase = PHASES.get(word, "UNKNOWN")
@@ -100,92 +91,12 @@ def phase_of(state: str, restarts: int, progress: Progress) -> str:
     return phase
 
 
-def slurm_views(records: list[JobRecord]) -> dict[str, SchedView]:
-    """One scheduler call for all Slurm records (sacct with accounting, squeue without)."""
-    ids = [r.job_id for r in records if r.scheduler == "slurm"]
-    if not ids:
-        return {}
-    with_accounting = all(r.extra.get("accounting") is not False for r in records if r.scheduler == "slurm")
-    if with_accounting:
-        try:
-            rows = slurm_cli.sacct(ids)
-        except slurm_cli.SlurmCommandError as exc:
-            if "accounting storage is disabled" not in exc.stderr.lower():
-                raise
-            rows = None
-        if rows is not None:
-            return views_from_sacct(rows)
-    return views_from_squeue(slurm_cli.squeue(ids))
-
-
-def views_from_sacct(rows: list[slurm_cli.SacctRow]) -> dict[str, SchedView]:
-    """sacct -D gives one row per run of a job, oldest first: the last is now, the others are restarts."""
-    by_id: dict[str, list[slurm_cli.SacctRow]] = {}
-    for row in rows:
-        by_id.setdefault(row.job_id, []).append(row)
-    return {
-        job_id: SchedView(state=runs[-1].state, restarts=len(runs) - 1, nodes=runs[-1].nodes or None)
-        for job_id, runs in by_id.items()
-    }
-
-
-def views_from_squeue(jobs: dict[str, dict[str, str]]) -> dict[str, SchedView]:
-    """squeue knows no restart count; the worker's own start events fill it in (build_report)."""
-    return {
-        job_id: SchedView(state=info["state"], reason=_slurm_value(info["reason"]), nodes=info["nodes"] or None)
-        for job_id, info in jobs.items()
-    }
-
-
-def view_from_scontrol(info: dict[str, str]) -> SchedView:
-    return SchedView(
-        state=info.get("JobState", "UNKNOWN"),
-        reason=_slurm_value(info.get("Reason")),
-        restarts=int(info.get("Restarts", "0") or 0),
-        nodes=_slurm_value(info.get("NodeList")),
-    )
-
-
-def _slurm_value(value: str | None) -> str | None:
-    """Slurm's words for 'nothing' ("None", "(null)", "") as None."""
-    return None if value in (None, "", "None", "(null)") else value
-
-
-def local_controller_alive(record: JobRecord) -> bool:
-    """Whether the run's submitit controller (pid = job id) still runs; a recycled pid does not count."""
-    try:
-        with open(f"/proc/{int(record.job_id)}/cmdline", "rb") as f:
-            return b"submitit" in f.read()
-    except OSError:
-        return False
-
-
-def local_view(record: JobRecord) -> SchedView:
-    """A local run: the submitit controller process, then its result pickles."""
-    pid = int(record.job_id)
-    if local_controller_alive(record):
-        return SchedView(state="RUNNING", nodes=os.uname().nodename)
-    if record.extra.get("cancelled"):
-        return SchedView(state="CANCELLED")
-    results = sorted(Path(record.run_dir, "submitit").glob(f"{pid}_*_result.pkl"))
-    if not results:
-        return SchedView(state="FAILED", reason="worker processes exited without a result")
-    import pickle
-
-    try:
-        with open(results[0], "rb") as f:
-            outcome = pickle.load(f)[0]
-    except Exception:  # noqa: BLE001 - an unreadable pickle is a failed run
-        outcome = "error"
-    return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
-
-
 def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
     progress = read_progress(Path(record.run_dir))
     view = view or SchedView(state="UNKNOWN")
     restarts = max(view.restarts, progress.restarts)
     phase = phase_of(view.state, restarts, progress)
-    if phase == "UNKNOWN" and record.extra.get("cancelled"):
+    if phase == "UNKNOWN" and (progress.cancelled or record.extra.get("cancelled")):
         phase = "CANCELLED"  # fsdpjob cancel, and slurmctld (no accounting) has forgotten the job since
     failure = progress.failure if phase in ("FAILED", "CANCELLED", "TIMEOUT", "UNKNOWN") else None
     if phase == "FAILED" and not failure:
@@ -216,30 +127,23 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
     )
 
 
-def single_view(record: JobRecord) -> SchedView:
-    """Status of one job: scontrol when slurmctld still knows it (restarts, reason), else sacct/squeue."""
-    if record.scheduler == "local":
-        return local_view(record)
-    info = slurm_cli.scontrol_job(record.job_id)
-    if info:
-        return view_from_scontrol(info)
-    return slurm_views([record]).get(record.job_id, SchedView(state="UNKNOWN"))
+def report_for(record: JobRecord) -> StatusReport:
+    """One run's status, from the freshest scheduler view its backend can give."""
+    return build_report(record, backend_for(record.scheduler).view(record))
 
 
 def reports(records: list[JobRecord]) -> list[StatusReport]:
-    try:
-        views = slurm_views(records)
-    except FsdpjobError as exc:
-        views = {}
-        if any(r.scheduler == "slurm" for r in records):
-            import sys
-
-            print(f"fsdpjob: warning: scheduler not reachable ({exc}); showing training progress only", file=sys.stderr)
-    out = []
+    """Every run's status with one scheduler call per backend."""
+    by_kind: dict[str, list[JobRecord]] = {}
     for r in records:
-        view = local_view(r) if r.scheduler == "local" else views.get(r.job_id)
-        out.append(build_report(r, view))
-    return out
+        by_kind.setdefault(r.scheduler, []).append(r)
+    views: dict[str, SchedView] = {}
+    for kind, group in by_kind.items():
+        try:
+            views.update(backend_for(kind).views(group))
+        except FsdpjobError as exc:
+            print(f"fsdpjob: warning: scheduler not reachable ({exc}); showing training progress only", file=sys.stderr)
+    return [build_report(r, views.get(r.job_id)) for r in records]
 
 
 def format_eta(seconds: float | None) -> str:

@@ -1,0 +1,150 @@
+"""The local backend: the workers as processes on this machine through submitit's local executor, which
+behave like a batch job (they outlive the CLI, ignore hangups, stop on `fsdpjob cancel`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from fsdpjob.orchestrator.backend import Request, SchedView, Submitted
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.paths import RunPaths
+
+# Seconds a local run gets to stop after SIGINT before fsdpjob cancel kills what is left.
+LOCAL_CANCEL_GRACE_S = 15
+
+
+class LocalBackend:
+    name = "local"
+
+    def dry_run(self, job, paths: RunPaths) -> Request:
+        text = (
+            f"# profile {job.profile.name!r} is local: no sbatch script; {job.eff.tasks_per_node} worker process(es) "
+            f"start on this machine (submitit local executor), run folder {paths.run_dir}\n"
+        )
+        # The workers inherit this environment: the profile's and the spec's variables, secrets included.
+        env = {**job.profile.env, **job.spec.env, "FSDPJOB_RUN_DIR": str(paths.run_dir)}
+        if job.eff.cpus_per_task:
+            env.setdefault("OMP_NUM_THREADS", str(job.eff.cpus_per_task))
+        return Request(paths=paths, text=text, script=None, env=env)
+
+    def submit(self, job, request: Request) -> Submitted:
+        import submitit
+        from fsdpjob.jobs.entry import TrainJob
+
+        executor = submitit.LocalExecutor(folder=str(request.paths.submitit_dir))
+        executor.update_parameters(
+            tasks_per_node=job.eff.tasks_per_node,
+            nodes=1,
+            timeout_min=job.eff.time_limit_s / 60,
+            signal_delay_s=job.eff.signal_lead_s,
+        )
+        with _stdio_detached():
+            handle = executor.submit(TrainJob(str(request.paths.run_dir)))
+        return Submitted(job_id=str(handle.job_id))
+
+    def views(self, records) -> dict[str, SchedView]:
+        return {r.job_id: self.view(r) for r in records}
+
+    def view(self, record) -> SchedView:
+        """The submitit controller process (pid = job id), then its result pickles."""
+        if controller_alive(record):
+            return SchedView(state="RUNNING", nodes=os.uname().nodename)
+        if record.extra.get("cancelled"):
+            return SchedView(state="CANCELLED")
+        results = sorted(Path(record.run_dir, "submitit").glob(f"{int(record.job_id)}_*_result.pkl"))
+        if not results:
+            return SchedView(state="FAILED", reason="worker processes exited without a result")
+        try:
+            with open(results[0], "rb") as f:
+                outcome = pickle.load(f)[0]
+        except Exception:  # noqa: BLE001 - an unreadable pickle is a failed run
+            outcome = "error"
+        return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
+
+    def cancel(self, record, *, mark) -> None:
+        """SIGINT to the controller (it passes SIGINT, then SIGKILL, to its tasks); whatever of this run still
+        runs after the grace is killed: SIGINT can be ignored (a controller started from a script's
+        background job inherits that)."""
+        pid = int(record.job_id)
+        if not controller_alive(record):
+            raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)")
+        workers = _children(pid)
+        mark()  # before the controller ends: its view reads the mark
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + LOCAL_CANCEL_GRACE_S
+        while controller_alive(record) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        folder = str(RunPaths(Path(record.run_dir)).submitit_dir).encode()
+        for victim in [*workers, pid]:
+            try:  # only processes still running this run (their command lines name its submitit folder)
+                if folder in Path(f"/proc/{victim}/cmdline").read_bytes():
+                    os.kill(victim, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+    def log_path(self, record, rank: int, stream: str) -> Path:
+        return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+
+
+def controller_alive(record) -> bool:
+    """Whether the run's submitit controller (pid = job id) still runs; a recycled pid does not count."""
+    try:
+        with open(f"/proc/{int(record.job_id)}/cmdline", "rb") as f:
+            return b"submitit" in f.read()
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the worker ranks of a local controller)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def _stdio_detached():
+    """Start submitit's local controller the way nohup would: it outlives this process, like a batch job.
+
+    It inherits fds 0-2: on the caller's pipes it would make `out=$(fsdpjob submit ...)` (or any captured
+    run) wait for the whole job, so it gets /dev/null (the workers write to their own log files). And it
+    inherits signal dispositions across exec: SIGHUP ignored, so closing the terminal does not kill the
+    run. SIGINT keeps (or gets back) its default: `fsdpjob cancel` and Ctrl-C under --wait stop a local run with it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    in_main = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN) if in_main else None
+    # An ignored SIGINT (this CLI run as a script's background job) would be inherited too, and the
+    # controller would then ignore `fsdpjob cancel`: it gets the default back.
+    old_int = signal.getsignal(signal.SIGINT)
+    if in_main and old_int == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        if in_main:
+            signal.signal(signal.SIGHUP, old_hup)
+            signal.signal(signal.SIGINT, old_int)
+        for fd, copy in zip((0, 1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+
+
+BACKEND = LocalBackend()

@@ -1,0 +1,113 @@
+"""The Slurm backend: sbatch through submitit with fsdpjob's script, views from sacct (or squeue/scontrol
+without accounting), cancel with requeue turned off first."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fsdpjob.orchestrator.backend import Request, SchedView, Submitted
+from fsdpjob.orchestrator.core.paths import RunPaths
+
+from . import commands
+from .render import build_plan, render_script
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def dry_run(self, job, paths: RunPaths) -> Request:
+        plan = build_plan(job, paths, spec_source=job.source)
+        script = render_script(plan)
+        # Only secrets travel through the submission environment (sbatch exports it); the rest is in the script.
+        env = {k: job.spec.env[k] for k in job.spec.secret_names()}
+        env["FSDPJOB_RUN_DIR"] = str(paths.run_dir)
+        return Request(paths=paths, text=script, script=script, env=env, payload=plan)
+
+    def submit(self, job, request: Request) -> Submitted:
+        from fsdpjob.jobs.entry import TrainJob
+
+        from .executor import FsdpjobSlurmExecutor
+
+        paths = request.paths
+        executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=request.payload, python=job.profile.python or sys.executable)
+        executor.update_parameters(time=max(1, job.eff.time_limit_s // 60), signal_delay_s=job.eff.signal_lead_s)
+        handle = executor.submit(TrainJob(str(paths.run_dir)))
+        return Submitted(
+            job_id=str(handle.job_id),
+            record_fields={"slurm_conf": os.environ.get("SLURM_CONF"), "extra": {"accounting": _accounting()}},
+        )
+
+    def views(self, records) -> dict[str, SchedView]:
+        """One scheduler call for all records (sacct with accounting, squeue without)."""
+        ids = [r.job_id for r in records]
+        if not ids:
+            return {}
+        if all(r.extra.get("accounting") is not False for r in records):
+            try:
+                rows = commands.sacct(ids)
+            except commands.SlurmCommandError as exc:
+                if "accounting storage is disabled" not in exc.stderr.lower():
+                    raise
+                rows = None
+            if rows is not None:
+                return views_from_sacct(rows)
+        return views_from_squeue(commands.squeue(ids))
+
+    def view(self, record) -> SchedView:
+        """scontrol while slurmctld still knows the job (restarts, reason), else sacct/squeue."""
+        info = commands.scontrol_job(record.job_id)
+        if info:
+            return view_from_scontrol(info)
+        return self.views([record]).get(record.job_id, SchedView(state="UNKNOWN"))
+
+    def cancel(self, record, *, mark) -> None:
+        commands.scancel(record.job_id)
+        mark()  # without accounting slurmctld forgets the job after MinJobAge; the mark still says it
+
+    def log_path(self, record, rank: int, stream: str) -> Path:
+        return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+
+
+def views_from_sacct(rows: list[commands.SacctRow]) -> dict[str, SchedView]:
+    """sacct -D gives one row per run of a job, oldest first: the last is now, the others are restarts."""
+    by_id: dict[str, list[commands.SacctRow]] = {}
+    for row in rows:
+        by_id.setdefault(row.job_id, []).append(row)
+    return {
+        job_id: SchedView(state=runs[-1].state, restarts=len(runs) - 1, nodes=runs[-1].nodes or None)
+        for job_id, runs in by_id.items()
+    }
+
+
+def views_from_squeue(jobs: dict[str, dict[str, str]]) -> dict[str, SchedView]:
+    """squeue knows no restart count; the worker's own start events fill it in (status.build_report)."""
+    return {
+        job_id: SchedView(state=info["state"], reason=_slurm_value(info["reason"]), nodes=info["nodes"] or None)
+        for job_id, info in jobs.items()
+    }
+
+
+def view_from_scontrol(info: dict[str, str]) -> SchedView:
+    return SchedView(
+        state=info.get("JobState", "UNKNOWN"),
+        reason=_slurm_value(info.get("Reason")),
+        restarts=int(info.get("Restarts", "0") or 0),
+        nodes=_slurm_value(info.get("NodeList")),
+    )
+
+
+def _slurm_value(value: str | None) -> str | None:
+    """Slurm's words for 'nothing' ("None", "(null)", "") as None."""
+    return None if value in (None, "", "None", "(null)") else value
+
+
+def _accounting() -> bool | None:
+    try:
+        return commands.accounting_enabled()
+    except Exception:  # noqa: BLE001 - status falls back to squeue/scontrol when unknown
+        return None
+
+
+BACKEND = SlurmBackend()
