@@ -243,7 +243,7 @@ def measure(case: Case, model_dir: Path, stock_malloc: bool = False) -> dict:
 
 def predict_load_rank0(case: Case, model_dir: Path) -> int:
     """Rank 0's host memory at load above its baseline: the full checkpoint in its file dtype + its shard."""
-    from fsdpjob.orchestrator.planner.fit import DTYPE_BYTES
+    from fsdpjob.orchestrator.planner.memory import DTYPE_BYTES
 
     plan = plan_for(case, model_dir)
     full = plan.params.total * DTYPE_BYTES[plan.model.checkpoint_dtype]

@@ -1,4 +1,4 @@
-"""Sharded DCP checkpoints: step-N layout, crash-safe commit, verification, auto-resume with fallback, purge.
+"""Sharded DCP checkpoints: step-N layout, crash-safe commit, collective save and resume, purge.
 
 Layout of a checkpoint root::
 
@@ -8,12 +8,8 @@ Layout of a checkpoint root::
 A step counts only once ``COMMITTED`` exists. Rank 0 writes it last, after DCP's own final
 collective has gathered every rank's write results (so every shard is written and fsynced), and
 after the sidecar. A save killed at any point leaves a folder without the marker, which resume
-never chooses and purge removes.
-
-Fault injection (tests only): ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>`` makes ranks sleep that long in
-a save right after their shard file is written and before they report it, so a test can kill a
-rank mid-save. ``FSDPJOB_FAULT_SAVE_RANK=<r>`` limits it to one rank, ``FSDPJOB_FAULT_SAVE_STEP=<n>``
-to one step. Each pause logs ``fault injection: rank R pausing ...``.
+never chooses and purge removes. Which step a resume may use is decided in ckpt_verify.py; the
+fault-injection pause mid-save is in hooks.py.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 import time
@@ -34,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdpjob.orchestrator import __version__
@@ -43,16 +38,16 @@ from fsdpjob.orchestrator.core.ckptlayout import (
     MARKER,
     SIDECAR,
     committed_steps,
-    parse_step,
     read_sidecar,
-    run_checkpoint_root,
     step_dir_name,
-    step_dirs,
     uncommitted_steps,
 )
 from fsdpjob.orchestrator.core.fileio import write_atomic
 
 from .ckpt_state import DictState, ModelOptimState, RNGState
+from .ckpt_verify import CheckpointError, newest_valid_step, select_checkpoint
+from .ckpt_verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
+from .hooks import TestHooks
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -60,108 +55,6 @@ FORMAT_VERSION = 1
 # Sidecar fields the manager writes itself; state entries with these names are not copied into it.
 _MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
                    "reason", "model_key"}
-_FRESH_HINT = "to start fresh instead, use a new run name or --set checkpoint.dir=<empty folder>"
-
-
-class CheckpointError(Exception):
-    """A checkpoint path the user gave (or the run's checkpoint folder) cannot be used."""
-
-
-class ResumeRefused(CheckpointError):
-    """The newest checkpoint was written by a run whose model-defining fields differ from this spec."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Layout and verification: plain filesystem functions, usable without a process group.
-
-
-def damage(step_dir: Path) -> str | None:
-    """Why a step folder cannot be resumed from, or None when it verifies.
-
-    Checks the marker, the sidecar, the DCP ``.metadata``, and that every shard file the metadata
-    points into exists and is at least as long as its last item ends.
-    """
-    if not (step_dir / MARKER).is_file():
-        return f"no {MARKER} marker (the save did not finish)"
-    try:
-        read_sidecar(step_dir)
-    except (OSError, ValueError) as exc:
-        return f"sidecar {SIDECAR} is unreadable ({exc})"
-    try:
-        metadata = FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means the step is damaged
-        return f".metadata is unreadable ({type(exc).__name__}: {exc})"
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        shard = step_dir / name
-        if not shard.is_file():
-            return f"shard {name} is missing"
-        actual = shard.stat().st_size
-        if actual < size:
-            return f"shard {name} is truncated ({actual} bytes, expected at least {size})"
-    return None
-
-
-def fingerprint_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    keys = sorted(set(saved) | set(wanted))
-    return [
-        f"{k}: checkpoint has {saved.get(k, '<absent>')!r}, this spec has {wanted.get(k, '<absent>')!r}"
-        for k in keys
-        if saved.get(k) != wanted.get(k)
-    ]
-
-
-def check_fingerprint(step_dir: Path, fingerprint: dict[str, Any] | None) -> None:
-    if fingerprint is None:
-        return
-    saved = read_sidecar(step_dir).get("fingerprint", {})
-    diffs = fingerprint_differences(saved, fingerprint)
-    if diffs:
-        raise ResumeRefused(
-            f"refusing to resume from {step_dir}: model-defining fields changed ({'; '.join(diffs)}); {_FRESH_HINT}"
-        )
-
-
-def newest_valid_step(root: Path, fingerprint: dict[str, Any] | None = None) -> Path | None:
-    """Newest committed step under root that verifies; damaged ones are skipped with a warning.
-
-    None when nothing was ever committed. When every committed step is damaged this raises rather
-    than silently starting over.
-    """
-    damaged = []
-    for _, step_dir in reversed(committed_steps(root)):
-        reason = damage(step_dir)
-        if reason is None:
-            check_fingerprint(step_dir, fingerprint)
-            return step_dir
-        log.warning("checkpoint %s is damaged: %s; falling back to the previous committed step", step_dir, reason)
-        damaged.append(f"{step_dir.name}: {reason}")
-    if damaged:
-        raise CheckpointError(f"{root}: every committed checkpoint is damaged ({'; '.join(damaged)}); {_FRESH_HINT}")
-    return None
-
-
-def select_checkpoint(path: Path, fingerprint: dict[str, Any] | None = None) -> Path:
-    """A verified step folder from a step folder, a checkpoint root, or a run folder with checkpoints/."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    is_step = parse_step(path.name) is not None or (path / ".metadata").exists() or (path / MARKER).exists()
-    if is_step:
-        reason = damage(path)
-        if reason is not None:
-            raise CheckpointError(f"{path}: cannot resume from this checkpoint: {reason}")
-        check_fingerprint(path, fingerprint)
-        return path
-    root = path if step_dirs(path) else run_checkpoint_root(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint (no step-N folders and no checkpoints/ folder inside)")
-    found = newest_valid_step(root, fingerprint)
-    if found is None:
-        raise CheckpointError(f"{root}: no committed checkpoint that verifies")
-    return found
 
 
 @contextmanager
@@ -181,34 +74,6 @@ def _remove_step(step_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fault injection (tests).
-
-
-class _PausingWriter(FileSystemWriter):
-    """FileSystemWriter that sleeps after writing this rank's shard, before DCP reports it."""
-
-    def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
-        super().__init__(str(path))
-        # Not self.rank: FileSystemWriter sets that itself in set_up_storage_writer.
-        self.pause_s, self.fault_rank, self.step = pause_s, rank, step
-
-    def write_data(self, plan: Any, planner: Any) -> Future:
-        written = super().write_data(plan, planner)
-        log.warning("fault injection: rank %d pausing %.1f s in step %d", self.fault_rank, self.pause_s, self.step)
-        time.sleep(self.pause_s)
-        return written
-
-
-def _storage_writer(step_dir: Path, *, rank: int, step: int) -> FileSystemWriter:
-    pause = float(os.environ.get("FSDPJOB_FAULT_SAVE_PAUSE_S", "0") or 0)
-    only_rank = os.environ.get("FSDPJOB_FAULT_SAVE_RANK")
-    only_step = os.environ.get("FSDPJOB_FAULT_SAVE_STEP")
-    if pause > 0 and only_rank in (None, "", str(rank)) and only_step in (None, "", str(step)):
-        return _PausingWriter(step_dir, pause_s=pause, rank=rank, step=step)
-    return FileSystemWriter(str(step_dir))
-
-
-# ----------------------------------------------------------------------------------------------
 # The manager: collective save/load on every rank, filesystem decisions on rank 0.
 
 
@@ -222,7 +87,8 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any]
+        self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any],
+        hooks: TestHooks = TestHooks(),
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1 (got {keep_last})")
@@ -230,6 +96,7 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.async_save = keep_last, async_save
         self.sidecar = dict(sidecar)
+        self.hooks = hooks
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
         # Async saves copy the state into host buffers kept between saves (pinned on CUDA): later
@@ -249,17 +116,20 @@ class CheckpointManager:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, reason: str) -> None:
-        """Save ``state`` as step ``step`` (collective). Async: returns once staged; at most one in flight."""
+    def save(self, step: int, state: dict[str, Any], *, reason: str) -> bool:
+        """Save ``state`` as step ``step`` (collective). Async: returns once staged; at most one in flight.
+
+        False when the step is already saved or was loaded: nothing is written then.
+        """
         self.wait()
         if step == self._last_step:
             log.debug("step %d is already saved or loaded; not saving it again", step)
-            return
+            return False
         step_dir = self.root / step_dir_name(step)
         if self.rank == 0 and step_dir.exists():
             _remove_step(step_dir)
         self._barrier()
-        writer = _storage_writer(step_dir, rank=self.rank, step=step)
+        writer = self.hooks.storage_writer(step_dir, rank=self.rank, step=step)
         facts = self._save_facts(state, reason)
         started = time.monotonic()
         if not self.async_save:
@@ -271,7 +141,7 @@ class CheckpointManager:
                 self._commit(step, facts, started)
                 self.purge()
             self._barrier()
-            return
+            return True
         future = dcp.async_save(
             state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
         )
@@ -282,6 +152,7 @@ class CheckpointManager:
             # completion is the moment all shards are on disk: commit then, not at the next wait().
             future.add_done_callback(lambda f: self._commit_if_done(f, step, facts, started))
         self._pending = (step, facts, future, started)
+        return True
 
     @property
     def in_flight(self) -> int | None:

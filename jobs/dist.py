@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .workerenv import WorkerEnv
+
 log = logging.getLogger(__name__)
 
 # Same range as submitit's TorchDistributedEnvironment, so a port is what submitit would have picked.
@@ -77,11 +79,11 @@ def resolve_master_addr(node: str) -> str:
         return addr
 
 
-def _from_submitit(cpu_offload: bool) -> DistEnv:
+def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:
     import submitit
 
     job_env = submitit.JobEnvironment()
-    if job_env.cluster == "slurm":
+    if worker.on_slurm:
         master_addr = resolve_master_addr(job_env.hostnames[0])
     else:  # submitit's local executor: every task is on this machine
         master_addr = "127.0.0.1"
@@ -132,10 +134,11 @@ def _from_plain_env(cpu_offload: bool) -> DistEnv:
     )
 
 
-def detect_env(cpu_offload: bool = False) -> DistEnv:
+def detect_env(cpu_offload: bool = False, worker: WorkerEnv | None = None) -> DistEnv:
     """Read the job layout: a submitit job, else torchrun-style RANK/WORLD_SIZE, else one process."""
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        return _from_submitit(cpu_offload)
+    worker = worker or WorkerEnv.from_env()
+    if worker.scheduler:
+        return _from_submitit(cpu_offload, worker)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _from_plain_env(cpu_offload)
     backend, device = _backend_and_device(0, cpu_offload)
@@ -143,13 +146,13 @@ def detect_env(cpu_offload: bool = False) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "127.0.0.1", 0, backend, device)
 
 
-def init_distributed(timeout_s: int, *, cpu_offload: bool = False) -> DistEnv:
+def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: WorkerEnv | None = None) -> DistEnv:
     """Create the default process group (also for one process, so FSDP2 and DCP behave the same everywhere).
 
     The explicit timeout bounds the rendezvous too: an unreachable MASTER_ADDR fails after ``timeout_s``
     instead of hanging.
     """
-    env = detect_env(cpu_offload)
+    env = detect_env(cpu_offload, worker)
     options: dict = {"rank": env.rank, "world_size": env.world_size, "timeout": timedelta(seconds=timeout_s)}
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)

@@ -1,4 +1,5 @@
-"""Rank-0 progress reporting: console lines, metrics.jsonl, events.jsonl, and TensorBoard when installed."""
+"""Rank-0 progress reporting: which steps are logged and their window figures, console lines, metrics.jsonl,
+events.jsonl, and TensorBoard when installed."""
 
 from __future__ import annotations
 
@@ -30,13 +31,28 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class Reporter:
-    """Writes only on the main rank; every other rank gets a no-op reporter."""
+def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.device, world_size: int) -> float:
+    """Model FLOP utilisation on CUDA (bf16 dense peak of the device), 0 on CPU where no peak is defined."""
+    if device.type != "cuda" or seconds <= 0:
+        return 0.0
+    from .model import device_peak_flops
 
-    def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int):
+    return flops_per_token * tokens / seconds / (device_peak_flops(device) * world_size)
+
+
+class Reporter:
+    """Writes only on the main rank; every other rank gets a no-op reporter.
+
+    Training steps are logged in windows: step 1, every ``log_every`` steps and the last step. A logged
+    step's throughput, MFU and step time are averages over the steps since the previous logged one.
+    """
+
+    def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, log_every: int = 1):
         self.enabled = enabled
         self.run_dir = run_dir
-        self.max_steps = max_steps
+        self.max_steps, self.log_every = max_steps, log_every
+        self._flops_per_token, self._device, self._world_size = 0.0, torch.device("cpu"), 1
+        self._window_start, self._window_step, self._window_tokens = time.time(), 0, 0
         self._tb = None
         if enabled:
             try:
@@ -51,6 +67,27 @@ class Reporter:
         if self.enabled or all_ranks:
             runlog.append(self.run_dir, name, **fields)
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def begin_training(self, step: int, *, flops_per_token: float, device: torch.device, world_size: int) -> None:
+        """Open the first log window at ``step``, where this start trains from."""
+        self._flops_per_token, self._device, self._world_size = flops_per_token, device, world_size
+        self._window_start, self._window_step, self._window_tokens = time.time(), step, 0
+
+    def on_step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, tokens_seen: int) -> None:
+        """Count a trained step of ``tokens`` into the window; log it when it closes one (every rank calls this)."""
+        self._window_tokens += tokens
+        if step % self.log_every and step not in (1, self.max_steps):
+            return
+        now = time.time()
+        elapsed, steps = now - self._window_start, max(1, step - self._window_step)
+        window_tokens = self._window_tokens
+        self.step(step, {
+            "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+            "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+            "mfu": mfu(self._flops_per_token, window_tokens, elapsed, self._device, self._world_size),
+            "peak_mem_mb": peak_memory_mb(self._device),
+        }, step_time_s=elapsed / steps)
+        self._window_start, self._window_step, self._window_tokens = now, step, 0
 
     def step(self, step: int, values: dict[str, float], step_time_s: float) -> None:
         if not self.enabled:

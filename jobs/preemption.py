@@ -1,21 +1,23 @@
-"""Preemption and time limits: flag-only signal handlers, a collective stop decision, one requeue.
+"""Preemption and time limits: flag-only signal handlers, what a stop was, one requeue, the exit after it.
 
 Why not submitit's handler: it requeues and exits on rank 0 from inside the signal handler, in the middle of
 a step; the other ranks then crash in a collective and no checkpoint is written. So every rank replaces it
 (and the SIGTERM bypass) with a handler that only records the signal. At each step boundary the ranks agree
-with an all-reduce; all ranks save one committed checkpoint; then one rank requeues and every rank exits
-without returning a result (returning would make Slurm record COMPLETED and never requeue).
+with an all-reduce (savepolicy.py); all ranks save one committed checkpoint; then one rank requeues and every
+rank exits without returning a result (returning would make Slurm record COMPLETED and never requeue).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
+from typing import NoReturn
 
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm.failure import cap_reached
+
+from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.preemption")
 
@@ -47,14 +49,14 @@ class StopFlag:
         self._handle(signum, None)
 
 
-def classify_stop(signum: int) -> str:
+def classify_stop(worker: WorkerEnv) -> str:
     """Under Slurm: 'preemption' (PreemptTime is set only then), 'requeue' (someone ran `scontrol requeue`)
     or 'time_limit'; 'signal' elsewhere. A cancel (scancel sends SIGTERM too) is told apart when requeueing.
 
     Remaining time is misleading during a grace period (squeue %L ignores it), so it is not used.
     """
-    job_id = slurm_cli.job_id_from_env()
-    if not job_id or os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+    job_id = worker.slurm_job_id
+    if not job_id or not worker.on_slurm:
         return "signal"
     try:
         info = slurm_cli.scontrol_job(job_id) or {}
@@ -63,7 +65,7 @@ def classify_stop(signum: int) -> str:
         return "signal"
     if info.get("PreemptTime", "None") not in ("None", "", "Unknown"):
         return "preemption"
-    if int(info.get("Restarts", "0") or 0) > slurm_cli.restart_count():
+    if int(info.get("Restarts", "0") or 0) > worker.restart_count:
         return "requeue"  # an external `scontrol requeue`: Slurm counted the restart before sending SIGTERM
     return "time_limit"
 
@@ -72,13 +74,13 @@ def classify_stop(signum: int) -> str:
 REQUEUED, CANCELLED, NOT_REQUEUED = 0, 1, 2
 
 
-def requeue(max_requeues: int, restarts: int) -> tuple[int, str]:
+def requeue(max_requeues: int, worker: WorkerEnv) -> tuple[int, str]:
     """Rank 0 only, after every rank committed: requeue the job once. Returns (outcome, detail)."""
-    if capped := cap_reached(restarts, max_requeues):
+    if capped := cap_reached(worker.restart_count, max_requeues):
         return NOT_REQUEUED, capped
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+    if not worker.on_slurm:
         return REQUEUED, "local: the controller restarts the workers"
-    job_id = slurm_cli.job_id_from_env()
+    job_id = worker.slurm_job_id
     try:
         refused = slurm_cli.requeue_unless_cancelled(job_id)
     except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled or requeued right now
@@ -101,7 +103,7 @@ def _job_state(job_id: str) -> str | None:
         return None
 
 
-def exit_after_stop(outcome: int) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def exit_after_stop(outcome: int, worker: WorkerEnv) -> NoReturn:
     """Leave without a result on every rank: Slurm then keeps the requeue (a normal return would be
     recorded COMPLETED), submitit writes no result pickle, and the local controller restarts on 144.
     A cancelled job exits 0 so that the batch script's failure policy has nothing to act on."""
@@ -109,6 +111,6 @@ def exit_after_stop(outcome: int) -> "NoReturn":  # type: ignore[name-defined]  
         raise SystemExit(1)
     if outcome == CANCELLED:
         raise SystemExit(0)
-    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+    if worker.scheduler == "local":
         raise SystemExit(LOCAL_REQUEUE_EXIT_CODE)
     raise SystemExit(0)

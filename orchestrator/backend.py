@@ -58,9 +58,9 @@ class Backend(Protocol):
     def view(self, record: JobRecord) -> SchedView:
         """The freshest view of one run (may cost a call that views() avoids)."""
 
-    def cancel(self, record: JobRecord, *, mark: Callable[[], None]) -> None:
+    def cancel(self, record: JobRecord, *, mark: Callable[[], None]) -> str:
         """Stop the run for good (no requeue, no restart); call ``mark`` (records the cancel) once the
-        cancel is sure to happen and before the run's own view could need it."""
+        cancel is sure to happen and before the run's own view could need it. Returns how it stopped."""
 
     def log_path(self, record: JobRecord, rank: int, stream: str) -> Path:
         """Where rank ``rank`` writes its stdout ("out") or stderr ("err")."""

@@ -53,7 +53,7 @@ def cli(debug: bool) -> None:
 @click.option("--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file.")
 def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...], no_file_checks: bool) -> None:
     """Validate job specs (and their model folder and data file). Exit 2 on the first invalid one."""
-    from fsdpjob.orchestrator.core.spec import SpecErrors
+    from fsdpjob.orchestrator.core.validation import SpecErrors
     from fsdpjob.orchestrator.planner.jobload import load_job
 
     failed: list[FsdpjobError] = []
@@ -289,8 +289,8 @@ def cancel(run: str) -> None:
     from fsdpjob.orchestrator.views import registry
 
     record = registry.find(run)
-    cancel_run(record)
-    click.echo(f"cancelled {record.run_id} (job {record.job_id})")
+    how = cancel_run(record)
+    click.echo(f"cancelled {record.run_id} (job {record.job_id}): {how}")
 
 
 @cli.command()

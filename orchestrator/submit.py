@@ -134,7 +134,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
         return Submission(record=record, paths=paths)
 
 
-def cancel(record: JobRecord) -> None:
+def cancel(record: JobRecord) -> str:
     """Stop a run for good. The run log and the record both say so: status shows CANCELLED after a
     scheduler without accounting has forgotten the job, and the local backend's view reads the mark."""
 
@@ -143,7 +143,7 @@ def cancel(record: JobRecord) -> None:
         record.extra["cancelled"] = True
         registry.save(record)
 
-    backend_for(record.scheduler).cancel(record, mark=mark)
+    return backend_for(record.scheduler).cancel(record, mark=mark)
 
 
 def _reason(exc: BaseException) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+import helpers
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -16,13 +18,8 @@ INVALID = TESTS / "data" / "specs" / "invalid"
 VALID = TESTS / "data" / "specs" / "valid"
 GOLDEN = TESTS / "golden"
 GOLDEN_PYTHON = "/opt/fsdpjob/venv/bin/python"  # what test_render puts in the goldens for sys.executable
-
-
-def fsdpjob(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60)  # fmt: skip
-    assert "Traceback" not in done.stderr, done.stderr
-    return done
+# Run from the repository root (the specs are named relative to it); nothing here takes more than seconds.
+fsdpjob = partial(helpers.fsdpjob, cwd=REPO, timeout_s=60)
 
 
 def header(path: Path, key: str) -> str | None:

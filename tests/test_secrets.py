@@ -13,13 +13,14 @@ import os
 import secrets
 import stat
 import subprocess
-import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 
+import helpers
+from helpers import ONE_THREAD, wait_for
 from slurm.conftest import slurm_cluster, slurm_cluster_session  # noqa: F401 - fixtures for the Slurm case
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -33,11 +34,7 @@ SECRETS = {
 PUBLIC = {"PLAIN_SETTING": f"plain-{secrets.token_hex(6)}"}
 
 
-def fsdpjob(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    assert done.returncode == 0 and "Traceback" not in done.stderr, f"fsdpjob {args}: {done.stdout}\n{done.stderr}"
-    return done
+fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, check=True)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +62,12 @@ def write_spec(folder: Path, assets: dict, profile: str) -> Path:
     return path
 
 
-def worker_environments(run_dir: str, ranks: int, timeout: float = 180) -> list[dict[str, str]]:
+def worker_environments(run_dir: str, ranks: int, timeout_s: float = 180) -> list[dict[str, str]]:
     """The environment of each worker process (one per rank) of a run, read from /proc while they are alive."""
     pattern = f"submitit.core._submit {run_dir}/submitit"
     found: dict[str, dict[str, str]] = {}  # by rank
-    deadline = time.monotonic() + timeout
-    while len(found) < ranks and time.monotonic() < deadline:
+
+    def all_ranks() -> list[dict[str, str]] | None:
         for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split():
             try:
                 argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
@@ -84,19 +81,17 @@ def worker_environments(run_dir: str, ranks: int, timeout: float = 180) -> list[
             rank = env.get(rank_key)
             if rank is not None:
                 found[rank] = env
-        time.sleep(0.05)
-    assert sorted(found) == [str(r) for r in range(ranks)], f"worker ranks found: {sorted(found)} of {ranks}"
-    return list(found.values())
+        return list(found.values()) if sorted(found) == [str(r) for r in range(ranks)] else None
+
+    return wait_for(all_ranks, timeout_s, interval_s=0.05, what=f"the environments of worker ranks 0..{ranks - 1}")
 
 
-def wait_terminal(run_id: str, timeout: float = 300) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_terminal(run_id: str, timeout_s: float = 300) -> dict:
+    def ended() -> dict | None:
         report = json.loads(fsdpjob("status", run_id, "--json").stdout)
-        if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            return report
-        time.sleep(1.0)
-    raise AssertionError(f"{run_id} did not finish in {timeout} s")
+        return report if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
+
+    return wait_for(ended, timeout_s, interval_s=1.0, what=f"{run_id} to finish")
 
 
 def leaks(texts: dict[str, bytes]) -> list[str]:

@@ -11,7 +11,8 @@ from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.core.profiles import load_profile
 from fsdpjob.orchestrator.planner.resolve import check
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time, parse_slurm_time
-from fsdpjob.orchestrator.core.spec import JobSpec, SpecErrors, load_spec
+from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import apply_overrides
 
 REPO = Path(__file__).resolve().parents[1]

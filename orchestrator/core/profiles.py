@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from .errors import ProfileError
 from .slurmtime import parse_slurm_time
-from .spec import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
+from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
 
 NonNegativeInt = Annotated[int, Field(ge=0)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -10,10 +9,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .errors import SpecError
 from .slurmtime import FORMATS_HELP, parse_slurm_time
+from .validation import SpecErrors, Strict, check_env, errors_from_validation, path_value, single_line
 from .yamlio import YamlDoc, apply_overrides, read_yaml
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -21,45 +20,6 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 
 # Environment variable names whose values are treated as secret unless the spec says otherwise.
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-
-
-def single_line(value: str | None) -> str | None:
-    if value is not None and re.search(r"[\x00-\x1f\x7f]", value):
-        raise ValueError("control characters (newline, tab, NUL) are not allowed here")
-    return value
-
-
-# Linux refuses a single argument or environment string over 128 KiB (MAX_ARG_STRLEN): srun could not start.
-MAX_ARG_BYTES = 131072
-
-
-def path_value(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise ValueError("the path is empty; give a file or folder path")
-    if value is not None and (len(value.encode()) > 4095 or any(len(p.encode()) > 255 for p in value.split("/"))):
-        raise ValueError("the path is too long for the file system (4095 bytes, 255 per name); shorten it")
-    return single_line(value)
-
-
-def check_env(value: dict[str, str]) -> dict[str, str]:
-    """Environment names a shell can export, and values a process environment can hold."""
-    for key, val in value.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ValueError(f"{key!r} is not a valid environment variable name")
-        if "\x00" in val:
-            raise ValueError(f"{key}: NUL bytes cannot be passed in the environment")
-        if "\r" in val:
-            raise ValueError(f"{key}: carriage returns are not allowed (sbatch refuses scripts with DOS line breaks)")
-        if len(key.encode()) + 1 + len(val.encode()) >= MAX_ARG_BYTES:
-            raise ValueError(f"{key}: the value is over Linux's 128 KiB limit for one environment string; "
-                             "put large values in a file and pass its path")
-    return value
-
-
-class Strict(BaseModel):
-    """Base for every spec section: unknown keys are errors, values are immutable once validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
 
 
 class Resources(Strict):
@@ -328,104 +288,8 @@ class JobSpec(Strict):
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading: YAML text -> overrides -> pydantic -> one-line errors that point at FILE:LINE.
+# Loading: YAML text -> overrides -> pydantic -> one-line errors that point at FILE:LINE (validation.py).
 
-
-def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Valid keys at ``loc`` in the spec (for 'did you mean')."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        ann = field.annotation
-        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-        if current is None:
-            return []
-    return list(getattr(current, "model_fields", {}))
-
-
-def _message(err: dict, model: type[BaseModel]) -> str:
-    kind, loc = err["type"], tuple(err["loc"])
-    if kind == "extra_forbidden":
-        valid = _field_names(model, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
-        return f"unknown key; {hint}"
-    if kind == "missing":
-        return "required field is missing; add it"
-    msg = err["msg"]
-    msg = msg.removeprefix("Value error, ")
-    if kind in ("int_parsing", "int_type", "float_parsing", "float_type", "bool_parsing", "bool_type", "string_type"):
-        msg = f"{msg} (got {err.get('input')!r})"
-    if kind == "literal_error":
-        msg = f"{msg} (got {err.get('input')!r})"
-    return msg
-
-
-def _field_loc(loc: tuple, data: object) -> tuple:
-    """The part of a pydantic error location that names places in the document.
-
-    pydantic adds tags for union branches and validators (e.g. 'literal['auto']', 'int',
-    'function-after[...]'); a user's key may look just like one, so tags are told apart by walking the
-    data: a part is kept when it is a key or index of the data there, or names a missing field.
-    """
-    out: list = []
-    node = data
-    for part in loc:
-        if isinstance(node, dict):
-            if part in node:
-                out.append(part)
-                node = node[part]
-                continue
-            if isinstance(part, str) and not _is_tag(part):
-                out.append(part)  # a missing field, or an unknown key reported at its section
-                node = None
-                continue
-        elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):
-            out.append(part)
-            node = node[part]
-            continue
-        elif node is None and isinstance(part, str) and not _is_tag(part):
-            out.append(part)
-            continue
-        # anything else is a pydantic tag: drop it
-    return tuple(out)
-
-
-def _is_tag(part: str) -> bool:
-    return part.startswith(("function-", "constrained-")) or "[" in part or part in ("int", "str", "float", "bool")
-
-
-def errors_from_validation(
-    exc: ValidationError, doc: YamlDoc, model: type[BaseModel] = JobSpec, data: object = None
-) -> list[SpecError]:
-    messages: dict[tuple, list[str]] = {}
-    for err in exc.errors():
-        loc = _field_loc(tuple(err["loc"]), doc.data if data is None else data)
-        messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
-    # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
-    return [
-        SpecError(
-            "; or ".join(dict.fromkeys(texts)),
-            file=doc.file,
-            line=doc.line_of(loc),
-            loc=".".join(str(p) for p in loc) or None,
-        )
-        for loc, texts in messages.items()
-    ]
-
-
-class SpecErrors(SpecError):
-    """Several spec errors at once; the CLI prints one line each."""
-
-    def __init__(self, errors: list[SpecError]):
-        self.errors = errors
-        super().__init__(errors[0].message, file=errors[0].file, line=errors[0].line, loc=errors[0].loc)
-
-    def format(self) -> str:  # noqa: D401 - one line per error
-        errs = getattr(self, "errors", None)
-        return "\n".join(e.format() for e in errs) if errs else super().format()
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
@@ -446,7 +310,7 @@ def spec_from_doc(doc: YamlDoc, overrides: list[str] = (), base_dir: Path | None
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecErrors(errors_from_validation(exc, doc, data=data)) from None
+        raise SpecErrors(errors_from_validation(exc, doc, JobSpec, data=data)) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[JobSpec, YamlDoc]:

@@ -68,7 +68,7 @@ class LocalBackend:
             outcome = "error"
         return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
 
-    def cancel(self, record, *, mark) -> None:
+    def cancel(self, record, *, mark) -> str:
         """SIGINT to the controller (it passes SIGINT, then SIGKILL, to its tasks); whatever of this run still
         runs after the grace is killed: SIGINT can be ignored (a controller started from a script's
         background job inherits that)."""
@@ -82,12 +82,17 @@ class LocalBackend:
         while controller_alive(record) and time.monotonic() < deadline:
             time.sleep(0.2)
         folder = str(RunPaths(Path(record.run_dir)).submitit_dir).encode()
+        killed = []
         for victim in [*workers, pid]:
             try:  # only processes still running this run (their command lines name its submitit folder)
                 if folder in Path(f"/proc/{victim}/cmdline").read_bytes():
                     os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
             except (OSError, ProcessLookupError):
                 pass
+        if killed:
+            return f"SIGINT not obeyed within {LOCAL_CANCEL_GRACE_S} s; SIGKILLed {len(killed)} process(es)"
+        return "stopped by SIGINT"
 
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)

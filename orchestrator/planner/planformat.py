@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
 
-from .fit import DeviceMemory, HostMemory, Plan, Setup
+from .fit import Plan
+from .memory import DeviceMemory, HostMemory, Setup
 from .modelshape import ModelShape
 
 

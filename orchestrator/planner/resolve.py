@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
-from fsdpjob.orchestrator.core.spec import JobSpec, SpecErrors
+from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
 

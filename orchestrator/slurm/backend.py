@@ -62,9 +62,10 @@ class SlurmBackend:
             return view_from_scontrol(info)
         return self.views([record]).get(record.job_id, SchedView(state="UNKNOWN"))
 
-    def cancel(self, record, *, mark) -> None:
+    def cancel(self, record, *, mark) -> str:
         commands.scancel(record.job_id)
         mark()  # without accounting slurmctld forgets the job after MinJobAge; the mark still says it
+        return "scancel, with requeue turned off first"
 
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)

@@ -12,10 +12,9 @@ FSDPJOB_REQUIRE_SLURM=1 (CI).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import pytest
 import yaml
@@ -23,8 +22,7 @@ import yaml
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-
-T = TypeVar("T")
+from helpers import wait_for
 
 HERE = Path(__file__).resolve().parent
 STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")
@@ -143,7 +141,7 @@ def _cancel_leftovers(basetemp: Path) -> None:
     if mine:
         wait_for(lambda: not set(mine) & {j for j, v in slurm_cli.squeue(mine).items()
                                           if v["state"] in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")},
-                 timeout=60, interval=0.5, what=f"left-over jobs {mine} to end")
+                 timeout_s=60, interval_s=0.5, what=f"left-over jobs {mine} to end")
 
 
 def slurm_env(info: ClusterInfo) -> dict[str, str]:
@@ -154,18 +152,6 @@ def slurm_env(info: ClusterInfo) -> dict[str, str]:
 def release_held(job_id: int | str) -> None:
     """Lift the BeginTime hold of a requeued job (tests only; see manage.lift_requeue_hold)."""
     manage.lift_requeue_hold(job_id)
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.25, what: str = "condition") -> T:
-    """Poll until predicate() returns something truthy and return it; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what} (last value: {value!r})", pytrace=False)
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from slurm.conftest import wait_for
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def settled_state(job_id: str) -> str:
         state = slurm_cli.job_state(job_id)
         return state if state not in ("RUNNING", "COMPLETING", "PENDING") else None
 
-    return wait_for(ended, timeout=60, interval=0.5, what=f"job {job_id} to end")
+    return wait_for(ended, timeout_s=60, interval_s=0.5, what=f"job {job_id} to end")
 
 
 @pytest.mark.parametrize("how", ["scancel", "fsdpjob-cancel"])
@@ -57,13 +57,13 @@ def test_failure_policy_leaves_a_cancelled_job_cancelled(slurm_cluster, tmp_path
     script.write_text(BATCH.format(python=sys.executable, run_dir=run_dir))
     job_id = subprocess.run(["sbatch", "--parsable", "--requeue", f"--output={tmp_path}/out", str(script)],
                             capture_output=True, text=True, check=True).stdout.strip()
-    wait_for(lambda: (run_dir / "started").exists(), timeout=60, interval=0.5, what="the batch script to start")
+    wait_for(lambda: (run_dir / "started").exists(), timeout_s=60, interval_s=0.5, what="the batch script to start")
     if how == "scancel":
         subprocess.run(["scancel", job_id], check=True)  # requeue stays on: sacct says CANCELLED
     else:
         slurm_cli.scancel(job_id)  # what `fsdpjob cancel` runs: requeue off, then scancel
     wait_for(lambda: "policy rc=" in (run_dir / "policy.err").read_text() if (run_dir / "policy.err").exists()
-             else None, timeout=60, interval=0.5, what="the failure policy to run")
+             else None, timeout_s=60, interval_s=0.5, what="the failure policy to run")
     assert settled_state(job_id) == "CANCELLED"
     err = (run_dir / "policy.err").read_text()
     assert "not requeueing it" in err and "policy rc=0" in err, err

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm.conftest import release_held, wait_for
+from helpers import wait_for
+from slurm.conftest import release_held
 from slurm.test_fsdp_slurm import (
     assert_same_weights,
     final_weights,
@@ -96,7 +97,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     last_step = 0
     for _ in range(count):
         while True:  # a random moment: mid-step, mid-save or mid-setup, of a job that Slurm still runs
-            wait_for(lambda: running_with_progress(run, last_step), timeout=300, interval=1.0,
+            wait_for(lambda: running_with_progress(run, last_step), timeout_s=300, interval_s=1.0,
                      what="run back and training")
             time.sleep(rng.uniform(2, 8))
             if status_of(run["job_id"]) in ("RUNNING", "COMPLETED", ""):
@@ -117,7 +118,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
             release_held(run["job_id"])
         return report if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
 
-    done = wait_for(finished, timeout=900, interval=1.0, what="chaos run to finish")
+    done = wait_for(finished, timeout_s=900, interval_s=1.0, what="chaos run to finish")
     summary = {"seed": seed, "faults": injected, "phase": done["phase"], "restarts": done["restarts"],
                "steps_lost": done["steps_lost"]}
     print("chaos summary", json.dumps(summary))

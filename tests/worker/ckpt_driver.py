@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fsdpjob.jobs.checkpoint import CheckpointManager
 from fsdpjob.jobs.ckpt_state import DictState, ModelOptimState, RNGState
+from fsdpjob.jobs.hooks import TestHooks
 
 SEED = 7
 FINGERPRINT = {"model.path": "tiny-llama", "model.dtype": "float32", "data.seq_len": 16}
@@ -116,7 +117,8 @@ def rng_snapshot() -> tuple:
 
 
 def manager(root: Path, rank: int, world_size: int, **kwargs: Any) -> CheckpointManager:
-    options = {"keep_last": 3, "async_save": False} | kwargs
+    """A manager with the fault-injection hooks of this process's environment (FSDPJOB_FAULT_SAVE_*)."""
+    options = {"keep_last": 3, "async_save": False, "hooks": TestHooks.from_env()} | kwargs
     sidecar = {"fingerprint": FINGERPRINT, "spec_hash": "test", "mesh_shape": [world_size], "global_batch_size": 2}
     sidecar |= options.pop("sidecar", {})
     return CheckpointManager(root, rank=rank, world_size=world_size, sidecar=sidecar, **options)

@@ -19,14 +19,8 @@ import torch.distributed as dist
 
 from ckpt_driver import FINGERPRINT, SEED, Trainer, manager, rng_snapshot, tiny_config
 from distributed import free_port, run_ranks
-from fsdpjob.jobs.checkpoint import (
-    MARKER,
-    CheckpointError,
-    ResumeRefused,
-    committed_steps,
-    select_checkpoint,
-    step_dir_name,
-)
+from fsdpjob.jobs.checkpoint import MARKER, CheckpointError, committed_steps, select_checkpoint, step_dir_name
+from fsdpjob.jobs.ckpt_verify import ResumeRefused
 from fsdpjob.jobs.ckpt_state import derived_seed
 from fsdpjob.jobs.export import export_from_path, export_hf
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from fsdpjob.jobs import metrics
 from fsdpjob.jobs.metrics import Reporter
 
 VALUES = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 1000.0, "mfu": math.nan, "peak_mem_mb": 10.0}
@@ -49,3 +53,28 @@ def test_tensorboard_scalars(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 1.0), (3, 0.0)]
     assert "train/mfu" not in acc.Tags()["scalars"]  # NaN is not plotted
+
+
+def test_steps_are_logged_at_step_1_every_log_every_and_the_last_with_window_averages(tmp_path):
+    reporter = Reporter(tmp_path, enabled=True, max_steps=7, log_every=3)
+    reporter.begin_training(0, flops_per_token=1.0, device=torch.device("cpu"), world_size=1)
+    for step in range(1, 8):
+        reporter.on_step(step, loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens=10, tokens_seen=10 * step)
+    reporter.close()
+    lines = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 3, 6, 7]
+    assert [m["tokens"] for m in lines] == [10, 30, 60, 70]  # tokens seen, not the window's
+    assert all(m["tokens_per_s"] > 0 and m["mfu"] == 0.0 for m in lines)  # no MFU peak on CPU
+
+
+def test_a_resumed_window_starts_at_the_resumed_step(tmp_path, monkeypatch):
+    reporter = Reporter(tmp_path, enabled=True, max_steps=10, log_every=5)
+    clock = iter([100.0, 102.0, 102.0])
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: next(clock), strftime=time.strftime,
+                                                         gmtime=time.gmtime))
+    reporter.begin_training(4, flops_per_token=1.0, device=torch.device("cpu"), world_size=1)
+    reporter.on_step(5, loss=1.0, lr=1e-3, grad_norm=0.5, tokens=10, tokens_seen=50)
+    reporter.close()
+    (line,) = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # One step in 2 s: 5 tok/s, and 5 steps left at 2 s each.
+    assert line["step"] == 5 and line["tokens_per_s"] == 5.0 and line["eta_s"] == 10.0

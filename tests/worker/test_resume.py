@@ -117,6 +117,10 @@ def test_stop_request_commits_the_step_and_records_it(runs):
     stop = next(e for e in events if e["event"] == "stop")
     resume = next(e for e in events if e["event"] == "resume")
     assert stop["step"] == STOP_AT and resume["step"] == STOP_AT and stop["requeued"] is True
+    saves = [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint"]
+    assert saves == [(STOP_AT, "stop"), (STEPS, "final")]  # interval saves are off in these runs
+    assert all(e["save_s"] >= 0 for e in events if e["event"] == "checkpoint")
+    assert events.index(next(e for e in events if e["event"] == "checkpoint")) < events.index(stop)
     # The first start tokenized; the restart read the packed table back from the run's cache.
     assert [e["cached"] for e in events if e["event"] == "data"] == [False, True]
 
@@ -155,6 +159,7 @@ def test_restart_after_the_final_checkpoint_completes_without_training(runs, tmp
     assert resume["step"] == STEPS and done["step"] == STEPS and "failed" not in {e["event"] for e in events}
     assert done["loss"] == losses(runs["full"])[STEPS]  # the last trained step's loss, carried by the checkpoint
     assert set(losses(again)) == set(range(1, STEPS + 1))  # no step trained twice
+    assert [e["reason"] for e in events if e["event"] == "checkpoint"] == ["final"]  # nothing saved again
     after = committed_model_state(again)
     assert all((before[k] == after[k]).all() for k in before)
 

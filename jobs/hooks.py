@@ -1,0 +1,74 @@
+"""Test and fault-injection hooks of the worker, read once from the environment; unset in real runs.
+
+- ``FSDPJOB_STOP_AT_STEP=<n>``: rank 0 requests a stop after step n, as if a stop signal had come.
+- ``FSDPJOB_LOG_SAMPLES=1``: append each step's global sample ids to samples.jsonl (proves a resume skips
+  and repeats none).
+- ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>``: ranks sleep that long in a checkpoint save right after their shard
+  file is written and before they report it, so a test can kill a rank mid-save.
+  ``FSDPJOB_FAULT_SAVE_RANK=<r>`` limits it to one rank, ``FSDPJOB_FAULT_SAVE_STEP=<n>`` to one step.
+  Each pause logs ``fault injection: rank R pausing ...``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+log = logging.getLogger("fsdpjob.checkpoint")
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    return int(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class TestHooks:
+    """The hooks in force for this process (see the module docstring); the defaults do nothing."""
+
+    __test__ = False  # not a pytest test class, whatever imports it
+
+    stop_at_step: int = 0
+    log_samples: bool = False
+    save_pause_s: float = 0.0
+    save_pause_rank: int | None = None  # None: every rank
+    save_pause_step: int | None = None  # None: every step
+
+    @classmethod
+    def from_env(cls) -> TestHooks:
+        env = os.environ
+        return cls(
+            stop_at_step=int(env.get("FSDPJOB_STOP_AT_STEP") or 0),
+            log_samples=bool(env.get("FSDPJOB_LOG_SAMPLES")),
+            save_pause_s=float(env.get("FSDPJOB_FAULT_SAVE_PAUSE_S") or 0),
+            save_pause_rank=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_RANK")),
+            save_pause_step=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_STEP")),
+        )
+
+    def storage_writer(self, step_dir: Path, *, rank: int, step: int) -> FileSystemWriter:
+        """DCP's file writer for this rank's save of ``step``; one that pauses when the fault hook says so."""
+        pauses = self.save_pause_s > 0 and self.save_pause_rank in (None, rank) and self.save_pause_step in (None, step)
+        if pauses:
+            return _PausingWriter(step_dir, pause_s=self.save_pause_s, rank=rank, step=step)
+        return FileSystemWriter(str(step_dir))
+
+
+class _PausingWriter(FileSystemWriter):
+    """FileSystemWriter that sleeps after writing this rank's shard, before DCP reports it."""
+
+    def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
+        super().__init__(str(path))
+        # Not self.rank: FileSystemWriter sets that itself in set_up_storage_writer.
+        self.pause_s, self.fault_rank, self.step = pause_s, rank, step
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        written = super().write_data(plan, planner)
+        log.warning("fault injection: rank %d pausing %.1f s in step %d", self.fault_rank, self.pause_s, self.step)
+        time.sleep(self.pause_s)
+        return written

@@ -1,0 +1,109 @@
+"""When the training loop saves and stops: intervals, stop signals, the last-step rule, and the stop path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.spec import JobSpec
+
+from . import preemption
+from .checkpoint import CheckpointManager
+from .hooks import TestHooks
+from .metrics import Reporter
+from .workerenv import WorkerEnv
+
+log = logging.getLogger("fsdpjob.train")
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which steps get a checkpoint; pure, so every rank that sees the same inputs decides the same."""
+
+    interval_steps: int  # 0: none by step count
+    interval_minutes: float  # 0: none by time
+    max_steps: int
+
+    def time_due(self, seconds_since_save: float) -> bool:
+        return bool(self.interval_minutes) and seconds_since_save >= self.interval_minutes * 60
+
+    def reason(self, step: int, *, signum: int, time_due: bool) -> str | None:
+        """Why to save after ``step`` ("stop" or "interval"), or None. The last step's save is the final one."""
+        if signum:
+            # After the last step the final save ends the job sooner than a requeue would.
+            return None if step >= self.max_steps else "stop"
+        n = self.interval_steps
+        if time_due or (n and step % n == 0 and step < self.max_steps):
+            return "interval"
+        return None
+
+
+class Checkpointer:
+    """Saves when the policy says so and leads a stop to its requeue; every method runs on all ranks."""
+
+    def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag, device: torch.device,
+                 report: Reporter, worker: WorkerEnv, hooks: TestHooks) -> None:
+        self.ckpt, self.stop, self.device, self.report = ckpt, stop, device, report
+        self.worker, self.hooks = worker, hooks
+        self.policy = SavePolicy(spec.checkpoint.interval_steps, spec.checkpoint.interval_minutes, spec.train.max_steps)
+        self.max_requeues = spec.preemption.max_requeues
+        self._last_save = time.time()  # the interval in minutes counts from the start of training
+        self._save_started = self._last_save
+
+    def maybe_save(self, step: int, state: dict[str, Any]) -> int:
+        """After each trained step: save if due. Returns the stop signal once its checkpoint is committed, else 0."""
+        if self.hooks.stop_at_step == step and dist.get_rank() == 0:
+            self.stop.request()
+        signum, time_due = self._agree()
+        reason = self.policy.reason(step, signum=signum, time_due=time_due)
+        if signum and reason is None:
+            log.info("stop signal %d after the last step: finishing instead of requeueing", signum)
+        if reason is None:
+            return 0
+        self._save(step, state, reason)
+        return signum
+
+    def save_final(self, step: int, state: dict[str, Any]) -> None:
+        self._save(step, state, "final")
+
+    def _agree(self) -> tuple[int, bool]:
+        """The one collective per step: any rank's stop signal, and rank 0's clock for time-based saves."""
+        due = dist.get_rank() == 0 and self.policy.time_due(time.time() - self._last_save)
+        flags = torch.tensor([self.stop.signum, int(due)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(flags[0]), bool(flags[1])
+
+    def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
+        started = time.time()
+        saved = self.ckpt.save(step, state, reason=reason)
+        self._last_save = time.time()
+        if reason != "interval":
+            self.ckpt.wait()  # committed on every rank before anyone requeues or reports done
+        self._save_started = started
+        if saved:
+            self.report.event(runlog.CHECKPOINT, step=step, reason=reason, save_s=round(time.time() - started, 3))
+
+    def stop_and_requeue(self, signum: int, step: int) -> NoReturn:
+        """After the stop checkpoint committed: rank 0 requeues (unless the job was cancelled) and reports; every
+        rank then leaves without a result, the same way."""
+        outcome = preemption.REQUEUED
+        if dist.get_rank() == 0:
+            kind = preemption.classify_stop(self.worker)
+            signal_to_commit = time.time() - (self.stop.received_at or self._save_started)
+            outcome, detail = preemption.requeue(self.max_requeues, self.worker)
+            kind = "cancelled" if outcome == preemption.CANCELLED else kind
+            self.report.event(runlog.STOP, reason=kind, signal=signum, step=step,
+                              requeued=outcome == preemption.REQUEUED, detail=detail,
+                              save_s=round(time.time() - self._save_started, 3),
+                              signal_to_commit_s=round(signal_to_commit, 3))
+            if outcome == preemption.NOT_REQUEUED:
+                self.report.event(runlog.FAILED, reason=detail, step=step, retryable=False)
+        flag = torch.tensor([outcome], dtype=torch.int32, device=self.device)
+        dist.broadcast(flag, src=0)  # every rank exits the same way
+        preemption.exit_after_stop(int(flag.item()), self.worker)

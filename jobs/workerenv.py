@@ -1,0 +1,43 @@
+"""What a worker knows about the job it runs in (scheduler, job id, restarts, rank for logs, host), read once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+
+# No torch here: preemption.py uses this before the worker's heavy imports.
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """The scheduler's view of this worker process. Its place in the process group is dist.DistEnv."""
+
+    scheduler: str | None  # submitit's executor, "slurm" or "local"; None outside submitit (torchrun, tests)
+    slurm_job_id: str | None  # as scontrol takes it (<array job>_<task> for an array task)
+    local_job_id: str | None  # submitit's local executor: the controller's id
+    restart_count: int  # how often Slurm has restarted the job (0 on its first run)
+    log_rank: str  # the rank log lines show, known before the process group exists
+    host: str
+
+    @classmethod
+    def from_env(cls) -> WorkerEnv:
+        env = os.environ
+        return cls(
+            scheduler=env.get("SUBMITIT_EXECUTOR") or None,
+            slurm_job_id=slurm_cli.job_id_from_env(),
+            local_job_id=env.get("SUBMITIT_LOCAL_JOB_ID") or None,
+            restart_count=slurm_cli.restart_count(),
+            log_rank=env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or env.get("RANK", "0"),
+            host=os.uname().nodename,
+        )
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.scheduler == "slurm"
+
+    @property
+    def job_id(self) -> str | None:
+        """The job id the run log records: Slurm's, else the local executor's."""
+        return self.slurm_job_id or self.local_job_id

@@ -1,0 +1,258 @@
+"""The planner's memory model: per-rank device memory at the peak of a training step, and host RAM per node.
+
+Units. Memory is in bytes internally and shown in GiB: a profile's ``gpu_memory_gb`` and ``host_ram_gb`` are read
+as GiB (an "80GB" A100 has 80 GiB; Slurm's ``G`` is GiB).
+
+What is modelled is the worker (jobs/model.py, jobs/parallelize.py, jobs/train.py): meta init, ``fully_shard`` on
+each decoder layer then the root (embedding, final norm, lm_head) with fsdp.reshard_after_forward for both,
+``param_dtype`` = compute dtype c (2 bytes bf16, 4 fp32), gradients reduced in fp32, master weights, gradients
+and both AdamW moments in model.dtype m; the loss code keeps the logits and upcasts them to fp32. On GPUs the
+optimizer is assumed fused (``AdamW(fused=True)``): torch's default foreach AdamW on CUDA adds one more m-byte
+copy of the shard during the step (4 B/param/shard in fp32). CPU workers use the per-tensor AdamW.
+
+Per-rank peak = sharded params + AdamW state + the largest of four moments of a (steady-state) step:
+  * forward end: saved activations + the loss ((12 + c) bytes x tokens x vocab: logits, fp32 log-softmax and
+    its two fp32 gradients) [+ all layers and the root gathered when reshard_after_forward is false];
+  * backward, last layer: saved activations + the root gathered again, the lm_head gradient (unsharded until
+    the root's reduce-scatter at the very end), the held logits, the layer's gathered params (+ the prefetched
+    next layer when sharded over > 1 rank), its unsharded gradients, the previous layer's fp32 reduce-scatter
+    input and the layer's gradient working set (3 c x tokens x intermediate, or the eager attention scores);
+  * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
+  * optimizer step: sharded gradients (+ 2 temporaries of the largest tensor for the per-tensor AdamW on CPU).
+Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a fixed
+runtime item (CUDA context + NCCL 1 GiB; a CPU worker process 0.4 GiB) and 5 % for allocator fragmentation.
+Saved activations per layer and token, with sdpa / flash attention:
+  2 RMSNorms x (4 + 2c) h  (fp32 upcast kept for backward, normalized and output)
+  + 3c q_dim + 2c kv_dim   (q, k after RoPE, v for attention; attention output and its contiguous copy for o_proj)
+  + 4c intermediate        (gate, silu(gate), up, gate*up for SwiGLU)
+eager attention instead keeps q, repeated k/v and output (4c q_dim) plus micro_batch x heads x seq^2 x (4 + c)
+(fp32 softmax and its compute-dtype copy). Activation checkpointing keeps each layer's input (c h per token) and
+recomputes one layer at a time in backward. On CPU, bf16 matmuls also hold ~12 MiB of oneDNN buffers.
+Measured on CPU (bench/plan_accuracy.py, the worker's load_model + train_step): the prediction is 0 to 9 % above
+peak RSS over 19 cases, with glibc's mmap threshold frozen (MALLOC_MMAP_THRESHOLD_=131072); stock glibc keeps
+freed activations in its heap and runs 15-80 % above live memory on such small models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.units import GiB, count_text, params_text, size_text, unit_for
+
+from .modelshape import ModelShape, ParamCount
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
+
+CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context (~0.5-0.8 GiB) + NCCL communicator buffers
+CPU_RUNTIME_BYTES = int(0.4 * GiB)  # python + torch + transformers per worker process (measured: 335 MiB)
+CUDA_FRAGMENTATION = 0.05  # caching-allocator blocks freed but not reusable for the next size
+CPU_FRAGMENTATION = 0.05  # with glibc's mmap threshold frozen (MALLOC_MMAP_THRESHOLD_=131072); stock glibc keeps more
+CPU_BF16_KERNEL_BYTES = 12 * 1024**2  # oneDNN buffers of bf16 matmuls on CPU (measured, independent of model size)
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One moment of a training step and what is alive then, per rank."""
+
+    name: str
+    items: tuple[Item, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs of one plan (spec + profile resolved); fixes change these and plan again."""
+
+    nodes: int
+    tasks_per_node: int
+    replicate_degree: int
+    on_gpu: bool
+    model_bytes: int  # m: master weights, gradients, AdamW moments
+    compute_bytes: int  # c: gathered parameters and activations
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool
+    attn: str
+    cpu_offload: bool
+    reshard: bool  # reshard_after_forward, for the layers and the root
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def shard_degree(self) -> int:
+        return self.world // self.replicate_degree
+
+
+def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, bytes of its gradient working set) for one micro-batch."""
+    c, t, b = u.compute_bytes, u.micro_batch * u.seq_len, u.micro_batch
+    per_token = 2 * (4 + 2 * c) * s.hidden + 4 * c * s.intermediate
+    scores = 0
+    if u.attn == "eager":
+        per_token += 4 * c * s.q_dim
+        scores = b * s.heads * u.seq_len**2 * (4 + (c if c < 4 else 0))
+    else:
+        per_token += 3 * c * s.q_dim + 2 * c * s.kv_dim
+    if s.qk_norm:
+        per_token += (4 + c) * (s.q_dim + s.kv_dim)
+    working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if scores else 0)
+    return t * per_token + scores, working + 2 * 4 * t * s.hidden
+
+
+def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[Moment]]:
+    """The sharded state on the device (params, AdamW) and what each of the four moments adds, per rank."""
+    m, c, r, w = u.model_bytes, u.compute_bytes, REDUCE_BYTES, u.shard_degree
+    t, shard, on_device = u.micro_batch * u.seq_len, math.ceil(p.total / w), not u.cpu_offload
+    state = [
+        Item("parameters", on_device * shard * m, f"{params_text(p.total)} params x {m} B / {count_text(w, 'shard')}"),
+        Item("AdamW state", on_device * 2 * shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
+    ]
+    grads = Item("gradients", on_device * shard * m, f"sharded, {m} B")
+    early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
+    root = Item("root gathered", p.root * c, "embedding + final norm + lm_head, compute dtype")
+    kept = Item("layers kept gathered", s.layers * p.per_layer * c * (not u.reshard),
+                "fsdp.reshard_after_forward: false")
+    head = [
+        Item("lm_head gradient", s.vocab * s.hidden * c, "unsharded until the root's reduce-scatter"),
+        Item("logits", t * s.vocab * c, "held by the loss code through backward"),
+    ]
+    kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2), "oneDNN (measured)")
+    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
+    root_grads = Item("root gradients", p.root * (c + r), "unsharded + fp32 reduce-scatter input")
+    adamw_temp = Item("AdamW temporaries", 0 if u.on_gpu else 2 * math.ceil(largest / w) * m, "per-tensor AdamW on CPU")
+    moments = [
+        Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
+                                      replace(root, bytes=root.bytes * (not u.reshard)),
+                                      Item("loss", (12 + c) * t * s.vocab, "logits + fp32 log-softmax and gradients"),
+                                      kernels)),
+        Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
+                                        *_layer_transients(s, p, u), kernels)),
+        Moment("backward end", (grads, root_grads, kernels)),
+        Moment("optimizer step", (grads, adamw_temp, kernels)),
+    ]
+    return state, moments
+
+
+def _saved_activations(s: ModelShape, u: Setup) -> Item:
+    c, t = u.compute_bytes, u.micro_batch * u.seq_len
+    per_layer = t * s.hidden * c if u.activation_checkpointing else _layer_activations(s, u)[0]
+    final_norm = (4 + 3 * c) * t * s.hidden
+    unit = unit_for(per_layer)
+    note = f"{s.layers} layers x {size_text(per_layer, unit)} {unit[0]}"
+    note += " (layer inputs, AC)" if u.activation_checkpointing else ""
+    return Item("activations", s.layers * per_layer + final_norm, note)
+
+
+def _layer_transients(s: ModelShape, p: ParamCount, u: Setup) -> list[Item]:
+    """The decoder layer in backward: gathered params (+ prefetched next), its gradients and working set."""
+    c, layer = u.compute_bytes, p.per_layer
+    if u.reshard:
+        prefetch = u.shard_degree > 1  # world size 1 copies the shard in place of an all-gather
+        gathered = Item("layer gathered", (3 if prefetch else 2) * c * layer,
+                        "params + unsharded grads" + (" + prefetched next layer" if prefetch else ""))
+    else:
+        gathered = Item("layer gradients", c * layer, "unsharded, before the reduce-scatter")
+    acts, working = _layer_activations(s, u)
+    recompute = acts if u.activation_checkpointing else 0
+    return [
+        gathered,
+        Item("reduce-scatter buffer", REDUCE_BYTES * layer, "previous layer's fp32 reduce-scatter input"),
+        Item("layer working set", working + recompute,
+             "activation gradients" + (" + recomputed layer" if recompute else "")),
+    ]
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Per-rank memory on the training device: a GPU, or the host on CPU profiles (no CUDA context then)."""
+
+    kind: Literal["gpu", "cpu"]
+    budget: int | None  # None: the profile does not say
+    state: tuple[Item, ...]
+    moments: tuple[Moment, ...]
+    runtime: Item
+    fragmentation: float
+
+    @property
+    def peak_moment(self) -> Moment:
+        return max(self.moments, key=lambda mo: mo.bytes)
+
+    @property
+    def breakdown(self) -> tuple[Item, ...]:
+        """What is alive at the peak: state, the peak moment's transients, runtime and fragmentation; sums to peak."""
+        live = [i for i in (*self.state, *self.peak_moment.items) if i.bytes]
+        frag = Item("fragmentation", int(self.fragmentation * sum(i.bytes for i in live)),
+                    f"{self.fragmentation:.0%} of the above")
+        return (*live, self.runtime, frag)
+
+    @property
+    def peak(self) -> int:
+        return sum(i.bytes for i in self.breakdown)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host RAM per node (rank 0's node at load)."""
+
+    budget: int
+    load_rank0: int
+    load_every_rank: int
+    training: int
+    offloaded_per_rank: int  # params + grads + AdamW moved off the GPU by fsdp.cpu_offload
+
+    @property
+    def peak(self) -> int:
+        return max(self.load_rank0, self.training)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+
+def device_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> DeviceMemory:
+    state, moments = _moments(s, p, u)
+    if u.on_gpu:
+        budget = int(profile.gpu_memory_gb * GiB) or None
+        runtime = Item("CUDA context", CUDA_RUNTIME_BYTES, "context + NCCL buffers")
+        return DeviceMemory("gpu", budget, tuple(state), tuple(moments), runtime, CUDA_FRAGMENTATION)
+    runtime = Item("process", CPU_RUNTIME_BYTES, "python + torch + transformers")
+    budget = int(profile.host_ram_gb * GiB / u.tasks_per_node)
+    return DeviceMemory("cpu", budget, tuple(state), tuple(moments), runtime, CPU_FRAGMENTATION)
+
+
+def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, dev: DeviceMemory) -> HostMemory:
+    """Rank 0 reads the checkpoint in its file dtype and broadcasts it tensor by tensor into the shards, which
+    live in host memory only on CPU workers or with CPU offload (on GPUs they are materialized on the device)."""
+    shard_bytes = math.ceil(p.total / u.shard_degree) * u.model_bytes
+    process = u.tasks_per_node * CPU_RUNTIME_BYTES
+    host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
+    offloaded = 4 * shard_bytes * u.cpu_offload  # params + grads + 2 AdamW moments
+    training = process + u.tasks_per_node * offloaded if u.on_gpu else u.tasks_per_node * dev.peak
+    return HostMemory(
+        budget=int(profile.host_ram_gb * GiB),
+        load_rank0=p.total * DTYPE_BYTES.get(s.checkpoint_dtype, 4) + host_shards + process,
+        load_every_rank=u.tasks_per_node * p.total * u.model_bytes + process,
+        training=training,
+        offloaded_per_rank=offloaded,
+    )

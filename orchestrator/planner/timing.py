@@ -1,0 +1,69 @@
+"""The planner's time model: one optimizer step, one checkpoint save, and the signal lead that covers both.
+
+Units. Checkpoint sizes and storage bandwidth are decimal GB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.units import GB, count_text
+
+from .memory import Setup
+from .modelshape import ModelShape, ParamCount
+
+MFU = 0.40  # assumed model FLOPs utilisation on GPUs
+# Dense peak FLOP/s per GPU by compute dtype (bf16 tensor cores; fp32 without TF32, torch's default for matmul).
+GPU_PEAK_FLOPS = {"a100": {2: 312e12, 4: 19.5e12}, "h100": {2: 989e12, 4: 67e12}, "h200": {2: 989e12, 4: 67e12}}
+# Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
+CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
+SIGNAL_MARGIN_S = 10  # the lead must cover a step + a save + this (or 25 %, whichever is larger)
+
+
+@dataclass(frozen=True)
+class Timing:
+    checkpoint_bytes: int
+    save_s: float
+    flops_per_rank: float  # one optimizer step
+    flops_per_s: float | None  # assumed per rank; None: unknown device
+    throughput_note: str
+    signal_lead_s: int
+
+    @property
+    def step_s(self) -> float | None:
+        return self.flops_per_rank / self.flops_per_s if self.flops_per_s else None
+
+    @property
+    def needed_lead_s(self) -> int:
+        """Seconds of warning that cover one step, one save and a margin (rounded up to 10 s)."""
+        work = (self.step_s or 0.0) + self.save_s
+        return int(math.ceil((work + max(SIGNAL_MARGIN_S, 0.25 * work)) / 10) * 10)
+
+
+def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) -> tuple[float | None, str]:
+    c = u.compute_bytes
+    dtype = "bf16" if c == 2 else "fp32"
+    if not u.on_gpu:
+        cores = cpus_per_task or 1
+        rate = CPU_FLOPS_PER_CORE[c] * cores
+        basis = f"{count_text(cores, 'core')} x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU"
+        return rate, f"{rate / 1e9:.0f} GFLOP/s per rank ({basis})"
+    gpu = (profile.gpu_type or "").lower()
+    for key, peaks in GPU_PEAK_FLOPS.items():
+        if key in gpu:
+            return peaks[c] * MFU, f"{MFU:.0%} MFU of {peaks[c] / 1e12:.0f} TFLOP/s {dtype} ({profile.gpu_type})"
+    return None, f"unknown for gpu_type {profile.gpu_type!r}"
+
+
+def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, cpus: int | None, lead: int) -> Timing:
+    matmul_params = p.total - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
+    per_token = 6 * matmul_params + 6 * s.layers * u.seq_len * s.q_dim  # causal attention: half of 12 L s d
+    if u.activation_checkpointing:
+        per_token *= 4 / 3  # forward runs twice
+    tokens = u.micro_batch * u.grad_accum * u.seq_len
+    rate, note = _throughput(u, profile, cpus)
+    ckpt = p.total * u.model_bytes * 3  # params + exp_avg + exp_avg_sq
+    save = ckpt / (profile.storage_bandwidth_gbps * GB * u.nodes)
+    return Timing(ckpt, save, per_token * tokens, rate, note, lead)

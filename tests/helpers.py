@@ -1,0 +1,50 @@
+"""Plain helpers shared by the tests: the `fsdpjob` CLI in a subprocess, and polling with a deadline.
+(Fixtures live in the conftest files; tests/conftest.py puts this folder on sys.path.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[1]
+# For calls that start local workers: two ranks sharing a few cores run faster with one OpenMP thread each.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def fsdpjob(*args: str, cwd: Path | str = REPO, env: Mapping[str, str] | None = None, timeout_s: float = 120,
+            check: bool = False, **run_kwargs: Any) -> subprocess.CompletedProcess:
+    """Run `python -m fsdpjob.orchestrator.cli ARGS` and return what it did (text stdout and stderr).
+
+    The environment is os.environ as it is at the call (a monkeypatched FSDPJOB_HOME or SLURM_CONF counts)
+    with `env` on top. `check`: fail unless it exits 0. Whatever the exit status, stderr must hold no
+    Python traceback: the CLI reports errors as one line. Other keywords go to subprocess.run (preexec_fn).
+    """
+    done = subprocess.run([sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, **(env or {})}, **run_kwargs)  # fmt: skip
+    said = f"fsdpjob {' '.join(args)} -> exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr, said
+    assert not check or done.returncode == 0, said
+    return done
+
+
+def wait_for(condition: Callable[[], T], timeout_s: float, *, interval_s: float = 0.25,
+             what: str = "the condition") -> T:
+    """Call condition() every `interval_s` until it returns something truthy, and return that. After
+    `timeout_s` seconds (it is called once more at the deadline) raise AssertionError naming `what` and
+    the last value it returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {value!r:.1000})")
+        time.sleep(min(interval_s, left))
