@@ -179,7 +179,7 @@ def _train(model, case: Case, env, steps: int) -> float:
     """``steps`` optimizer steps exactly as the worker runs them; the seconds of the last one."""
     import torch
     from fsdpjob.jobs.data import MicroBatch
-    from fsdpjob.jobs.train import train_step
+    from fsdpjob.jobs.step import train_step
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)  # as jobs/train.py
@@ -190,7 +190,9 @@ def _train(model, case: Case, env, steps: int) -> float:
         for _ in range(case.grad_accum):
             ids = torch.randint(0, case.vocab, (case.micro_batch, case.seq_len), generator=gen)
             batches.append(MicroBatch(ids, ids.clone(), torch.zeros(case.micro_batch), torch.zeros(case.micro_batch)))
-        train_step(model, optimizer, batches, env.device, max_grad_norm=1.0)
+        # As the worker does where the plan says the unsharded gradients fit (always, for these small cases).
+        train_step(model, optimizer, batches, env.device, max_grad_norm=1.0, control=None,
+                   defer_grad_sync=case.grad_accum > 1)
     return time.perf_counter() - start
 
 

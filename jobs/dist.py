@@ -170,6 +170,15 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
     return env
 
 
+def control_group(env: DistEnv) -> dist.ProcessGroup | None:
+    """The group for the loop's small host-side agreements (token counts, stop and save flags) on CPU
+    tensors: over gloo they never wait for the GPU stream, so agreeing costs no device sync. None means the
+    default group, which has gloo for CPU tensors already (CPU runs, CPU offload). Every rank must call this."""
+    if "gloo" in env.backend:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def close_distributed() -> None:
     """Destroy the default process group if there is one; safe to call twice."""
     if dist.is_available() and dist.is_initialized():

@@ -7,10 +7,13 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
 from fsdpjob.orchestrator.core import runlog
+
+if TYPE_CHECKING:
+    from .step import StepValues
 
 log = logging.getLogger("fsdpjob.train")
 
@@ -73,16 +76,17 @@ class Reporter:
         self._flops_per_token, self._device, self._world_size = flops_per_token, device, world_size
         self._window_start, self._window_step, self._window_tokens = time.time(), step, 0
 
-    def on_step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, tokens_seen: int) -> None:
-        """Count a trained step of ``tokens`` into the window; log it when it closes one (every rank calls this)."""
-        self._window_tokens += tokens
+    def on_step(self, step: int, values: StepValues, *, lr: float, tokens_seen: int) -> None:
+        """Count a trained step into the window; log it when it closes one. Every rank calls this: reading the
+        step's values is a collective, and only logged steps read them."""
+        self._window_tokens += values.tokens
         if step % self.log_every and step not in (1, self.max_steps):
             return
         now = time.time()
         elapsed, steps = now - self._window_start, max(1, step - self._window_step)
         window_tokens = self._window_tokens
         self.step(step, {
-            "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+            "loss": values.loss, "lr": lr, "grad_norm": values.grad_norm, "tokens": tokens_seen,
             "tokens_per_s": window_tokens / max(elapsed, 1e-9),
             "mfu": mfu(self._flops_per_token, window_tokens, elapsed, self._device, self._world_size),
             "peak_mem_mb": peak_memory_mb(self._device),

@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.spec import JobSpec
 
@@ -47,9 +46,10 @@ class SavePolicy:
 class Checkpointer:
     """Saves when the policy says so and leads a stop to its requeue; every method runs on all ranks."""
 
-    def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag, device: torch.device,
-                 report: Reporter, worker: WorkerEnv, hooks: TestHooks) -> None:
-        self.ckpt, self.stop, self.device, self.report = ckpt, stop, device, report
+    def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag,
+                 control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks) -> None:
+        # Flags travel as host tensors over the control group (jobs/dist.py): agreeing never syncs the GPU.
+        self.ckpt, self.stop, self.control, self.report = ckpt, stop, control, report
         self.worker, self.hooks = worker, hooks
         self.policy = SavePolicy(spec.checkpoint.interval_steps, spec.checkpoint.interval_minutes, spec.train.max_steps)
         self.max_requeues = spec.preemption.max_requeues
@@ -75,8 +75,8 @@ class Checkpointer:
     def _agree(self) -> tuple[int, bool]:
         """The one collective per step: any rank's stop signal, and rank 0's clock for time-based saves."""
         due = dist.get_rank() == 0 and self.policy.time_due(time.time() - self._last_save)
-        flags = torch.tensor([self.stop.signum, int(due)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = torch.tensor([self.stop.signum, int(due)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         return int(flags[0]), bool(flags[1])
 
     def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
@@ -104,6 +104,6 @@ class Checkpointer:
                               signal_to_commit_s=round(signal_to_commit, 3))
             if outcome == preemption.NOT_REQUEUED:
                 self.report.event(runlog.FAILED, reason=detail, step=step, retryable=False)
-        flag = torch.tensor([outcome], dtype=torch.int32, device=self.device)
-        dist.broadcast(flag, src=0)  # every rank exits the same way
+        flag = torch.tensor([outcome], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.control)  # every rank exits the same way
         preemption.exit_after_stop(int(flag.item()), self.worker)

@@ -15,26 +15,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.spec import JobSpec
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import preemption
 from .checkpoint import CheckpointManager
 from .ckpt_state import DictState, ModelOptimState, RNGState
-from .data import BatchStream, SequenceTable, build_sequences, count_tokens, read_examples
+from .data import BatchStream, SequenceTable, build_sequences, read_examples
 from .datacache import load_or_build
-from .dist import DistEnv, close_distributed, init_distributed
+from .dist import DistEnv, close_distributed, control_group, init_distributed
 from .hooks import TestHooks
 from .metrics import Reporter
 from .model import load_model, model_flops_per_token
 from .parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
+from .step import StepValues, train_step
 from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.train")
@@ -49,9 +48,15 @@ class TrainState:
     global_batch: int = 0
     # The last trained step's loss: a start that resumes from the final checkpoint trains no step
     # and still reports it. NaN before the first step (DCP keeps a float; None would need pickling).
-    loss: float = float("nan")
+    loaded_loss: float = float("nan")
+    last: StepValues | None = None  # the last trained step's values, read when a save needs the loss
     # Keys added after checkpoints were already written (absent from older ones; see DictState).
     ADDED = ("loss",)
+
+    @property
+    def loss(self) -> float:
+        """The last step's loss; reading a new step's is a collective (saves and the end read it on every rank)."""
+        return self.last.loss if self.last is not None else self.loaded_loss
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "global_batch": self.global_batch,
@@ -59,7 +64,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.global_batch, self.loss = int(state["global_batch"]), float(state.get("loss", float("nan")))
+        self.global_batch, self.loaded_loss = int(state["global_batch"]), float(state.get("loss", float("nan")))
+        self.last = None
 
 
 @dataclass
@@ -98,21 +104,22 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         stream, app_state = resume(ckpt, parts, spec, env, meta.get("resume_from"), report)
         report.event(runlog.READY, step=state.step, setup_s=round(time.time() - t_start, 2))
 
-        saver = Checkpointer(ckpt, spec, stop=stop, device=env.device, report=report, worker=worker, hooks=hooks)
+        control = control_group(env)  # host-side agreements, off the GPU stream
+        defer_grad_sync = bool(meta.get("plan", {}).get("defer_grad_sync"))  # the planner's memory verdict
+        saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks)
         flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         while state.step < train.max_steps:
             micro_batches = stream.next_step()
-            state.loss, tokens, grad_norm = train_step(model, parts.optimizer, micro_batches, env.device,
-                                                       max_grad_norm=train.max_grad_norm)
+            state.last = train_step(model, parts.optimizer, micro_batches, env.device, control=control,
+                                    max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
             if hooks.log_samples:
                 _log_samples(paths, state.step + 1, micro_batches, env)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             state.step += 1
-            state.tokens_seen += tokens
-            report.on_step(state.step, loss=state.loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                           tokens_seen=state.tokens_seen)
+            state.tokens_seen += state.last.tokens
+            report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
             if signum := saver.maybe_save(state.step, app_state):
                 saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
 
@@ -223,37 +230,6 @@ def _export_final(spec: JobSpec, paths: RunPaths, ckpt: CheckpointManager, env: 
         shutil.rmtree(paths.export_dir, ignore_errors=True)  # a rerun after an earlier export replaces it
         export_hf(ckpt.latest_committed(), Path(spec.model.path), paths.export_dir, dtype="bf16")
         report.event(runlog.EXPORT, path=str(paths.export_dir))
-
-
-def train_step(model, optimizer, micro_batches, device: torch.device, *, max_grad_norm: float) -> tuple[float, int, float]:
-    """One optimizer step over this rank's micro-batches.
-
-    The loss is the mean over real (unmasked) target tokens of the whole global batch, across
-    micro-batches and ranks: each micro-batch's summed token loss is divided by the global token count.
-    FSDP averages gradients over ranks, so the local loss is scaled by the world size to undo that mean.
-    """
-    world = dist.get_world_size()
-    local_tokens = sum(count_tokens(mb.labels) for mb in micro_batches)
-    global_tokens = torch.tensor([local_tokens], dtype=torch.float64, device=device)
-    dist.all_reduce(global_tokens)
-    denom = max(global_tokens.item(), 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for mb in micro_batches:
-        input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
-        logits = model(input_ids=input_ids, use_cache=False).logits
-        # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        token_loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
-        )
-        (token_loss * (world / denom)).backward()
-        loss_sum += token_loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)
-    return loss_sum.item() / denom, int(global_tokens.item()), float(norm)
 
 
 def _retryable(exc: BaseException) -> bool:

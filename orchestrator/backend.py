@@ -1,5 +1,5 @@
 """The scheduler interface (in the shape of TorchX's schedulers): a pure dry run that returns the request,
-submit, the scheduler's view of many runs in one call, cancel, and log paths. Two backends implement it,
+submit, the scheduler's view of many runs in one call, the times of a run's attempts, cancel, and log paths. Two backends implement it,
 orchestrator/slurm/backend.py and orchestrator/local/backend.py; nothing else branches on the scheduler."""
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ class Submitted:
 
 
 @dataclass(frozen=True)
+class AttemptTimes:
+    """One run of a job as the scheduler accounted it (Unix seconds; None: not yet, or not known)."""
+
+    queued_at: float | None  # submitted, or requeued (a restart's queue time starts at its requeue)
+    eligible_at: float | None  # could start from then on (after a requeue: the end of the BeginTime hold)
+    start: float | None  # allocation start
+    end: float | None  # allocation end; None while it runs
+    state: str  # how this run ended (REQUEUED, PREEMPTED, TIMEOUT, COMPLETED...) or its state now
+
+
+@dataclass(frozen=True)
 class SchedView:
     """What the scheduler says about one job."""
 
@@ -41,6 +52,7 @@ class SchedView:
     reason: str | None = None
     restarts: int = 0
     nodes: str | None = None
+    attempts: tuple[AttemptTimes, ...] | None = None  # when the same call gave them (sacct), oldest first
 
 
 class Backend(Protocol):
@@ -57,6 +69,10 @@ class Backend(Protocol):
 
     def view(self, record: JobRecord) -> SchedView:
         """The freshest view of one run (may cost a call that views() avoids)."""
+
+    def attempts(self, record: JobRecord) -> list[AttemptTimes] | None:
+        """Every run of the job as the scheduler accounted it, oldest first; None where it keeps no such
+        account (no accounting, or a local run): the run's own events then stand in."""
 
     def cancel(self, record: JobRecord, *, mark: Callable[[], None]) -> str:
         """Stop the run for good (no requeue, no restart); call ``mark`` (records the cancel) once the

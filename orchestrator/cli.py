@@ -190,7 +190,8 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
         raise PlanRefused("the planner says this job does not fit (see the plan above); apply a fix or pass --force")
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
-    sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from)
+    sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,
+                            plan_facts=fit.worker_facts())
     if as_json:
         _echo_json({"run_id": sub.record.run_id, "job_id": sub.record.job_id, "run_dir": sub.record.run_dir})
     else:
@@ -227,12 +228,20 @@ def status(run: str | None, as_json: bool) -> None:
         f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",
         f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})"
         + (f"  last stop: {r.last_stop['reason']} at step {r.last_stop['step']}" if r.last_stop else ""),
+        _goodput_line(r.goodput, r.run_id),
         f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
         f"folder     {r.run_dir}",
     ]
     if r.failure_reason:
         lines.append(f"failure    {r.failure_reason}")
     click.echo("\n".join(lines))
+
+
+def _goodput_line(g: dict | None, run_id: str) -> str:
+    if not g or g["goodput"] is None:
+        return "goodput    -"
+    return (f"goodput    {100 * g['goodput']:.1f} % of {g['allocated_s']:,.0f} {g['unit']}-s allocated  "
+            f"(ETTR {100 * (g['ettr'] or 0):.1f} %; breakdown: fsdpjob report {run_id})")
 
 
 @cli.command(name="list")
@@ -259,6 +268,32 @@ def list_runs(as_json: bool) -> None:
             ],
         )
     )
+
+
+@cli.command()
+@click.argument("run")
+@JSON_OPT
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw loss, tokens/s, attempts, interruptions and the breakdown into this PNG.")
+def report(run: str, as_json: bool, plot_file: Path | None) -> None:
+    """Goodput: where every allocated GPU-second of a run went, across all its attempts."""
+    from fsdpjob.orchestrator.views import goodputplot, registry
+    from fsdpjob.orchestrator.views.goodputreport import format_report, run_report
+
+    if plot_file is not None and not goodputplot.available():
+        click.echo(f"fsdpjob: --plot needs matplotlib: {goodputplot.INSTALL_HINT}", err=True)
+        raise SystemExit(2)
+    result = run_report(registry.find(run))
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    data = result.to_json()
+    if plot_file is not None:
+        goodputplot.render(data, plot_file)
+        click.echo(f"plot: {plot_file}", err=True)
+    if as_json:
+        _echo_json(data)
+    else:
+        click.echo(format_report(result))
 
 
 @cli.command()

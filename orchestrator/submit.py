@@ -75,7 +75,8 @@ def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
     return backend_for(job.profile.scheduler).dry_run(job, RunPaths(run_dir or runs_root() / new_run_id(job.spec.name)))
 
 
-def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None) -> None:
+def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,
+                      plan_facts: dict) -> None:
     paths.submitit_dir.mkdir(mode=0o700)
     resolved = job.spec.redacted().model_dump(mode="json")
     meta = {
@@ -93,20 +94,23 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
             "scheduler": job.eff.scheduler,
         },
         "resume_from": resume_from,
+        "plan": plan_facts,
     }
     write_atomic(paths.spec_file, json.dumps(meta, indent=1, sort_keys=True))
     if script is not None:
         write_atomic(paths.sbatch_file, script, mode=0o700)
 
 
-def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None) -> Submission:
-    """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed."""
+def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None,
+           plan_facts: dict | None = None) -> Submission:
+    """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
+    ``plan_facts`` (the planner's worker_facts) go to the workers through spec.json."""
     backend = backend_for(job.profile.scheduler)
     with _owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
         try:
             request = backend.dry_run(job, paths)
-            _write_run_folder(job, paths, request.script, resume_from)
+            _write_run_folder(job, paths, request.script, resume_from, plan_facts or {})
         except BaseException:
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise
@@ -127,6 +131,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
             spec_hash=job.spec.spec_hash(),
             nodes=job.eff.nodes,
             tasks_per_node=job.eff.tasks_per_node,
+            gpus_per_node=job.eff.gpus_per_node,
             max_steps=job.spec.train.max_steps,
             **submitted.record_fields,
         )

@@ -75,7 +75,7 @@ def test_file_checks_do_not_import_torch(tmp_path, command):
     assert probe(command, "job.yaml", *extra, cwd=tmp_path) == {"code": 0, "heavy": []}
 
 
-def test_plan_submit_dry_run_status_and_list_do_not_import_torch(tmp_path):
+def test_plan_submit_dry_run_status_list_and_report_do_not_import_torch(tmp_path):
     import os
 
     make_model(tmp_path / "model")
@@ -94,7 +94,7 @@ def test_plan_submit_dry_run_status_and_list_do_not_import_torch(tmp_path):
                                 profile="local", submitted_at=1.0, spec_hash="x", nodes=1, tasks_per_node=1, max_steps=3))
     finally:
         os.environ.pop("FSDPJOB_HOME") if saved is None else os.environ.update(FSDPJOB_HOME=saved)
-    for args in (["status"], ["status", "b-1", "--json"], ["list"]):
+    for args in (["status"], ["status", "b-1", "--json"], ["list"], ["report", "b-1"], ["report", "b-1", "--json"]):
         assert probe(*args, cwd=tmp_path, env=env) == {"code": 0, "heavy": []}, args
 
 

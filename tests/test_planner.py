@@ -282,7 +282,7 @@ def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None
     out = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1"), A100)).to_json()
     assert json.loads(json.dumps(out)) == out
     assert set(out) == {"fits", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
-                        "signal", "fixes", "warnings"}
+                        "signal", "step_plan", "checkpoint_interval", "fixes", "warnings"}
     assert out["fits"] is False and out["params"]["total"] == 68_976_648_192
     assert out["device_memory"]["peak_bytes"] == sum(i["bytes"] for i in out["device_memory"]["breakdown"])
     assert {"change", "peak_bytes", "saves_bytes", "why"} == set(out["fixes"][0])
@@ -302,3 +302,22 @@ def test_planner_imports_neither_torch_nor_transformers() -> None:
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gradient_sync_is_deferred_to_the_last_micro_batch_only_where_it_fits(tmp_path: Path, seed_70b) -> None:
+    """With grad accumulation the plan defers the reduce-scatter to the last micro-batch when the unsharded fp32
+    gradients of the whole model fit beside everything else, and counts them; the workers follow its verdict."""
+    tiny = write_config(tmp_path / "tiny", {**LLAMA2_70B, "hidden_size": 256, "intermediate_size": 688,
+                                            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                            "vocab_size": 4096})
+    small = make_plan(resolve(make_spec(tiny, train={"grad_accum_steps": 4}), A100))
+    assert small.setup.defer_grad_sync and small.worker_facts() == {"defer_grad_sync": True}
+    held = {i.name: i.bytes for i in small.device.moments[0].items}
+    assert held["accumulated gradients"] == small.params.total * 4
+    assert "gradient sync: once per step over 4 micro-batches" in format_plan(small)
+    # 70B: 280 GB of unsharded fp32 gradients never fit an 80 GB GPU; every micro-batch reduce-scatters.
+    big = make_plan(resolve(with_changes(seed_70b, "train.grad_accum_steps=4"), A100))
+    assert not big.setup.defer_grad_sync and big.worker_facts() == {"defer_grad_sync": False}
+    assert "gradient sync: every micro-batch" in format_plan(big)
+    # Without accumulation there is nothing to defer.
+    assert not make_plan(resolve(make_spec(tiny), A100)).setup.defer_grad_sync

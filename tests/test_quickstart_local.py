@@ -51,6 +51,26 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     assert [r["phase"] for r in listed] == ["COMPLETED"]
     bad_rank = fsdpjob("logs", report["run_id"], "--rank", "7", cwd=tmp_path)
     assert bad_rank.returncode == 1 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
+    check_goodput_report(report["run_id"], tmp_path)
+
+
+def check_goodput_report(run_id: str, cwd: Path) -> None:
+    """`fsdpjob report --json --plot` on the finished run: the parts add up, some of it was training."""
+    png = cwd / "goodput.png"
+    out = fsdpjob("report", run_id, "--json", "--plot", str(png), cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert abs(sum(rep["seconds"].values()) - rep["allocated_s"]) <= 0.02 * rep["allocated_s"], rep["seconds"]
+    assert rep["productive_s"] > 0 and 0 < rep["goodput"] <= 1 and 0 < rep["ettr"] <= rep["goodput"], rep
+    assert rep["unit"] == "CPU rank" and rep["units"] == 2 and rep["interruptions"] == [], rep
+    [attempt] = rep["attempts"]
+    assert (attempt["start_step"], attempt["reached_step"], attempt["state"]) == (0, 150, "COMPLETED"), attempt
+    assert rep["series"]["step"][-1] == 150 and rep["step_s"] > 0 and rep["save_s"] > 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(data) < 2_000_000, len(data)
+    assert int.from_bytes(data[16:20], "big") >= 800 and int.from_bytes(data[20:24], "big") >= 600  # IHDR size
+    status = json.loads(fsdpjob("status", run_id, "--json", cwd=cwd).stdout)
+    assert status["goodput"]["goodput"] == pytest.approx(rep["goodput"], rel=0.02), (status["goodput"], rep)
 
 
 def _run_pids(run_dir: Path) -> list[int]:

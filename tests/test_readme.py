@@ -57,3 +57,16 @@ def test_spec_reference_names_every_field_and_no_other():
         f"missing from README: {sorted(leaf_fields(JobSpec) - documented)}; "
         f"not in JobSpec: {sorted(documented - leaf_fields(JobSpec))}"
     )
+
+
+def test_stable_status_keys_are_the_ones_status_json_has():
+    from fsdpjob.orchestrator.views.status import STATUS_KEYS
+
+    paragraph = README.split("`status --json` and `list --json` keys (stable): ", 1)[1].split("\n\n", 1)[0]
+    # Top-level keys only: a key's sub-keys sit in parentheses after it.
+    depth, top = 0, []
+    for token in re.findall(r"\(|\)|`[a-z_]+`", paragraph):
+        depth += {"(": 1, ")": -1}.get(token, 0)
+        if token.startswith("`") and depth == 0:
+            top.append(token.strip("`"))
+    assert tuple(top) == STATUS_KEYS

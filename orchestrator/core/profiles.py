@@ -75,6 +75,10 @@ class ClusterProfile(Strict):
     """Python interpreter on the compute nodes. Default: the interpreter running fsdpjob."""
     default_signal_lead_s: PositiveInt = 120
     """Signal lead used when the spec says signal_lead_s: auto."""
+    expected_interruptions_per_day: Annotated[float, Field(gt=0)] | None = None
+    """Interruptions per node and day that come without a warning (node failures, crashes, hangs); a job on N
+    nodes sees N times as many. With it, `fsdpjob plan` prints the Young/Daly checkpoint interval and what the
+    spec's interval costs. Preemptions and time limits whose signal arrives do not count: they save first."""
 
     @property
     def max_nodes(self) -> int | None:

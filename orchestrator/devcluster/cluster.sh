@@ -15,6 +15,7 @@ readonly DEFAULT_PORT_BASE=16810
 readonly CLUSTER_NAME=fsdpjob
 readonly PACKAGES_BASE=(slurmctld slurmd slurm-client munge)
 readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
+readonly PACKAGES_TOOLS=(shellcheck)  # the test suite lints rendered scripts with it
 readonly UP_TIMEOUT_S=60
 readonly DRAIN_TIMEOUT_S=25
 
@@ -31,6 +32,7 @@ usage() {
 usage: cluster.sh up     [--state-dir DIR] [--no-accounting] [--port-base N]
        cluster.sh down   [--state-dir DIR] [--purge]
        cluster.sh status [--state-dir DIR]
+       cluster.sh packages [--no-accounting]   (install what the cluster and the test suite need)
 State dir default: ${FSDPJOB_DEVCLUSTER_DIR:-/tmp/fsdpjob-devcluster}.
 EOF
 }
@@ -48,9 +50,9 @@ parse_args() {
     COMMAND=$1
     shift
     case "${COMMAND}" in
-        up | down | status) ;;
+        up | down | status | packages) ;;
         -h | --help) usage; exit 0 ;;
-        *) usage; die "unknown command '${COMMAND}' (use up, down or status)" ;;
+        *) usage; die "unknown command '${COMMAND}' (use up, down, status or packages)" ;;
     esac
     while [[ $# -gt 0 ]]; do
         case "$1" in
@@ -219,7 +221,7 @@ start_daemon() {
 # ---------------------------------------------------------------- packages
 
 ensure_packages() {
-    local wanted=("${PACKAGES_BASE[@]}") missing=() pkg
+    local wanted=("${PACKAGES_BASE[@]}" "${PACKAGES_TOOLS[@]}") missing=() pkg
     if ((ACCOUNTING)); then wanted+=("${PACKAGES_ACCOUNTING[@]}"); fi
     local installed
     installed=$(dpkg-query -W -f='${Package} ${Status}\n' "${wanted[@]}" 2>/dev/null || true)
@@ -230,7 +232,9 @@ ensure_packages() {
     command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get to install them"
     say "installing ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 ||
+    # A second test session may be installing too: wait for dpkg's lock instead of failing.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends \
+        "${missing[@]}" >&2 ||
         die "apt-get install ${missing[*]} failed"
 }
 
@@ -605,6 +609,7 @@ main() {
         up) take_lock; cmd_up ;;
         down) take_lock; cmd_down ;;
         status) cmd_status ;;
+        packages) ensure_packages ;;
     esac
 }
 

@@ -48,6 +48,12 @@ def down(state_dir: str | None = None, purge: bool = False, *, echo: bool = Fals
     _run(["down", "--purge"] if purge else ["down"], state_dir, echo=echo)
 
 
+def ensure_packages(*, echo: bool = False) -> None:
+    """Install (as root, from Debian packages) what the cluster and the test suite need: Slurm, munge,
+    slurmdbd + MariaDB, shellcheck. A no-op when they are there."""
+    _run(["packages"], None, echo=echo)
+
+
 def status(state_dir: str | None = None) -> str:
     """The script's report: which daemons run, sinfo and squeue; first line `cluster: up|down|partial|absent`."""
     return _run(["status"], state_dir, echo=False)

@@ -10,9 +10,10 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from fsdpjob.orchestrator.backend import Request, SchedView, Submitted
+from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.paths import RunPaths
 
@@ -53,20 +54,12 @@ class LocalBackend:
         return {r.job_id: self.view(r) for r in records}
 
     def view(self, record) -> SchedView:
-        """The submitit controller process (pid = job id), then its result pickles."""
-        if controller_alive(record):
-            return SchedView(state="RUNNING", nodes=os.uname().nodename)
-        if record.extra.get("cancelled"):
-            return SchedView(state="CANCELLED")
-        results = sorted(Path(record.run_dir, "submitit").glob(f"{int(record.job_id)}_*_result.pkl"))
-        if not results:
-            return SchedView(state="FAILED", reason="worker processes exited without a result")
-        try:
-            with open(results[0], "rb") as f:
-                outcome = pickle.load(f)[0]
-        except Exception:  # noqa: BLE001 - an unreadable pickle is a failed run
-            outcome = "error"
-        return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
+        """The submitit controller process (pid = job id), then its result pickles; with the one allocation."""
+        view = _controller_view(record)
+        return replace(view, attempts=(_allocation(record, view.state),))
+
+    def attempts(self, record) -> list[AttemptTimes]:
+        return list(self.view(record).attempts)
 
     def cancel(self, record, *, mark) -> str:
         """SIGINT to the controller (it passes SIGINT, then SIGKILL, to its tasks); whatever of this run still
@@ -96,6 +89,34 @@ class LocalBackend:
 
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+
+
+def _controller_view(record) -> SchedView:
+    if controller_alive(record):
+        return SchedView(state="RUNNING", nodes=os.uname().nodename)
+    if record.extra.get("cancelled"):
+        return SchedView(state="CANCELLED")
+    results = sorted(Path(record.run_dir, "submitit").glob(f"{int(record.job_id)}_*_result.pkl"))
+    if not results:
+        return SchedView(state="FAILED", reason="worker processes exited without a result")
+    try:
+        with open(results[0], "rb") as f:
+            outcome = pickle.load(f)[0]
+    except Exception:  # noqa: BLE001 - an unreadable pickle is a failed run
+        outcome = "error"
+    return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
+
+
+def _allocation(record, state: str) -> AttemptTimes:
+    """One allocation: the controller's life, from the submit (a local run starts at once) until it ended
+    (the last write into its submitit folder: logs, result files); its workers' restarts happen inside it.
+    Counting from the submit puts the workers' imports into start-up, where they belong."""
+    end = None
+    if state != "RUNNING":
+        written = [p.stat().st_mtime for p in RunPaths(Path(record.run_dir)).submitit_dir.glob("*") if p.is_file()]
+        end = max(written, default=record.submitted_at)
+    start = record.submitted_at
+    return AttemptTimes(queued_at=start, eligible_at=start, start=start, end=end, state=state)
 
 
 def controller_alive(record) -> bool:

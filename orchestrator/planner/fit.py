@@ -30,6 +30,7 @@ from fsdpjob.orchestrator.core.units import GiB
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
+from .interval import IntervalAdvice, advise, current_interval
 from .timing import Timing, plan_timing
 
 
@@ -52,10 +53,15 @@ class Plan:
     timing: Timing
     fixes: tuple[Fix, ...] = ()
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    interval: IntervalAdvice | None = None  # with the profile's expected_interruptions_per_day
 
     @property
     def fits(self) -> bool:
         return self.device.fits and self.host.fits
+
+    def worker_facts(self) -> dict:
+        """What the workers take from the plan (spec.json "plan"): decisions that depend on memory."""
+        return {"defer_grad_sync": self.setup.defer_grad_sync}
 
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
@@ -72,7 +78,10 @@ class Plan:
           offloaded_per_rank_bytes, fits
         - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, assumption
         - signal: lead_s, needed_s
+        - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it)
         - fixes [{change, peak_bytes, saves_bytes, why}], cheapest first; warnings [str]
+        - checkpoint_interval: null, or (profile's expected_interruptions_per_day) save_s, mtbi_s, optimal_s,
+          current_s, current_note, lost_per_hour_optimal_s, lost_per_hour_current_s (Young/Daly)
         """
         p, d, h, t, u = self.params, self.device, self.host, self.timing, self.setup
         return {
@@ -100,10 +109,12 @@ class Plan:
             "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
                      "assumption": t.throughput_note},
             "signal": {"lead_s": t.signal_lead_s, "needed_s": t.needed_lead_s},
+            "step_plan": self.worker_facts(),
             "fixes": [
                 {"change": f.change, "peak_bytes": f.peak, "saves_bytes": f.saves, "why": f.why} for f in self.fixes
             ],
             "warnings": list(self.warnings),
+            "checkpoint_interval": self.interval.to_json() if self.interval else None,
         }
 
 
@@ -172,12 +183,26 @@ def make_plan(job: Resolved) -> Plan:
     shape = read_model_shape(spec.model.path)
     params = count_params(shape)
     u = _setup(spec, eff)
+    if u.grad_accum > 1 and _fits(shape, params, replace(u, defer_grad_sync=True), profile)[0]:
+        # One reduce-scatter per step instead of one per micro-batch, where the unsharded gradients fit.
+        u = replace(u, defer_grad_sync=True)
     dev = device_memory(shape, params, u, profile)
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = Plan(spec.name, shape, params, u, dev, host, timing)
     fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak))
-    return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)))
+    return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
+                   interval=_interval(job, timing))
+
+
+def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:
+    """Young/Daly from the planned save time and the profile's rate of interruptions without warning."""
+    rate = job.profile.expected_interruptions_per_day
+    if not rate:
+        return None
+    ckpt = job.spec.checkpoint
+    current, how = current_interval(ckpt.interval_steps, ckpt.interval_minutes, t.step_s, job.eff.time_limit_s)
+    return advise(t.save_s, 86400.0 / (rate * job.eff.nodes), current, how)
 
 
 def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[Fix, ...]) -> list[str]:

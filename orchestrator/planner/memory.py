@@ -90,6 +90,9 @@ class Setup:
     attn: str
     cpu_offload: bool
     reshard: bool  # reshard_after_forward, for the layers and the root
+    # With grad_accum > 1: micro-batches before the last skip the reduce-scatter and accumulate unsharded
+    # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
+    defer_grad_sync: bool = False
 
     @property
     def world(self) -> int:
@@ -126,6 +129,9 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
     ]
     grads = Item("gradients", on_device * shard * m, f"sharded, {m} B")
     early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
+    if u.grad_accum > 1 and u.defer_grad_sync:
+        early_grads = Item("accumulated gradients", p.total * REDUCE_BYTES,
+                           "unsharded fp32, held across micro-batches (reduce-scatter on the last only)")
     root = Item("root gathered", p.root * c, "embedding + final norm + lm_head, compute dtype")
     kept = Item("layers kept gathered", s.layers * p.per_layer * c * (not u.reshard),
                 "fsdp.reshard_after_forward: false")

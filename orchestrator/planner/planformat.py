@@ -5,6 +5,7 @@ from __future__ import annotations
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
 
 from .fit import Plan
+from .interval import advice_lines
 from .memory import DeviceMemory, HostMemory, Setup
 from .modelshape import ModelShape
 
@@ -57,6 +58,14 @@ def format_plan(plan: Plan) -> str:
         f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
         f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: step + save + margin)",
     ]
+    if u.grad_accum > 1:
+        lines.append(
+            f"gradient sync: {'once per step' if u.defer_grad_sync else 'every micro-batch'} over {u.grad_accum} "
+            + ("micro-batches (unsharded fp32 gradients accumulate in between: counted above)" if u.defer_grad_sync
+               else "micro-batches (deferring it to the last would not fit)")
+        )
+    if plan.interval:
+        lines += advice_lines(plan.interval)
     if plan.fixes:
         unit = unit_for(max(f.peak for f in plan.fixes))
         lines += ["", "fixes, cheapest first (each fits alone):"]

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from fsdpjob.orchestrator.backend import Request, SchedView, Submitted
+from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
 from fsdpjob.orchestrator.core.paths import RunPaths
 
 from . import commands
@@ -44,15 +44,9 @@ class SlurmBackend:
         ids = [r.job_id for r in records]
         if not ids:
             return {}
-        if all(r.extra.get("accounting") is not False for r in records):
-            try:
-                rows = commands.sacct(ids)
-            except commands.SlurmCommandError as exc:
-                if "accounting storage is disabled" not in exc.stderr.lower():
-                    raise
-                rows = None
-            if rows is not None:
-                return views_from_sacct(rows)
+        rows = _sacct_rows(records)
+        if rows is not None:
+            return views_from_sacct(rows)
         return views_from_squeue(commands.squeue(ids))
 
     def view(self, record) -> SchedView:
@@ -61,6 +55,13 @@ class SlurmBackend:
         if info:
             return view_from_scontrol(info)
         return self.views([record]).get(record.job_id, SchedView(state="UNKNOWN"))
+
+    def attempts(self, record) -> list[AttemptTimes] | None:
+        """sacct -D: one row per run of the job (each restart), with its queue, eligible, start and end times."""
+        rows = _sacct_rows([record])
+        if rows is None:
+            return None
+        return list(attempts_from_sacct(rows).get(record.job_id, ())) or None
 
     def cancel(self, record, *, mark) -> str:
         commands.scancel(record.job_id)
@@ -71,14 +72,42 @@ class SlurmBackend:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
 
 
-def views_from_sacct(rows: list[commands.SacctRow]) -> dict[str, SchedView]:
-    """sacct -D gives one row per run of a job, oldest first: the last is now, the others are restarts."""
+def _sacct_rows(records) -> list[commands.SacctRow] | None:
+    """sacct's rows for these runs in one call; None without accounting (then squeue/scontrol or events)."""
+    if not all(r.extra.get("accounting") is not False for r in records):
+        return None
+    try:
+        return commands.sacct([r.job_id for r in records])
+    except commands.SlurmCommandError as exc:
+        if "accounting storage is disabled" not in exc.stderr.lower():
+            raise
+        return None
+
+
+def _by_job(rows: list[commands.SacctRow]) -> dict[str, list[commands.SacctRow]]:
     by_id: dict[str, list[commands.SacctRow]] = {}
     for row in rows:
         by_id.setdefault(row.job_id, []).append(row)
+    return by_id
+
+
+def attempts_from_sacct(rows: list[commands.SacctRow]) -> dict[str, tuple[AttemptTimes, ...]]:
+    """Each job's runs, oldest first, as times (a row without Submit, from an older recording, has none)."""
+    ts = commands.slurm_timestamp
     return {
-        job_id: SchedView(state=runs[-1].state, restarts=len(runs) - 1, nodes=runs[-1].nodes or None)
-        for job_id, runs in by_id.items()
+        job_id: tuple(AttemptTimes(queued_at=ts(r.submit), eligible_at=ts(r.eligible), start=ts(r.start),
+                                   end=ts(r.end), state=r.state.split()[0] if r.state else "UNKNOWN") for r in runs)
+        for job_id, runs in _by_job(rows).items()
+    }
+
+
+def views_from_sacct(rows: list[commands.SacctRow]) -> dict[str, SchedView]:
+    """sacct -D gives one row per run of a job, oldest first: the last is now, the others are restarts."""
+    attempts = attempts_from_sacct(rows)
+    return {
+        job_id: SchedView(state=runs[-1].state, restarts=len(runs) - 1, nodes=runs[-1].nodes or None,
+                          attempts=attempts[job_id])
+        for job_id, runs in _by_job(rows).items()
     }
 
 

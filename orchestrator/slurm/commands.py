@@ -6,11 +6,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError
 
-SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed")
+SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed", "Submit", "Eligible")
+_SACCT_BASE = 8  # rows recorded before Submit and Eligible were asked for still parse (those two then empty)
 
 
 def run(argv: list[str], timeout: float = 30) -> str:
@@ -36,6 +38,9 @@ class SacctRow:
     end: str
     nodes: str
     elapsed: str
+    # When this run of the job was queued: the submit, or for a restart its requeue (Slurm resets it then).
+    submit: str = ""
+    eligible: str = ""  # when it could start: after a requeue, the end of the BeginTime hold
 
 
 def parse_sacct(text: str) -> list[SacctRow]:
@@ -43,10 +48,19 @@ def parse_sacct(text: str) -> list[SacctRow]:
     rows = []
     for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) < len(SACCT_FIELDS) or "." in parts[0]:
+        if len(parts) < _SACCT_BASE or "." in parts[0]:
             continue
         rows.append(SacctRow(*parts[: len(SACCT_FIELDS)]))
     return rows
+
+
+def slurm_timestamp(text: str) -> float | None:
+    """Unix seconds of a sacct/scontrol time (``2026-11-30T08:27:21``, the client's local time zone, as
+    Slurm prints it); None for ``Unknown``, ``None`` or an empty field (not started, not ended yet)."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 def sacct(job_ids: list[str]) -> list[SacctRow]:

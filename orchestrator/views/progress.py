@@ -23,6 +23,7 @@ class Progress:
     last_stop: dict | None = None
     cancelled: bool = False  # `fsdpjob cancel` asked for it (its cancel event)
     events: list[dict] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)  # the tail read (METRICS_TAIL_BYTES)
 
     @property
     def restarts(self) -> int:
@@ -41,7 +42,7 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         prog.step, prog.loss = last.get("step"), last.get("loss")
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
     events = runlog.read_events(run_dir, EVENTS_TAIL_BYTES)
-    prog.events = events
+    prog.events, prog.metrics = events, metrics
     # Metrics matter for steps lost only when the run started more than once; most runs did not.
     if sum(e.get("event") == runlog.START for e in events) <= 1:
         metrics = []

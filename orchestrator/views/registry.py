@@ -26,6 +26,7 @@ class JobRecord:
     max_steps: int
     slurm_conf: str | None = None
     extra: dict = field(default_factory=dict)
+    gpus_per_node: int | None = None  # 0 on CPU profiles; None in records written before it was kept
 
     @property
     def world_size(self) -> int:

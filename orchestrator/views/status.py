@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 
+from .goodput import goodput
 from .progress import Progress, read_progress
 from .registry import JobRecord
 
@@ -41,7 +42,7 @@ PHASES = {
 STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
-    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop",
+    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput",
 )
 
 
@@ -72,6 +73,9 @@ class StatusReport:
     failure_reason: str | None
     # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
     last_stop: dict | None = None
+    # The goodput headline (views/goodput.py): goodput, ettr, allocated_s, productive_s, unit, units, source,
+    # interruptions (their count).
+    goodput: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,12 +128,34 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         submitted_at=record.submitted_at,
         failure_reason=failure,
         last_stop={k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")} if progress.last_stop else None,
+        goodput=_goodput(record, view, progress, phase),
     )
 
 
+def _goodput(record: JobRecord, view: SchedView, progress: Progress, phase: str) -> dict | None:
+    """From the run log's tails status reads anyway, and the attempts' times where the scheduler gave them;
+    `fsdpjob report` reads everything."""
+    if not progress.events:
+        return None
+    live = phase in ("PENDING", "RUNNING", "REQUEUED")
+    g = goodput(record, list(view.attempts) if view.attempts else None, progress.events, progress.metrics,
+                now=time.time() if live else None)
+    return {"goodput": g.goodput, "ettr": g.ettr, "allocated_s": g.allocated_s, "productive_s": g.productive_s,
+            "unit": g.unit, "units": g.units, "source": g.source, "interruptions": len(g.interruptions)}
+
+
 def report_for(record: JobRecord) -> StatusReport:
-    """One run's status, from the freshest scheduler view its backend can give."""
-    return build_report(record, backend_for(record.scheduler).view(record))
+    """One run's status, from the freshest scheduler view its backend can give, and the attempts' times for
+    its goodput (one sacct call where accounting runs: without them the time before each start event and
+    after each attempt's last event would be missing from the allocated time)."""
+    backend = backend_for(record.scheduler)
+    view = backend.view(record)
+    if view.attempts is None:
+        try:
+            view = replace(view, attempts=tuple(backend.attempts(record) or ()) or None)
+        except FsdpjobError:
+            pass  # the goodput then comes from the run's events
+    return build_report(record, view)
 
 
 def reports(records: list[JobRecord]) -> list[StatusReport]:

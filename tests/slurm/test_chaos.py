@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import fsdpjob, wait_for
 from slurm.conftest import release_held
 from slurm.test_fsdp_slurm import (
     assert_same_weights,
@@ -92,6 +92,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     assert wait_phase(reference["run_id"], {"COMPLETED", "FAILED"}, timeout=600)["phase"] == "COMPLETED"
     run = submit(spec)
     injected: list[tuple[str, int]] = []
+    injected_at: list[float] = []
     # The first fault comes once training has begun (a crash before any step of the first attempt is
     # treated as a setup failure and not requeued, by design); later ones may hit setup too.
     last_step = 0
@@ -109,6 +110,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
         fault = rng.choice(kinds)
         inject(fault, run["job_id"], run["run_dir"], rng, slurm_cluster)
         injected.append((fault, report["step"] or 0))
+        injected_at.append(time.time())
         last_step = report["step"] or 0
         print(f"injected {fault} near step {report['step']}")
 
@@ -121,10 +123,41 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     done = wait_for(finished, timeout_s=900, interval_s=1.0, what="chaos run to finish")
     summary = {"seed": seed, "faults": injected, "phase": done["phase"], "restarts": done["restarts"],
                "steps_lost": done["steps_lost"]}
+    goodput = json.loads(fsdpjob("report", run["run_id"], "--json", check=True).stdout)
+    summary["goodput"] = goodput_accuracy(goodput, list(zip(injected, injected_at)), run["run_dir"])
     print("chaos summary", json.dumps(summary))
     results = os.environ.get("FSDPJOB_CHAOS_REPORT")
     if results:
         Path(results).write_text(json.dumps(summary))
     assert done["phase"] == "COMPLETED", (summary, done)
+    parts = sum(goodput["seconds"].values())
+    assert abs(parts - goodput["allocated_s"]) <= 0.02 * goodput["allocated_s"], summary["goodput"]
     assert done["step"] == steps
     assert_same_weights({"weights": final_weights(reference["run_dir"])}, run["run_dir"])
+
+
+def goodput_accuracy(rep: dict, faults: list[tuple[tuple[str, int], float]], run_dir: str) -> dict:
+    """The report's lost time for each SIGKILLed rank against the harness's own account: from the moment the
+    attempt had trained the step the next attempt resumed from (its save of that step, or its ready) to the
+    kill, less blocking saves in between. Signalled faults should lose nothing."""
+    events = [json.loads(x) for x in Path(run_dir, "events.jsonl").read_text().splitlines()]
+    readies = [e for e in events if e["event"] == "ready"]
+    crashes = [c for c in rep["interruptions"] if c["kind"] in ("crash", "hang")]
+    rows = []
+    for n, ((fault, step), at) in enumerate(faults):
+        row = {"fault": fault, "step": step}
+        until = faults[n + 1][1] if n + 1 < len(faults) else float("inf")
+        cut = next((c for c in crashes if at - 1 <= c["time"] < until), None)  # the crash this fault caused
+        before, after = [r for r in readies if r["time"] < at], [r for r in readies if r["time"] > at]
+        if fault == "kill_rank" and cut is not None and before and after:
+            saves = [e for e in events if e["event"] == "checkpoint" and before[-1]["time"] <= e["time"] <= at]
+            t_kept = next((e["time"] for e in saves if e["step"] == after[0]["step"]), before[-1]["time"])
+            blocked = sum(e["save_s"] for e in saves if e["time"] > t_kept)
+            row.update(truth_s=round(at - t_kept - blocked, 2), report_s=round(cut["lost_s"], 2))
+        elif fault == "kill_rank":
+            row.update(report_s=None)  # no crash followed: the kill missed training (setup, a stop, srun)
+        rows.append(row)
+    return {"allocated_s": rep["allocated_s"], "parts_s": sum(rep["seconds"].values()), "step_s": rep["step_s"],
+            "goodput": rep["goodput"], "ettr": rep["ettr"], "seconds": rep["seconds"],
+            "interruptions": [(c["kind"], c["step"], c["lost_steps"], round(c["lost_s"], 2)) for c in rep["interruptions"]],
+            "faults": rows}

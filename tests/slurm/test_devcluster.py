@@ -141,3 +141,15 @@ def test_up_is_idempotent(slurm_cluster: ClusterInfo) -> None:
 def test_up_refuses_to_switch_accounting_off_while_running(slurm_cluster: ClusterInfo) -> None:
     with pytest.raises(FsdpjobError, match="running with accounting; run 'down' first"):
         manage.up(accounting=False, state_dir=str(slurm_cluster.state_dir))
+
+
+def test_packages_command_installs_nothing_when_everything_is_there():
+    """`cluster.sh packages` is what tests/conftest.py runs before collection on a machine without the
+    packages (sbatch, shellcheck, the daemons); with them installed it is a quick no-op."""
+    import shutil
+    import time
+
+    started = time.monotonic()
+    manage.ensure_packages()
+    assert time.monotonic() - started < 30
+    assert all(shutil.which(tool) for tool in ("sbatch", "shellcheck", "slurmctld", "slurmdbd"))

@@ -59,12 +59,37 @@ def test_steps_are_logged_at_step_1_every_log_every_and_the_last_with_window_ave
     reporter = Reporter(tmp_path, enabled=True, max_steps=7, log_every=3)
     reporter.begin_training(0, flops_per_token=1.0, device=torch.device("cpu"), world_size=1)
     for step in range(1, 8):
-        reporter.on_step(step, loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens=10, tokens_seen=10 * step)
+        reporter.on_step(step, Values(10, 1.0 / step), lr=1e-3, tokens_seen=10 * step)
     reporter.close()
     lines = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 3, 6, 7]
     assert [m["tokens"] for m in lines] == [10, 30, 60, 70]  # tokens seen, not the window's
     assert all(m["tokens_per_s"] > 0 and m["mfu"] == 0.0 for m in lines)  # no MFU peak on CPU
+
+
+class Values:
+    """A trained step's values as the loop hands them over (jobs/step.py StepValues); counts the reads."""
+
+    reads = 0
+
+    def __init__(self, tokens: int, loss: float, grad_norm: float = 0.5):
+        self.tokens, self._loss, self.grad_norm = tokens, loss, grad_norm
+
+    @property
+    def loss(self) -> float:
+        Values.reads += 1
+        return self._loss
+
+
+def test_only_logged_steps_read_the_loss(tmp_path):
+    """Reading a step's loss is a collective and a host sync: the reporter does it at log steps only."""
+    reporter = Reporter(tmp_path, enabled=True, max_steps=20, log_every=10)
+    reporter.begin_training(0, flops_per_token=1.0, device=torch.device("cpu"), world_size=1)
+    Values.reads = 0
+    for step in range(1, 21):
+        reporter.on_step(step, Values(10, 1.0), lr=1e-3, tokens_seen=10 * step)
+    reporter.close()
+    assert Values.reads == 3  # steps 1, 10 and 20
 
 
 def test_a_resumed_window_starts_at_the_resumed_step(tmp_path, monkeypatch):
@@ -73,7 +98,7 @@ def test_a_resumed_window_starts_at_the_resumed_step(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "time", SimpleNamespace(time=lambda: next(clock), strftime=time.strftime,
                                                          gmtime=time.gmtime))
     reporter.begin_training(4, flops_per_token=1.0, device=torch.device("cpu"), world_size=1)
-    reporter.on_step(5, loss=1.0, lr=1e-3, grad_norm=0.5, tokens=10, tokens_seen=50)
+    reporter.on_step(5, Values(10, 1.0), lr=1e-3, tokens_seen=50)
     reporter.close()
     (line,) = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # One step in 2 s: 5 tok/s, and 5 steps left at 2 s each.

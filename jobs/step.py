@@ -1,0 +1,79 @@
+"""One optimizer step (forward and backward over this rank's micro-batches, clip, AdamW) and its values.
+
+Nothing here makes the host wait for the device: the global token count is agreed on host tensors over the
+control group (jobs/dist.py), and the loss and gradient norm stay where they were computed until a log or
+save step reads them (StepValues), which every rank does at the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import count_tokens
+
+
+class StepValues:
+    """A trained step's loss and gradient norm, read lazily: the first read costs one all-reduce of the loss
+    (and a host sync on GPUs), so every rank must read at the same steps; later reads are free."""
+
+    def __init__(self, loss_sum: torch.Tensor, tokens: int, grad_norm: torch.Tensor):
+        self.tokens = tokens  # real target tokens of the global batch
+        self._loss_sum, self._grad_norm = loss_sum, grad_norm
+        self._read: tuple[float, float] | None = None
+
+    def _values(self) -> tuple[float, float]:
+        if self._read is None:
+            dist.all_reduce(self._loss_sum)
+            self._read = (self._loss_sum.item() / max(float(self.tokens), 1.0), float(self._grad_norm))
+        return self._read
+
+    @property
+    def loss(self) -> float:
+        """Mean loss over the global batch's real target tokens."""
+        return self._values()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Total gradient norm before clipping."""
+        return self._values()[1]
+
+
+def train_step(model, optimizer, micro_batches, device: torch.device, *, max_grad_norm: float,
+               control: dist.ProcessGroup | None, defer_grad_sync: bool = False) -> StepValues:
+    """One optimizer step over this rank's micro-batches.
+
+    The loss is the mean over real (unmasked) target tokens of the whole global batch, across
+    micro-batches and ranks: each micro-batch's summed token loss is divided by the global token count.
+    FSDP averages gradients over ranks, so the local loss is scaled by the world size to undo that mean.
+    With ``defer_grad_sync`` (the planner decided the unsharded fp32 gradients fit), the micro-batches
+    before the last accumulate locally and only the last one reduce-scatters.
+    """
+    world = dist.get_world_size()
+    # Counted on the host (labels are still CPU tensors): no device sync for the denominator.
+    global_tokens = torch.tensor([sum(count_tokens(mb.labels) for mb in micro_batches)], dtype=torch.float64)
+    dist.all_reduce(global_tokens, group=control)
+    tokens = int(global_tokens.item())
+    scale = world / max(float(tokens), 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    last = len(micro_batches) - 1
+    for i, mb in enumerate(micro_batches):
+        if defer_grad_sync and last:
+            model.set_requires_gradient_sync(i == last)
+        input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        token_loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        (token_loss * scale).backward()
+        loss_sum += token_loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepValues(loss_sum, tokens, norm)
