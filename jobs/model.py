@@ -36,20 +36,37 @@ def side_files(model_dir: Path) -> list[Path]:
     ]
 
 
+def _no_split_classes(model: nn.Module) -> set[str]:
+    """The class names of the model's decoder blocks, as it declares them for FSDP (what accelerate wraps)."""
+    names = getattr(model, "_no_split_modules", None) or []
+    inner = getattr(model, "model", None)
+    names = [*names, *(getattr(inner, "_no_split_modules", None) or [])]
+    return {str(n) for n in names}
+
+
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The repeated transformer blocks: ``model.model.layers`` in HF decoder-only models, else the largest
-    ModuleList whose children all share one class."""
+    """The repeated transformer blocks FSDP wraps one by one (and activation checkpointing recomputes).
+
+    ``model.model.layers`` where it exists (most HF decoder-only models); else the ModuleList holding the
+    blocks the model names in ``_no_split_modules`` (gpt2 and falcon ``transformer.h``, gpt_neox
+    ``gpt_neox.layers``); else the largest ModuleList whose children all share one class.
+    """
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers) > 0:
         return layers
-    candidates = [
-        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
-    ]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    blocks = _no_split_classes(model)
+    declared = [m for m in lists if all(type(c).__name__ in blocks for c in m)]
+    if declared:
+        return max(declared, key=len)
+    candidates = [m for m in lists if len({type(c) for c in m}) == 1]
     if not candidates:
         raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: no model.model.layers and no ModuleList "
-            "of identical blocks; fsdpjob supports decoder-only transformer models"
+            f"cannot find the decoder blocks of {type(model).__name__}: it has no model.layers, no ModuleList of the "
+            f"blocks its _no_split_modules names ({sorted(blocks) or 'none declared'}) and no ModuleList of identical "
+            "blocks; fsdpjob trains decoder-only transformer models: use a supported family (README, Job spec "
+            "reference: model.path)"
         )
     return max(candidates, key=len)
 
@@ -103,12 +120,31 @@ def read_full_state_dict(path: Path, expected: set[str], tie_groups: list[list[s
                 full[name] = full[present[0]]
     missing, unexpected = sorted(expected - full.keys()), sorted(full.keys() - expected)
     if missing or unexpected:
+        converted = _read_through_transformers(path, expected)  # renamed or fused keys (mixtral, gpt_neox)
+        if converted is not None:
+            return converted
         raise ValueError(
             f"{path}: the weights do not match the model built from config.json: "
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
     return full
+
+
+def _read_through_transformers(path: Path, expected: set[str]) -> dict[str, torch.Tensor] | None:
+    """The weights as transformers' own loader names them, for checkpoints whose stored keys it converts on
+    load (transformers 5: mixtral's per-expert w1/w2/w3 fused into experts.gate_up_proj, gpt_neox's embed_out
+    as lm_head ...); None unless it fills every parameter from the file. Rank 0 holds one full copy, as above."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    except Exception:  # noqa: BLE001 - the caller names the mismatch instead
+        return None
+    if info.get("missing_keys") or info.get("mismatched_keys") or info.get("error_msgs"):
+        return None
+    full = dict(model.state_dict())
+    return full if full.keys() == expected else None
 
 
 def _read_on_rank0(env: DistEnv, path: Path, expected: set[str], tie_groups: list[list[str]]) -> dict[str, Any]:

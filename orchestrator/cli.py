@@ -146,12 +146,14 @@ def profiles(as_json: bool) -> None:
 @SET_OPT
 @JSON_OPT
 def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
-    """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead."""
+    """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead.
+
+    Needs only the model's config.json (plan before the download); validate and submit check the weights too."""
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
 
-    job = load_job(spec, profile=profile, overrides=sets)
+    job = load_job(spec, profile=profile, overrides=sets, check_files="config")  # before the download: config.json
     result = make_plan(job)
     if as_json:
         _echo_json(result.to_json())

@@ -12,13 +12,14 @@ if TYPE_CHECKING:
     from .spec import DataSpec, JobSpec
     from .yamlio import YamlDoc
 
-# Decoder-only causal LM families whose decoder layers are `model.layers` (checked on transformers 5.24
-# by building each from a tiny config); FSDP wraps those layers one by one.
+# Decoder-only causal LM families the worker trains (checked on transformers 5.24 by building each from a
+# tiny config); FSDP wraps the blocks the model's own `_no_split_modules` names (`model.layers` in most,
+# `transformer.h` in gpt2 and falcon, `gpt_neox.layers` in gpt_neox).
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
     "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "olmo3", "granite", "granitemoe",
     "cohere", "cohere2", "starcoder2", "stablelm", "helium", "smollm3", "glm", "glm4", "exaone4",
-    "seed_oss", "arcee", "apertus",
+    "seed_oss", "arcee", "apertus", "gpt2", "gpt_neox", "falcon",
 )  # fmt: skip
 SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
 _SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
@@ -123,14 +124,16 @@ def _check_architecture(config: dict[str, Any], folder: Path, doc: YamlDoc | Non
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _spec_error(
-            f"model_type {model_type!r} in {folder / 'config.json'} is not supported; fsdpjob trains decoder-only "
-            f"causal LMs whose layers are model.layers: {supported}",
+            f"model_type {model_type!r} in {folder / 'config.json'} is not supported: fsdpjob trains decoder-only "
+            f"causal LMs of these families: {supported}; use a model of one of them (or a checkpoint converted "
+            "to one), or add the family after checking that its decoder blocks are in its _no_split_modules",
             ("model", "path"),
             doc,
         )
-    if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
+    if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT2LMHeadModel
         raise _spec_error(
-            f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM; fsdpjob fine-tunes causal LMs",
+            f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM (or *LMHeadModel); fsdpjob "
+            "fine-tunes causal LMs",
             ("model", "path"),
             doc,
         )
@@ -221,12 +224,18 @@ def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: Ya
         )
 
 
-def check_inputs(spec: JobSpec, doc: YamlDoc | None = None) -> None:
-    """Raise InputError for the first problem with the model folder or data file; ``doc`` gives spec lines."""
+def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool = False) -> None:
+    """Raise InputError for the first problem with the model folder or data file; ``doc`` gives spec lines.
+
+    ``config_only`` (``fsdpjob plan``, before the download): only config.json is read; the weights, the
+    tokenizer and the data file are not checked (the plan needs none of them; validate and submit do).
+    """
     folder = Path(spec.model.path)
     config = _read_config(folder, doc)
     _check_architecture(config, folder, doc)
-    _check_weights(folder, doc)
-    _check_tokenizer(folder, spec.data, doc)
+    if not config_only:
+        _check_weights(folder, doc)
+        _check_tokenizer(folder, spec.data, doc)
     _check_seq_len(config, spec.data, folder, doc)
-    _check_data(spec.data, doc)
+    if not config_only:
+        _check_data(spec.data, doc)

@@ -222,6 +222,8 @@ def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[F
         )
     if spec.fsdp.cpu_offload and d.kind == "cpu":
         out.append("fsdp.cpu_offload has no effect on CPU workers (everything is in host memory already)")
+    if plan.model.estimate:
+        out.append(plan.model.estimate)
     if plan.model.checkpoint_dtype not in DTYPE_BYTES:
         out.append(f"config.json dtype {plan.model.checkpoint_dtype!r} unknown; load memory assumes 4 bytes/param")
     if plan.setup.cpu_offload:

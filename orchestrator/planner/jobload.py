@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
 from fsdpjob.orchestrator.core.profiles import load_profile
@@ -22,12 +23,17 @@ class LoadedJob(Resolved):
 
 
 def load_job(
-    spec_path: str, *, profile: str | None = None, overrides: tuple[str, ...] = (), check_files: bool = True
+    spec_path: str,
+    *,
+    profile: str | None = None,
+    overrides: tuple[str, ...] = (),
+    check_files: bool | Literal["config"] = True,
 ) -> LoadedJob:
     """Validate everything a user can get wrong before anything is written or submitted.
 
     ``profile`` (from --profile) wins over the spec's own ``profile`` field. ``check_files`` also
-    checks the model folder and the data file (existence, shape, JSON lines).
+    checks the model folder and the data file (existence, shape, JSON lines); ``"config"`` (``fsdpjob plan``,
+    before the download) needs only the model's config.json, not its weights or tokenizer.
     """
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
@@ -45,7 +51,7 @@ def load_job(
         from fsdpjob.orchestrator.core.inputs import check_inputs
 
         try:
-            check_inputs(spec, doc)
+            check_inputs(spec, doc, config_only=check_files == "config")
         except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
             raise InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file) from None
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))

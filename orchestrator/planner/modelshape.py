@@ -4,46 +4,53 @@ or transformers (the planner runs on the login node)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+import re
+import struct
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError
 
-# Model types whose decoder layer is Llama-shaped: q/k/v/o attention with GQA, SwiGLU gate/up/down MLP,
-# two RMSNorms per layer, final RMSNorm, optional tied lm_head.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+# How each family's decoder layer differs from Llama's (q/k/v/o attention with GQA, gated SwiGLU MLP, two
+# RMSNorms per layer, final RMSNorm), as the transformers modeling code builds it. Keys: gated (gate/up/down
+# MLP, else up/down), ln_bias (LayerNorm with a bias), norms (per layer; 0 for OLMo's parameter-free
+# norms), final_norm, qkv_bias/o_bias/mlp_bias (always on), qk_norm ("head": per-head-dim, "full": over all
+# heads), tied (tie_word_embeddings when config.json leaves it out), positions (learned position embedding).
+_FAMILIES: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "ministral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": "head"},
+    "granite": {}, "mixtral": {}, "qwen2_moe": {"qkv_bias": True}, "qwen3_moe": {"qk_norm": "head"},
+    "granitemoe": {}, "gemma": {"tied": True}, "gemma2": {"tied": True, "norms": 4},
+    "gemma3_text": {"tied": True, "norms": 4, "qk_norm": "head"}, "phi3": {}, "helium": {}, "smollm3": {},
+    "olmo": {"norms": 0, "final_norm": 0}, "olmo2": {"qk_norm": "full"}, "olmo3": {"qk_norm": "full"},
+    "glm": {"qkv_bias": True}, "glm4": {"qkv_bias": True, "norms": 4}, "exaone4": {"qk_norm": "head"},
+    "seed_oss": {"qkv_bias": True}, "arcee": {"gated": False}, "apertus": {"gated": False, "qk_norm": "head"},
+    "cohere": {"tied": True, "norms": 1}, "cohere2": {"tied": True, "norms": 1},
+    "stablelm": {"ln_bias": True}, "starcoder2": {"gated": False, "ln_bias": True, "tied": True},
+    "phi": {"gated": False, "ln_bias": True, "norms": 1, "qkv_bias": True, "o_bias": True, "mlp_bias": True},
+    "gpt2": {"gated": False, "ln_bias": True, "qkv_bias": True, "o_bias": True, "mlp_bias": True, "tied": True,
+             "positions": True},
+    "gpt_neox": {"gated": False, "ln_bias": True},
+    "falcon": {"gated": False, "ln_bias": True, "tied": True},
+}  # fmt: skip
+# Families whose parameter count from config.json alone is checked against transformers (tests); for the
+# others the plan says the count is an estimate unless the safetensors headers give the exact one.
+EXACT_FROM_CONFIG = frozenset(_FAMILIES) - {"helium", "apertus"}
 # Defaults of the transformers config classes for keys a config.json may leave out (absent, not null):
-# an untied lm_head everywhere; kv heads = heads and head_dim = hidden / heads unless listed here.
+# kv heads = heads and head_dim = hidden / heads unless listed here.
 _OMITTED_DEFAULTS = {
     "num_key_value_heads": {"mistral": 8, "qwen2": 32, "qwen3": 32},
-    "head_dim": {"qwen3": 128},
+    "head_dim": {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256},
 }
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    checkpoint_dtype: str
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+# The names each config key goes by across families, first match wins.
+_ALIASES = {
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim"),
+}
+_HEADER_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8"}
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,49 @@ class ParamCount:
         return self.root + self.layers * self.per_layer
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: str
+    gated_mlp: bool = True
+    norm_params: int = 1  # parameters per hidden unit of one norm: 1 (RMSNorm), 2 (LayerNorm + bias), 0
+    norms: int = 2  # norms per layer
+    final_norm: bool = True
+    qk_norm_full: bool = False  # OLMo2: q/k norms over all heads, not per head
+    positions: int = 0  # learned position embeddings (GPT-2)
+    lm_head_bias: bool = False
+    experts: int = 1  # MoE: every expert counts
+    shared_expert: int = 0  # intermediate size of an always-on expert (Qwen2-MoE)
+    counted: ParamCount | None = None  # exact, from the safetensors headers
+    estimate: str | None = None  # why the parameter count is only an estimate (a plan warning)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
 def _config_error(path: Path, message: str) -> InputError:
     return InputError(message, file=str(path), loc="model.path")
+
+
+def _first(cfg: dict, key: str) -> object:
+    return next((cfg[k] for k in _ALIASES.get(key, (key,)) if isinstance(cfg.get(k), int)), None)
 
 
 def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
@@ -79,9 +127,88 @@ def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
     return value or fallback
 
 
+def _kv_heads(cfg: dict, model_type: str, heads: int) -> int:
+    if model_type == "gpt_neox":  # multi-head attention only
+        return heads
+    if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
+        return 1 if cfg.get("multi_query", True) else heads
+    for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv"):
+        if isinstance(cfg.get(key), int) and cfg[key]:
+            return cfg[key]
+    return _omitted(cfg, "num_key_value_heads", model_type, heads)
+
+
+def read_safetensors_header(file: Path) -> dict[str, dict]:
+    """The tensor table of one safetensors file: an 8-byte little-endian length, then that much JSON."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > 100_000_000:
+            raise ValueError(f"{file}: implausible safetensors header length {length}")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _weight_headers(folder: Path) -> dict[str, dict] | None:
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            return None
+        tensors: dict[str, dict] = {}
+        for name in files:
+            tensors.update(read_safetensors_header(folder / name))
+        return tensors
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # a partial download: plan from config.json
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _is_buffer(name: str, shape: list[int]) -> bool:
+    """Buffers some older checkpoints store (GPT-2's causal mask ``attn.bias``, rotary ``inv_freq``): no parameters."""
+    return name.endswith(("inv_freq", "masked_bias")) or (name.endswith(".bias") and len(shape) > 1)
+
+
+def _is_head(name: str) -> bool:
+    return any(part in ("lm_head", "embed_out") for part in name.split(".")[:-1])
+
+
+def _count_from_headers(tensors: dict[str, dict], layers: int, tied: bool) -> ParamCount | None:
+    """Exact counts by tensor name: numbered blocks are layers, the rest is the root. None if layers differ."""
+    sizes = {name: math.prod(t["shape"]) for name, t in tensors.items() if not _is_buffer(name, t["shape"])}
+    heads = [n for n in sizes if _is_head(n)]
+    embeds = [n for n in sizes if not _LAYER_INDEX.search(n) and n not in heads and sizes[n] > 0
+              and any(k in n for k in ("embed", "wte", "wpe", "word_embeddings"))]  # fmt: skip
+    if tied:  # a checkpoint that stores the tied head anyway still holds one parameter
+        heads = [n for n in heads if not n.endswith("weight")] if embeds else heads
+    per_layer: dict[int, dict[str, int]] = {}
+    for name, size in sizes.items():
+        found = _LAYER_INDEX.search(name)
+        if not found:
+            continue
+        part = "attention" if any(k in name for k in ("attn", "attention", "query_key_value")) else (
+            "mlp" if any(k in name for k in ("mlp", "feed_forward", "experts", "ffn", "dense_h_to_4h",
+                                               "dense_4h_to_h")) else "norms")  # fmt: skip
+        parts = per_layer.setdefault(int(found.group(1)), {"attention": 0, "mlp": 0, "norms": 0})
+        parts[part] += size
+    if len(per_layer) != layers or len({tuple(v.values()) for v in per_layer.values()}) != 1:
+        return None
+    embedding = sum(sizes[n] for n in embeds)
+    lm_head = sum(sizes[n] for n in heads)
+    rest = sum(size for name, size in sizes.items() if not _LAYER_INDEX.search(name)) - embedding
+    rest -= sum(sizes[n] for n in sizes if _is_head(n))
+    return ParamCount(embedding=embedding, layers=layers, final_norm=rest, lm_head=lm_head, **per_layer[0])
+
+
 def read_model_shape(model_dir: str | Path) -> ModelShape:
-    """Parse ``<model_dir>/config.json``; refuse model types whose layer shape the planner does not know."""
-    path = Path(model_dir) / "config.json"
+    """Parse ``<model_dir>/config.json`` (and the safetensors headers, where the weights are there)."""
+    folder = Path(model_dir)
+    path = folder / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
@@ -89,50 +216,107 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         raise _config_error(path, missing) from None
     except json.JSONDecodeError as exc:
         raise _config_error(path, f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _config_error(
-            path,
-            f"model_type {model_type!r} is not supported by the planner; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
-        )
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the language model's own config
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    model_type = str(cfg.get("model_type"))
+    family = _FAMILIES.get(model_type)
 
     def need(key: str) -> int:
-        if not isinstance(cfg.get(key), int):
-            raise _config_error(path, f"{key} is missing or not an integer")
-        return cfg[key]
+        value = _first(cfg, key)
+        if not isinstance(value, int):
+            names = " / ".join(_ALIASES.get(key, (key,)))
+            raise _config_error(path, f"{names} is missing or not an integer; the planner needs it to size the model")
+        return value
 
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
-    attention_bias = bool(cfg.get("attention_bias", False))
-    return ModelShape(
+    layers = need("num_hidden_layers")
+    vocab = need("vocab_size")
+    f = family or {}
+    intermediate = _first(cfg, "intermediate_size") or 4 * hidden
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    if experts > 1 and isinstance(cfg.get("moe_intermediate_size"), int):
+        intermediate = cfg["moe_intermediate_size"]
+    bias = bool(cfg.get("attention_bias", False)) or (model_type == "falcon" and bool(cfg.get("bias")))
+    bias |= model_type == "starcoder2" and bool(cfg.get("use_bias", True))
+    bias |= model_type == "gpt_neox" and bool(cfg.get("attention_bias", True))
+    qk_norm = f.get("qk_norm") or ("head" if cfg.get("qk_layernorm") else None)
+    norms = f.get("norms", 2)
+    if model_type == "falcon":
+        parallel, new_arch = cfg.get("parallel_attn", True), cfg.get("new_decoder_architecture", False)
+        norms = (cfg.get("num_ln_in_parallel_attn") or 2) if new_arch else (1 if parallel else 2)
+    tied = bool(cfg.get("tie_word_embeddings", f.get("tied", False)))
+    shape = ModelShape(
         model_type=model_type,
-        vocab=need("vocab_size"),
+        vocab=vocab,
         hidden=hidden,
-        intermediate=need("intermediate_size"),
-        layers=need("num_hidden_layers"),
+        intermediate=intermediate,
+        layers=layers,
         heads=heads,
-        kv_heads=_omitted(cfg, "num_key_value_heads", model_type, heads),
+        kv_heads=_kv_heads(cfg, model_type, heads),
         head_dim=_omitted(cfg, "head_dim", model_type, hidden // heads),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias,  # qwen2 always has q/k/v biases, never o
-        o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"),
-        qk_norm=model_type == "qwen3",
+        tied=tied,
+        qkv_bias=f.get("qkv_bias", False) or bool(cfg.get("use_qkv_bias")) or bias,
+        o_bias=(f.get("o_bias", False) or bias) and model_type not in ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4")
+        or bool(cfg.get("attention_out_bias")),
+        mlp_bias=f.get("mlp_bias", False) or (bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"))
+        or (model_type in ("gpt_neox", "starcoder2") and bias) or (model_type == "falcon" and bool(cfg.get("bias"))),
+        qk_norm=qk_norm is not None,
+        qk_norm_full=qk_norm == "full",
         checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        gated_mlp=f.get("gated", True),
+        norm_params=2 if f.get("ln_bias") else 1,
+        norms=norms,
+        final_norm=f.get("final_norm", 1) > 0,
+        positions=(cfg.get("n_positions") or 1024) * hidden if f.get("positions") else 0,
+        lm_head_bias=model_type == "phi",
+        experts=experts,
+        shared_expert=cfg.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0,
+    )
+    tensors = _weight_headers(folder)
+    counted = _count_from_headers(tensors, layers, tied) if tensors else None
+    if counted is not None:
+        dtypes = {t.get("dtype") for t in tensors.values()}  # type: ignore[union-attr]
+        dtype = _HEADER_DTYPES.get(dtypes.pop(), shape.checkpoint_dtype) if len(dtypes) == 1 else None
+        return replace(shape, counted=counted, checkpoint_dtype=dtype or shape.checkpoint_dtype)
+    if family is None or model_type not in EXACT_FROM_CONFIG:
+        rough = 12 * layers * hidden * hidden + vocab * hidden * (1 if tied else 2)
+        known = "its count from config.json is not checked" if family else "the planner does not know its layers"
+        why = (f"model_type {model_type!r}: {known} and {folder} has no safetensors weights to count; parameters "
+               f"estimated as 12 x layers x hidden^2 + vocab x hidden (~{rough / 1e9:.3g}B): the memory plan is "
+               "rough")  # fmt: skip
+        return replace(shape, estimate=why)
+    return shape
+
+
+def _config_count(s: ModelShape) -> ParamCount:
+    h, i = s.hidden, s.intermediate
+    attention = h * s.q_dim + 2 * h * s.kv_dim + s.q_dim * h
+    attention += (s.q_dim + 2 * s.kv_dim) * s.qkv_bias + h * s.o_bias
+    if s.qk_norm:
+        width = (s.q_dim + s.kv_dim) if s.qk_norm_full else 2 * s.head_dim
+        attention += width * s.norm_params
+    expert = (3 if s.gated_mlp else 2) * h * i + ((2 * i if s.gated_mlp else i) + h) * s.mlp_bias
+    mlp = expert * s.experts + (h * s.experts if s.experts > 1 else 0)
+    if s.shared_expert:
+        mlp += 3 * h * s.shared_expert + h
+    return ParamCount(
+        embedding=s.vocab * h + s.positions,
+        attention=attention,
+        mlp=mlp,
+        norms=s.norms * h * s.norm_params,
+        layers=s.layers,
+        final_norm=h * s.norm_params * s.final_norm,
+        lm_head=(0 if s.tied else s.vocab * h) + s.vocab * s.lm_head_bias,
     )
 
 
 def count_params(s: ModelShape) -> ParamCount:
-    h = s.hidden
-    attention = h * s.q_dim + 2 * h * s.kv_dim + s.q_dim * h
-    attention += (s.q_dim + 2 * s.kv_dim) * s.qkv_bias + h * s.o_bias + 2 * s.head_dim * s.qk_norm
-    mlp = 3 * h * s.intermediate + (2 * s.intermediate + h) * s.mlp_bias
-    return ParamCount(
-        embedding=s.vocab * h,
-        attention=attention,
-        mlp=mlp,
-        norms=2 * h,
-        layers=s.layers,
-        final_norm=h,
-        lm_head=0 if s.tied else s.vocab * h,
-    )
+    """Exact counts from the safetensors headers where the weights are there, else from config.json."""
+    if s.counted is not None:
+        return s.counted
+    if s.estimate is not None:  # 12 h^2 per layer (4 attention + 8 MLP), one embedding, one head unless tied
+        h = s.hidden
+        return ParamCount(embedding=s.vocab * h, attention=4 * h * h, mlp=8 * h * h, norms=0, layers=s.layers,
+                          final_norm=0, lm_head=0 if s.tied else s.vocab * h)  # fmt: skip
+    return _config_count(s)
