@@ -262,7 +262,7 @@ def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
 def test_cpu_profile_too_small_proposes_activation_checkpointing(tmp_path: Path) -> None:
     big = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 6, "torch_dtype": "bfloat16"})
     spec = make_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
-    profile = load_profile("local").model_copy(update={"host_ram_gb": 100.0})
+    profile = load_profile("local").model_copy(update={"host_ram_gb": 120.0})
     plan = make_plan(resolve(spec, profile))
     assert not plan.fits and any("per rank (host RAM / tasks_per_node)" in w for w in plan.warnings)
     # Offload means nothing on CPU and the local profile has one node: activation checkpointing is the only fix.
