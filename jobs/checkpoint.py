@@ -54,7 +54,7 @@ log = logging.getLogger("fsdpjob.checkpoint")
 FORMAT_VERSION = 1
 # Sidecar fields the manager writes itself; state entries with these names are not copied into it.
 _MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
-                   "reason", "model_key"}
+                   "reason", "model_key", "eval_loss"}
 
 
 @contextmanager
@@ -73,6 +73,20 @@ def _remove_step(step_dir: Path) -> None:
         log.warning("could not fully remove %s; it is uncommitted and will be retried at the next purge", step_dir)
 
 
+def _best_step(committed: list[tuple[int, Path]]) -> Path | None:
+    """The committed step folder with the lowest recorded eval loss (the older one on a tie), if any has one."""
+    best: tuple[float, int, Path] | None = None
+    for step, step_dir in committed:
+        try:
+            loss = read_sidecar(step_dir).get("eval_loss")
+        except Exception as exc:  # noqa: BLE001 - a damaged sidecar just is no candidate
+            log.warning("keep_best: cannot read the sidecar of %s (%s); it is no candidate", step_dir, exc)
+            continue
+        if isinstance(loss, (int, float)) and math.isfinite(loss) and (best is None or loss < best[0]):
+            best = (float(loss), step, step_dir)
+    return best[2] if best else None
+
+
 # ----------------------------------------------------------------------------------------------
 # The manager: collective save/load on every rank, filesystem decisions on rank 0.
 
@@ -88,13 +102,13 @@ class CheckpointManager:
 
     def __init__(
         self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any],
-        hooks: TestHooks = TestHooks(),
+        hooks: TestHooks = TestHooks(), keep_best: bool = False,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1 (got {keep_last})")
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
-        self.keep_last, self.async_save = keep_last, async_save
+        self.keep_last, self.async_save, self.keep_best = keep_last, async_save, keep_best
         self.sidecar = dict(sidecar)
         self.hooks = hooks
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -116,10 +130,11 @@ class CheckpointManager:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, reason: str) -> bool:
+    def save(self, step: int, state: dict[str, Any], *, reason: str, eval_loss: float | None = None) -> bool:
         """Save ``state`` as step ``step`` (collective). Async: returns once staged; at most one in flight.
 
-        False when the step is already saved or was loaded: nothing is written then.
+        False when the step is already saved or was loaded: nothing is written then. ``eval_loss``, the
+        evaluation of these weights, goes into the sidecar (keep_best reads it there, also after a restart).
         """
         self.wait()
         if step == self._last_step:
@@ -131,6 +146,8 @@ class CheckpointManager:
         self._barrier()
         writer = self.hooks.storage_writer(step_dir, rank=self.rank, step=step)
         facts = self._save_facts(state, reason)
+        if eval_loss is not None and math.isfinite(eval_loss):
+            facts["eval_loss"] = eval_loss
         started = time.monotonic()
         if not self.async_save:
             with single_process_dcp():
@@ -284,7 +301,8 @@ class CheckpointManager:
     # -- housekeeping ----------------------------------------------------------------------------
 
     def purge(self) -> None:
-        """Rank 0: keep the newest keep_last committed steps; drop older ones and uncommitted leftovers."""
+        """Rank 0: keep the newest keep_last committed steps (and with keep_best the one whose sidecar has the lowest
+        eval loss); drop older ones and uncommitted leftovers."""
         if self.rank != 0:
             return
         committed = committed_steps(self.root)
@@ -293,6 +311,8 @@ class CheckpointManager:
         newest = committed[-1][0]
         in_flight = self.in_flight
         doomed = [p for _, p in committed[: -self.keep_last]]
+        if self.keep_best and (best := _best_step(committed)) is not None:
+            doomed = [p for p in doomed if p != best]
         doomed += [p for s, p in uncommitted_steps(self.root) if s < newest and s != in_flight]
         for step_dir in doomed:
             log.info("purging checkpoint %s", step_dir)

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import torch
@@ -325,3 +325,56 @@ class BatchStream:
                 "set train.seed back to resume"
             )
         self.samples_consumed = int(state["samples_consumed"])
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+class EvalSplit(NamedTuple):
+    train: SequenceTable
+    eval: SequenceTable
+    train_rows: torch.Tensor  # places of train's rows in the packed table
+    eval_rows: torch.Tensor
+
+
+def split_eval(table: SequenceTable, fraction: float, seed: int) -> EvalSplit:
+    """Hold out ``fraction`` of the packed sequences for evaluation, chosen from ``seed``.
+
+    At least one sequence each way; the rows keep their table order on both sides. The same table and seed give
+    the same split on every rank, every start and any world size.
+    """
+    n = len(table)
+    n_eval = max(1, round(fraction * n))
+    if n_eval >= n:
+        raise ValueError(f"data.eval_fraction {fraction} of {n} sequences leaves none to train on; lower it or "
+                         "add data")
+    gen = torch.Generator().manual_seed(_epoch_seed(seed, -1))  # epochs count from 0: -1 never orders training
+    perm = torch.randperm(n, generator=gen)
+    eval_rows, train_rows = perm[:n_eval].sort().values, perm[n_eval:].sort().values
+
+    def take(rows: torch.Tensor) -> SequenceTable:
+        return SequenceTable(table.input_ids[rows], table.labels[rows], table.num_examples, table.truncated)
+
+    return EvalSplit(take(train_rows), take(eval_rows), train_rows, eval_rows)
+
+
+def eval_batches(table: SequenceTable, *, micro_batch_size: int, max_batches: int, dp_rank: int,
+                 dp_world: int) -> list[MicroBatch]:
+    """This rank's evaluation micro-batches: the same every evaluation, each rank its own contiguous slice.
+
+    The set is the whole table (``max_batches`` 0) or its first ``max_batches * micro_batch_size * dp_world``
+    rows. Every rank gets the same number of micro-batches (FSDP's gathers are collective): a rank whose slice
+    runs short is topped up with micro-batches that hold no target token (labels all IGNORE).
+    """
+    total = len(table) if not max_batches else min(len(table), max_batches * micro_batch_size * dp_world)
+    per_rank = -(-total // dp_world)
+    count = -(-per_rank // micro_batch_size)
+    start, stop = min(total, dp_rank * per_rank), min(total, (dp_rank + 1) * per_rank)
+    rows = torch.arange(start, stop, dtype=torch.long)
+    batches = []
+    for chunk in rows.split(micro_batch_size):
+        batches.append(MicroBatch(table.input_ids[chunk], table.labels[chunk], chunk, chunk))
+    while len(batches) < count:
+        none = torch.zeros(1, dtype=torch.long)
+        batches.append(MicroBatch(table.input_ids[none], torch.full_like(table.labels[none], IGNORE), none, none))
+    return batches

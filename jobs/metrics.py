@@ -93,6 +93,22 @@ class Reporter:
         }, step_time_s=elapsed / steps)
         self._window_start, self._window_step, self._window_tokens = now, step, 0
 
+    def on_eval(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        """Log an evaluation on its own metrics line (``step``, ``time``, ``eval_loss``, ``eval_tokens``,
+        ``eval_s``) and as eval/loss. Its time is left out of the open window's throughput."""
+        self._window_start += seconds
+        if not self.enabled:
+            return
+        finite = loss if math.isfinite(loss) else None
+        record = {"step": step, "time": time.time(), "eval_loss": finite, "eval_tokens": tokens,
+                  "eval_s": round(seconds, 3)}
+        if finite is None:
+            record["nonfinite"] = ["eval_loss"]
+        runlog.append_metric(self.run_dir, record)
+        if self._tb is not None and finite is not None:
+            self._tb.add_scalar("eval/loss", finite, step)
+        log.info("step %d/%d eval_loss %.4f over %d tokens in %.1f s", step, self.max_steps, loss, tokens, seconds)
+
     def step(self, step: int, values: dict[str, float], step_time_s: float) -> None:
         if not self.enabled:
             return

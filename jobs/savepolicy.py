@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,12 @@ class Checkpointer:
     """Saves when the policy says so and leads a stop to its requeue; every method runs on all ranks."""
 
     def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag,
-                 control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks) -> None:
+                 control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks,
+                 eval_loss_at: Callable[[int], float | None] | None = None) -> None:
         # Flags travel as host tensors over the control group (jobs/dist.py): agreeing never syncs the GPU.
         self.ckpt, self.stop, self.control, self.report = ckpt, stop, control, report
         self.worker, self.hooks = worker, hooks
+        self.eval_loss_at = eval_loss_at  # a step's eval loss, recorded in its checkpoint's sidecar (keep_best)
         self.policy = SavePolicy(spec.checkpoint.interval_steps, spec.checkpoint.interval_minutes, spec.train.max_steps)
         self.max_requeues = spec.preemption.max_requeues
         self._last_save = time.time()  # the interval in minutes counts from the start of training
@@ -81,7 +83,8 @@ class Checkpointer:
 
     def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
         started = time.time()
-        saved = self.ckpt.save(step, state, reason=reason)
+        eval_loss = self.eval_loss_at(step) if self.eval_loss_at else None
+        saved = self.ckpt.save(step, state, reason=reason, eval_loss=eval_loss)
         self._last_save = time.time()
         if reason != "interval":
             self.ckpt.wait()  # committed on every rank before anyone requeues or reports done

@@ -77,3 +77,31 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, max_gra
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepValues(loss_sum, tokens, norm)
+
+
+def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
+    """Mean loss over the real target tokens of every rank's evaluation micro-batches, and their count.
+
+    The same reduction as train_step's loss (summed token losses over the global token count), with the
+    model in eval mode and no autograd; the model is put back in train mode. Collective: every rank calls it
+    with the same number of micro-batches (jobs/data.py eval_batches).
+    """
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token loss, target tokens]
+    try:
+        with torch.no_grad():
+            for mb in micro_batches:
+                input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
+                logits = model(input_ids=input_ids, use_cache=False).logits
+                targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+                token_loss = F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,
+                    reduction="sum",
+                )
+                totals[0] += token_loss.double()
+                totals[1] += count_tokens(mb.labels)
+    finally:
+        model.train()
+    dist.all_reduce(totals)
+    loss_sum, tokens = totals.tolist()
+    return loss_sum / max(tokens, 1.0), int(tokens)

@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import preemption
 from .checkpoint import CheckpointManager
 from .ckpt_state import DictState, ModelOptimState, RNGState
-from .data import BatchStream, SequenceTable, build_sequences, read_examples
+from .data import BatchStream, SequenceTable, build_sequences, read_examples, split_eval
 from .datacache import load_or_build
 from .dist import DistEnv, close_distributed, control_group, init_distributed
+from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter
 from .model import load_model, model_flops_per_token
@@ -78,6 +79,8 @@ class TrainParts:
     table: SequenceTable
     state: TrainState
     mesh: DeviceMesh
+    eval_table: SequenceTable | None = None  # data.eval_path, or the data.eval_fraction held out of table
+    train_rows: torch.Tensor | None = None  # with eval_fraction: table's rows in the packed data (sample logs)
 
 
 def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
@@ -106,7 +109,10 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
 
         control = control_group(env)  # host-side agreements, off the GPU stream
         defer_grad_sync = bool(meta.get("plan", {}).get("defer_grad_sync"))  # the planner's memory verdict
-        saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks)
+        evaluator = _evaluator(spec, parts, env, report)
+        saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks,
+                             eval_loss_at=evaluator.loss_at if evaluator else None)
+        start_step = state.step
         flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         while state.step < train.max_steps:
@@ -114,15 +120,19 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             state.last = train_step(model, parts.optimizer, micro_batches, env.device, control=control,
                                     max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
             if hooks.log_samples:
-                _log_samples(paths, state.step + 1, micro_batches, env)
+                _log_samples(paths, state.step + 1, micro_batches, env, parts.train_rows)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             state.step += 1
             state.tokens_seen += state.last.tokens
             report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
+            if evaluator:
+                evaluator.maybe_run(state.step)
             if signum := saver.maybe_save(state.step, app_state):
                 saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
 
+        if evaluator:
+            evaluator.run_final(state.step, start_step)
         saver.save_final(state.step, app_state)
         _export_final(spec, paths, ckpt, env, report)
         dist.barrier()
@@ -162,25 +172,48 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> Tra
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, max_steps=train.max_steps, warmup_steps=train.warmup_steps,
         schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio))
-    table = _load_data(spec, paths, env, report)
     state = TrainState(global_batch=train.micro_batch_size * train.grad_accum_steps * env.world_size)
-    return TrainParts(model, optimizer, scheduler, table, state, mesh)
+    table, eval_table, train_rows = _load_data(spec, paths, env, report)
+    return TrainParts(model, optimizer, scheduler, table, state, mesh, eval_table, train_rows)
 
 
-def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> SequenceTable:
-    """Tokenized and packed the same way on every rank (each rank later reads its own slice); cached per run."""
+def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
+               report: Reporter) -> tuple[SequenceTable, SequenceTable | None, torch.Tensor | None]:
+    """Tokenized and packed the same way on every rank (each rank later reads its own slice); cached per run.
+    Returns the training table, the eval table (or None) and, with eval_fraction, the training rows' places
+    in the packed data."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_data = time.time()
-    table, cached = load_or_build(
-        spec.data, spec.model.path, pad_id, paths.cache_dir, is_main=env.is_main,
-        build=lambda: build_sequences(read_examples(spec.data, tokenizer), spec.data.seq_len,
-                                      spec.data.packing, pad_id))
+
+    def packed(data, cache_dir: Path) -> tuple[SequenceTable, bool]:
+        return load_or_build(data, spec.model.path, pad_id, cache_dir, is_main=env.is_main,
+                             build=lambda: build_sequences(read_examples(data, tokenizer), data.seq_len,
+                                                           data.packing, pad_id))
+
+    table, cached = packed(spec.data, paths.cache_dir)
+    eval_table, train_rows, extra = None, None, {}
+    if spec.data.eval_fraction:
+        table, eval_table, train_rows, _ = split_eval(table, spec.data.eval_fraction, spec.train.seed)
+    elif spec.data.eval_path is not None:
+        # Its own cache folder: a cache folder keeps only its newest table.
+        eval_data = spec.data.model_copy(update={"path": spec.data.eval_path, "eval_path": None})
+        eval_table, _ = packed(eval_data, paths.cache_dir / "eval")
+    if eval_table is not None:
+        extra = {"eval_sequences": len(eval_table)}
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
-                 cached=cached, seconds=round(time.time() - t_data, 2))
-    return table
+                 cached=cached, seconds=round(time.time() - t_data, 2), **extra)
+    return table, eval_table, train_rows
+
+
+def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter) -> Evaluator | None:
+    if not spec.train.eval_every or parts.eval_table is None:
+        return None
+    return Evaluator(parts.model, parts.eval_table, eval_every=spec.train.eval_every,
+                     max_batches=spec.train.eval_batches, micro_batch_size=spec.train.micro_batch_size,
+                     rank=env.rank, world_size=env.world_size, device=env.device, report=report)
 
 
 def open_checkpoints(spec: JobSpec, paths: RunPaths, env: DistEnv, mesh: DeviceMesh,
@@ -188,6 +221,7 @@ def open_checkpoints(spec: JobSpec, paths: RunPaths, env: DistEnv, mesh: DeviceM
     return CheckpointManager(
         Path(spec.checkpoint.dir) if spec.checkpoint.dir else paths.checkpoints_dir,
         rank=env.rank, world_size=env.world_size, keep_last=spec.checkpoint.keep_last,
+        keep_best=spec.checkpoint.keep_best,
         async_save=spec.checkpoint.async_save, hooks=hooks,
         sidecar={"spec_hash": spec.spec_hash(), "fingerprint": spec.model_fingerprint(),
                  "world_size": env.world_size, "mesh_shape": list(mesh.shape), "fsdpjob_version": __version__,
@@ -246,14 +280,19 @@ def _retryable(exc: BaseException) -> bool:
     )
 
 
-def _log_samples(paths: RunPaths, step: int, micro_batches, env) -> None:
-    """Append the global sample ids of this step (all ranks) to samples.jsonl: proves none skipped or repeated."""
+def _log_samples(paths: RunPaths, step: int, micro_batches, env, train_rows: torch.Tensor | None) -> None:
+    """Append the global sample ids of this step (all ranks) to samples.jsonl: proves none skipped or repeated.
+    With data.eval_fraction, also the rows of the packed data they were (``rows``): proves none was held out."""
     local = [int(i) for mb in micro_batches for i in mb.sample_ids]
+    rows = [int(train_rows[i]) for mb in micro_batches for i in mb.sequence_ids] if train_rows is not None else []
     gathered: list = [None] * env.world_size
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, (local, rows))
     if env.is_main:
+        record = {"step": step, "world_size": env.world_size, "ids": sorted(sum((g[0] for g in gathered), []))}
+        if train_rows is not None:
+            record["rows"] = sorted(sum((g[1] for g in gathered), []))
         with open(paths.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "world_size": env.world_size, "ids": sorted(sum(gathered, []))}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def _grad_accum(global_batch: int, micro_batch_size: int, world_size: int) -> int:

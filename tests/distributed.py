@@ -81,3 +81,15 @@ def committed_model_state(run_dir) -> dict:
     state = torch.load(out, weights_only=False)
     out.unlink()
     return dict(state["model"]["model"])
+
+
+def train_worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
+    """One rank of jobs.train.run on ``run_dir`` (for run_ranks): 0, or the exit code of a stop (SystemExit)."""
+    os.environ.update(env)
+    from fsdpjob.jobs.train import run
+
+    try:
+        run(run_dir)
+    except SystemExit as exc:  # the stop path leaves without a result, as under Slurm
+        return int(exc.code or 0)
+    return 0

@@ -91,3 +91,16 @@ def test_a_crash_before_the_first_checkpoint_loses_every_step_it_trained(tmp_pat
     ])
     prog = read_progress(tmp_path)
     assert (prog.restarts, prog.steps_lost, prog.step) == (1, 30, 5)
+
+
+def test_eval_lines_give_the_eval_loss_and_leave_the_training_values_alone(tmp_path):
+    write_lines(tmp_path / "metrics.jsonl", [
+        {"step": 1, "loss": 3.0, "tokens_per_s": 100.0, "eta_s": 9.0, "time": 11},
+        {"step": 2, "loss": 2.5, "tokens_per_s": 110.0, "eta_s": 8.0, "time": 12},
+        {"step": 2, "time": 13, "eval_loss": 2.75, "eval_tokens": 300, "eval_s": 0.5},  # train.eval_every 2
+    ])
+    prog = read_progress(tmp_path)
+    assert (prog.step, prog.loss, prog.tokens_per_s, prog.eta_s) == (2, 2.5, 110.0, 8.0)
+    assert (prog.eval_loss, prog.eval_step) == (2.75, 2)
+    write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 3.0, "time": 11}])
+    assert read_progress(tmp_path).eval_loss is None  # no evaluation (yet): null in status --json

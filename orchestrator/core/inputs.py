@@ -195,13 +195,13 @@ def _has_chat_template(folder: Path) -> bool:
     return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
-def _check_data(data: DataSpec, doc: YamlDoc | None) -> None:
-    loc = ("data", "path")
-    path = Path(data.path)
+def _check_data(data: DataSpec, doc: YamlDoc | None, key: str = "path") -> None:
+    loc = ("data", key)
+    path = Path(getattr(data, key))
     if not path.exists():
         raise _spec_error(f"data file {path} does not exist", loc, doc)
     if not path.is_file():
-        raise _spec_error(f"{path} is not a file; data.path must be a JSONL file", loc, doc)
+        raise _spec_error(f"{path} is not a file; data.{key} must be a JSONL file", loc, doc)
     if path.stat().st_size == 0:
         raise _spec_error(f"data file {path} is empty", loc, doc)
     try:
@@ -239,3 +239,5 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
     _check_seq_len(config, spec.data, folder, doc)
     if not config_only:
         _check_data(spec.data, doc)
+        if spec.data.eval_path is not None:
+            _check_data(spec.data, doc, "eval_path")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .slurmtime import FORMATS_HELP, parse_slurm_time
-from .validation import SpecErrors, Strict, check_env, errors_from_validation, path_value, single_line
+from .validation import SpecErrors, Strict, check_env, errors_from_validation, field_error, path_value, single_line
 from .yamlio import YamlDoc, apply_overrides, read_yaml
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -112,8 +112,12 @@ class DataSpec(Strict):
     """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
     shuffle: bool = True
     """Shuffle examples deterministically from train.seed."""
+    eval_path: str | None = None
+    """JSONL file of evaluation examples, with the same fields as path. Relative to the spec file."""
+    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Share of the packed training sequences held out for evaluation (chosen from train.seed); 0: none."""
 
-    _path = field_validator("path")(path_value)
+    _path = field_validator("path", "eval_path")(path_value)
 
     @model_validator(mode="after")
     def _one_shape(self) -> "DataSpec":
@@ -130,7 +134,13 @@ class DataSpec(Strict):
             raise ValueError(f"give one data shape, not {' and '.join(shapes)}")
         if (self.prompt_field is None) != (self.completion_field is None):
             raise ValueError("prompt_field and completion_field go together; set both")
+        if self.eval_path is not None and self.eval_fraction:
+            raise field_error("eval_fraction", "give eval_path or eval_fraction, not both; drop one of them")
         return self
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_path is not None or self.eval_fraction > 0
 
     @property
     def shape(self) -> Literal["text", "prompt_completion", "chat"]:
@@ -174,11 +184,17 @@ class TrainSpec(Strict):
     """Seed for data order and random state."""
     log_every: PositiveInt = 10
     """Log metrics every this many steps."""
+    eval_every: NonNegativeInt = 0
+    """Evaluate on the eval data (data.eval_path or data.eval_fraction) every this many steps and at the end; 0: off."""
+    eval_batches: NonNegativeInt = 0
+    """Micro-batches per worker per evaluation; 0: the whole eval set."""
 
     @model_validator(mode="after")
     def _warmup(self) -> "TrainSpec":
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+        if self.eval_batches and not self.eval_every:
+            raise field_error("eval_batches", "eval_batches needs eval_every; set train.eval_every or drop eval_batches")
         return self
 
 
@@ -208,6 +224,8 @@ class CheckpointSpec(Strict):
     """Write checkpoints in the background (dcp.async_save on its own process group)."""
     export_final: bool = False
     """At the end of the job, export a Hugging Face folder (safetensors) to <run>/export."""
+    keep_best: bool = False
+    """Also keep the committed checkpoint with the lowest eval loss (needs train.eval_every)."""
 
     _dir = field_validator("dir")(path_value)
 
@@ -219,6 +237,11 @@ class PreemptionSpec(Strict):
     """Seconds before the end at which the signal comes; auto: 120 s, or a tenth of a short time limit."""
     max_requeues: NonNegativeInt = 20
     """Requeues allowed (preemption, time limit, node failure) before the job is failed."""
+
+
+# Fields added after specs were already hashed (see JobSpec.spec_hash).
+_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction"), "train": ("eval_every", "eval_batches"),
+                 "checkpoint": ("keep_best",)}
 
 
 class JobSpec(Strict):
@@ -244,6 +267,21 @@ class JobSpec(Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
             raise ValueError(f"{value!r} is not a valid name; use up to 64 letters, digits, '.', '_' or '-'")
         return value
+
+    @model_validator(mode="after")
+    def _eval_settings(self) -> "JobSpec":
+        """Evaluation takes eval data and train.eval_every together; keep_best needs evaluations."""
+        if self.train.eval_every and not self.data.has_eval:
+            raise field_error("train.eval_every", "evaluation needs eval data; set data.eval_path or "
+                                                  "data.eval_fraction, or set eval_every to 0")
+        if self.data.has_eval and not self.train.eval_every:
+            which = "eval_path" if self.data.eval_path is not None else "eval_fraction"
+            raise field_error(f"data.{which}", "eval data is given but evaluation is off; set train.eval_every "
+                                               f"(steps) or drop data.{which}")
+        if self.checkpoint.keep_best and not self.train.eval_every:
+            raise field_error("checkpoint.keep_best", "keep_best needs evaluations; set train.eval_every (and eval "
+                                                      "data) or drop keep_best")
+        return self
 
     @field_validator("env")
     @classmethod
@@ -273,8 +311,15 @@ class JobSpec(Strict):
         return self.model_copy(update={"env": env})
 
     def spec_hash(self) -> str:
-        """Stable hash of the redacted, resolved spec."""
-        blob = json.dumps(self.redacted().model_dump(mode="json"), sort_keys=True)
+        """Stable hash of the redacted, resolved spec. Fields added later count only when set to something other
+        than their default, so a spec that does not use them keeps the hash it had before they existed."""
+        dumped = self.redacted().model_dump(mode="json")
+        for section, keys in _ADDED_FIELDS.items():
+            fields = type(getattr(self, section)).model_fields
+            for key in keys:
+                if getattr(getattr(self, section), key) == fields[key].default:
+                    del dumped[section][key]
+        blob = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def model_fingerprint(self) -> dict[str, Any]:
@@ -293,8 +338,8 @@ class JobSpec(Strict):
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make model.path, data.path and checkpoint.dir absolute, relative to the spec file's folder."""
-    for section, key in (("model", "path"), ("data", "path"), ("checkpoint", "dir")):
+    """Make model.path, data.path, data.eval_path and checkpoint.dir absolute, relative to the spec file's folder."""
+    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"), ("checkpoint", "dir")):
         sec = data.get(section)
         # A NUL cannot be resolved; leave it for the field validator to report.
         if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key] and "\x00" not in sec[key]:

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from .errors import SpecError
 from .yamlio import YamlDoc
@@ -43,6 +44,12 @@ def check_env(value: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"{key}: the value is over Linux's 128 KiB limit for one environment string; "
                              "put large values in a file and pass its path")
     return value
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """An error a section's (or the spec's) validator raises about one of its fields: ``field`` ("eval_every",
+    or "data.eval_path" from the top) is added to the error's location, so it points at that field's line."""
+    return PydanticCustomError("field_error", message, {"field": field})
 
 
 class Strict(BaseModel):
@@ -128,6 +135,8 @@ def errors_from_validation(
     messages: dict[tuple, list[str]] = {}
     for err in exc.errors():
         loc = _field_loc(tuple(err["loc"]), doc.data if data is None else data)
+        if err["type"] == "field_error":
+            loc = loc + tuple(err["ctx"]["field"].split("."))
         messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
     # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
     return [

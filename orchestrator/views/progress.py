@@ -13,6 +13,8 @@ from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint
 class Progress:
     step: int | None = None
     loss: float | None = None
+    eval_loss: float | None = None  # the newest evaluation's (train.eval_every)
+    eval_step: int | None = None
     tokens_per_s: float | None = None
     eta_s: float | None = None
     last_checkpoint_step: int | None = None
@@ -37,10 +39,14 @@ METRICS_TAIL_BYTES, EVENTS_TAIL_BYTES = 65536, 1 << 20
 def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progress:
     prog = Progress()
     metrics = runlog.read_metrics(run_dir, METRICS_TAIL_BYTES)
-    if metrics:
-        last = metrics[-1]
+    # Evaluations have lines of their own (eval_loss, no loss): the newest of each kind.
+    trained = [m for m in metrics if "eval_loss" not in m]
+    if trained:
+        last = trained[-1]
         prog.step, prog.loss = last.get("step"), last.get("loss")
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
+    if evals := [m for m in metrics if "eval_loss" in m]:
+        prog.eval_loss, prog.eval_step = evals[-1].get("eval_loss"), evals[-1].get("step")
     events = runlog.read_events(run_dir, EVENTS_TAIL_BYTES)
     prog.events, prog.metrics = events, metrics
     # Metrics matter for steps lost only when the run started more than once; most runs did not.

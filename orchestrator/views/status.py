@@ -41,7 +41,7 @@ PHASES = {
 
 STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
-    "step", "max_steps", "loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
+    "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
     "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput",
 )
 
@@ -62,6 +62,7 @@ class StatusReport:
     step: int | None
     max_steps: int
     loss: float | None
+    eval_loss: float | None
     tokens_per_s: float | None
     last_checkpoint_step: int | None
     steps_lost: int
@@ -118,6 +119,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         step=progress.step,
         max_steps=record.max_steps,
         loss=progress.loss,
+        eval_loss=progress.eval_loss,
         tokens_per_s=progress.tokens_per_s,
         last_checkpoint_step=progress.last_checkpoint_step,
         steps_lost=progress.steps_lost,

@@ -10,22 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from distributed import committed_model_state, run_ranks
+from distributed import committed_model_state, run_ranks, train_worker as _worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, STOP_AT = 10, 4
-
-
-def _worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
-    os.environ.update(env)
-    from fsdpjob.jobs.train import run
-
-    try:
-        run(run_dir)
-    except SystemExit as exc:  # the stop path leaves without a result, as under Slurm
-        return int(exc.code or 0)
-    return 0
 
 
 def _worker_signalled_while_importing(rank: int, world_size: int, run_dir: str, env: dict) -> int:

@@ -1,0 +1,47 @@
+"""Evaluation during training: which steps evaluate, the eval loss (jobs/step.py eval_loss), and its log line."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .data import SequenceTable, eval_batches
+from .metrics import Reporter
+from .step import eval_loss
+
+
+class Evaluator:
+    """Evaluates at every ``eval_every`` steps and at the end; every method runs on all ranks.
+
+    The schedule depends on the step alone, so a resumed or resharded run evaluates at the same steps. The
+    micro-batches are made once: the same rows every evaluation.
+    """
+
+    def __init__(self, model: torch.nn.Module, table: SequenceTable, *, eval_every: int, max_batches: int,
+                 micro_batch_size: int, rank: int, world_size: int, device: torch.device, report: Reporter):
+        self.model, self.device, self.report = model, device, report
+        self.eval_every = eval_every
+        self.batches = eval_batches(table, micro_batch_size=micro_batch_size, max_batches=max_batches,
+                                    dp_rank=rank, dp_world=world_size)
+        self.last: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation of this start
+
+    def maybe_run(self, step: int) -> None:
+        if step % self.eval_every == 0:
+            self.run(step)
+
+    def run_final(self, step: int, start_step: int) -> None:
+        """After the last step: evaluate unless this start trained no step or already evaluated this one."""
+        if step > start_step and (self.last is None or self.last[0] != step):
+            self.run(step)
+
+    def run(self, step: int) -> float:
+        started = time.time()
+        loss, tokens = eval_loss(self.model, self.batches, self.device)
+        self.report.on_eval(step, loss, tokens, time.time() - started)
+        self.last = (step, loss)
+        return loss
+
+    def loss_at(self, step: int) -> float | None:
+        """The eval loss of ``step`` when this start evaluated it (what a checkpoint of that step records)."""
+        return self.last[1] if self.last is not None and self.last[0] == step else None
