@@ -1,0 +1,115 @@
+"""A bare FSDP2 training loop, the baseline of bench/worker_throughput.py: launch it with torchrun.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bare_fsdp2.py --model DIR --data FILE.jsonl \
+        [--seq-len 128] [--micro-batch 4] [--steps 20] [--activation-checkpointing] [--out times.json]
+
+What a user writes from the PyTorch FSDP2 tutorial, and nothing of fsdpjob: every rank loads the Hugging
+Face folder with ``from_pretrained`` (fp32), optionally wraps each decoder layer in torch's
+``checkpoint_wrapper`` (NO_REENTRANT, as jobs/parallelize.py does), ``fully_shard`` per decoder layer then
+the root (fp32, no mixed precision policy, reshard after forward), AdamW (betas 0.9/0.95, no weight
+decay, constant LR); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),
+backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``, ``loss.item()``.
+
+The data: the JSONL's ``text`` field tokenized with the model folder's tokenizer, each line as
+bos + tokens + eos, concatenated and cut into rows of ``seq_len`` (fsdpjob's packing), read in order
+(fsdpjob with ``data.shuffle: false`` reads the same rows): step s gives rank r the rows
+s*G + r*B ... s*G + r*B + B - 1 (B micro batch, G = B * world). So both see the same token ids per
+step, and step 1's loss (same weights) must agree.
+
+Rank 0 writes ``--out``: the wall-clock time after each step, the per-step loss (mean over ranks) and
+tokens per step (sequences x seq_len).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def packed_rows(model_dir: str, data: str, seq_len: int, rows_needed: int):
+    """The first ``rows_needed`` full rows of fsdpjob's packing of ``data`` ([rows, seq_len] int64 tensor)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    with open(data, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                ids += bos + tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"] + eos
+                if len(ids) >= rows_needed * seq_len:
+                    break
+    if len(ids) < rows_needed * seq_len:
+        raise SystemExit(f"{data} packs into {len(ids) // seq_len} rows of {seq_len}; {rows_needed} needed")
+    return torch.tensor(ids[: rows_needed * seq_len], dtype=torch.long).view(rows_needed, seq_len)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--out", type=Path, help="rank 0 writes step times and losses here (JSON)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    per_step = args.micro_batch * world
+    rows = packed_rows(args.model, args.data, args.seq_len, per_step * args.steps)
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    layers = model.model.layers
+    if args.activation_checkpointing:
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    times, losses = [time.time()], []
+    for step in range(args.steps):
+        start = step * per_step + rank * args.micro_batch
+        batch = rows[start : start + args.micro_batch]
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.time())
+
+    mean = torch.tensor(losses)
+    dist.all_reduce(mean)
+    if rank == 0 and args.out:
+        info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                "model_type": type(model).__name__, "params": sum(p.numel() for p in model.parameters())}  # DTensor: global
+        args.out.write_text(json.dumps({"times": times, "losses": (mean / world).tolist(),
+                                        "tokens_per_step": per_step * args.seq_len, "info": info}))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
