@@ -32,6 +32,9 @@ With activation checkpointing (``--ac on``): fsdpjob's ``model.activation_checkp
 ``gradient_checkpointing=True``. fsdpjob reads its data with ``data.shuffle: false`` so that every case
 sees the same token ids per step (step 1's loss agrees; the Trainer's sampler is sequential too).
 
+The fsdpjob spec sets ``fsdp.collective_timeout_s: 180`` (a failed rank's peers give up after 3 minutes, not
+10; no effect on a step), and a failed run is run once more (its note says so).
+
 Runs alternate (for each round: every size, AC setting and case in turn); each case's figure is the
 median over rounds of tokens/s over the steps after the warm-up (from the step-end time stamps of rank
 0), and of tokens per CPU-second of both rank processes over the same steps (their /proc CPU time,
@@ -281,7 +284,7 @@ def fsdpjob_command(setup: Setup, case: str, size: str, ac: bool, out: Path) -> 
     model, data = setup.assets[size]
     spec = job_spec(f"throughput-{size}-{'ac' if ac else 'noac'}", model, data, seq_len=SEQ_LEN,
                     micro_batch=MICRO_BATCH, max_steps=setup.steps[size][0], resources={"tasks_per_node": RANKS},
-                    fsdp={"mixed_precision": "fp32"},
+                    fsdp={"mixed_precision": "fp32", "collective_timeout_s": 180},
                     train={"grad_accum_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.0})  # fmt: skip
     spec["model"].update(dtype="float32", activation_checkpointing=ac)
     spec["data"]["shuffle"] = False  # the bare loop's order: the same token ids per step
@@ -405,9 +408,9 @@ def read_outcome(case: str, out: Path) -> tuple[dict[int, float], float, dict]:
     return ends, first[1] if isinstance(first, list) else first, record.get("info", {})
 
 
-def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int) -> Result:
+def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: int = 1) -> Result:
     result = Result(case, size, ac, rnd, load=os.getloadavg()[0])
-    out = setup.root / "runs" / f"r{rnd}-{size}-{'ac' if ac else 'noac'}-{case}"
+    out = setup.root / "runs" / f"r{rnd}-{size}-{'ac' if ac else 'noac'}-{case}{'' if attempt == 1 else f'-{attempt}'}"
     out.mkdir(parents=True)
     if case.startswith("fsdpjob"):
         cmd, env = fsdpjob_command(setup, case, size, ac, out)
@@ -718,6 +721,10 @@ def main() -> int:
         results = []
         for rnd, size, ac, case in plan:
             result = run_case(setup, case, size, ac, rnd)
+            if result.error:  # once more (a run folder of its own): one failure must not cost a round
+                first = result.error
+                result = run_case(setup, case, size, ac, rnd, attempt=2)
+                result.note = "; ".join(filter(None, [result.note, f"attempt 2; attempt 1 failed: {first[:1500]}"]))
             results.append(result)
             print(f"  round {rnd} {size:>4} AC {'on ' if ac else 'off'} {case:<9} "
                   f"{fmt(result.rate, '8.0f')} tok/s  loss@1 {fmt(result.loss1, '.4f')}  wall {fmt(result.wall_s, '.0f')} s"
