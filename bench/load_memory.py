@@ -1,8 +1,8 @@
-"""Peak host memory per rank while loading a model into FSDP2: rank-0 read + broadcast vs every rank from_pretrained.
+"""Peak host memory per rank loading a model into FSDP2: own shards, rank-0 read + broadcast, every rank from_pretrained.
 
 Run: OMP_NUM_THREADS=1 python bench/load_memory.py [--ranks 2] [--layers 24] [--workdir DIR]
 Builds a random Llama (about 374M parameters with the defaults) saved in fp32 and in bf16, then loads each
-into fp32 FSDP2 shards with both methods, each run in fresh processes, and prints a table of
+into fp32 FSDP2 shards with each method, each run in fresh processes, and prints a table of
 VmHWM (peak resident set) above the baseline after imports and process-group setup.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 MIB = 2**20
-METHODS = ("rank0_broadcast", "every_rank_from_pretrained")
+METHODS = ("own_shards", "rank0_broadcast", "every_rank_from_pretrained")  # bench/weight_load.py: times too
 STORAGE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -47,7 +47,8 @@ def _worker(method: str, model_dir: str) -> None:
     baseline = _status_mib("VmHWM")
     start = time.perf_counter()
     options = dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False)
-    if method == "rank0_broadcast":
+    if method in ("own_shards", "rank0_broadcast"):
+        os.environ["FSDPJOB_WEIGHT_LOAD"] = "sharded" if method == "own_shards" else "rank0"
         model = load_model(
             model_dir, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa", mixed_precision="fp32", **options
         )
@@ -74,13 +75,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(method: str, model_dir: Path, ranks: int) -> list[dict]:
+def _run(method: str, model_dir: Path, ranks: int, script: str = __file__) -> list[dict]:
+    """``script --worker METHOD MODEL_DIR`` on ``ranks`` local processes; their RESULT lines, by rank."""
     port = str(_free_port())
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        argv = [sys.executable, __file__, "--worker", method, str(model_dir)]
+        argv = [sys.executable, script, "--worker", method, str(model_dir)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     results = []
     for proc in procs:

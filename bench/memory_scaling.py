@@ -10,7 +10,7 @@ runs) to read /proc/self/status:
 
 * baseline: VmRSS after importing torch, transformers and the worker, before run();
 * pg init: VmRSS growth over init_distributed (gloo's buffers for its peers), shown apart;
-* load peak: VmHWM at the first step (process group, meta init, FSDP wrap, rank-0 read and broadcast);
+* load peak: VmHWM at the first step (process group, meta init, FSDP wrap, weight read);
 * train peak: VmHWM over the training steps, after resetting it at the first step
   (/proc/self/clear_refs); this also resets the peak_mem_mb the worker logs;
 * model state: bytes of this rank's parameter shards, as much again for the gradient shards

@@ -2,7 +2,7 @@
 
 Each case writes a small random Llama (config.json + safetensors), plans it with ``make_plan`` (CPU mode: the device
 is host memory per rank) and runs the worker itself on spawned gloo ranks: ``jobs.model.load_model`` (meta init,
-activation checkpointing, ``fully_shard`` per layer then the root, rank-0 read and broadcast), AdamW as
+activation checkpointing, ``fully_shard`` per layer then the root, each rank reading its own weight shards), AdamW as
 ``jobs/train.py`` builds it, and two ``jobs.train.train_step`` calls (forward, loss, backward, clipping, step).
 Measured = peak RSS (VmHWM, reset through /proc/self/clear_refs) above the RSS after imports, process group and a
 warm-up step of a one-layer model; predicted = the plan's per-rank peak without its fixed process item. The load

@@ -25,26 +25,7 @@ from fsdpjob.orchestrator.devcluster.manage import lift_requeue_hold
 
 import yaml
 
-
-def cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "fsdpjob.orchestrator.cli", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"fsdpjob {' '.join(args)} failed:\n{proc.stderr}")
-    return proc.stdout
-
-
-def status(run_id: str) -> dict:
-    return json.loads(cli("status", run_id, "--json"))
-
-
-def poll(predicate, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise SystemExit(f"timed out waiting for {what}")
+from devjobs import cli, poll, status  # bench/devjobs.py (this folder is on sys.path)
 
 
 def main() -> None:

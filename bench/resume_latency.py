@@ -12,7 +12,7 @@ clock, from just before the parent spawns the ranks:
   each import (torch; transformers and AutoModelForCausalLM; the Llama model class, which
   transformers imports lazily; the worker modules);
 * the worker's own phases: time stamps around the real functions run() calls (init_distributed,
-  load_model and inside it apply_fsdp, the rank-0 read and the broadcast, load_or_build (the packed
+  load_model and inside it apply_fsdp and each rank's read of its own weight shards, load_or_build (the packed
   data: read back from the run's cache on a restart), CheckpointManager's constructor, find_resume and
   load, the first train_step), wrapped in place;
 * the worker's events.jsonl (start, resume, ready with setup_s) and its first metrics.jsonl line.
@@ -54,9 +54,8 @@ PHASES = [
     ("device mesh", "load_model.start"),
     ("model: config + meta init", "apply_fsdp.start"),
     ("model: fully_shard per layer + root", "apply_fsdp.end"),
-    ("model: to_empty + non-persistent buffers", "read_on_rank0.start"),
-    ("model: rank-0 safetensors read", "read_on_rank0.end"),
-    ("model: broadcast into shards", "set_model_state_dict.end"),
+    ("model: to_empty + non-persistent buffers", "load_sharded.start"),
+    ("model: each rank reads its own safetensors shards", "load_sharded.end"),
     ("optimizer, scheduler, tokenizer load", "load_or_build.start"),
     ("data: packed table (the run's cache on a restart)", "load_or_build.end"),
     ("checkpoint manager (its own gloo group)", "checkpoint_manager.end"),
@@ -103,8 +102,7 @@ def rank_main(run_dir: Path, entered: float) -> None:
     _timed(train, "init_distributed", "init_distributed", marks)
     _timed(train, "load_model", "load_model", marks)
     _timed(model, "apply_fsdp", "apply_fsdp", marks)
-    _timed(model, "_read_on_rank0", "read_on_rank0", marks)
-    _timed(model, "set_model_state_dict", "set_model_state_dict", marks)
+    _timed(model, "load_sharded", "load_sharded", marks)
     _timed(train, "load_or_build", "load_or_build", marks)
     _timed(train.CheckpointManager, "__init__", "checkpoint_manager", marks)
     _timed(train.CheckpointManager, "find_resume", "find_resume", marks)

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.ckptlayout import (
@@ -44,6 +43,8 @@ from fsdpjob.orchestrator.core.ckptlayout import (
 )
 from fsdpjob.orchestrator.core.fileio import write_atomic
 
+from .ckpt_io import CheckpointReader
+from .ckpt_staging import StagingGate, stage_in_background, start_async_save
 from .ckpt_state import DictState, ModelOptimState, RNGState
 from .ckpt_verify import CheckpointError, newest_valid_step, select_checkpoint
 from .ckpt_verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
@@ -113,10 +114,10 @@ class CheckpointManager:
         self.hooks = hooks
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
-        # Async saves copy the state into host buffers kept between saves (pinned on CUDA): later
-        # saves then block only for a memcpy, not for allocating and faulting in fresh memory.
-        staging = StagingOptions(torch.cuda.is_available(), False, False, False)
-        self._stager = DefaultStager(staging) if async_save else None
+        # Async saves copy the state in the background into host buffers kept between saves; the next optimizer
+        # step waits for the copy (jobs/ckpt_staging.py).
+        self._stager = stage_in_background(torch.cuda.is_available()) if async_save else None
+        self._gate: StagingGate | None = None
         self._pending: tuple[int, dict[str, Any], Future, float] | None = None
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
@@ -159,11 +160,12 @@ class CheckpointManager:
                 self.purge()
             self._barrier()
             return True
-        future = dcp.async_save(
+        future, self._gate = start_async_save(
             state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
         )
         self._last_step = step
-        log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.monotonic() - started)
+        log.info("checkpoint step %d: copying and writing in the background (%.2f s in the loop)", step,
+                 time.monotonic() - started)
         if self.rank == 0:
             # Rank 0's save finishes only after DCP gathered every rank's write results, so its own
             # completion is the moment all shards are on disk: commit then, not at the next wait().
@@ -187,6 +189,9 @@ class CheckpointManager:
         except Exception as exc:
             self._last_step = None
             raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
+        finally:
+            if self._gate is not None:
+                self._gate.release()  # the copy is over (the write waited for it)
         if self.rank == 0:
             self._commit_if_done(future, step, facts, started)
             self.purge()
@@ -272,7 +277,7 @@ class CheckpointManager:
                 value.expect_keys(name, saved)
         started = time.monotonic()
         with single_process_dcp():
-            reader = FileSystemReader(str(step_dir))
+            reader = CheckpointReader(str(step_dir))  # plain DCP files, read straight into the state
             dcp.load(state, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
         self._last_step = sidecar["step"]
         log.info(

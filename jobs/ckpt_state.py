@@ -11,25 +11,32 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
 class ModelOptimState(Stateful):
-    """Sharded model and optimizer state through get_state_dict/set_state_dict (works with FSDP2)."""
+    """Sharded model and optimizer state through get_state_dict/set_state_dict (works with FSDP2).
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    ``trainable_only`` (LoRA): only parameters that train are saved and loaded; the frozen base comes from the
+    model folder on every start. The load is not strict about the frozen ones, but DCP still fails on any
+    trainable key the checkpoint lacks, since those are exactly the keys state_dict() asks it for.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
+            options=self.options,
         )
 
 

@@ -12,7 +12,10 @@ import jinja2
 import torch
 
 from fsdpjob.orchestrator.core.inputs import RecordError, iter_records
+from fsdpjob.orchestrator.core.dataspec import FieldOptions
 from fsdpjob.orchestrator.core.spec import DataSpec
+
+from .mixture import epoch_rows, epoch_size
 
 IGNORE = -100  # label value the HF loss skips
 
@@ -41,6 +44,9 @@ class SequenceTable:
     labels: torch.Tensor  # [N, L] long, IGNORE on padding and masked tokens
     num_examples: int
     truncated: int  # examples cut short to fit seq_len (packing=False only)
+    # A mixture (data.sources): each row's source, and the sources' weights (mixture.py draws epochs from them).
+    source: torch.Tensor | None = None  # [N] long
+    weights: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -183,11 +189,16 @@ def _chat_examples(records: list[tuple[int, dict]], tokenizer: Any, path: str) -
 
 def read_examples(data: DataSpec, tokenizer: Any) -> list[Example]:
     """Tokenize every line of ``data.path``. Each example ends with eos (when the tokenizer has one)."""
-    records = _load_records(data)
+    return examples_from_records(_load_records(data), data, tokenizer, data.path)
+
+
+def examples_from_records(records: list[tuple[int, dict]], data: FieldOptions, tokenizer: Any,
+                          path: str | Path) -> list[Example]:
+    """Tokenize records (line, fields by role) of ``data``'s shape; DataErrors name ``path`` and the line."""
     if data.shape == "prompt_completion":
         return _prompt_completion_examples(records, tokenizer)
     if data.shape == "chat":
-        return _chat_examples(records, tokenizer, data.path)
+        return _chat_examples(records, tokenizer, path)
     return _text_examples(records, tokenizer)
 
 
@@ -237,7 +248,8 @@ class BatchStream:
     epoch). Position p of the stream is row perm_{p // N}[p % N]. A step takes the next G =
     micro_batch_size * grad_accum_steps * dp_world positions; rank r takes the r-th contiguous block
     of them. Only the position counter is state, so a resume with any dp_world (and even another G)
-    continues at the exact next sample.
+    continues at the exact next sample. A mixture's epoch (table.source set) is the sources' weighted
+    shares instead of a permutation of the rows; mixture.py makes it from (seed, epoch) alone.
     """
 
     def __init__(
@@ -264,6 +276,8 @@ class BatchStream:
         self.dp_world = dp_world
         self.samples_consumed = 0
         self._perms: dict[int, torch.Tensor] = {}
+        # Rows an epoch takes: the table's, or with a mixture the sources' shares of it (mixture.py).
+        self.epoch_size = len(table) if table.source is None else epoch_size(table.source, table.weights)
 
     @property
     def global_batch_size(self) -> int:
@@ -272,12 +286,15 @@ class BatchStream:
     @property
     def epoch(self) -> float:
         """Passes over the data so far (fractional)."""
-        return self.samples_consumed / len(self.table)
+        return self.samples_consumed / self.epoch_size
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
             n = len(self.table)
-            if self.shuffle:
+            if self.table.source is not None:
+                perm = epoch_rows(self.table.source, self.table.weights, seed=self.seed, epoch=epoch,
+                                  shuffle=self.shuffle)
+            elif self.shuffle:
                 gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
                 perm = torch.randperm(n, generator=gen)
             else:
@@ -288,7 +305,7 @@ class BatchStream:
         return self._perms[epoch]
 
     def _rows(self, positions: torch.Tensor) -> torch.Tensor:
-        n = len(self.table)
+        n = self.epoch_size
         epochs = positions // n
         rows = torch.empty_like(positions)
         for epoch in epochs.unique().tolist():
@@ -353,7 +370,9 @@ def split_eval(table: SequenceTable, fraction: float, seed: int) -> EvalSplit:
     eval_rows, train_rows = perm[:n_eval].sort().values, perm[n_eval:].sort().values
 
     def take(rows: torch.Tensor) -> SequenceTable:
-        return SequenceTable(table.input_ids[rows], table.labels[rows], table.num_examples, table.truncated)
+        source = table.source[rows] if table.source is not None else None
+        return SequenceTable(table.input_ids[rows], table.labels[rows], table.num_examples, table.truncated, source,
+                             table.weights)
 
     return EvalSplit(take(train_rows), take(eval_rows), train_rows, eval_rows)
 

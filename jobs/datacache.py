@@ -4,9 +4,10 @@ Every start tokenizes and packs the whole data file on every rank; on a real dat
 of each requeue. The first start still does (ranks work in parallel, so nobody waits for rank 0 under a
 collective timeout), and rank 0 saves the packed table in the run folder as safetensors. Every later
 start (requeue after preemption or time limit, resume) reads it back, on every rank, when its key
-matches: the data file's bytes, the tokenizer's files, the data settings and the pad id. A cache that is
-missing, stale or unreadable is rebuilt, never trusted; a half-written one never exists (write, fsync,
-rename). Without a shared run folder the other nodes simply keep tokenizing themselves.
+matches: the names and bytes of every data file (each source's), the tokenizer's files, the data settings
+(sources and weights included) and the pad id. A cache that is missing, stale or unreadable is rebuilt,
+never trusted; a half-written one never exists (write, fsync, rename). Without a shared run folder the
+other nodes simply keep tokenizing themselves.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 from fsdpjob.orchestrator.core.spec import DataSpec
 
 from .data import SequenceTable
+from .datasources import data_files
 from .model import side_files
 
 log = logging.getLogger("fsdpjob.data")
@@ -45,7 +47,9 @@ def table_key(data: DataSpec, model_path: str | Path, pad_id: int) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"format": FORMAT, "data": data.model_dump(mode="json"), "pad_id": pad_id},
                         sort_keys=True).encode())
-    _hash_file(h, Path(data.path))
+    for path in data_files(data):  # every source's files, named: a renamed or added file changes the order
+        h.update(str(path).encode() + b"\0")
+        _hash_file(h, path)
     for path in side_files(Path(model_path)):
         h.update(path.name.encode() + b"\0")
         _hash_file(h, path)
@@ -63,9 +67,11 @@ def _read(path: Path, key: str) -> SequenceTable | None:
             if meta.get("key") != key:
                 return None
             ids, labels = f.get_tensor("input_ids"), f.get_tensor("labels")
+            source = f.get_tensor("source") if "source" in f.keys() else None  # a mixture's
         if ids.shape != labels.shape or ids.dim() != 2 or ids.dtype != torch.long:
             return None
-        return SequenceTable(ids, labels, int(meta["num_examples"]), int(meta["truncated"]))
+        weights = tuple(json.loads(meta["weights"])) if source is not None else None
+        return SequenceTable(ids, labels, int(meta["num_examples"]), int(meta["truncated"]), source, weights)
     except (OSError, KeyError, ValueError, SafetensorError) as exc:
         log.warning("data cache %s unreadable (%s); tokenizing again", path, exc)
         return None
@@ -75,8 +81,11 @@ def _write(cache_dir: Path, key: str, table: SequenceTable) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = _cache_file(cache_dir, key)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"input_ids": table.input_ids.contiguous(), "labels": table.labels.contiguous()}, tmp,
-              metadata={"key": key, "num_examples": str(table.num_examples), "truncated": str(table.truncated)})
+    tensors = {"input_ids": table.input_ids.contiguous(), "labels": table.labels.contiguous()}
+    meta = {"key": key, "num_examples": str(table.num_examples), "truncated": str(table.truncated)}
+    if table.source is not None:
+        tensors["source"], meta["weights"] = table.source.contiguous(), json.dumps(list(table.weights))
+    save_file(tensors, tmp, metadata=meta)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -39,9 +39,10 @@ class DistEnv:
         return self.rank == 0
 
 
-def port_for_job(job_id: str) -> int:
-    """Rendezvous port from the job id alone: every rank, and every requeued run, agrees without talking."""
-    return random.Random(job_id).randint(*_PORT_RANGE)
+def port_for_job(job_id: str, launch: int = 0) -> int:
+    """Rendezvous port from the job id alone: every rank, and every requeued run, agrees without talking.
+    A restart inside the allocation (launch > 0) takes another port: the killed launch's may linger."""
+    return random.Random(job_id if not launch else f"{job_id}+{launch}").randint(*_PORT_RANGE)
 
 
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
@@ -82,6 +83,11 @@ def resolve_master_addr(node: str) -> str:
 def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:
     import submitit
 
+    if worker.on_slurm and os.environ.get("SLURM_STEP_NODELIST") and os.environ.get("SLURM_STEP_NUM_NODES"):
+        # submitit reads the job's node list and count; a step the supervisor shrank (a node lost, see
+        # orchestrator/supervise) runs on fewer: the rendezvous host and ranks per node follow the step's.
+        os.environ["SLURM_JOB_NODELIST"] = os.environ["SLURM_STEP_NODELIST"]
+        os.environ["SLURM_JOB_NUM_NODES"] = os.environ["SLURM_STEP_NUM_NODES"]
     job_env = submitit.JobEnvironment()
     if worker.on_slurm:
         master_addr = resolve_master_addr(job_env.hostnames[0])
@@ -95,7 +101,7 @@ def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:
         local_world_size=job_env.num_tasks // job_env.num_nodes,
         master_addr=master_addr,
         # Ignore an inherited MASTER_PORT: sbatch exports the submitting shell's environment.
-        master_port=port_for_job(job_env.job_id),
+        master_port=port_for_job(job_env.job_id, worker.launch),
         backend=backend,
         device=device,
     )

@@ -16,9 +16,16 @@ class TrainJob:
         from .preemption import StopFlag
 
         stop = StopFlag(_stop_signal(self.run_dir))
+        _start_heartbeat(self.run_dir)  # before the heavy imports too: a hang there is a setup hang
         from .train import run
 
-        return run(self.run_dir, stop=stop)
+        try:
+            result = run(self.run_dir, stop=stop)
+        except SystemExit:  # every rank leaves together after a stop checkpoint (preemption.exit_after_stop)
+            _heartbeat_exited()
+            raise
+        _heartbeat_exited()
+        return result
 
     def checkpoint(self, *args, **kwargs):
         """submitit's requeue hook. fsdpjob replaces submitit's signal handlers on every rank, so this only
@@ -40,3 +47,21 @@ def _stop_signal(run_dir: str) -> str:
         return json.loads((Path(run_dir) / "spec.json").read_text())["spec"]["preemption"]["signal"]
     except (OSError, ValueError, KeyError, TypeError):
         return "USR2"
+
+
+def _start_heartbeat(run_dir: str) -> None:
+    """Under the in-allocation supervisor (orchestrator/supervise), start this rank's heartbeat thread."""
+    import os
+
+    if os.environ.get("FSDPJOB_SUPERVISED") != "1":
+        return
+    from fsdpjob.orchestrator.core import heartbeat
+
+    rank = int(os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID") or 0)
+    heartbeat.start(run_dir, rank=rank, launch=int(os.environ.get("FSDPJOB_LAUNCH") or 0))
+
+
+def _heartbeat_exited() -> None:
+    from fsdpjob.orchestrator.core import heartbeat
+
+    heartbeat.current().exited()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from fsdpjob.orchestrator.core import heartbeat
 
 from .data import SequenceTable, eval_batches
 from .metrics import Reporter
@@ -36,6 +37,7 @@ class Evaluator:
             self.run(step)
 
     def run(self, step: int) -> float:
+        heartbeat.enter(heartbeat.EVAL)
         started = time.time()
         loss, tokens = eval_loss(self.model, self.batches, self.device)
         self.report.on_eval(step, loss, tokens, time.time() - started)

@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -93,14 +93,26 @@ def _copy_side_files(model_dir: Path, out_dir: Path) -> None:
 
 
 def export_hf(
-    step_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bf16", max_shard_bytes: int = 2**30
+    step_dir: Path, model_dir: Path, out_dir: Path, dtype: str = "bf16", max_shard_bytes: int = 2**30,
+    merge: bool = False,
 ) -> Path:
     """Write ``out_dir`` as a Hugging Face model folder from the model weights of a DCP step folder.
 
     Loads at most one shard's worth of tensors at a time; no consolidated file is written. The
     folder appears atomically (written next to it, then renamed). Returns ``out_dir``.
+    A LoRA checkpoint gives a peft adapter folder, or with ``merge`` the base model with the adapters merged in
+    (jobs/lora_export.py).
     """
     step_dir, model_dir, out_dir = Path(step_dir), Path(model_dir), Path(out_dir)
+    lora = read_sidecar(step_dir).get("fingerprint", {}).get("model.lora")
+    if merge and lora is None:
+        raise ExportError(f"{step_dir}: --merge applies to LoRA checkpoints and this one holds every weight; "
+                          "export it without --merge")
+    write = _write_folder
+    if lora is not None:
+        from .lora_export import lora_writer
+
+        write = lora_writer(lora, merge)
     if dtype not in DTYPES:
         raise ExportError(f"unknown export dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
@@ -112,7 +124,7 @@ def export_hf(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        shard_count = _write_folder(step_dir, model_dir, staging, target, max_shard_bytes)
+        shard_count = write(step_dir, model_dir, staging, target, max_shard_bytes)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -129,11 +141,21 @@ def _write_folder(step_dir: Path, model_dir: Path, out: Path, target: torch.dtyp
     if config.get("tie_word_embeddings", False):
         entries.pop("lm_head.weight", None)  # from_pretrained re-ties it to the input embeddings
     sizes = {n: _export_nbytes(m, target) for n, m in entries.items()}
+    count = write_shards(out, sizes, lambda names: _load_group(step_dir, prefix, entries, names), target,
+                         max_shard_bytes)
+    _copy_side_files(model_dir, out)
+    return count
+
+
+def write_shards(out: Path, sizes: dict[str, int], load: Callable[[list[str]], dict[str, torch.Tensor]],
+                 target: torch.dtype, max_shard_bytes: int) -> int:
+    """Write the tensors named in ``sizes`` (bytes each, in ``target``) as sharded safetensors and their index
+    into ``out``, which already holds config.json; ``load(names)`` gives one shard's tensors at a time."""
     shards = _plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     for index, names in enumerate(shards, start=1):
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: _cast(t, target) for n, t in _load_group(step_dir, prefix, entries, names).items()}
+        tensors = {n: _cast(t, target).contiguous() for n, t in load(names).items()}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         shutil.copymode(out / "config.json", out / file_name)  # safetensors creates 0600; share like the rest
         weight_map.update(dict.fromkeys(names, file_name))
@@ -141,7 +163,6 @@ def _write_folder(step_dir: Path, model_dir: Path, out: Path, target: torch.dtyp
         log.info("export: wrote %s (%d tensors)", file_name, len(names))
     index_doc = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2) + "\n")
-    _copy_side_files(model_dir, out)
     return len(shards)
 
 
@@ -154,7 +175,8 @@ def _cast(tensor: torch.Tensor, target: torch.dtype) -> torch.Tensor:
     return tensor.to(target) if tensor.is_floating_point() else tensor
 
 
-def export_from_path(path: Path, out_dir: Path, dtype: str = "bf16", model_dir: Path | None = None) -> Path:
+def export_from_path(path: Path, out_dir: Path, dtype: str = "bf16", model_dir: Path | None = None,
+                     merge: bool = False) -> Path:
     """Export from a step folder, a checkpoint root, or a run folder (newest verified step).
 
     The original model folder defaults to the ``model_path`` recorded in the checkpoint's sidecar.
@@ -166,7 +188,7 @@ def export_from_path(path: Path, out_dir: Path, dtype: str = "bf16", model_dir: 
         if not recorded:
             raise ExportError(f"{step_dir}: the checkpoint does not record the model folder; pass it with --model-dir")
         model_dir = Path(recorded)
-    export_hf(step_dir, Path(model_dir), Path(out_dir), dtype)
+    export_hf(step_dir, Path(model_dir), Path(out_dir), dtype, merge=merge)
     return step_dir
 
 
@@ -176,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--model-dir", type=Path, help="original model folder (default: recorded in the checkpoint)")
+    parser.add_argument("--merge", action="store_true", help="LoRA: merge the adapters into the base model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        step_dir = export_from_path(args.path, args.out, args.dtype, args.model_dir)
+        step_dir = export_from_path(args.path, args.out, args.dtype, args.model_dir, merge=args.merge)
     except CheckpointError as exc:
         parser.exit(2, f"error: {exc}\n")
     print(f"exported {step_dir} -> {args.out}")

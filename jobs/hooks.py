@@ -7,6 +7,10 @@
   file is written and before they report it, so a test can kill a rank mid-save.
   ``FSDPJOB_FAULT_SAVE_RANK=<r>`` limits it to one rank, ``FSDPJOB_FAULT_SAVE_STEP=<n>`` to one step.
   Each pause logs ``fault injection: rank R pausing ...``.
+- ``FSDPJOB_FAULT_DATA_HANG_STEP=<n>``: before training step n+1, rank ``FSDPJOB_FAULT_DATA_HANG_RANK`` (default 0)
+  sleeps forever where it fetches its batch (a rank stuck in the data path).
+The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
+then runs clean, as after a real transient fault.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
+from .ckpt_io import CheckpointWriter
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -39,28 +43,39 @@ class TestHooks:
     save_pause_s: float = 0.0
     save_pause_rank: int | None = None  # None: every rank
     save_pause_step: int | None = None  # None: every step
+    data_hang_step: int | None = None
+    data_hang_rank: int = 0
 
     @classmethod
     def from_env(cls) -> TestHooks:
         env = os.environ
+        faults = int(env.get("FSDPJOB_LAUNCH") or 0) == 0
         return cls(
             stop_at_step=int(env.get("FSDPJOB_STOP_AT_STEP") or 0),
             log_samples=bool(env.get("FSDPJOB_LOG_SAMPLES")),
-            save_pause_s=float(env.get("FSDPJOB_FAULT_SAVE_PAUSE_S") or 0),
+            save_pause_s=float(env.get("FSDPJOB_FAULT_SAVE_PAUSE_S") or 0) if faults else 0.0,
             save_pause_rank=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_RANK")),
             save_pause_step=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_STEP")),
+            data_hang_step=_int_or_none(env.get("FSDPJOB_FAULT_DATA_HANG_STEP")) if faults else None,
+            data_hang_rank=int(env.get("FSDPJOB_FAULT_DATA_HANG_RANK") or 0),
         )
 
-    def storage_writer(self, step_dir: Path, *, rank: int, step: int) -> FileSystemWriter:
+    def maybe_hang_in_data(self, step: int, rank: int) -> None:
+        if self.data_hang_step == step and self.data_hang_rank == rank:
+            log.warning("fault injection: rank %d hanging in the data path before step %d", rank, step + 1)
+            while True:
+                time.sleep(3600)
+
+    def storage_writer(self, step_dir: Path, *, rank: int, step: int) -> CheckpointWriter:
         """DCP's file writer for this rank's save of ``step``; one that pauses when the fault hook says so."""
         pauses = self.save_pause_s > 0 and self.save_pause_rank in (None, rank) and self.save_pause_step in (None, step)
         if pauses:
             return _PausingWriter(step_dir, pause_s=self.save_pause_s, rank=rank, step=step)
-        return FileSystemWriter(str(step_dir))
+        return CheckpointWriter(str(step_dir))
 
 
-class _PausingWriter(FileSystemWriter):
-    """FileSystemWriter that sleeps after writing this rank's shard, before DCP reports it."""
+class _PausingWriter(CheckpointWriter):
+    """CheckpointWriter that sleeps after writing this rank's shard, before DCP reports it."""
 
     def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
         super().__init__(str(path))

@@ -1,5 +1,5 @@
 """Rank-0 progress reporting: which steps are logged and their window figures, console lines, metrics.jsonl,
-events.jsonl, and TensorBoard when installed."""
+events.jsonl, TensorBoard when installed, and the spec's W&B and MLflow trackers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import torch
 from fsdpjob.orchestrator.core import runlog
 
 if TYPE_CHECKING:
+    from fsdpjob.orchestrator.core.spec import JobSpec
+
     from .step import StepValues
+    from .trackers import Trackers
 
 log = logging.getLogger("fsdpjob.train")
 
@@ -52,6 +55,7 @@ class Reporter:
 
     def __init__(self, run_dir: Path, *, enabled: bool, max_steps: int, log_every: int = 1):
         self.enabled = enabled
+        self._trackers: Trackers | None = None  # W&B and MLflow (open_trackers): the same scalars as TensorBoard
         self.run_dir = run_dir
         self.max_steps, self.log_every = max_steps, log_every
         self._flops_per_token, self._device, self._world_size = 0.0, torch.device("cpu"), 1
@@ -65,10 +69,19 @@ class Reporter:
             except Exception:  # noqa: BLE001 - TensorBoard is optional
                 self._tb = None
 
+    def open_trackers(self, spec: JobSpec) -> None:
+        """Open the spec's W&B and MLflow runs on the main rank (continuing this run's, after a restart)."""
+        if self.enabled:
+            from .trackers import Trackers
+
+            self._trackers = Trackers(spec, self.run_dir)
+
     def event(self, name: str, *, all_ranks: bool = False, **fields: object) -> None:
         """Append a lifecycle event; ``all_ranks`` lets any rank report (failures happen on any rank)."""
         if self.enabled or all_ranks:
             runlog.append(self.run_dir, name, **fields)
+            if self._trackers is not None:
+                self._trackers.on_event(name)
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def begin_training(self, step: int, *, flops_per_token: float, device: torch.device, world_size: int) -> None:
@@ -107,6 +120,8 @@ class Reporter:
         runlog.append_metric(self.run_dir, record)
         if self._tb is not None and finite is not None:
             self._tb.add_scalar("eval/loss", finite, step)
+        if self._trackers is not None and finite is not None:
+            self._trackers.log(step, {"eval/loss": finite})
         log.info("step %d/%d eval_loss %.4f over %d tokens in %.1f s", step, self.max_steps, loss, tokens, seconds)
 
     def step(self, step: int, values: dict[str, float], step_time_s: float) -> None:
@@ -123,6 +138,8 @@ class Reporter:
             for key, value in finite.items():
                 if value is not None:
                     self._tb.add_scalar(f"train/{key}", value, step)
+        if self._trackers is not None:
+            self._trackers.log(step, {f"train/{key}": value for key, value in finite.items() if value is not None})
         log.info(
             "step %d/%d loss %.4f lr %.3g grad_norm %.3g tok/s %.0f peak_mem %.0f MiB eta %s",
             step,
@@ -138,3 +155,5 @@ class Reporter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close()

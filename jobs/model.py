@@ -1,4 +1,4 @@
-"""Build a Hugging Face causal LM sharded from the start: meta init, FSDP2, rank-0 weight read and broadcast."""
+"""Build a Hugging Face causal LM sharded from the start: meta init, FSDP2, each rank reading its own shards."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from .dist import DistEnv
+from .lora import attach_lora
 from .parallelize import apply_fsdp
+from .weightload import load_sharded
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +224,13 @@ def load_model(
     reshard_after_forward: bool,
     activation_checkpointing: bool,
     cpu_offload: bool,
+    lora: Any = None,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``.
 
     No rank builds the full model: it is created on the meta device, sharded, then materialized shard by
-    shard; only rank 0 reads the weight files, and each tensor is broadcast and sliced into the shards.
+    shard; each rank reads its own shards of safetensors weights, or (stored names that need transformers'
+    conversion, LoRA, FSDPJOB_WEIGHT_LOAD=rank0) rank 0 reads them and each tensor is broadcast and sliced.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -238,6 +242,8 @@ def load_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)
+    # LoRA (spec model.lora): adapters injected before sharding, so FSDP2 wraps base and adapters together.
+    adapters = attach_lora(model, lora, draw_initial=env.is_main) if lora is not None else None
     apply_fsdp(
         model,
         mesh=mesh,
@@ -249,7 +255,13 @@ def load_model(
         cpu_offload=cpu_offload,
     )
     _materialize(model, env.device, cpu_offload)
+    # Safetensors: each rank reads only its own shards (jobs/weightload.py); otherwise rank 0 reads and broadcasts.
+    if adapters is None and load_sharded(model, path, expected, tie_groups):
+        log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
+        return model
     full = _read_on_rank0(env, path, expected, tie_groups)
+    if adapters is not None:
+        full = adapters.full_state_dict(full)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)

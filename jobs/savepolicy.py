@@ -9,7 +9,7 @@ from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import preemption
@@ -82,6 +82,7 @@ class Checkpointer:
         return int(flags[0]), bool(flags[1])
 
     def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
+        heartbeat.enter(heartbeat.SAVE)
         started = time.time()
         eval_loss = self.eval_loss_at(step) if self.eval_loss_at else None
         saved = self.ckpt.save(step, state, reason=reason, eval_loss=eval_loss)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fsdpjob.orchestrator import __version__
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.spec import JobSpec
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,12 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import preemption
 from .checkpoint import CheckpointManager
 from .ckpt_state import DictState, ModelOptimState, RNGState
-from .data import BatchStream, SequenceTable, build_sequences, read_examples, split_eval
+from .data import BatchStream, SequenceTable, split_eval
 from .datacache import load_or_build
+from .datasources import build_table, eval_spec
 from .dist import DistEnv, close_distributed, control_group, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter
+from .lora import checkpoint_fingerprint, trainable_parameters
 from .model import load_model, model_flops_per_token
 from .parallelize import build_mesh
 from .savepolicy import Checkpointer
@@ -92,6 +94,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     stop = stop or preemption.StopFlag(spec.preemption.signal)
     worker, hooks = WorkerEnv.from_env(), TestHooks.from_env()
     _setup_logging(worker.log_rank)
+    heartbeat.enter(heartbeat.PROCESS_GROUP)
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
     train = spec.train
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=train.max_steps, log_every=train.log_every)
@@ -100,7 +103,8 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         t_start = time.time()
         torch.manual_seed(train.seed)
         report.event(runlog.START, restart=worker.restart_count, world_size=env.world_size, job_id=worker.job_id,
-                     host=worker.host)
+                     host=worker.host, launch=worker.launch)
+        report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
         parts = build(spec, paths, env, report)
         state, model, scheduler = parts.state, parts.model, parts.scheduler
         ckpt = open_checkpoints(spec, paths, env, parts.mesh, hooks)
@@ -116,7 +120,10 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         while state.step < train.max_steps:
+            heartbeat.at_step(state.step, heartbeat.NEXT_BATCH)
+            hooks.maybe_hang_in_data(state.step, env.rank)
             micro_batches = stream.next_step()
+            heartbeat.enter(heartbeat.STEP)
             state.last = train_step(model, parts.optimizer, micro_batches, env.device, control=control,
                                     max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
             if hooks.log_samples:
@@ -131,6 +138,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             if signum := saver.maybe_save(state.step, app_state):
                 saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
 
+        heartbeat.at_step(state.step, heartbeat.FINISH)
         if evaluator:
             evaluator.run_final(state.step, start_step)
         saver.save_final(state.step, app_state)
@@ -155,18 +163,20 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
 def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> TrainParts:
     """The model (meta init on every rank, FSDP2 wrap, weights read on rank 0 and broadcast), its optimizer and
     LR schedule, the packed data, and counters for a fresh start."""
+    heartbeat.enter(heartbeat.MODEL_LOAD)
     mesh = build_mesh(env, spec.fsdp.replicate_degree)
     model = load_model(
         spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
         reshard_after_forward=spec.fsdp.reshard_after_forward,
         activation_checkpointing=spec.model.activation_checkpointing, cpu_offload=spec.fsdp.cpu_offload,
+        lora=spec.model.lora,
     )
     model.train()
     train = spec.train
     # Fused on CUDA: foreach AdamW holds one more shard-sized temporary (the planner assumes fused).
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+        trainable_parameters(model), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
         fused=env.device.type == "cuda" or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
@@ -184,14 +194,14 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
     in the packed data."""
     from transformers import AutoTokenizer
 
+    heartbeat.enter(heartbeat.DATA_LOAD)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_data = time.time()
 
     def packed(data, cache_dir: Path) -> tuple[SequenceTable, bool]:
         return load_or_build(data, spec.model.path, pad_id, cache_dir, is_main=env.is_main,
-                             build=lambda: build_sequences(read_examples(data, tokenizer), data.seq_len,
-                                                           data.packing, pad_id))
+                             build=lambda: build_table(data, tokenizer, pad_id))
 
     table, cached = packed(spec.data, paths.cache_dir)
     eval_table, train_rows, extra = None, None, {}
@@ -199,8 +209,7 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
         table, eval_table, train_rows, _ = split_eval(table, spec.data.eval_fraction, spec.train.seed)
     elif spec.data.eval_path is not None:
         # Its own cache folder: a cache folder keeps only its newest table.
-        eval_data = spec.data.model_copy(update={"path": spec.data.eval_path, "eval_path": None})
-        eval_table, _ = packed(eval_data, paths.cache_dir / "eval")
+        eval_table, _ = packed(eval_spec(spec.data), paths.cache_dir / "eval")
     if eval_table is not None:
         extra = {"eval_sequences": len(eval_table)}
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
@@ -223,7 +232,7 @@ def open_checkpoints(spec: JobSpec, paths: RunPaths, env: DistEnv, mesh: DeviceM
         rank=env.rank, world_size=env.world_size, keep_last=spec.checkpoint.keep_last,
         keep_best=spec.checkpoint.keep_best,
         async_save=spec.checkpoint.async_save, hooks=hooks,
-        sidecar={"spec_hash": spec.spec_hash(), "fingerprint": spec.model_fingerprint(),
+        sidecar={"spec_hash": spec.spec_hash(), "fingerprint": checkpoint_fingerprint(spec),
                  "world_size": env.world_size, "mesh_shape": list(mesh.shape), "fsdpjob_version": __version__,
                  "model_path": spec.model.path},
     )
@@ -237,9 +246,10 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     Two loads: the counters first, because the checkpoint's global batch (kept on any world size) sizes the
     data stream, which must exist before the second load restores its position.
     """
+    heartbeat.enter(heartbeat.CHECKPOINT_LOAD)
     state = parts.state
     resume_dir = (ckpt.resume_from(resume_from) if resume_from and not ckpt.has_committed()
-                  else ckpt.find_resume(spec.model_fingerprint()))
+                  else ckpt.find_resume(ckpt.sidecar["fingerprint"]))
     train_state = DictState(state, optional=TrainState.ADDED)
     if resume_dir is not None:
         ckpt.load(resume_dir, {"train": train_state})
@@ -247,7 +257,8 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                          micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
                          dp_rank=env.rank, dp_world=env.world_size)
-    app_state = {"model": ModelOptimState(parts.model, parts.optimizer), "scheduler": DictState(parts.scheduler),
+    model_state = ModelOptimState(parts.model, parts.optimizer, trainable_only=spec.model.lora is not None)
+    app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
                  "train": train_state, "data": DictState(stream),
                  "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
     if resume_dir is not None:

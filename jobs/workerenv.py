@@ -20,6 +20,7 @@ class WorkerEnv:
     restart_count: int  # how often Slurm has restarted the job (0 on its first run)
     log_rank: str  # the rank log lines show, known before the process group exists
     host: str
+    launch: int = 0  # the in-allocation supervisor's launch number (0: first; restarts count up)
 
     @classmethod
     def from_env(cls) -> WorkerEnv:
@@ -31,6 +32,7 @@ class WorkerEnv:
             restart_count=slurm_cli.restart_count(),
             log_rank=env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or env.get("RANK", "0"),
             host=os.uname().nodename,
+            launch=int(env.get("FSDPJOB_LAUNCH") or 0),
         )
 
     @property

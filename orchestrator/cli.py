@@ -190,6 +190,8 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
     if not fit.fits and not force:
         click.echo(format_plan(fit), err=True)
         raise PlanRefused("the planner says this job does not fit (see the plan above); apply a fix or pass --force")
+    if fit.refusal and not force:
+        raise PlanRefused(f"{spec}: {fit.refusal} (or pass --force)")
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
     sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,
@@ -217,34 +219,9 @@ def status(run: str | None, as_json: bool) -> None:
     if as_json:
         _echo_json(report.to_json())
         return
-    from fsdpjob.orchestrator.views.status import format_eta
+    from fsdpjob.orchestrator.views.display import status_text
 
-    r = report
-    lines = [
-        f"run        {r.run_id}  ({r.scheduler} job {r.job_id}, profile {r.profile})",
-        f"phase      {r.phase}  (scheduler: {r.scheduler_state}{', ' + r.reason if r.reason else ''})",
-        f"progress   step {r.step if r.step is not None else '-'}/{r.max_steps}"
-        + (f"  loss {r.loss:.4f}" if r.loss is not None else "")
-        + (f"  eval loss {r.eval_loss:.4f}" if r.eval_loss is not None else "")
-        + (f"  {r.tokens_per_s:.0f} tok/s" if r.tokens_per_s else "")
-        + f"  eta {format_eta(r.eta_s)}",
-        f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",
-        f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})"
-        + (f"  last stop: {r.last_stop['reason']} at step {r.last_stop['step']}" if r.last_stop else ""),
-        _goodput_line(r.goodput, r.run_id),
-        f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
-        f"folder     {r.run_dir}",
-    ]
-    if r.failure_reason:
-        lines.append(f"failure    {r.failure_reason}")
-    click.echo("\n".join(lines))
-
-
-def _goodput_line(g: dict | None, run_id: str) -> str:
-    if not g or g["goodput"] is None:
-        return "goodput    -"
-    return (f"goodput    {100 * g['goodput']:.1f} % of {g['allocated_s']:,.0f} {g['unit']}-s allocated  "
-            f"(ETTR {100 * (g['ettr'] or 0):.1f} %; breakdown: fsdpjob report {run_id})")
+    click.echo(status_text(report))
 
 
 @cli.command(name="list")
@@ -304,12 +281,18 @@ def report(run: str, as_json: bool, plot_file: Path | None) -> None:
 @click.option("--rank", type=int, default=0, show_default=True, help="Worker rank whose log to show.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--stderr", "stream", flag_value="err", default="out", help="Show stderr instead of stdout.")
-def logs(run: str, rank: int, follow: bool, stream: str) -> None:
-    """Print a worker's log (all attempts of a requeued job are in one file)."""
+@click.option("--stacks", is_flag=True, help="Print every rank's Python stacks from the newest hang the supervisor caught.")
+def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
+    """Print a worker's log (all attempts of a requeued job are in one file), or the stacks of a hang."""
     from fsdpjob.orchestrator.views import registry
     from fsdpjob.orchestrator.views.follow import follow_file, log_path
 
     record = registry.find(run)
+    if stacks:
+        from fsdpjob.orchestrator.views.stackview import newest_stacks
+
+        click.echo(newest_stacks(Path(record.run_dir)), nl=False)
+        return
     path = log_path(record, rank, stream)
     if not follow:
         if not path.exists():
@@ -335,13 +318,16 @@ def cancel(run: str) -> None:
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
-def export(source: Path, out: Path, dtype: str) -> None:
-    """Write a Hugging Face folder (sharded safetensors) from a run or a checkpoint."""
+@click.option("--merge", is_flag=True, help="LoRA runs: merge the adapters into the base model (default: the "
+              "peft adapter folder).")
+def export(source: Path, out: Path, dtype: str, merge: bool) -> None:
+    """Write a Hugging Face folder (sharded safetensors) from a run or a checkpoint; for a LoRA run, a peft
+    adapter folder, or with --merge the merged model."""
     from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
     try:
-        written = export_from_path(source, out, dtype)
+        written = export_from_path(source, out, dtype, merge=merge)
     except CheckpointError as exc:
         raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")

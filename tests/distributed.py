@@ -83,6 +83,30 @@ def committed_model_state(run_dir) -> dict:
     return dict(state["model"]["model"])
 
 
+def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True):
+    """A run folder as `fsdpjob submit` writes it for the workers: the validated spec (and the plan's verdict on
+    deferring the gradient reduce-scatter) in spec.json. Returns the folder."""
+    import json
+
+    from fsdpjob.orchestrator.core.spec import JobSpec
+
+    run_dir = root / name
+    run_dir.mkdir()
+    meta = {"spec": JobSpec.model_validate({"name": name, **spec}).model_dump(mode="json"), "resume_from": None,
+            "plan": {"defer_grad_sync": defer_grad_sync}}
+    (run_dir / "spec.json").write_text(json.dumps(meta))
+    return run_dir
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """Step -> loss from a run's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+
 def train_worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
     """One rank of jobs.train.run on ``run_dir`` (for run_ranks): 0, or the exit code of a stop (SystemExit)."""
     os.environ.update(env)

@@ -100,10 +100,12 @@ def make_case(folder: Path, field: str, template: str) -> Case:
     case = Case(folder, field, template.replace("{m}", str(folder / MARKER)))
     for name in ("bin", "log", "home"):
         (folder / name).mkdir(exist_ok=True)
-    for tool in ("srun", "module"):
+    for tool in ("srun", "module", "python"):
         stub = folder / "bin" / tool
         log = f"$STUB_LOG/{tool}"
         stub.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > \"{log}.argv\"\nenv -0 > \"{log}.env\"\n")
+        if tool == "python":  # the profile's python runs the supervisor, which runs what follows "--"
+            stub.write_text(stub.read_text() + 'while [ "$1" != "--" ]; do shift; done; shift; "$@"\n')
         stub.chmod(0o755)
     return case
 

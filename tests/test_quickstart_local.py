@@ -74,7 +74,7 @@ def check_goodput_report(run_id: str, cwd: Path) -> None:
 
 
 def _run_pids(run_dir: Path) -> list[int]:
-    """The local controller and its worker processes (their command lines name the run's submitit folder)."""
+    """The local supervisor, controller and worker processes (their command lines name the run's submitit folder)."""
     out = subprocess.run(["pgrep", "-f", f"{run_dir}/submitit"], capture_output=True, text=True).stdout
     return sorted(int(p) for p in out.split())
 
@@ -100,7 +100,7 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None
 
     wait_for(lambda: step() >= 2, 180, interval_s=0.5, what="step 2")
     pids = _run_pids(run_dir)
-    assert len(pids) == 3, pids  # controller + 2 ranks
+    assert len(pids) == 4, pids  # supervisor + submitit controller + 2 ranks
     for pid in pids:  # what a closed terminal sends to the processes it started
         os.kill(pid, signal.SIGHUP)
     reached = step()

@@ -174,13 +174,22 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
         (bin_dir / name).write_text(STUB.format(name=name))
         (bin_dir / name).chmod(0o755)
     (home / "venvs/fsdpjob/bin/activate").write_text('export VENV_ACTIVATED="$HOME"\n')
+    # The profile's python runs the supervisor; the stub records its argv and runs what follows "--", as the
+    # supervisor does (the real one is tested in test_recovery_local.py and tests/slurm).
+    (bin_dir / "python").write_text(STUB.format(name="python") + 'while [ "$1" != "--" ]; do shift; done; shift; "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text((GOLDEN / "example-setup.sbatch").read_text().replace(PYTHON, str(bin_dir / "python")))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "USER": "alice", "STUB_LOG": str(log)}
-    done = subprocess.run(["bash", str(GOLDEN / "example-setup.sbatch")], env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    supervisor = (log / "python.argv").read_bytes().decode().split("\0")[:-1]
+    assert supervisor[:6] == ["-m", "fsdpjob.orchestrator.supervise", "/runs/example-run", "--world-size", "1", "--"]
+    assert supervisor[6] == "srun"
     assert (log / "module.argv").read_bytes().split(b"\0")[:-1] == [b"load", b"cuda/12.4"]
     argv = (log / "srun.argv").read_bytes().decode().split("\0")[:-1]
     assert argv == ["--kill-on-bad-exit=1", "--unbuffered", "--output", "/runs/example-run/submitit/%j_%t_log.out", "--error",
-                    "/runs/example-run/submitit/%j_%t_log.err", "--cpu-bind=none", PYTHON, "-u", "-m",
+                    "/runs/example-run/submitit/%j_%t_log.err", "--cpu-bind=none", str(bin_dir / "python"), "-u", "-m",
                     "submitit.core._submit", "/runs/example-run/submitit"]  # fmt: skip
     seen = dict(item.split("=", 1) for item in (log / "srun.env").read_bytes().decode().split("\0") if "=" in item)
     assert seen["VENV_ACTIVATED"] == str(home)
@@ -206,7 +215,8 @@ def test_script_keeps_submitits_contract(monkeypatch):
             assert line in ours, line
     assert "--signal=USR1@300" in ours  # submitit hardcodes USR2; the spec chose USR1 (SUBMITIT_PREEMPT_SIGNAL)
     their_srun = next(line for line in theirs.splitlines() if line.startswith("srun "))
-    # Ours adds --kill-on-bad-exit (a crashed rank ends the step) and keeps srun's exit code for the
-    # failure policy; submitit's own options and command follow unchanged.
-    assert their_srun.replace("srun ", "srun --kill-on-bad-exit=1 ", 1) + " || rc=$?" in script.splitlines()
+    # Ours adds --kill-on-bad-exit (a crashed rank ends the step), runs it under the in-allocation supervisor
+    # and keeps the exit code for the failure policy; submitit's own options and command follow unchanged.
+    ours_srun = "    " + their_srun.replace("srun ", "srun --kill-on-bad-exit=1 ", 1) + " || rc=$?"
+    assert ours_srun in script.splitlines(), script
     assert "export SUBMITIT_EXECUTOR=slurm" in script and "export SUBMITIT_PREEMPT_SIGNAL=USR1" in script

@@ -56,6 +56,8 @@ def write_spec(folder: Path, assets: dict, profile: str) -> Path:
         "train": {"max_steps": 2, "micro_batch_size": 2, "log_every": 1},
         "fsdp": {"mixed_precision": "fp32"},
         "checkpoint": {"interval_steps": 1},
+        # The trackers hold the run's config and run with WANDB_API_KEY in their environment: their files too.
+        "logging": {"wandb": {"project": "secrets", "mode": "offline"}, "mlflow": {}},
     }
     path = folder / "secrets.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -1,4 +1,5 @@
-"""Login-node checks of the model folder and data file a spec names; the JSONL record rules the worker shares."""
+"""Login-node checks of the model folder and data a spec names (the data in dataformats.py); the record rules
+(JSONL lines, table rows) the worker shares."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from .errors import InputError
 
 if TYPE_CHECKING:
+    from .dataspec import FieldOptions
     from .spec import DataSpec, JobSpec
     from .yamlio import YamlDoc
 
@@ -56,7 +58,7 @@ def _messages_problem(value: Any) -> str | None:
     return None
 
 
-def parse_record(raw: bytes, data: DataSpec, line: int) -> dict[str, Any]:
+def parse_record(raw: bytes, data: FieldOptions, line: int) -> dict[str, Any]:
     """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
     try:
         obj = json.loads(raw.decode("utf-8"))
@@ -65,6 +67,11 @@ def parse_record(raw: bytes, data: DataSpec, line: int) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         message = f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
         raise RecordError(message, line) from None
+    return record_fields(obj, data, line)
+
+
+def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
+    """The configured fields of one record (a JSON object, or a table row as a dict), keyed by role."""
     if not isinstance(obj, dict):
         raise RecordError(f"expected a JSON object, found {_json_type(obj)}", line)
     out: dict[str, Any] = {}
@@ -83,7 +90,8 @@ def parse_record(raw: bytes, data: DataSpec, line: int) -> dict[str, Any]:
     return out
 
 
-def iter_records(path: str | Path, data: DataSpec, limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_records(path: str | Path, data: FieldOptions,
+                 limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, fields) for each non-blank line of a JSONL file, up to line ``limit``."""
     with open(path, "rb") as f:
         for line, raw in enumerate(f, 1):
@@ -93,9 +101,10 @@ def iter_records(path: str | Path, data: DataSpec, limit: int | None = None) -> 
                 yield line, parse_record(raw, data, line)
 
 
-def _spec_error(message: str, loc: tuple[str, ...], doc: YamlDoc | None) -> InputError:
+def _spec_error(message: str, loc: tuple[str | int, ...], doc: YamlDoc | None) -> InputError:
     return InputError(
-        message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None, loc=".".join(loc)
+        message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None,
+        loc=".".join(map(str, loc)),
     )
 
 
@@ -176,7 +185,7 @@ def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
             ("model", "path"),
             doc,
         )
-    if data.shape == "chat" and not _has_chat_template(folder):
+    if any(source.shape == "chat" for source in data.inputs()) and not _has_chat_template(folder):
         raise _spec_error(
             f"data.messages_field needs a chat template, and the tokenizer in {folder} has none; "
             "use text_field or prompt_field/completion_field, or add a chat template",
@@ -193,24 +202,6 @@ def _has_chat_template(folder: Path) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return isinstance(config, dict) and bool(config.get("chat_template"))
-
-
-def _check_data(data: DataSpec, doc: YamlDoc | None, key: str = "path") -> None:
-    loc = ("data", key)
-    path = Path(getattr(data, key))
-    if not path.exists():
-        raise _spec_error(f"data file {path} does not exist", loc, doc)
-    if not path.is_file():
-        raise _spec_error(f"{path} is not a file; data.{key} must be a JSONL file", loc, doc)
-    if path.stat().st_size == 0:
-        raise _spec_error(f"data file {path} is empty", loc, doc)
-    try:
-        found = sum(1 for _ in iter_records(path, data, limit=SCAN_LINES))  # reads every line up to the limit
-    except RecordError as exc:
-        raise InputError(exc.message, file=str(path), line=exc.line) from None
-    if not found:
-        message = f"data file {path} has no examples in its first {SCAN_LINES} lines (only blank lines)"
-        raise _spec_error(message, loc, doc)
 
 
 def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: YamlDoc | None) -> None:
@@ -238,6 +229,6 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
         _check_tokenizer(folder, spec.data, doc)
     _check_seq_len(config, spec.data, folder, doc)
     if not config_only:
-        _check_data(spec.data, doc)
-        if spec.data.eval_path is not None:
-            _check_data(spec.data, doc, "eval_path")
+        from .dataformats import check_data  # it builds on this module's record rules: imported here, not above
+
+        check_data(spec.data, doc)

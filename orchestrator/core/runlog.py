@@ -27,10 +27,11 @@ STOP = "stop"  # a stop checkpoint after a signal: reason, signal, step, requeue
 REQUEUE = "requeue"  # the failure policy requeued the job after a crash: reason, exit_code, detail, step
 FAILED = "failed"  # an attempt failed: error or reason, retryable, step, rank (worker) or exit_code (policy)
 CANCEL = "cancel"  # `fsdpjob cancel` asked the scheduler to stop the run for good: by
+FAULT = "fault"  # the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart, decision, exclude, step
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STOP, REQUEUE, FAILED, CANCEL, EXPORT, DONE)
+EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STOP, FAULT, REQUEUE, FAILED, CANCEL, EXPORT, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .dataspec import DataSpec
+from .loggingspec import LoggingSpec
 from .slurmtime import FORMATS_HELP, parse_slurm_time
 from .validation import SpecErrors, Strict, check_env, errors_from_validation, field_error, path_value, single_line
 from .yamlio import YamlDoc, apply_overrides, read_yaml
@@ -43,6 +45,15 @@ class Resources(Strict):
     """Slurm QOS (overrides the profile)."""
     constraint: str | None = None
     """Slurm node feature constraint, e.g. a100|h100 (overrides the profile)."""
+    min_nodes: PositiveInt | None = None
+    """Fewest nodes the run may go on with inside its allocation after a node fails or is blamed twice (global batch kept). Default: nodes (never shrink)."""
+
+    @model_validator(mode="after")
+    def _min_nodes(self) -> "Resources":
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise field_error("min_nodes", f"min_nodes ({self.min_nodes}) is more than nodes ({self.nodes}); "
+                                                     "set it to at most nodes, or drop it")
+        return self
 
     @field_validator("time_limit", mode="before")
     @classmethod
@@ -82,6 +93,38 @@ class Resources(Strict):
         return parse_slurm_time(self.time_limit)
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+def _module_names(value: list[str]) -> list[str]:
+    bad = [n for n in value if not isinstance(n, str) or not _MODULE_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"{bad} are not module names; give names like q_proj or model.embed_tokens")
+    if len(set(value)) != len(value):
+        raise ValueError("names are listed twice; list each module once")
+    return value
+
+
+class LoraSpec(Strict):
+    r: PositiveInt = 16
+    """Rank of the adapter matrices (A: r x in, B: out x r)."""
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    """Adapter scaling: the adapters' output is multiplied by alpha / r."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapters' input (0: off)."""
+    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
+    """Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or all-linear: every linear layer but the output head."""
+    modules_to_save: list[str] = []
+    """Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and exported with them."""
+
+    _names = field_validator("modules_to_save")(_module_names)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        return value if isinstance(value, str) else _module_names(value)
+
+
 class ModelSpec(Strict):
     path: str
     """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
@@ -91,72 +134,10 @@ class ModelSpec(Strict):
     """Attention kernel. flash_attention_2 needs the flash-attn package on CUDA."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters (peft) on the frozen base model instead of every weight; none: full fine-tuning."""
 
     _path = field_validator("path")(path_value)
-
-
-class DataSpec(Strict):
-    path: str
-    """JSONL file, one example per line. Relative to the spec file."""
-    text_field: str | None = None
-    """Field with plain text (loss on every token). The default shape when no other field is given: 'text'."""
-    prompt_field: str | None = None
-    """Field with the prompt of a prompt/completion pair (no loss on prompt tokens)."""
-    completion_field: str | None = None
-    """Field with the completion of a prompt/completion pair."""
-    messages_field: str | None = None
-    """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
-    seq_len: PositiveInt = 512
-    """Tokens per sequence."""
-    packing: bool = True
-    """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
-    shuffle: bool = True
-    """Shuffle examples deterministically from train.seed."""
-    eval_path: str | None = None
-    """JSONL file of evaluation examples, with the same fields as path. Relative to the spec file."""
-    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    """Share of the packed training sequences held out for evaluation (chosen from train.seed); 0: none."""
-
-    _path = field_validator("path", "eval_path")(path_value)
-
-    @model_validator(mode="after")
-    def _one_shape(self) -> "DataSpec":
-        shapes = [
-            name
-            for name, on in (
-                ("text_field", self.text_field is not None),
-                ("prompt_field/completion_field", self.prompt_field is not None or self.completion_field is not None),
-                ("messages_field", self.messages_field is not None),
-            )
-            if on
-        ]
-        if len(shapes) > 1:
-            raise ValueError(f"give one data shape, not {' and '.join(shapes)}")
-        if (self.prompt_field is None) != (self.completion_field is None):
-            raise ValueError("prompt_field and completion_field go together; set both")
-        if self.eval_path is not None and self.eval_fraction:
-            raise field_error("eval_fraction", "give eval_path or eval_fraction, not both; drop one of them")
-        return self
-
-    @property
-    def has_eval(self) -> bool:
-        return self.eval_path is not None or self.eval_fraction > 0
-
-    @property
-    def shape(self) -> Literal["text", "prompt_completion", "chat"]:
-        if self.prompt_field is not None:
-            return "prompt_completion"
-        if self.messages_field is not None:
-            return "chat"
-        return "text"
-
-    @property
-    def fields(self) -> dict[str, str]:
-        if self.shape == "prompt_completion":
-            return {"prompt": self.prompt_field, "completion": self.completion_field}  # type: ignore[dict-item]
-        if self.shape == "chat":
-            return {"messages": self.messages_field}  # type: ignore[dict-item]
-        return {"text": self.text_field or "text"}
 
 
 class TrainSpec(Strict):
@@ -239,9 +220,22 @@ class PreemptionSpec(Strict):
     """Requeues allowed (preemption, time limit, node failure) before the job is failed."""
 
 
+class RecoverySpec(Strict):
+    max_restarts: NonNegativeInt = 3
+    """Restarts inside one allocation after a crash or a hang (a new srun step; no requeue). 0: off, every crash goes through the queue."""
+    stall_floor_s: PositiveInt = 30
+    """A training run counts as hung when no rank advanced for max(stall_factor x its recent p95 step time, this)."""
+    stall_factor: Annotated[float, Field(ge=2)] = 10.0
+    """How many p95 step times (or previous save/eval times) without progress make a stall."""
+    setup_timeout_s: Literal["auto"] | PositiveInt = "auto"
+    """Bound on the setup (imports to first step); auto: 3x the previous attempt's setup + 60 s, 900 s on a first start."""
+
+
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
-_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction"), "train": ("eval_every", "eval_batches"),
-                 "checkpoint": ("keep_best",)}
+_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split"),
+                 "train": ("eval_every", "eval_batches"),
+                 "checkpoint": ("keep_best",), "model": ("lora",), "resources": ("min_nodes",)}
+_ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
 
 
 class JobSpec(Strict):
@@ -260,6 +254,8 @@ class JobSpec(Strict):
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
 
     @field_validator("name")
     @classmethod
@@ -319,6 +315,9 @@ class JobSpec(Strict):
             for key in keys:
                 if getattr(getattr(self, section), key) == fields[key].default:
                     del dumped[section][key]
+        for section in _ADDED_SECTIONS:
+            if getattr(self, section) == type(self).model_fields[section].default_factory():
+                del dumped[section]
         blob = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -328,6 +327,8 @@ class JobSpec(Strict):
             "model.path": self.model.path,
             "model.dtype": self.model.dtype,
             "data.seq_len": self.data.seq_len,
+            # Adapters of another shape or scale cannot continue; absent without LoRA, as before it existed.
+            **({"model.lora": self.model.lora.model_dump(mode="json")} if self.model.lora else {}),
         }
 
 
@@ -338,9 +339,13 @@ class JobSpec(Strict):
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make model.path, data.path, data.eval_path and checkpoint.dir absolute, relative to the spec file's folder."""
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path"), ("checkpoint", "dir")):
-        sec = data.get(section)
+    """Make model.path, data.path, data.eval_path, each data.sources path and checkpoint.dir absolute, relative to the
+    spec file's folder (a glob too: its pattern part stays as it is)."""
+    places = [(data.get(section), key) for section, key in
+              (("model", "path"), ("data", "path"), ("data", "eval_path"), ("checkpoint", "dir"))]
+    sources = data["data"].get("sources") if isinstance(data.get("data"), dict) else None
+    places += [(source, "path") for source in sources] if isinstance(sources, list) else []
+    for sec, key in places:
         # A NUL cannot be resolved; leave it for the field validator to report.
         if isinstance(sec, dict) and isinstance(sec.get(key), str) and sec[key] and "\x00" not in sec[key]:
             p = Path(os.path.expanduser(sec[key]))  # unlike Path.expanduser, leaves an unknown ~user as it is

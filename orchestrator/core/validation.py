@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -69,8 +70,10 @@ def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
-        ann = field.annotation
-        current = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        # An optional section (model.lora: LoraSpec | None) is a union: its keys are the model's.
+        models = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                  if isinstance(a, type) and issubclass(a, BaseModel)]
+        current = models[0] if models else None
         if current is None:
             return []
     return list(getattr(current, "model_fields", {}))

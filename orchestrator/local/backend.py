@@ -36,10 +36,10 @@ class LocalBackend:
         return Request(paths=paths, text=text, script=None, env=env)
 
     def submit(self, job, request: Request) -> Submitted:
-        import submitit
         from fsdpjob.jobs.entry import TrainJob
+        from fsdpjob.orchestrator.supervise.launch import SupervisedLocalExecutor
 
-        executor = submitit.LocalExecutor(folder=str(request.paths.submitit_dir))
+        executor = SupervisedLocalExecutor(str(request.paths.submitit_dir), str(request.paths.run_dir))
         executor.update_parameters(
             tasks_per_node=job.eff.tasks_per_node,
             nodes=1,
@@ -62,7 +62,8 @@ class LocalBackend:
         return list(self.view(record).attempts)
 
     def cancel(self, record, *, mark) -> str:
-        """SIGINT to the controller (it passes SIGINT, then SIGKILL, to its tasks); whatever of this run still
+        """SIGINT to the supervisor (it passes it to submitit's controller, which passes SIGINT, then SIGKILL, to
+        its tasks, and restarts nothing after it); whatever of this run still
         runs after the grace is killed: SIGINT can be ignored (a controller started from a script's
         background job inherits that)."""
         pid = int(record.job_id)
@@ -129,13 +130,15 @@ def controller_alive(record) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (the worker ranks of a local controller)."""
+    """Every descendant of ``pid``: the supervisor's controller and its worker ranks."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
+            direct = [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue
+        for child in direct:
+            out += [child, *_children(child)]
     return out
 
 

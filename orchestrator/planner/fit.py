@@ -31,6 +31,7 @@ from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory,
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
 from .interval import IntervalAdvice, advise, current_interval
+from .lora import Trainable, trainable
 from .timing import Timing, plan_timing
 
 
@@ -54,10 +55,15 @@ class Plan:
     fixes: tuple[Fix, ...] = ()
     warnings: tuple[str, ...] = field(default_factory=tuple)
     interval: IntervalAdvice | None = None  # with the profile's expected_interruptions_per_day
+    refusal: str | None = None  # a spec setting the plan's own figures contradict (submit refuses it)
 
     @property
     def fits(self) -> bool:
         return self.device.fits and self.host.fits
+
+    @property
+    def trainable(self) -> Trainable:
+        return trainable(self.model, self.params, self.setup.lora)
 
     def worker_facts(self) -> dict:
         """What the workers take from the plan (spec.json "plan"): decisions that depend on memory."""
@@ -66,16 +72,17 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
 
-        - fits: bool
+        - fits: bool; refusal: null, or why submit refuses a recovery bound the plan's step or save would cross
         - model: model_type, vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied, qkv_bias, o_bias,
           mlp_bias, qk_norm, checkpoint_dtype
         - params: total, embedding, per_layer, attention_per_layer, mlp_per_layer, norms_per_layer, layers,
-          final_norm, lm_head
+          final_norm, lm_head, trainable (= total without model.lora), added (parameters LoRA adds: adapters and
+          modules_to_save's trained copies; 0 without it)
         - topology: nodes, tasks_per_node, world_size, shard_degree, replicate_degree, device ("gpu" | "cpu")
         - device_memory (per rank): kind, budget_bytes, peak_bytes, peak_moment, fits,
           breakdown [{name, bytes, note}] (sums to peak_bytes), moments {name: bytes on top of the state}
-        - host_memory (per node): budget_bytes, load_rank0_bytes, load_every_rank_bytes, training_bytes,
-          offloaded_per_rank_bytes, fits
+        - host_memory (per node): budget_bytes, load_rank0_bytes (at load, on rank 0's node), load_every_rank_bytes,
+          training_bytes, offloaded_per_rank_bytes, fits, own_shards (each rank reads only its own weight shards)
         - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, assumption
         - signal: lead_s, needed_s
         - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it)
@@ -86,11 +93,13 @@ class Plan:
         p, d, h, t, u = self.params, self.device, self.host, self.timing, self.setup
         return {
             "fits": self.fits,
+            "refusal": self.refusal,
             "model": asdict(self.model),
             "params": {
                 "total": p.total, "embedding": p.embedding, "per_layer": p.per_layer,
                 "attention_per_layer": p.attention, "mlp_per_layer": p.mlp, "norms_per_layer": p.norms,
                 "layers": p.layers, "final_norm": p.final_norm, "lm_head": p.lm_head,
+                "trainable": self.trainable.trained, "added": self.trainable.weights - p.total,
             },
             "topology": {
                 "nodes": u.nodes, "tasks_per_node": u.tasks_per_node, "world_size": u.world,
@@ -104,6 +113,7 @@ class Plan:
             "host_memory": {
                 "budget_bytes": h.budget, "load_rank0_bytes": h.load_rank0, "load_every_rank_bytes": h.load_every_rank,
                 "training_bytes": h.training, "offloaded_per_rank_bytes": h.offloaded_per_rank, "fits": h.fits,
+                "own_shards": h.own_shards,
             },
             "checkpoint": {"bytes": t.checkpoint_bytes, "save_s": t.save_s},
             "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
@@ -134,6 +144,7 @@ def _setup(spec: JobSpec, eff: Effective) -> Setup:
         attn=spec.model.attn_implementation,
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
+        lora=spec.model.lora,
     )
 
 
@@ -192,7 +203,25 @@ def make_plan(job: Resolved) -> Plan:
     plan = Plan(spec.name, shape, params, u, dev, host, timing)
     fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak))
     return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
-                   interval=_interval(job, timing))
+                   interval=_interval(job, timing), refusal=stall_bound_conflict(spec.recovery, timing))
+
+
+def stall_bound_conflict(recovery, t: Timing) -> str | None:
+    """A stall bound the planned step or save time would cross: the supervisor would kill a healthy run.
+    The training-step bound never goes below ``stall_factor`` x the measured p95 step; these are the parts
+    a user sets outright: the floor (a step must fit twice in it) and the save bound (4 x the floor, later
+    saves ``stall_factor`` x the first: the first save must fit in 4 x the floor)."""
+    floor = recovery.stall_floor_s
+    if t.step_s is not None and floor < 2 * t.step_s:
+        need = math.ceil(2 * t.step_s)
+        return (f"recovery.stall_floor_s {floor} s is shorter than two planned steps (2 x {t.step_s:.1f} s = "
+                f"{2 * t.step_s:.1f} s): a healthy step would count as a hang; set recovery.stall_floor_s: {need}")
+    if 4 * floor < t.save_s and recovery.setup_timeout_s != "auto" and recovery.setup_timeout_s < t.save_s:
+        need = math.ceil(t.save_s / 4)
+        return (f"recovery.setup_timeout_s {recovery.setup_timeout_s} s and 4 x recovery.stall_floor_s "
+                f"({4 * floor} s) are shorter than the planned save (~{t.save_s:.0f} s), which the first save is "
+                f"held to; raise recovery.stall_floor_s to {need} or setup_timeout_s above {math.ceil(t.save_s)}")
+    return None
 
 
 def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:
@@ -224,6 +253,8 @@ def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[F
         out.append("fsdp.cpu_offload has no effect on CPU workers (everything is in host memory already)")
     if plan.model.estimate:
         out.append(plan.model.estimate)
+    if plan.trainable.note:
+        out.append(plan.trainable.note)
     if plan.model.checkpoint_dtype not in DTYPE_BYTES:
         out.append(f"config.json dtype {plan.model.checkpoint_dtype!r} unknown; load memory assumes 4 bytes/param")
     if plan.setup.cpu_offload:

@@ -29,6 +29,10 @@ Saved activations per layer and token, with sdpa / flash attention:
 eager attention instead keeps q, repeated k/v and output (4c q_dim) plus micro_batch x heads x seq^2 x (4 + c)
 (fp32 softmax and its compute-dtype copy). Activation checkpointing keeps each layer's input (c h per token) and
 recomputes one layer at a time in backward. On CPU, bf16 matmuls also hold ~12 MiB of oneDNN buffers.
+With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as sharded weights only: gradients,
+AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
+gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
+adapted layer keeps r values per token (plus its dropped input with dropout).
 Measured on CPU (bench/plan_accuracy.py, the worker's load_model + train_step, glibc's default allocator as the
 shipped profiles run it): the three quick cases land at +9 %, +1 % and -5 % of peak RSS.
 """
@@ -37,11 +41,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.units import GiB, count_text, params_text, size_text, unit_for
 
+from .lora import adapter_activations, trainable
 from .modelshape import ModelShape, ParamCount
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -96,6 +101,7 @@ class Setup:
     # With grad_accum > 1: micro-batches before the last skip the reduce-scatter and accumulate unsharded
     # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
     defer_grad_sync: bool = False
+    lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
 
     @property
     def world(self) -> int:
@@ -118,6 +124,7 @@ def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
         per_token += 3 * c * s.q_dim + 2 * c * s.kv_dim
     if s.qk_norm:
         per_token += (4 + c) * (s.q_dim + s.kv_dim)
+    per_token += adapter_activations(s, u.lora, c)
     working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if scores else 0)
     return t * per_token + scores, working + 2 * 4 * t * s.hidden
 
@@ -125,27 +132,32 @@ def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
 def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[Moment]]:
     """The sharded state on the device (params, AdamW) and what each of the four moments adds, per rank."""
     m, c, r, w = u.model_bytes, u.compute_bytes, REDUCE_BYTES, u.shard_degree
-    t, shard, on_device = u.micro_batch * u.seq_len, math.ceil(p.total / w), not u.cpu_offload
+    tr = trainable(s, p, u.lora)
+    t, shard, on_device = u.micro_batch * u.seq_len, math.ceil(tr.weights / w), not u.cpu_offload
+    trained_shard = math.ceil(tr.trained / w)
+    frozen = f", {params_text(tr.trained)} of them train (LoRA)" if tr.is_lora else ""
     state = [
-        Item("parameters", on_device * shard * m, f"{params_text(p.total)} params x {m} B / {count_text(w, 'shard')}"),
-        Item("AdamW state", on_device * 2 * shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
+        Item("parameters", on_device * shard * m,
+             f"{params_text(tr.weights)} params x {m} B / {count_text(w, 'shard')}{frozen}"),
+        Item("AdamW state", on_device * 2 * trained_shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
     ]
-    grads = Item("gradients", on_device * shard * m, f"sharded, {m} B")
+    grads = Item("gradients", on_device * trained_shard * m, f"sharded, {m} B")
     early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
     if u.grad_accum > 1 and u.defer_grad_sync:
-        early_grads = Item("accumulated gradients", p.total * REDUCE_BYTES,
+        early_grads = Item("accumulated gradients", tr.trained * REDUCE_BYTES,
                            "unsharded fp32, held across micro-batches (reduce-scatter on the last only)")
-    root = Item("root gathered", p.root * c, "embedding + final norm + lm_head, compute dtype")
-    kept = Item("layers kept gathered", s.layers * p.per_layer * c * (not u.reshard),
+    root = Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype")
+    kept = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
                 "fsdp.reshard_after_forward: false")
     head = [
-        Item("lm_head gradient", s.vocab * s.hidden * c, "unsharded until the root's reduce-scatter"),
+        Item("lm_head gradient", s.vocab * s.hidden * c * tr.head_trained,
+             "unsharded until the root's reduce-scatter"),
         Item("logits", t * s.vocab * c, "held by the loss code through backward"),
     ]
     kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2), "oneDNN (measured)")
-    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
-    root_grads = Item("root gradients", p.root * (c + r), "unsharded + fp32 reduce-scatter input")
-    adamw_temp = Item("AdamW temporaries", 0 if u.on_gpu else 2 * math.ceil(largest / w) * m, "per-tensor AdamW on CPU")
+    root_grads = Item("root gradients", tr.root_trained * (c + r), "unsharded + fp32 reduce-scatter input")
+    adamw_temp = Item("AdamW temporaries", 0 if u.on_gpu else 2 * math.ceil(tr.largest_trained / w) * m,
+                      "per-tensor AdamW on CPU")
     moments = [
         Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
                                       replace(root, bytes=root.bytes * (not u.reshard)),
@@ -171,18 +183,19 @@ def _saved_activations(s: ModelShape, u: Setup) -> Item:
 
 def _layer_transients(s: ModelShape, p: ParamCount, u: Setup) -> list[Item]:
     """The decoder layer in backward: gathered params (+ prefetched next), its gradients and working set."""
-    c, layer = u.compute_bytes, p.per_layer
+    tr = trainable(s, p, u.lora)
+    c, layer, layer_grads = u.compute_bytes, tr.layer_weights, tr.layer_trained
     if u.reshard:
         prefetch = u.shard_degree > 1  # world size 1 copies the shard in place of an all-gather
-        gathered = Item("layer gathered", (3 if prefetch else 2) * c * layer,
+        gathered = Item("layer gathered", (2 if prefetch else 1) * c * layer + c * layer_grads,
                         "params + unsharded grads" + (" + prefetched next layer" if prefetch else ""))
     else:
-        gathered = Item("layer gradients", c * layer, "unsharded, before the reduce-scatter")
+        gathered = Item("layer gradients", c * layer_grads, "unsharded, before the reduce-scatter")
     acts, working = _layer_activations(s, u)
     recompute = acts if u.activation_checkpointing else 0
     return [
         gathered,
-        Item("reduce-scatter buffer", REDUCE_BYTES * layer, "previous layer's fp32 reduce-scatter input"),
+        Item("reduce-scatter buffer", REDUCE_BYTES * layer_grads, "previous layer's fp32 reduce-scatter input"),
         Item("layer working set", working + recompute,
              "activation gradients" + (" + recomputed layer" if recompute else "")),
     ]
@@ -229,6 +242,7 @@ class HostMemory:
     load_every_rank: int
     training: int
     offloaded_per_rank: int  # params + grads + AdamW moved off the GPU by fsdp.cpu_offload
+    own_shards: bool = False  # each rank reads only its own shards (load_rank0 then holds no full copy)
 
     @property
     def peak(self) -> int:
@@ -251,17 +265,38 @@ def device_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfil
 
 
 def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, dev: DeviceMemory) -> HostMemory:
-    """Rank 0 reads the checkpoint in its file dtype and broadcasts it tensor by tensor into the shards, which
-    live in host memory only on CPU workers or with CPU offload (on GPUs they are materialized on the device)."""
-    shard_bytes = math.ceil(p.total / u.shard_degree) * u.model_bytes
+    """At load, each rank reads its own shards of safetensors weights (else rank 0 reads the checkpoint in its file
+    dtype and broadcasts it tensor by tensor: _load_read_bytes); the shards live in host memory only on CPU workers
+    or with CPU offload (on GPUs they are materialized on the device)."""
+    tr = trainable(s, p, u.lora)
+    shard_bytes = math.ceil(tr.weights / u.shard_degree) * u.model_bytes
     process = u.tasks_per_node * CPU_RUNTIME_BYTES
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
-    offloaded = 4 * shard_bytes * u.cpu_offload  # params + grads + 2 AdamW moments
+    # params + grads + 2 AdamW moments (of what trains)
+    offloaded = (shard_bytes + 3 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes) * u.cpu_offload
     training = process + u.tasks_per_node * offloaded if u.on_gpu else u.tasks_per_node * dev.peak
     return HostMemory(
         budget=int(profile.host_ram_gb * GiB),
-        load_rank0=p.total * DTYPE_BYTES.get(s.checkpoint_dtype, 4) + host_shards + process,
+        load_rank0=_load_read_bytes(s, p, u) + host_shards + process,
         load_every_rank=u.tasks_per_node * p.total * u.model_bytes + process,
         training=training,
         offloaded_per_rank=offloaded,
+        own_shards=reads_own_shards(s, u),
     )
+
+
+def reads_own_shards(s: ModelShape, u: Setup) -> bool:
+    """Whether the workers read the weights each rank its own shards (jobs/weightload.py): safetensors weights,
+    except where transformers converts the stored names on load (MoE experts, gpt_neox's embed_out) and LoRA,
+    which rank 0 reads whole and broadcasts."""
+    return s.safetensors and u.lora is None and s.experts == 1 and s.model_type != "gpt_neox"
+
+
+def _load_read_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
+    """Host bytes per node the weight read holds on top of the shards: one full copy in the file's dtype on rank 0,
+    or, reading own shards, each rank's buffer for one shard of the largest tensor (cast or moved to the GPU)."""
+    stored = DTYPE_BYTES.get(s.checkpoint_dtype, 4)
+    if not reads_own_shards(s, u):
+        return p.total * stored
+    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
+    return u.tasks_per_node * math.ceil(largest / u.shard_degree) * stored

@@ -103,6 +103,8 @@ class ModelShape:
     experts: int = 1  # MoE: every expert counts
     shared_expert: int = 0  # intermediate size of an always-on expert (Qwen2-MoE)
     counted: ParamCount | None = None  # exact, from the safetensors headers
+    # safetensors weights in the folder (by name only): each worker reads just its own shards of them
+    safetensors: bool = False
     estimate: str | None = None  # why the parameter count is only an estimate (a plan warning)
 
     @property
@@ -273,6 +275,8 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         experts=experts,
         shared_expert=cfg.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0,
     )
+    has_weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    shape = replace(shape, safetensors=has_weights)
     tensors = _weight_headers(folder)
     counted = _count_from_headers(tensors, layers, tied) if tensors else None
     if counted is not None:

@@ -32,11 +32,23 @@ def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
     offload = f"{u.tasks_per_node} x {size_text(h.offloaded_per_rank, unit)} {unit[0]} offloaded + processes"
     return [
         f"host RAM per node ({unit[0]}):",
-        _row("load, rank-0 loading", f"{size_text(h.load_rank0, unit)} / {size_text(h.budget, unit)}",
-             f"full {s.checkpoint_dtype} copy" + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
-        _row("load, every rank loading", size_text(h.load_every_rank, unit), "not used: fsdpjob loads on rank 0"),
+        _row("load, own shards" if h.own_shards else "load, rank-0 loading",
+             f"{size_text(h.load_rank0, unit)} / {size_text(h.budget, unit)}",
+             ("each rank reads its own" if h.own_shards else f"full {s.checkpoint_dtype} copy on rank 0")
+             + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
+        _row("load, every rank loading", size_text(h.load_every_rank, unit), "not used: whole model on every rank"),
         _row("training", size_text(h.training, unit), offload if u.cpu_offload else ""),
     ]
+
+
+def _lora_lines(plan: Plan) -> list[str]:
+    tr, lora = plan.trainable, plan.setup.lora
+    if lora is None:
+        return []
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    saved = f" + modules_to_save {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
+    return [f"LoRA: r={lora.r} on {targets}{saved}: {params_text(tr.trained)} params train "
+            f"({tr.trained / plan.params.total:.2%} of the base), the base is frozen (weights only, not saved)"]
 
 
 def format_plan(plan: Plan) -> str:
@@ -47,6 +59,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"plan for {plan.name}: {s.model_type}, {params_text(p.total)} params "
         f"(embedding {params_text(p.embedding)}, {p.layers} layers x {params_text(p.per_layer)}{head})",
+        *_lora_lines(plan),
         f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = {count_text(u.world, 'rank')} "
         f"on {d.kind.upper()}, shard degree {u.shard_degree}, replicate {u.replicate_degree}",
         "",
@@ -54,7 +67,8 @@ def format_plan(plan: Plan) -> str:
         "",
         *_host_lines(plan.host, s, u),
         "",
-        f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB (params + AdamW), save ~{t.save_s:,.0f} s",
+        f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB ({'adapters' if u.lora else 'params'} + AdamW), "
+        f"save ~{t.save_s:,.0f} s",
         f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
         f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: step + save + margin)",
     ]
@@ -72,5 +86,6 @@ def format_plan(plan: Plan) -> str:
         lines += [f"  --set {' --set '.join(f.change.split())}  -> {size_text(f.peak, unit)} {unit[0]} ({f.why})"
                   for f in plan.fixes]
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
+    lines += ["", f"refused: {plan.refusal}"] if plan.refusal else []
     lines += ["", f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}"]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.units import GB, count_text
 
+from .lora import trainable
 from .memory import Setup
 from .modelshape import ModelShape, ParamCount
 
@@ -58,12 +59,15 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
 
 
 def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, cpus: int | None, lead: int) -> Timing:
-    matmul_params = p.total - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
-    per_token = 6 * matmul_params + 6 * s.layers * u.seq_len * s.q_dim  # causal attention: half of 12 L s d
+    tr = trainable(s, p, u.lora)
+    matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
+    forward = 2 * matmul_params + 2 * s.layers * u.seq_len * s.q_dim  # causal attention: half of 4 L s d
+    # Backward is twice the forward, less the weight gradients a frozen base (LoRA) does not compute.
+    per_token = 3 * forward - 2 * max(matmul_params - tr.trained, 0)
     if u.activation_checkpointing:
-        per_token *= 4 / 3  # forward runs twice
+        per_token += forward  # forward runs twice
     tokens = u.micro_batch * u.grad_accum * u.seq_len
     rate, note = _throughput(u, profile, cpus)
-    ckpt = p.total * u.model_bytes * 3  # params + exp_avg + exp_avg_sq
+    ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
     save = ckpt / (profile.storage_bandwidth_gbps * GB * u.nodes)
     return Timing(ckpt, save, per_token * tokens, rate, note, lead)

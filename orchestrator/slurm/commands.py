@@ -139,6 +139,42 @@ def requeue(job_id: str) -> None:
     run(["scontrol", "requeue", job_id])
 
 
+def exclude_nodes(job_id: str, nodes: list[str], wait_s: float = 20) -> str:
+    """Keep a requeued job off ``nodes`` (added to what it already excludes); returns what was done.
+
+    Not when the job's partition would keep too few other nodes for it: it would then pend forever. Slurm
+    takes the change only once the requeued job is pending, so a "can not be altered now" is retried."""
+    info = scontrol_job(job_id) or {}
+    old = [n for n in (info.get("ExcNodeList") or "").split(",") if n and n != "(null)"]
+    wanted = sorted({*old, *nodes})
+    partition, needed = info.get("Partition", ""), int((info.get("NumNodes") or "1").split("-")[0])
+    members = hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
+    left = [n for n in members if n not in wanted]
+    if members and len(left) < needed:
+        return (f"not excluding {', '.join(nodes)}: partition {partition} would keep {len(left)} node(s) for a "
+                f"{needed}-node job")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(wanted)}"])
+            return f"excluded {', '.join(nodes)}"
+        except SlurmCommandError as exc:
+            if time.monotonic() > deadline:
+                return f"could not exclude {', '.join(nodes)}: {exc}"
+            time.sleep(1)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A Slurm node list ("n[1-2],gpu07") as node names."""
+    return run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30) -> str:
+    """Run ``argv`` on one node of a running job, beside its steps (``srun --overlap``: no new resources)."""
+    return run(["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+                "--quiet", *argv], timeout=timeout)
+
+
 def job_id_from_env() -> str | None:
     """The running job's id as scontrol takes it: <array job>_<task> for an array task, else SLURM_JOB_ID."""
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")

@@ -14,6 +14,7 @@ Preemption and time limits never get here: their workers requeue and exit 0.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -27,14 +28,24 @@ MAX_SETUP_CRASHES_IN_A_ROW = 2
 
 
 def _attempts(events: list[dict]) -> list[tuple[int, list[dict]]]:
-    """(restart number, events) per attempt, from the workers' start events."""
+    """(restart number, events) per attempt (allocation), from the workers' start events; the launches the
+    in-allocation supervisor restarted share their allocation's restart number and count as one attempt."""
     out: list[tuple[int, list[dict]]] = []
     for e in events:
         if e.get("event") == runlog.START:
-            out.append((int(e.get("restart", 0) or 0), [e]))
+            restart = int(e.get("restart", 0) or 0)
+            if out and out[-1][0] == restart and int(e.get("launch", 0) or 0) > 0:
+                out[-1][1].append(e)
+            else:
+                out.append((restart, [e]))
         elif out:
             out[-1][1].append(e)
     return out
+
+
+def excluded_nodes(attempt: list[dict]) -> list[str]:
+    """Nodes the supervisor gave up on in this attempt (blamed twice): the requeued job must avoid them."""
+    return sorted({h for e in attempt if e.get("event") == runlog.FAULT for h in e.get("exclude") or ()})
 
 
 def _progressed(attempt: list[dict]) -> bool:
@@ -81,6 +92,10 @@ def cap_reached(restarts: int, max_requeues: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `scontrol requeue` of our own running job makes Slurm SIGTERM this batch script at once: finish the
+    # record (and the node exclusion) first; Slurm's KillWait leaves the time. (Only as the script's process.)
+    if argv is None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir, exit_code = (argv or sys.argv[1:])[:2]
     paths = RunPaths(Path(run_dir))
     spec = json.loads(paths.spec_file.read_text(encoding="utf-8"))["spec"]
@@ -97,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         if refused:
             print(f"fsdpjob: workers exited {exit_code}; {refused}", file=sys.stderr)
             return 0
+        if exclude := excluded_nodes(current):
+            record["exclusion"] = slurm_cli.exclude_nodes(job_id, exclude)  # the supervisor gave up on them
         runlog.append(paths.run_dir, runlog.REQUEUE, reason="failure", **record)
         print(f"fsdpjob: workers failed (exit {exit_code}); requeued job {job_id}: {why}", file=sys.stderr)
         return 0

@@ -32,6 +32,7 @@ class SbatchPlan:
     srun: str
     command: str
     python: str
+    world_size: int
 
     def with_command(self, command: str) -> "SbatchPlan":
         return replace(self, command=command)
@@ -96,6 +97,8 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
     flags.update({k: v for k, v in optional.items() if v is not None})
     lines = [_directive(k, flags[k]) for k in sorted(flags)]
     lines.append("--requeue")
+    if spec.resources.min_nodes is not None and spec.resources.min_nodes < eff.nodes:
+        lines.append("--no-kill")  # a failed node leaves the allocation running: the supervisor goes on without it
     lines.extend(_option(o, sbatch_word) for o in profile.sbatch_extra)
     return tuple(lines)
 
@@ -135,6 +138,7 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> Sbat
         srun=" ".join(srun_opts),
         command=submitit_command(python, folder),
         python=literal(python),
+        world_size=eff.world_size,
     )
 
 

@@ -21,3 +21,51 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
     return "\n".join(lines)
+
+
+def status_text(r) -> str:
+    """`fsdpjob status` for a person: one StatusReport (views/status.py) as labelled lines."""
+    from .status import format_eta
+
+    lines = [
+        f"run        {r.run_id}  ({r.scheduler} job {r.job_id}, profile {r.profile})",
+        f"phase      {r.phase}  (scheduler: {r.scheduler_state}{', ' + r.reason if r.reason else ''})",
+        f"progress   step {r.step if r.step is not None else '-'}/{r.max_steps}"
+        + (f"  loss {r.loss:.4f}" if r.loss is not None else "")
+        + (f"  eval loss {r.eval_loss:.4f}" if r.eval_loss is not None else "")
+        + (f"  {r.tokens_per_s:.0f} tok/s" if r.tokens_per_s else "")
+        + f"  eta {format_eta(r.eta_s)}",
+        f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",
+        f"restarts   {r.restarts}  (steps lost to interruptions: {r.steps_lost})"
+        + (f"  last stop: {r.last_stop['reason']} at step {r.last_stop['step']}" if r.last_stop else ""),
+        goodput_line(r.goodput, r.run_id),
+        *recovery_lines(r.recovery, r.run_id),
+        f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
+        f"folder     {r.run_dir}",
+    ]
+    if r.failure_reason:
+        lines.append(f"failure    {r.failure_reason}")
+    return "\n".join(lines)
+
+
+def recovery_lines(rec: dict | None, run_id: str) -> list[str]:
+    """The in-allocation supervisor's part: restarts here, the last fault, where each rank was when it hung."""
+    if not rec:
+        return []
+    last = rec["last_fault"]
+    lines = [f"recovery   {rec['restarts']} restart(s) inside the allocation; last fault: {last.get('kind')}: "
+             f"{last.get('reason')}"]
+    if rec["excluded_nodes"]:
+        lines.append(f"           excluded nodes: {', '.join(rec['excluded_nodes'])}")
+    for rank, frame in sorted((last.get("top_frames") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"           rank {rank}: {frame or '?'}")
+    if last.get("stacks"):
+        lines.append(f"           stacks: fsdpjob logs {run_id} --stacks")
+    return lines
+
+
+def goodput_line(g: dict | None, run_id: str) -> str:
+    if not g or g["goodput"] is None:
+        return "goodput    -"
+    return (f"goodput    {100 * g['goodput']:.1f} % of {g['allocated_s']:,.0f} {g['unit']}-s allocated  "
+            f"(ETTR {100 * (g['ettr'] or 0):.1f} %; breakdown: fsdpjob report {run_id})")

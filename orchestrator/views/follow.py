@@ -68,13 +68,21 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     return 0 if report.phase == "COMPLETED" else 1
 
 
+def _loss(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "nan"  # metrics.jsonl writes NaN and inf as null
+
+
 def _show(ev: dict, record: JobRecord, bar, task) -> None:
     if ev["event"] == runlog.METRIC:
-        info = f"loss {ev['loss']:.4f}  {ev.get('tokens_per_s', 0):.0f} tok/s"
+        if "eval_loss" in ev:  # an evaluation's own line: no training figures in it
+            info = f"eval_loss {_loss(ev['eval_loss'])}"
+        else:
+            info = f"loss {_loss(ev.get('loss'))}  {ev.get('tokens_per_s') or 0:.0f} tok/s"
         if bar:
             bar.update(task, completed=ev["step"], info=info)
         else:
-            click.echo(f"step {ev['step']}/{record.max_steps}  {info}  eta {ev.get('eta_s', 0):.0f}s")
+            eta = f"  eta {ev['eta_s']:.0f}s" if ev.get("eta_s") is not None else ""
+            click.echo(f"step {ev['step']}/{record.max_steps}  {info}{eta}")
     elif ev["event"] in (runlog.START, runlog.RESUME, runlog.STOP, runlog.FAILED, runlog.DONE, runlog.EXPORT):
         fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
         (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")

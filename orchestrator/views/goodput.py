@@ -333,8 +333,11 @@ def _interruption(s: _Segment, nxt: _Segment | None, live: bool) -> Interruption
     if _first(s.events, runlog.DONE) is not None:
         return None
     stop, failed = _first(s.events, runlog.STOP), _first(s.events, runlog.FAILED, True)
+    fault = _first(s.events, runlog.FAULT)  # the in-allocation supervisor's verdict, when it acted
     if stop is not None:
         kind = _STOP_KINDS.get(stop.get("reason"), stop.get("reason") or "signal")
+    elif fault is not None:
+        kind = "crash" if fault.get("kind") == "crash" else "hang"
     elif failed is not None:
         kind = "hang" if _is_hang(failed) else "crash"
     elif _first(s.events, runlog.REQUEUE) is not None or _first(s.events, runlog.FAILED) is not None:

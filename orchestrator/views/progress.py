@@ -24,12 +24,28 @@ class Progress:
     failure: str | None = None
     last_stop: dict | None = None
     cancelled: bool = False  # `fsdpjob cancel` asked for it (its cancel event)
+    faults: list[dict] = field(default_factory=list)  # the supervisor's fault events (crashes, hangs)
     events: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)  # the tail read (METRICS_TAIL_BYTES)
 
     @property
+    def restarts_in_allocation(self) -> int:
+        return sum(1 for f in self.faults if f.get("restart"))
+
+    @property
     def restarts(self) -> int:
-        return max(0, self.starts - 1)
+        """Scheduler restarts (requeues): starts beyond the first that the supervisor did not make."""
+        return max(0, self.starts - 1 - self.restarts_in_allocation)
+
+    def recovery(self) -> dict | None:
+        """What the in-allocation supervisor did (status's ``recovery``); None when it never had to act."""
+        if not self.faults:
+            return None
+        last = self.faults[-1]
+        keys = ("kind", "reason", "ranks", "hosts", "top_frames", "stacks", "decision", "launch", "time")
+        excluded = sorted({h for f in self.faults for h in f.get("exclude") or ()})
+        return {"restarts": self.restarts_in_allocation, "faults": len(self.faults),
+                "last_fault": {k: last.get(k) for k in keys if last.get(k) is not None}, "excluded_nodes": excluded}
 
 
 # How much of each file's end status reads: enough for the newest values on a long run.
@@ -72,6 +88,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.last_stop = ev
         elif kind == runlog.CANCEL:
             prog.cancelled = True
+        elif kind == runlog.FAULT:
+            prog.faults.append(ev)
         if kind in (runlog.STOP, runlog.CHECKPOINT, runlog.METRIC, runlog.FAILED, runlog.REQUEUE) and isinstance(
             ev.get("step"), int
         ):

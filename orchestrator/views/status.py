@@ -42,7 +42,7 @@ PHASES = {
 STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
-    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput",
+    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery",
 )
 
 
@@ -77,6 +77,10 @@ class StatusReport:
     # The goodput headline (views/goodput.py): goodput, ettr, allocated_s, productive_s, unit, units, source,
     # interruptions (their count).
     goodput: dict | None = None
+    # The in-allocation supervisor (orchestrator/supervise): restarts (in this allocation, beside `restarts`,
+    # the requeues), faults, last_fault {kind: crash|hang|straggler, reason, ranks, hosts, top_frames, stacks,
+    # decision}, excluded_nodes. None when it never had to act.
+    recovery: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,6 +135,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         failure_reason=failure,
         last_stop={k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")} if progress.last_stop else None,
         goodput=_goodput(record, view, progress, phase),
+        recovery=progress.recovery(),
     )
 
 

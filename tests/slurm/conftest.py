@@ -11,6 +11,7 @@ FSDPJOB_REQUIRE_SLURM=1 (CI).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ import yaml
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from helpers import wait_for
+from distributed import committed_model_state
+from helpers import fsdpjob, wait_for
 
 HERE = Path(__file__).resolve().parent
 STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")
@@ -189,3 +191,44 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
         return path
 
     return make
+
+
+# ---- submitting 2x2 jobs, shared by the modules that run them ----
+
+def status(ref: str) -> dict:
+    return json.loads(fsdpjob("status", ref, "--json", check=True).stdout)
+
+
+def submit(spec: Path, *extra: str) -> dict:
+    return _json_prefix(fsdpjob("submit", str(spec), "--json", *extra, check=True).stdout)
+
+
+def _json_prefix(text: str) -> dict:
+    return json.loads(text[text.index("{"): text.index("}") + 1])
+
+
+def final_weights(run_dir: str) -> dict:
+    return committed_model_state(run_dir)
+
+
+def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
+    def probe():
+        report = status(ref)
+        if seen is not None and (not seen or seen[-1] != report["phase"]):
+            seen.append(report["phase"])
+        return report if report["phase"] in phases else None
+
+    return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
+    """An uninterrupted 2x2 run of the spec the interrupted runs use (their final weights must match it)."""
+    os.environ["SLURM_CONF"] = str(slurm_cluster_session.slurm_conf)
+    os.environ["FSDPJOB_HOME"] = str(tmp_path_factory.mktemp("reference_home"))
+    spec = make_spec("uninterrupted", train__max_steps=60)
+    ref = submit(spec)
+    assert wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)["phase"] == "COMPLETED"
+    return {"spec": spec, "weights": final_weights(ref["run_dir"])}
+
+

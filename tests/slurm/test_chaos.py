@@ -1,7 +1,8 @@
 """Chaos on the real cluster: one 2x2 FSDP2 run hit by random faults must finish with the bits of an
 uninterrupted run. Faults (seeded; the seed is printed): preemption by a high-tier job, the time-limit
-warning signal, an external `scontrol requeue`, SIGKILL of one worker rank, SIGKILL of a node's slurmd and
-its restart. FSDPJOB_CHAOS_FAULTS (default 5) and FSDPJOB_CHAOS_SEED set the count and the seed;
+warning signal, an external `scontrol requeue`, SIGKILL of one worker rank (a crash: restarted inside the
+allocation), SIGSTOP of one (a hang: detected, stacks dumped, restarted inside the allocation), SIGKILL of a
+node's slurmd and its restart. FSDPJOB_CHAOS_FAULTS (default 5) and FSDPJOB_CHAOS_SEED set the count and the seed;
 FSDPJOB_CHAOS_KINDS (comma-separated) restricts the fault kinds."""
 
 from __future__ import annotations
@@ -17,21 +18,12 @@ from pathlib import Path
 import pytest
 
 from helpers import fsdpjob, wait_for
-from slurm.conftest import release_held
-from slurm.test_fsdp_slurm import (
-    assert_same_weights,
-    final_weights,
-    preempt_now,
-    status,
-    status_of,
-    submit,
-    wait_phase,
-    worker_pids,
-)
+from slurm.conftest import final_weights, release_held, status, submit, wait_phase
+from slurm.test_fsdp_slurm import assert_same_weights, preempt_now, status_of, worker_pids
 
 pytestmark = [pytest.mark.chaos, pytest.mark.distributed, pytest.mark.slow]
 
-FAULTS = ("preempt", "time_limit_signal", "scontrol_requeue", "kill_rank", "kill_slurmd")
+FAULTS = ("preempt", "time_limit_signal", "scontrol_requeue", "kill_rank", "stop_rank", "kill_slurmd")
 
 
 def inject(fault: str, job_id: str, run_dir: str, rng: random.Random, cluster) -> None:
@@ -46,6 +38,10 @@ def inject(fault: str, job_id: str, run_dir: str, rng: random.Random, cluster) -
         pids = worker_pids(run_dir)
         if pids:
             os.kill(rng.choice(pids), signal.SIGKILL)
+    elif fault == "stop_rank":  # a hang: one rank frozen; the supervisor must notice, dump stacks, restart
+        pids = worker_pids(run_dir)
+        if pids:
+            os.kill(rng.choice(pids), signal.SIGSTOP)
     elif fault == "kill_slurmd":
         from fsdpjob.orchestrator.devcluster import manage
 
@@ -86,7 +82,9 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     print(f"chaos seed {seed}, {count} faults")
     rng = random.Random(seed)
     steps = 60 + 25 * count
-    spec = make_spec(f"chaos{count}", train__max_steps=steps, preemption__max_requeues=4 * count + 5)
+    # A 10 s stall floor keeps a frozen rank's detection short; every fault may cost a restart in the allocation.
+    spec = make_spec(f"chaos{count}", train__max_steps=steps, preemption__max_requeues=4 * count + 5,
+                     recovery__stall_floor_s=10, recovery__max_restarts=count + 1)
 
     reference = submit(spec)
     assert wait_phase(reference["run_id"], {"COMPLETED", "FAILED"}, timeout=600)["phase"] == "COMPLETED"

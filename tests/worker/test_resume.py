@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import committed_model_state, run_ranks, train_worker as _worker
+from distributed import committed_model_state, logged_losses, run_ranks, train_worker as _worker, write_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -52,27 +52,18 @@ def assets(tmp_path_factory) -> dict:
 
 
 def make_run(root: Path, name: str, assets: dict, *, defer_grad_sync: bool = True) -> Path:
-    from fsdpjob.orchestrator.core.spec import JobSpec
-
-    spec = JobSpec.model_validate({
-        "name": name,
+    # The plan's verdict for this small model: the unsharded gradients fit, so one reduce-scatter per step.
+    return write_run(root, name, {
         "model": {"path": assets["model_path"]},
         "data": {"path": assets["data_path"], "seq_len": 32},
         # Global batch 6 = 1 x 3 x 2 ranks: divisible by 1, 2 and 3 ranks, so a resume on any keeps it.
         "train": {"max_steps": STEPS, "micro_batch_size": 1, "grad_accum_steps": 3, "lr": 3e-3, "log_every": 1},
         "fsdp": {"mixed_precision": "fp32"},
         "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
-    })
-    run_dir = root / name
-    run_dir.mkdir()
-    # The plan's verdict for this small model: the unsharded gradients fit, so one reduce-scatter per step.
-    meta = {"spec": spec.model_dump(mode="json"), "resume_from": None, "plan": {"defer_grad_sync": defer_grad_sync}}
-    (run_dir / "spec.json").write_text(json.dumps(meta))
-    return run_dir
+    }, defer_grad_sync=defer_grad_sync)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+losses = logged_losses
 
 
 def sample_steps(run_dir: Path) -> dict[int, list[int]]:

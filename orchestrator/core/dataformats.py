@@ -1,0 +1,299 @@
+"""Where a data source's records are and how to read them: JSONL files, parquet files and folders written by
+datasets' save_to_disk, found from a file, a folder or a glob. Both sides use it: the login node checks the
+columns and the first rows of every source (``check_data``), the worker reads them all (jobs/datasources.py)
+and the data cache hashes the files it lists.
+
+Tables are read with pyarrow (what `datasets` reads them with), imported only when a source is a table, so
+a JSONL-only setup never needs it and `validate` reads parquet footers, not the data.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .dataspec import DataSource
+from .errors import InputError
+from .inputs import SCAN_LINES, RecordError, _spec_error, iter_records, record_fields
+
+if TYPE_CHECKING:
+    from .spec import DataSpec
+    from .yamlio import YamlDoc
+
+TRAIN_SPLITS = ("train",)
+EVAL_SPLITS = ("validation", "test")  # eval_path's default split, in this order
+_ROLE_KEY = {"text": "text_field", "prompt": "prompt_field", "completion": "completion_field",
+             "messages": "messages_field"}  # fmt: skip
+_BATCH_ROWS = 1024
+
+
+class SourceProblem(ValueError):
+    """A source that cannot be read as given; the message says what to change (the caller adds where)."""
+
+
+class RowError(ValueError):
+    """A record that cannot be an example, at ``file``:``line`` (a JSONL line, or a table's 1-based row)."""
+
+    def __init__(self, message: str, file: Path, line: int):
+        self.message, self.file, self.line = message, file, line
+        super().__init__(f"{file}:{line}: {message}")
+
+
+class Located(NamedTuple):
+    format: str  # jsonl, parquet or save_to_disk
+    files: list[Path]  # what holds the rows, in reading order (save_to_disk: the split's arrow files)
+    root: Path  # save_to_disk: the split's folder (load_from_disk reads it); otherwise the first file
+    hashed: list[Path]  # every file whose bytes the data cache's key covers
+
+
+# ---------------------------------------------------------------- finding the files
+
+
+def _is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _saved_kind(folder: Path) -> str | None:
+    if (folder / "dataset_dict.json").is_file():
+        return "dict"
+    if (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file():
+        return "dataset"
+    return None
+
+
+def _format_of_files(files: list[Path], where: str) -> str:
+    kinds = {"parquet" if f.suffix in (".parquet", ".pq") else "jsonl" for f in files}
+    if len(kinds) > 1:
+        raise SourceProblem(f"{where} holds both parquet and JSONL files; narrow it to one kind, or set format")
+    return kinds.pop()
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SourceProblem(f"cannot read {path} ({exc}); is the save_to_disk folder complete?") from None
+
+
+def _split_folder(folder: Path, split: str | None, prefer: tuple[str, ...]) -> Path:
+    """The folder of the split to read in a DatasetDict folder (save_to_disk of a DatasetDict)."""
+    splits = _json(folder / "dataset_dict.json").get("splits") or []
+    names = ", ".join(splits) or "none"
+    if split is not None:
+        if split not in splits:
+            raise SourceProblem(f"{folder} has no split {split!r} (splits: {names}); set split to one of them")
+        return folder / split
+    chosen = next((s for s in prefer if s in splits), None) or (splits[0] if len(splits) == 1 else None)
+    if chosen is None:
+        raise SourceProblem(f"{folder} holds the splits {names}; set split (eval_split for eval_path) to one")
+    return folder / chosen
+
+
+def _saved(folder: Path, split: str | None) -> Located:
+    kind = _saved_kind(folder)
+    if kind is None:
+        raise SourceProblem(f"{folder} is not a folder written by save_to_disk (no dataset_info.json and state.json, "
+                            "nor dataset_dict.json)")
+    if kind == "dict":
+        folder = _split_folder(folder, split, TRAIN_SPLITS)
+    elif split is not None:
+        raise SourceProblem(f"{folder} holds one data set, not a DatasetDict with splits; drop split")
+    state = _json(folder / "state.json")
+    files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
+    if missing := [f for f in files if not f.is_file()]:
+        raise SourceProblem(f"{missing[0]} named by {folder / 'state.json'} is missing; save the data set again")
+    return Located("save_to_disk", files, folder, [folder / "state.json", folder / "dataset_info.json", *files])
+
+
+def locate(source: DataSource) -> Located:
+    """The files of ``source`` and their format (``source.format``, or found from the path when auto); a
+    DatasetDict's split is ``source.split``, else train (eval_data settles eval_path's split before)."""
+    fmt, path = source.format or "auto", Path(source.path)
+    if fmt == "save_to_disk" or (fmt == "auto" and path.is_dir() and _saved_kind(path)):
+        return _saved(path, source.split)
+    if source.split is not None:
+        raise SourceProblem("split is for save_to_disk folders holding a DatasetDict; drop split here")
+    if path.is_dir():
+        wanted = {"parquet": ("*.parquet", "*.pq"), "jsonl": ("*.jsonl", "*.json")}
+        patterns = wanted.get(fmt, wanted["parquet"] + wanted["jsonl"])
+        files = sorted({f for pattern in patterns for f in path.glob(pattern) if f.is_file()})
+        if not files:
+            raise SourceProblem(f"{path} holds no {'.parquet or .jsonl' if fmt == 'auto' else fmt} files, and no "
+                                "save_to_disk data set (dataset_info.json or dataset_dict.json); point at data files")
+    elif path.exists():  # before globbing: a file named data[1].jsonl is that file
+        files = [path]
+    elif _is_glob(source.path):
+        files = sorted(p for p in map(Path, glob.glob(source.path, recursive=True)) if p.is_file())
+        if not files:
+            raise SourceProblem(f"the pattern {source.path} matches no files")
+    else:
+        raise SourceProblem(f"data file {path} does not exist")
+    if fmt == "auto":  # parquet by the suffix; any other file is JSONL, as data.path always took
+        fmt = _format_of_files(files, source.path)
+    return Located(fmt, files, files[0], files)
+
+
+def eval_data(data: DataSpec) -> DataSpec:
+    """The data section for ``data.eval_path``: the same settings, with eval_path as its one source and the
+    split it names (its default: validation, else test, else the only one)."""
+    split = data.eval_split
+    if split is None and Path(data.eval_path).is_dir() and _saved_kind(Path(data.eval_path)) == "dict":
+        split = _split_folder(Path(data.eval_path), None, EVAL_SPLITS).name  # SourceProblem: none to choose
+    return data.model_copy(update={"path": data.eval_path, "sources": None, "split": split, "eval_path": None,
+                                   "eval_split": None, "eval_fraction": 0.0})
+
+
+# ---------------------------------------------------------------- columns and rows
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401 - submodules pyarrow does not import itself
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        message = "reading parquet or save_to_disk data needs pyarrow: pip install 'fsdpjob[datasets]'"
+        raise SourceProblem(message) from None
+    return pyarrow
+
+
+def _stringlike(pa: Any, t: Any) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _type_problem(pa: Any, role: str, t: Any) -> str | None:
+    if role != "messages":
+        return None if _stringlike(pa, t) else f"is {t}, not a string column"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        item = t.value_type
+        if pa.types.is_struct(item) and all(
+            item.get_field_index(key) >= 0 and _stringlike(pa, item.field(key).type) for key in ("role", "content")
+        ):
+            return None
+    return f"is {t}, not a list of {{role: string, content: string}} structs"
+
+
+def schema(located: Located) -> Any:
+    """The Arrow schema of a table source (every file's, which must agree on the columns used)."""
+    pa = _pyarrow()
+    if located.format == "parquet":
+        return pa.parquet.read_schema(located.files[0])
+    with pa.memory_map(str(located.files[0])) as f:
+        return pa.ipc.open_stream(f).schema
+
+
+def check_columns(located: Located, source: DataSource) -> tuple[str, str] | None:
+    """(field key, problem) for the first configured field that a table's files lack or hold in another type."""
+    pa = _pyarrow()
+    files = located.files if located.format == "parquet" else located.files[:1]  # save_to_disk: one schema
+    for file in files:
+        found = pa.parquet.read_schema(file) if located.format == "parquet" else schema(located)
+        for role, name in source.fields.items():
+            where, key = (located.root if located.format == "save_to_disk" else file), _ROLE_KEY[role]
+            if found.get_field_index(name) < 0:
+                names = ", ".join(found.names[:12])
+                return key, f"{where} has no column {name!r} (columns: {names}); set {key} to one of them"
+            if problem := _type_problem(pa, role, found.field(name).type):
+                return key, f"column {name!r} in {where} {problem}"
+    return None
+
+
+def plain_cell(value: Any) -> Any:
+    """A messages cell as a JSONL line would hold it: Arrow fills keys a message lacks with null; drop them."""
+    if isinstance(value, list):
+        return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    return value
+
+
+def table_rows(located: Located, columns: list[str], limit: int | None = None) -> Iterator[tuple[Path, int, dict]]:
+    """(file, 1-based row, {column: value}) of a table source with pyarrow; save_to_disk rows count through the
+    whole data set and name its folder."""
+    pa = _pyarrow()
+    counted = 0
+    for file in located.files:
+        if located.format == "parquet":
+            batches = pa.parquet.ParquetFile(file).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+            row, where = 0, file
+        else:
+            batches = iter(pa.ipc.open_stream(pa.memory_map(str(file))))
+            row, where = counted, located.root
+        for batch in batches:
+            for record in batch.select(columns).to_pylist():
+                row, counted = row + 1, counted + 1
+                if limit is not None and counted > limit:
+                    return
+                yield where, row, {k: plain_cell(v) for k, v in record.items()}
+
+
+def source_records(located: Located, source: DataSource,
+                   limit: int | None = None) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+    """(file, line or row, fields by role) of the examples of a source, ``limit`` of them at most (and JSONL files
+    read up to line ``limit``); a bad one raises RowError."""
+    if located.format == "jsonl":
+        left = limit
+        for file in located.files:
+            try:
+                for line, fields in iter_records(file, source, limit=limit):
+                    if left is not None and (left := left - 1) < 0:
+                        return
+                    yield file, line, fields
+            except RecordError as exc:
+                raise RowError(exc.message, file, exc.line) from None
+        return
+    for where, row, record in table_rows(located, list(dict.fromkeys(source.fields.values())), limit):
+        try:
+            yield where, row, record_fields(record, source, row)
+        except RecordError as exc:
+            raise RowError(exc.message, where, row) from None
+
+
+# ---------------------------------------------------------------- login-node checks
+
+
+def _field_loc(data: DataSpec, index: int | None, key: str, path_loc: tuple) -> tuple:
+    """Where the spec sets ``key`` for a source: on the source, on the data section, or (the default 'text')
+    nowhere: then at the source's path."""
+    if index is not None and data.sources[index].sets_fields:
+        return ("data", "sources", index, key)
+    return ("data", key) if getattr(data, key) is not None else path_loc
+
+
+def _check_source(data: DataSpec, source: DataSource, index: int | None, path_loc: tuple,
+                  doc: YamlDoc | None) -> None:
+    try:
+        located = locate(source)
+        if located.format != "jsonl" and (bad := check_columns(located, source)):
+            raise _spec_error(bad[1], _field_loc(data, index, bad[0], path_loc), doc)
+        if located.format == "jsonl" and (empty := next((f for f in located.files if not f.stat().st_size), None)):
+            raise SourceProblem(f"data file {empty} is empty")
+        found = sum(1 for _ in source_records(located, source, limit=SCAN_LINES))
+    except SourceProblem as exc:
+        raise _spec_error(str(exc), path_loc, doc) from None
+    except RowError as exc:
+        raise InputError(exc.message, file=str(exc.file), line=exc.line) from None
+    if not found:
+        what = f"in its first {SCAN_LINES} lines (only blank lines)" if located.format == "jsonl" else "(no rows)"
+        raise _spec_error(f"data {source.path} has no examples {what}", path_loc, doc)
+
+
+def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
+    """Every training source and the eval data: found, of a known format, with the configured columns in the
+    right types and good first rows; raise InputError at the spec line to change, or at FILE:LINE of a bad row."""
+    if data.sources is None:
+        _check_source(data, data.inputs()[0], None, ("data", "path"), doc)
+    else:
+        for index, source in enumerate(data.inputs()):
+            _check_source(data, source, index, ("data", "sources", index, "path"), doc)
+    if data.eval_path is not None:
+        try:
+            evaluation = eval_data(data)
+        except SourceProblem as exc:
+            raise _spec_error(str(exc), ("data", "eval_path"), doc) from None
+        _check_source(evaluation, evaluation.inputs()[0], None, ("data", "eval_path"), doc)
+
+

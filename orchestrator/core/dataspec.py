@@ -1,0 +1,176 @@
+"""The spec's data section (DataSpec, part of spec.py's JobSpec): which fields hold an example, the formats,
+one source of a mixture and the rules of the list. The worker and the login-node checks read every source the
+same way, through ``DataSpec.inputs()``: each source with what it leaves unset taken from the section."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .validation import Strict, field_error, path_value
+
+DataFormat = Literal["auto", "jsonl", "parquet", "save_to_disk"]
+FIELD_KEYS = ("text_field", "prompt_field", "completion_field", "messages_field")
+# Weights are shares: written as decimals they rarely add up to exactly 1 in binary floating point.
+WEIGHT_TOLERANCE = 1e-6
+
+
+class FieldOptions:
+    """Which fields of a record (a JSON line, a table row) make the example: plain text, a prompt/completion
+    pair or chat messages. Mixed into the pydantic models that declare the four ``*_field`` attributes (not
+    declared here: pydantic would take annotations of a base class for fields of its own)."""
+
+    def shape_problem(self) -> str | None:
+        shapes = [
+            name
+            for name, on in (
+                ("text_field", self.text_field is not None),
+                ("prompt_field/completion_field", self.prompt_field is not None or self.completion_field is not None),
+                ("messages_field", self.messages_field is not None),
+            )
+            if on
+        ]
+        if len(shapes) > 1:
+            return f"give one data shape, not {' and '.join(shapes)}"
+        if (self.prompt_field is None) != (self.completion_field is None):
+            return "prompt_field and completion_field go together; set both"
+        return None
+
+    @property
+    def sets_fields(self) -> bool:
+        return any(getattr(self, key) is not None for key in FIELD_KEYS)
+
+    @property
+    def shape(self) -> Literal["text", "prompt_completion", "chat"]:
+        if self.prompt_field is not None:
+            return "prompt_completion"
+        if self.messages_field is not None:
+            return "chat"
+        return "text"
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The record's field for each role (text; prompt and completion; messages)."""
+        if self.shape == "prompt_completion":
+            return {"prompt": self.prompt_field, "completion": self.completion_field}  # type: ignore[dict-item]
+        if self.shape == "chat":
+            return {"messages": self.messages_field}  # type: ignore[dict-item]
+        return {"text": self.text_field or "text"}
+
+
+class DataSource(FieldOptions, Strict):
+    """One source of a data mixture."""
+
+    path: str
+    """JSONL file(s), parquet file(s) or a folder written by datasets' save_to_disk: a file, a folder or a glob such as data/*.parquet. Relative to the spec file."""
+    weight: Annotated[float, Field(gt=0, le=1)]
+    """Share of the training sequences drawn from this source; the weights of all sources add up to 1. A small source is repeated, a large one is cycled through over the epochs."""
+    format: DataFormat | None = None
+    """Format of path; default: data.format."""
+    split: str | None = None
+    """Split of a save_to_disk folder that holds a DatasetDict; default: data.split."""
+    text_field: str | None = None
+    """Field with plain text; a source that sets any field uses its own fields instead of data's."""
+    prompt_field: str | None = None
+    """Field with the prompt of a prompt/completion pair (set with completion_field)."""
+    completion_field: str | None = None
+    """Field with the completion of a prompt/completion pair."""
+    messages_field: str | None = None
+    """Field with chat messages [{role, content}, ...]."""
+
+    _path = field_validator("path")(path_value)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "DataSource":
+        if problem := self.shape_problem():
+            raise ValueError(problem)
+        return self
+
+
+def check_sources(sources: list[DataSource]) -> str | None:
+    """What is wrong with a mixture's list as a whole (the sources themselves are validated already)."""
+    if not sources:
+        return "give at least one source (path and weight), or use data.path instead of data.sources"
+    total = sum(s.weight for s in sources)
+    if abs(total - 1) > WEIGHT_TOLERANCE:
+        terms = " + ".join(f"{s.weight:g}" for s in sources)
+        scaled = ", ".join(f"{s.weight / total:.4g}" for s in sources)
+        return (f"the weights add up to {total:g} ({terms}); each is the share of training sequences drawn from "
+                f"its source, so they must add up to 1: e.g. {scaled}")
+    paths = [s.path for s in sources]
+    if twice := sorted({p for p in paths if paths.count(p) > 1}):
+        return f"{twice[0]} is listed twice; give each source once, with the sum of its weights"
+    return None
+
+
+def effective(source: DataSource, defaults: DataSpec) -> DataSource:
+    """``source`` with what it leaves unset taken from ``defaults`` (the data section): format, split and,
+    unless it sets any field of its own, the field options."""
+    update: dict[str, Any] = {}
+    if source.format is None:
+        update["format"] = defaults.format
+    if source.split is None:
+        update["split"] = defaults.split
+    if not source.sets_fields:
+        update.update({key: getattr(defaults, key) for key in FIELD_KEYS})
+    return source.model_copy(update=update)
+
+
+class DataSpec(FieldOptions, Strict):
+    path: str | None = None
+    """Training data: a JSONL file, parquet files (a file, a folder or a glob such as data/*.parquet) or a folder written by datasets' save_to_disk. Relative to the spec file. Give path or sources."""
+    format: DataFormat = "auto"
+    """Format of path, eval_path and every source without its own: jsonl, parquet or save_to_disk; auto: parquet for .parquet files (or a folder or glob of them), save_to_disk for a folder with dataset_info.json or dataset_dict.json, JSONL otherwise."""
+    split: str | None = None
+    """Split to train on when the data is a save_to_disk folder holding a DatasetDict; default: train, or its only split."""
+    sources: list[DataSource] | None = None
+    """A mixture instead of path: sources, each {path, weight} and optionally its own format, split and field options; the weights add up to 1."""
+    text_field: str | None = None
+    """Field with plain text (loss on every token). The default shape when no other field is given: 'text'."""
+    prompt_field: str | None = None
+    """Field with the prompt of a prompt/completion pair (no loss on prompt tokens)."""
+    completion_field: str | None = None
+    """Field with the completion of a prompt/completion pair."""
+    messages_field: str | None = None
+    """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
+    seq_len: Annotated[int, Field(gt=0)] = 512
+    """Tokens per sequence."""
+    packing: bool = True
+    """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
+    shuffle: bool = True
+    """Shuffle examples deterministically from train.seed."""
+    eval_path: str | None = None
+    """Evaluation examples, in any format path takes, with the same fields as path. Relative to the spec file."""
+    eval_split: str | None = None
+    """Split of eval_path when it is a save_to_disk DatasetDict folder; default: validation, else test, else its only split."""
+    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Share of the packed training sequences held out for evaluation (chosen from train.seed); 0: none."""
+
+    _path = field_validator("path", "eval_path")(path_value)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "DataSpec":
+        if problem := self.shape_problem():
+            raise ValueError(problem)
+        if (self.path is None) == (self.sources is None):
+            raise field_error("path", "give path (one data set) or sources (a mixture), one of them")
+        if self.sources is not None and (problem := check_sources(self.sources)):
+            raise field_error("sources", problem)
+        if self.eval_path is not None and self.eval_fraction:
+            raise field_error("eval_fraction", "give eval_path or eval_fraction, not both; drop one of them")
+        if self.eval_split is not None and self.eval_path is None:
+            raise field_error("eval_split", "eval_split names a split of eval_path; set eval_path or drop eval_split")
+        return self
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_path is not None or self.eval_fraction > 0
+
+    def inputs(self) -> list[DataSource]:
+        """The training sources with what they leave unset taken from this section: ``path`` as one source of
+        weight 1, or each of ``sources``."""
+        if self.sources is None:
+            only = {"path": self.path, "weight": 1.0, **{key: getattr(self, key) for key in FIELD_KEYS}}
+            return [DataSource.model_validate(only | {"format": self.format, "split": self.split})]
+        return [effective(source, self) for source in self.sources]

@@ -1,0 +1,133 @@
+"""What trains, for the memory and time model: every parameter in full fine-tuning; with LoRA (spec model.lora)
+the adapters and modules_to_save, while the frozen base is held as weights only (no gradients, no AdamW state).
+
+Pure arithmetic from the model's shape (no torch): an adapter on a linear layer of in x out features adds
+r x (in + out) parameters (A: r x in, B: out x r). The layer names and shapes below are those of the families'
+transformers modeling code; ``all-linear`` is every linear layer in the decoder blocks (peft leaves out the
+output head). Names the table does not know are counted as hidden x hidden, with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .modelshape import ModelShape, ParamCount
+
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
+_HEADS = ("lm_head", "embed_out")
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """Parameter counts by role; full fine-tuning trains everything, LoRA adds and trains a little."""
+
+    weights: int  # every parameter held: the model's, the adapters' and modules_to_save's trained copies
+    trained: int  # parameters with gradients and AdamW state (saved in checkpoints)
+    layer_weights: int  # per decoder layer, gathered with it
+    layer_trained: int  # per decoder layer, with gradients
+    root_weights: int  # in the root unit (embedding, final norm, lm_head, and their trained copies)
+    root_trained: int
+    head_trained: bool  # lm_head gets a gradient (held unsharded until the root's reduce-scatter)
+    largest_trained: int  # elements of the largest trained tensor (the per-tensor AdamW's temporaries)
+    lora: Any = None  # the spec's model.lora; None for full fine-tuning
+    note: str | None = None  # why the adapter count is an estimate (a plan warning)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora is not None
+
+
+def full_training(s: ModelShape, p: ParamCount) -> Trainable:
+    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
+    return Trainable(weights=p.total, trained=p.total, layer_weights=p.per_layer, layer_trained=p.per_layer,
+                     root_weights=p.root, root_trained=p.root, head_trained=True, largest_trained=largest)
+
+
+def _linear_shapes(s: ModelShape) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of each linear layer in one decoder block, by module name, across the supported families."""
+    h, i, q, kv = s.hidden, s.intermediate, s.q_dim, s.kv_dim
+    experts = max(1, s.experts)
+    mlp = {"gate_proj": [(h, i)] * experts if s.gated_mlp else [], "up_proj": [(h, i)] * experts,
+           "down_proj": [(i, h)] * experts}
+    if s.shared_expert:
+        mlp = {k: v + [(h, s.shared_expert) if k != "down_proj" else (s.shared_expert, h)] for k, v in mlp.items()}
+    return {
+        "q_proj": [(h, q)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(q, h)], **mlp,
+        "qkv_proj": [(h, q + 2 * kv)], "gate_up_proj": [(h, 2 * i)],  # phi3
+        "query_key_value": [(h, q + 2 * kv)], "dense": [(q, h)],  # gpt_neox, falcon; phi's dense
+        "dense_h_to_4h": [(h, i)], "dense_4h_to_h": [(i, h)], "fc1": [(h, i)], "fc2": [(i, h)],
+        # gpt2: c_proj in attention and MLP; starcoder2: in the MLP only
+        "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (i, h)] if s.model_type == "gpt2" else [(i, h)], "c_fc": [(h, i)],
+        "gate": [(h, s.experts)] if s.experts > 1 else [],  # the MoE router
+    }
+
+
+def _family_linears(s: ModelShape) -> list[str]:
+    """The names all-linear finds in one decoder block of this family."""
+    if s.model_type == "gpt2":
+        return ["c_attn", "c_proj", "c_fc"]
+    if s.model_type in ("gpt_neox", "falcon"):
+        return ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    if s.model_type == "phi":
+        return ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
+    if s.model_type == "phi3":
+        return ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    if s.model_type in ("glm", "glm4"):
+        return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+    if s.model_type == "starcoder2":
+        return ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]
+    mlp = ["gate_proj", "up_proj", "down_proj"] if s.gated_mlp else ["up_proj", "down_proj"]
+    return ["q_proj", "k_proj", "v_proj", "o_proj", *mlp, *(["gate"] if s.experts > 1 else [])]
+
+
+def _adapted(s: ModelShape, lora: Any) -> tuple[list[str], list[tuple[int, int]], list[str]]:
+    """The target names, the (in, out) of each adapted linear layer in one decoder block, the unknown names."""
+    shapes = _linear_shapes(s)
+    names = _family_linears(s) if lora.target_modules == "all-linear" else [n.rpartition(".")[2]
+                                                                            for n in lora.target_modules]
+    unknown = sorted({n for n in names if n not in shapes and n not in _EMBEDDINGS and n not in _HEADS})
+    per_layer = [shape for n in names for shape in shapes.get(n, [])] + [(s.hidden, s.hidden)] * len(unknown)
+    return names, per_layer, unknown
+
+
+def adapter_activations(s: ModelShape, lora: Any, compute_bytes: int) -> int:
+    """Bytes LoRA's forward keeps per token in one decoder layer, on top of the layer's own: A's output (r per
+    adapted layer) and, with dropout, its own dropped copy of the input (and the mask)."""
+    if lora is None:
+        return 0
+    _, per_layer, _ = _adapted(s, lora)
+    dropped = (compute_bytes + 1) if lora.dropout else 0
+    return sum(lora.r * compute_bytes + fan_in * dropped for fan_in, _ in per_layer)
+
+
+def lora_training(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
+    """Counts with the adapters of ``lora`` (the spec's model.lora) on a frozen base."""
+    names, per_layer, unknown = _adapted(s, lora)
+    layer_adapters = sum(lora.r * (fan_in + fan_out) for fan_in, fan_out in per_layer)
+    root_adapters = sum(lora.r * (s.vocab + s.hidden) for n in names if n in _EMBEDDINGS + _HEADS)
+    saved = {n.rpartition(".")[2] for n in lora.modules_to_save}
+    head = bool(saved & set(_HEADS))
+    copies = s.vocab * s.hidden * (bool(saved & set(_EMBEDDINGS)) + head)
+    notes = []
+    if s.experts > 1:
+        notes.append(f"model_type {s.model_type!r} (mixture of experts): the adapter count is estimated (peft "
+                     "adapts fused expert weights its own way)")
+    if unknown:
+        notes.append(f"model.lora.target_modules {unknown}: shapes unknown to the planner, counted as hidden x "
+                     "hidden per layer")
+    if set(saved) - set(_EMBEDDINGS) - set(_HEADS):
+        notes.append(f"model.lora.modules_to_save {sorted(saved - set(_EMBEDDINGS) - set(_HEADS))}: not counted "
+                     "by the planner")
+    trained = s.layers * layer_adapters + root_adapters + copies
+    return Trainable(
+        weights=p.total + trained, trained=trained,
+        layer_weights=p.per_layer + layer_adapters, layer_trained=layer_adapters,
+        root_weights=p.root + root_adapters + copies, root_trained=root_adapters + copies,
+        head_trained=head, largest_trained=s.vocab * s.hidden if copies else lora.r * max(max(io) for io in per_layer),
+        lora=lora, note="; ".join(notes) or None,
+    )
+
+
+def trainable(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
+    return full_training(s, p) if lora is None else lora_training(s, p, lora)

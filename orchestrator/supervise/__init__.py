@@ -1,0 +1,1 @@
+"""The in-allocation supervisor (runs beside the workers, never imports torch): see run.py."""

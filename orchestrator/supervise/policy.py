@@ -1,0 +1,78 @@
+"""After a crash or a stall inside the allocation: restart the workers here, or give up (pure).
+
+Giving up hands the attempt to the batch script's failure policy (slurm/failure.py), which requeues or fails
+it as before. The rules, in order:
+- a cancel, a stop checkpoint the workers already requeued, or a worker error marked not retryable (bad
+  data, a refused resume, out of memory) end the loop: a restart cannot help;
+- a crash before the run ever trained a step ends it: it would crash the same way (a hang may be transient:
+  it is restarted, within the budget);
+- ``recovery.max_restarts`` restarts per allocation;
+- two restarts in a row that committed no new checkpoint end it: the fault repeats faster than progress;
+- a node blamed twice (by the rank that died or stalled), or lost (it no longer runs a probe): the run goes
+  on without it when ``resources.min_nodes`` allows, else the loop ends naming the node and the failure
+  policy requeues the job with that node excluded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from fsdpjob.orchestrator.core import runlog
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One crash or stall of one launch (srun step) in this allocation."""
+
+    kind: str  # "crash", "hang" or "straggler"
+    launch: int
+    committed: int | None  # the newest committed checkpoint step when it happened
+    hosts: tuple[str, ...]  # nodes of the blamed ranks
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    why: str
+    # Nodes to leave out: of the next launch when restarting (the run goes on with fewer nodes), else of the
+    # job's next allocation (the failure policy requeues it with Slurm's exclude list).
+    exclude: tuple[str, ...] = ()
+
+
+def decide(faults: list[Fault], launch_events: list[dict], *, max_restarts: int, ever_trained: bool,
+           can_exclude: bool, dead: tuple[str, ...] = (), excluded: tuple[str, ...] = (), nodes: int = 1,
+           min_nodes: int = 1) -> Decision:
+    """Restart after ``faults[-1]``? ``launch_events`` are the run-log events written since that launch
+    started; ``ever_trained``: the run has trained at least one step (any attempt); ``dead``: nodes that no
+    longer run anything (count as blamed twice); ``excluded``: nodes this allocation already left out, of its
+    ``nodes``; it may go on with ``min_nodes`` (resources.min_nodes)."""
+    fault = faults[-1]
+    for e in launch_events:
+        if e.get("event") == runlog.CANCEL:
+            return Decision(False, "the run was cancelled")
+        if e.get("event") == runlog.STOP and e.get("requeued"):
+            return Decision(False, "the workers already requeued the job after a stop checkpoint")
+        if e.get("event") == runlog.FAILED and e.get("retryable") is False and "rank" in e:
+            return Decision(False, f"not retryable: {e.get('error') or e.get('reason')}")
+    if fault.kind == "crash" and not ever_trained:
+        return Decision(False, "the workers crashed before the run's first training step; they would crash the same way")
+    if len(faults) > max_restarts:
+        return Decision(False, f"restart budget spent: {max_restarts} restart(s) in this allocation "
+                               "(recovery.max_restarts)")
+    if len(faults) >= 3 and faults[-1].committed == faults[-2].committed == faults[-3].committed:
+        return Decision(False, f"two restarts in a row committed no new checkpoint (still step {fault.committed})")
+    blamed = Counter(host for f in faults for host in set(f.hosts))
+    twice = tuple(sorted(({h for h, n in blamed.items() if n >= 2} | set(dead)) - set(excluded)))
+    if twice and can_exclude:
+        left = nodes - len(excluded) - len(twice)
+        if left >= min_nodes:
+            return Decision(True, f"node(s) {', '.join(twice)} {'lost' if set(twice) <= set(dead) else 'blamed twice'}; "
+                                  f"going on with {left} node(s) in this allocation (resources.min_nodes {min_nodes}), "
+                                  f"from the newest committed checkpoint (restart {len(faults)} of {max_restarts})",
+                            exclude=twice)
+        return Decision(False, f"node(s) {', '.join(twice)} blamed twice or lost and only {left} of {nodes} would "
+                               f"be left (resources.min_nodes {min_nodes}); requeueing the job without them",
+                        exclude=twice)
+    return Decision(True, f"{fault.kind}: restarting the workers in this allocation from the newest committed "
+                          f"checkpoint (restart {len(faults)} of {max_restarts})")

@@ -1,0 +1,253 @@
+"""The in-allocation supervisor: runs the workers' step as its child, watches it, and restarts it here.
+
+    python -m fsdpjob.orchestrator.supervise RUN_DIR --world-size N [--scheduler slurm|local] -- COMMAND...
+
+On Slurm, COMMAND is the batch script's ``srun ...`` line and this runs in the batch step on the first node;
+locally it is submitit's controller. No torch here: it must start in milliseconds and survive what it watches.
+
+One launch at a time: clear the heartbeats, start COMMAND (env FSDPJOB_LAUNCH=<n>), then once a second read
+the heartbeats (watch.py). The launch ends by itself (exit 0: done, or the workers requeued after a stop
+checkpoint; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped (stacks.py), then
+the step gets SIGTERM, a short grace, and a hard kill. A crash or a stall is a ``fault`` event; policy.py
+then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
+(this exits non-zero and the batch script's failure policy requeues or fails the job as before).
+A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` locally) is passed on and ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fsdpjob.orchestrator.core import heartbeat, runlog
+from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+
+from . import stacks
+from .policy import Fault, decide
+from .watch import Bounds, Verdict, Watch
+
+POLL_S = 1.0
+TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, a save cannot happen anyway
+KILL_WAIT_S = 15.0
+FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with
+PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes well under a second
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, command: list[str], *, world_size: int, scheduler: str):
+        self.run_dir, self.command, self.world_size, self.scheduler = run_dir, command, world_size, scheduler
+        meta = json.loads(RunPaths(run_dir).spec_file.read_text(encoding="utf-8"))
+        spec = JobSpec.model_validate(meta["spec"])
+        self.recovery = spec.recovery
+        # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
+        self.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) if scheduler == "slurm" else 1
+        self.min_nodes = min(self.nodes, spec.resources.min_nodes or self.nodes)
+        self.tasks_per_node = max(1, world_size // self.nodes)
+        self.excluded: tuple[str, ...] = ()
+        self.job_id = slurm_cli.job_id_from_env() if scheduler == "slurm" else None  # for srun --overlap
+        self.proc: subprocess.Popen | None = None
+        self.signalled: int = 0
+        self.faults: list[Fault] = []
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        launch = 0
+        while True:
+            started = time.time()
+            rc, verdict = self._launch(launch, started)
+            if self.signalled or (rc == 0 and verdict is None):
+                return rc
+            if self._record(launch, started, rc, verdict).restart:
+                launch += 1
+                continue
+            return rc if rc != 0 else 1
+
+    def _launch(self, launch: int, started: float) -> tuple[int, Verdict | None]:
+        self._crash_hosts: tuple[str, ...] = ()
+        self._crash_seen_at: float | None = None
+        shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
+        env = {**os.environ, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
+        # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
+        self.proc = subprocess.Popen(self._command(), env=env, start_new_session=True)
+        world = (self.nodes - len(self.excluded)) * self.tasks_per_node
+        watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
+                                             self.recovery.stall_factor))
+        while self.proc.poll() is None and not self.signalled:
+            time.sleep(POLL_S)
+            beats = heartbeat.read_beats(self.run_dir, launch)
+            dead = _dead(beats)
+            if dead:  # srun's --kill-on-bad-exit ends a Slurm step itself; a local controller waits for all
+                self._crash_hosts = tuple(sorted({b.host for b in dead}))
+                self._crash_seen_at = time.time()
+                print(f"fsdpjob supervisor: rank(s) {[b.rank for b in dead]} exited; ending the step",
+                      file=sys.stderr, flush=True)
+                return self._end_step() or 1, None
+            verdict = watch.observe(beats, time.time())
+            if verdict is not None and self.proc.poll() is None:
+                self._stall(verdict, beats, launch)
+                return self._end_step(), verdict
+        return self.proc.wait(), None
+
+    def _command(self) -> list[str]:
+        """The step's command; after nodes were lost, srun on the ones left (same tasks per node)."""
+        if not self.excluded or Path(self.command[0]).name != "srun":
+            return self.command
+        left = self.nodes - len(self.excluded)
+        return [self.command[0], f"--exclude={','.join(self.excluded)}", f"--nodes={left}",
+                f"--ntasks={left * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}", *self.command[1:]]
+
+    def _stall(self, verdict: Verdict, beats: list[heartbeat.Beat], launch: int) -> None:
+        detected_at = time.time()
+        out = stacks.stacks_dir(self.run_dir) / f"launch-{launch}-{int(detected_at)}"
+        tops = stacks.dump_all(beats, out, job_id=self.job_id)
+        self._stall_info = {"stacks": str(out), "top_frames": {str(r): t for r, t in tops.items()},
+                            "ranks": list(verdict.ranks), "reason": verdict.reason,
+                            "detected_after_s": round(verdict.waited_s, 1), "detected_at": detected_at}
+        self._stall_hosts = tuple(sorted({b.host for b in beats if b.rank in verdict.ranks}))
+        print(f"fsdpjob supervisor: {verdict.kind}: {verdict.reason}; stacks in {out}", file=sys.stderr, flush=True)
+
+    def _end_step(self) -> int:
+        """SIGTERM, a grace, then the hard kill: srun aborts its step on a second SIGINT within a second
+        (SIGKILL to every task, frozen ones included); a local tree gets SIGKILL."""
+        proc = self.proc
+        self._signal_group(signal.SIGTERM)
+        try:
+            return proc.wait(TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.scheduler == "slurm":
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+        else:
+            self._signal_group(signal.SIGKILL)
+        try:
+            return proc.wait(KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            return proc.wait()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """scancel, a requeue or `fsdpjob cancel`: pass it on to the step, never restart after it."""
+        self.signalled = signum
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    # -- after a fault ---------------------------------------------------------------------------
+    def _record(self, launch: int, started: float, rc: int, verdict: Verdict | None):
+        timeline = runlog.timeline(self.run_dir)
+        since = [e for e in timeline if e.get("time", 0) >= started]
+        committed = committed_steps(run_checkpoint_root(self.run_dir))
+        if verdict is None:
+            seen = self._crash_seen_at or time.time()
+            kind, info, hosts = "crash", {"reason": f"the workers' step exited {rc}", "detected_at": seen}, self._crashed_hosts()
+        else:
+            kind, info, hosts = verdict.kind, self._stall_info, self._stall_hosts
+        self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts))
+        decision = decide(self.faults, since, max_restarts=self.recovery.max_restarts,
+                          ever_trained=any(e.get("event") == runlog.METRIC for e in timeline),
+                          can_exclude=self.scheduler == "slurm", dead=self._lost() if kind == "crash" else (),
+                          excluded=self.excluded,
+                          nodes=self.nodes, min_nodes=self.min_nodes)
+        if decision.restart and decision.exclude:
+            self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
+        runlog.append(self.run_dir, runlog.FAULT, kind=kind, launch=launch, exit_code=rc, hosts=list(hosts),
+                      nodes_left=self.nodes - len(self.excluded),
+                      restart=decision.restart, decision=decision.why, exclude=list(decision.exclude),
+                      job_id=self.job_id or str(os.getpid()), step=self.faults[-1].committed, **info)
+        print(f"fsdpjob supervisor: {kind} of launch {launch}: {decision.why}", file=sys.stderr, flush=True)
+        return decision
+
+    def _lost(self) -> tuple[str, ...]:
+        """Nodes of the allocation that no longer run a trivial command in this job (a dead slurmd, a node
+        gone), probed in parallel after a crash: srun's --kill-on-bad-exit ends every rank within a second,
+        so the heartbeats alone cannot always tell which node went first."""
+        if self.scheduler != "slurm" or self.job_id is None:
+            return ()
+        try:
+            nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in self.excluded]
+        except FsdpjobError:
+            return ()
+
+        def gone(node: str) -> bool:
+            try:
+                slurm_cli.on_node(self.job_id, node, ["true"], timeout=PROBE_TIMEOUT_S)
+                return False
+            except FsdpjobError:
+                return True
+
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
+            return tuple(n for n, dead in zip(nodes, pool.map(gone, nodes)) if dead)
+
+    def _crashed_hosts(self) -> tuple[str, ...]:
+        """The node of a rank that died: seen dead on this machine, or its heartbeat stopped before the
+        others' (--kill-on-bad-exit then killed the rest within a second or two). Unknown when they all
+        stopped together."""
+        if self._crash_hosts:
+            return self._crash_hosts
+        beats = heartbeat.read_beats(self.run_dir)
+        if len(beats) < 2:
+            return ()
+        newest = max(b.time for b in beats)
+        return tuple(sorted({b.host for b in beats if newest - b.time > 2 * heartbeat.HEARTBEAT_S}))
+
+    def _setup_bound(self) -> float:
+        """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
+        if self.recovery.setup_timeout_s != "auto":
+            return float(self.recovery.setup_timeout_s)
+        ready = [e for e in runlog.read_events(self.run_dir) if e.get("event") == runlog.READY]
+        if not ready:
+            return FIRST_SETUP_BOUND_S
+        return 3 * float(ready[-1].get("setup_s") or 0) + 60
+
+
+def _dead(beats: list[heartbeat.Beat]) -> list[heartbeat.Beat]:
+    """Ranks on this machine whose process is gone (or a zombie): a crash, whatever the others wait for."""
+    here = os.uname().nodename
+    dead = []
+    for beat in beats:
+        if beat.machine != here or beat.phase == heartbeat.EXITED:
+            continue
+        try:
+            state = Path(f"/proc/{beat.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            dead.append(beat)
+    return dead
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in args:
+        print("usage: python -m fsdpjob.orchestrator.supervise RUN_DIR --world-size N [--scheduler S] -- COMMAND...",
+              file=sys.stderr)
+        return 2
+    split = args.index("--")
+    parser = argparse.ArgumentParser(prog="fsdpjob.orchestrator.supervise")
+    parser.add_argument("run_dir")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--scheduler", choices=("slurm", "local"), default="slurm")
+    opts = parser.parse_args(args[:split])
+    supervisor = Supervisor(Path(opts.run_dir), args[split + 1:], world_size=opts.world_size, scheduler=opts.scheduler)
+    return supervisor.run()

@@ -1,0 +1,145 @@
+"""Stall detection over the ranks' heartbeats: pure (beats and clock in, a verdict out), so it is unit-tested
+without processes. The supervisor calls ``Watch.observe`` about once a second.
+
+What counts as progress: any rank's (step, phase) changing. What bounds a wait:
+- setup (imports to the first step): ``setup_bound_s`` from the launch, for every rank;
+- a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound;
+- a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound.
+Who is blamed when the bound passes (the host of a blamed rank may be excluded later):
+- a rank whose heartbeat thread stopped (SIGSTOP, a stuck process) -> "hang", that rank;
+- ranks behind the others (an earlier step or phase while the others wait in a collective) -> "straggler";
+- every rank at the same place (a collective that never completes) -> "hang", no rank singled out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fsdpjob.orchestrator.core.heartbeat import EVAL, HEARTBEAT_S, PHASES, SAVE, SETUP_PHASES, Beat
+
+FROZEN_AFTER_S = 3 * HEARTBEAT_S + 2  # a heartbeat older than this: the process is not running
+RECENT_STEPS = 50  # step times kept for the p95
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # "hang" or "straggler"
+    ranks: tuple[int, ...]  # blamed ranks (empty: no one rank stands out)
+    reason: str  # one line for the run log and status
+    waited_s: float  # how long nothing advanced when the verdict was given
+
+
+@dataclass
+class Bounds:
+    setup_s: float
+    floor_s: float
+    factor: float
+
+
+def _p95(values) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def _place(beat: Beat) -> tuple[int, int]:
+    return beat.step, PHASES.index(beat.phase) if beat.phase in PHASES else -1
+
+
+@dataclass
+class Watch:
+    """Watches one launch (one srun step) of ``world_size`` ranks that started at ``started``."""
+
+    world_size: int
+    started: float
+    bounds: Bounds
+    _places: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _last_change: float = 0.0
+    _max_step: int = -1
+    _step_at: float = 0.0
+    _step_times: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    _long_phases: dict[str, float] = field(default_factory=dict)  # longest save/eval seen so far
+    _in_long: dict[int, tuple[str, float]] = field(default_factory=dict)
+    _long_since_step: bool = False
+    training: bool = False  # every rank has reached the loop
+
+    def __post_init__(self) -> None:
+        self._last_change = self.started
+
+    def observe(self, beats: list[Beat], now: float) -> Verdict | None:
+        self._track(beats, now)
+        if not self.training:
+            return self._setup_verdict(beats, now)
+        bound = self.bound()
+        waited = now - self._last_change
+        if waited < bound:
+            return None
+        return blame(beats, now, waited, f"no rank advanced for {waited:.0f} s (bound {bound:.0f} s)")
+
+    def bound(self) -> float:
+        """Seconds without progress that make a stall, for where the ranks are now."""
+        b = self.bounds
+        long = {phase for phase, _ in self._in_long.values()}
+        if long:
+            if not all(p in self._long_phases for p in long):
+                return max(b.setup_s, 4 * b.floor_s)  # a first save or eval: nothing to compare it with yet
+            return max(b.factor * max(self._long_phases[p] for p in long), 4 * b.floor_s)
+        if not self._step_times:
+            return max(b.setup_s, b.floor_s)  # the first step warms up (allocations, compilation)
+        return max(b.factor * _p95(self._step_times), b.floor_s)
+
+    def step_p95(self) -> float | None:
+        return _p95(self._step_times) if self._step_times else None
+
+    def _track(self, beats: list[Beat], now: float) -> None:
+        for beat in beats:
+            place = _place(beat)
+            if self._places.get(beat.rank) != place:
+                self._places[beat.rank] = place
+                self._last_change = now
+            long = self._in_long.get(beat.rank)
+            if beat.phase in (SAVE, EVAL) and long is None:
+                self._in_long[beat.rank] = (beat.phase, beat.phase_since)
+                self._long_since_step = True
+            elif long is not None and beat.phase != long[0]:
+                del self._in_long[beat.rank]
+                took = max(0.0, beat.phase_since - long[1])
+                self._long_phases[long[0]] = max(self._long_phases.get(long[0], 0.0), took)
+        if len(beats) == self.world_size and all(b.phase not in SETUP_PHASES for b in beats):
+            self.training = True
+        if not self.training:
+            return
+        step = max(b.step for b in beats)
+        if step > self._max_step:
+            # An interval with a save or an eval in it is not a step time (those have their own bound).
+            if self._max_step >= 0 and self._step_at and not self._long_since_step:
+                # Per step, however many the heartbeat interval folded into this one observation.
+                self._step_times.append((now - self._step_at) / (step - self._max_step))
+            self._max_step, self._step_at, self._long_since_step = step, now, False
+
+    def _setup_verdict(self, beats: list[Beat], now: float) -> Verdict | None:
+        waited = now - self.started
+        if waited < self.bounds.setup_s:
+            return None
+        missing = sorted(set(range(self.world_size)) - {b.rank for b in beats})
+        if missing:
+            return Verdict("hang", tuple(missing), f"rank(s) {missing} never reported in {waited:.0f} s of setup "
+                                                   f"(bound {self.bounds.setup_s:.0f} s)", waited)
+        return blame(beats, now, waited, f"setup took over {self.bounds.setup_s:.0f} s")
+
+
+def blame(beats: list[Beat], now: float, waited: float, why: str) -> Verdict:
+    """Who stalled the run, from where each rank is and whether its heartbeat still runs."""
+    frozen = [b for b in beats if now - b.time > FROZEN_AFTER_S]
+    if frozen:
+        where = "; ".join(f"rank {b.rank} on {b.host} frozen in {b.phase!r} at step {b.step} "
+                          f"(no heartbeat for {now - b.time:.0f} s)" for b in frozen)
+        return Verdict("hang", tuple(b.rank for b in frozen), f"{why}: {where}", waited)
+    places = {b.rank: _place(b) for b in beats}
+    if places and len(set(places.values())) > 1:
+        lowest = min(places.values())
+        behind = [b for b in beats if places[b.rank] == lowest]
+        where = "; ".join(f"rank {b.rank} on {b.host} still in {b.phase!r} at step {b.step}" for b in behind)
+        return Verdict("straggler", tuple(b.rank for b in behind), f"{why}: {where} while the others wait", waited)
+    at = f" (every rank in {beats[0].phase!r} at step {beats[0].step})" if beats else ""
+    return Verdict("hang", (), f"{why}{at}", waited)

@@ -1,0 +1,108 @@
+"""Issue 12 on the real dev cluster (2 nodes x 2 tasks): hangs are detected by the in-allocation supervisor, every
+rank's stacks are dumped, and the workers restart in the same allocation (same Slurm job id, no requeue); the
+run ends COMPLETED with the final weights of the uninterrupted run. (The SIGKILL case is
+test_fsdp_slurm.py::test_killed_rank_restarts_in_the_allocation_and_still_matches_uninterrupted_run.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import fsdpjob, wait_for
+from slurm.conftest import status, submit, wait_phase
+from slurm.test_fsdp_slurm import assert_same_weights
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# Checkpoints every 5 steps (the math is the reference's); short bounds keep the test short.
+FAST = ("--set", "checkpoint.interval_steps=5", "--set", "recovery.stall_floor_s=5",
+        "--set", "recovery.setup_timeout_s=120")
+
+
+def _events(run_dir: str) -> list[dict]:
+    return [json.loads(x) for x in Path(run_dir, "events.jsonl").read_text().splitlines()]
+
+
+def _finished(run: dict) -> dict:
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
+    assert done["phase"] == "COMPLETED" and done["restarts"] == 0, done
+    return done
+
+
+def _one_allocation(run: dict, launches: int) -> list[dict]:
+    events = _events(run["run_dir"])
+    assert not [e for e in events if e["event"] in ("requeue", "failed") and "rank" not in e], events
+    starts = [e for e in events if e["event"] == "start"]
+    assert [(e["job_id"], e["restart"], e["launch"]) for e in starts] == [
+        (run["job_id"], 0, n) for n in range(launches)], starts
+    return [e for e in events if e["event"] == "fault"]
+
+
+def test_rank_stuck_in_data_then_a_frozen_rank(slurm_cluster, reference):
+    run = submit(reference["spec"], *FAST, "--set", "env.FSDPJOB_FAULT_DATA_HANG_STEP='12'",
+                 "--set", "env.FSDPJOB_FAULT_DATA_HANG_RANK='1'")
+    # Launch 0: rank 1 (node 1) never gets its batch for step 13; the supervisor ends the step, restarts.
+    wait_for(lambda: (status(run["run_id"])["recovery"] or {}).get("restarts") == 1, timeout_s=240, interval_s=1.0,
+             what="the first restart")
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 25, timeout_s=240, interval_s=1.0, what="step 25")
+    # Launch 1: rank 2 (node 2) frozen by SIGSTOP.
+    beat = json.loads(Path(run["run_dir"], "heartbeat", "rank-2.json").read_text())
+    assert beat["launch"] == 1, beat
+    os.kill(beat["pid"], signal.SIGSTOP)
+    done = _finished(run)
+    straggler, hang = _one_allocation(run, launches=3)
+    assert straggler["kind"] == "straggler" and straggler["ranks"] == [1] and straggler["hosts"] == ["n1"], straggler
+    assert "maybe_hang_in_data" in straggler["top_frames"]["1"], straggler["top_frames"]
+    assert hang["kind"] == "hang" and hang["ranks"] == [2] and hang["hosts"] == ["n2"], hang
+    assert "frozen" in hang["reason"] and hang["detected_after_s"] < 60, hang
+    assert len(list(Path(hang["stacks"]).glob("rank-*.txt"))) == 4
+    assert done["recovery"]["restarts"] == 2 and done["recovery"]["last_fault"]["kind"] == "hang", done["recovery"]
+    shown = fsdpjob("logs", run["run_id"], "--stacks", check=True).stdout
+    assert "rank 2" in shown and "frozen" in shown, shown
+    assert_same_weights(reference, run["run_dir"])
+
+
+def test_rank_stuck_in_a_save(slurm_cluster, reference):
+    run = submit(reference["spec"], *FAST, "--set", "env.FSDPJOB_FAULT_SAVE_PAUSE_S='100000'",
+                 "--set", "env.FSDPJOB_FAULT_SAVE_RANK='3'", "--set", "env.FSDPJOB_FAULT_SAVE_STEP='10'")
+    _finished(run)
+    [fault] = _one_allocation(run, launches=2)
+    assert fault["kind"] == "hang" and fault["step"] == 5, fault  # resumed from the save before the stuck one
+    assert any("pausing" in open(p).read() or "write_data" in open(p).read()
+               for p in Path(fault["stacks"]).glob("rank-3.txt")), fault
+    assert "save" in fault["reason"], fault
+    assert_same_weights(reference, run["run_dir"])
+
+
+def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference):
+    """slurmd and the tasks of node 2 killed; with resources.min_nodes 1 the supervisor goes on with node 1
+    alone (2 ranks, the global batch kept by gradient accumulation), in the same allocation."""
+    import torch
+
+    from fsdpjob.orchestrator.devcluster import manage
+    from slurm.conftest import final_weights
+
+    run = submit(reference["spec"], *FAST, "--set", "resources.min_nodes=1")
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 12, timeout_s=240, interval_s=1.0, what="step 12")
+    pidfile = Path(slurm_cluster.state_dir) / "run" / "slurmd.n2.pid"
+    os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+    for rank in (2, 3):
+        os.kill(json.loads(Path(run["run_dir"], "heartbeat", f"rank-{rank}.json").read_text())["pid"], signal.SIGKILL)
+    try:
+        wait_for(lambda: (status(run["run_id"])["recovery"] or {}).get("restarts") == 1, timeout_s=180,
+                 interval_s=1.0, what="the restart without n2")
+    finally:
+        # slurmd n2 back (the job could not finish COMPLETING without it); it stays excluded in this allocation.
+        manage.up(accounting=slurm_cluster.accounting, state_dir=str(slurm_cluster.state_dir))
+    _finished(run)
+    [fault] = _one_allocation(run, launches=2)
+    assert fault["kind"] == "crash" and fault["exclude"] == ["n2"] and fault["restart"] is True, fault
+    resumes = [e for e in _events(run["run_dir"]) if e["event"] == "resume"]
+    assert resumes[-1]["world_size"] == 2 and resumes[-1]["grad_accum_steps"] == 2, resumes
+    assert status(run["run_id"])["recovery"]["excluded_nodes"] == ["n2"]
+    a, b = reference["weights"], final_weights(run["run_dir"])
+    assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), "beyond fp32 tolerance"

@@ -1,0 +1,168 @@
+"""The supervisor's pure parts: stall detection over heartbeats (watch.py) and the restart rules (policy.py),
+the heartbeat file round trip, and py-spy's top frame. The supervisor on real processes: test_recovery_local.py
+and tests/slurm/test_recovery_slurm.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fsdpjob.orchestrator.core import heartbeat
+from fsdpjob.orchestrator.core.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
+from fsdpjob.orchestrator.supervise.policy import Fault, decide
+from fsdpjob.orchestrator.supervise.stacks import top_frame
+from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
+
+
+def beat(rank: int, step: int, phase: str = STEP, *, t: float, since: float | None = None, host: str = "n1") -> Beat:
+    return Beat(rank=rank, host=host, machine="m", pid=100 + rank, launch=0, step=step, phase=phase,
+                phase_since=t if since is None else since, time=t)
+
+
+def trained(watch: Watch, steps: int, every: float, t0: float = 100.0) -> float:
+    """Feed ``steps`` steps of two ranks, one every ``every`` seconds; return the clock after."""
+    t = t0
+    for s in range(1, steps + 1):
+        t += every
+        assert watch.observe([beat(0, s, t=t), beat(1, s, t=t)], t) is None
+    return t
+
+
+def make_watch(setup: float = 60, floor: float = 5, factor: float = 10) -> Watch:
+    return Watch(world_size=2, started=90.0, bounds=Bounds(setup, floor, factor))
+
+
+def test_steady_training_is_never_a_stall() -> None:
+    watch = make_watch()
+    trained(watch, 40, every=1.0)
+    assert watch.training and watch.step_p95() == pytest.approx(1.0)
+
+
+def test_bound_is_factor_times_p95_with_a_floor() -> None:
+    slow = make_watch(floor=5, factor=10)
+    trained(slow, 30, every=2.0)
+    assert slow.bound() == pytest.approx(20.0)
+    fast = make_watch(floor=5, factor=10)
+    trained(fast, 30, every=0.1)
+    assert fast.bound() == 5  # the floor
+
+
+def test_rank_behind_is_a_straggler_and_only_after_the_bound() -> None:
+    watch = make_watch(floor=5, factor=2)  # bound: max(2 x 1 s, 5 s)
+    t = trained(watch, 20, every=1.0)
+    stuck = [beat(0, 20, STEP, t=t + 1), beat(1, 20, NEXT_BATCH, t=t + 1)]  # rank 1 never gets its batch
+    assert watch.observe(stuck, t + 1) is None
+    assert watch.observe([beat(0, 20, STEP, t=t + 4), beat(1, 20, NEXT_BATCH, t=t + 4)], t + 4) is None
+    verdict = watch.observe([beat(0, 20, STEP, t=t + 7), beat(1, 20, NEXT_BATCH, t=t + 7)], t + 7)
+    assert verdict is not None and verdict.kind == "straggler" and verdict.ranks == (1,), verdict
+    assert "rank 1 on n1 still in 'next batch' at step 20" in verdict.reason
+
+
+def test_frozen_heartbeat_is_a_hang_of_that_rank() -> None:
+    watch = make_watch(floor=5, factor=2)  # bound: max(2 x 1 s, 5 s)
+    t = trained(watch, 20, every=1.0)
+    # Rank 0 is SIGSTOPped: its file stops changing while rank 1's thread keeps writing.
+    verdict = watch.observe([beat(0, 20, t=t), beat(1, 20, t=t + 8)], t + 8)
+    assert verdict is not None and verdict.kind == "hang" and verdict.ranks == (0,) and "frozen" in verdict.reason
+
+
+def test_everyone_in_the_same_place_is_a_hang_without_a_culprit() -> None:
+    watch = make_watch(floor=5, factor=2)  # bound: max(2 x 1 s, 5 s)
+    t = trained(watch, 20, every=1.0)
+    verdict = watch.observe([beat(0, 20, t=t + 6), beat(1, 20, t=t + 6)], t + 6)
+    assert verdict is not None and verdict.kind == "hang" and verdict.ranks == ()
+
+
+def test_setup_bound_and_missing_ranks() -> None:
+    watch = make_watch(setup=60)
+    assert watch.observe([beat(0, 0, heartbeat.MODEL_LOAD, t=120)], 120) is None
+    verdict = watch.observe([beat(0, 0, heartbeat.MODEL_LOAD, t=151)], 151)
+    assert verdict is not None and verdict.ranks == (1,) and "never reported" in verdict.reason
+
+
+def test_saves_get_their_own_bound() -> None:
+    watch = make_watch(setup=60, floor=5, factor=10)
+    t = trained(watch, 10, every=0.5)
+    # A first save: bounded by the setup bound, not by 10 x the step time.
+    saving = lambda now: [beat(0, 10, SAVE, t=now, since=t), beat(1, 10, SAVE, t=now, since=t)]  # noqa: E731
+    assert watch.observe(saving(t + 30), t + 30) is None
+    assert watch.observe([beat(0, 11, t=t + 31), beat(1, 11, t=t + 31)], t + 31) is None
+    assert watch.bound() == 5  # back to steps
+    # The next save is bounded by 10 x the first one (30 s) -> 300 s, not by the setup bound.
+    t2 = t + 40
+    watch.observe([beat(0, 20, SAVE, t=t2, since=t2), beat(1, 20, SAVE, t=t2, since=t2)], t2)
+    assert watch.bound() == pytest.approx(310, rel=0.05)
+
+
+def fault(kind: str = "crash", launch: int = 0, committed: int | None = 10, hosts: tuple = ()) -> Fault:
+    return Fault(kind, launch, committed, hosts)
+
+
+def test_policy_restarts_within_budget_then_gives_up() -> None:
+    faults = [fault(committed=10)]
+    assert decide(faults, [], max_restarts=3, ever_trained=True, can_exclude=True).restart
+    faults += [fault(committed=20), fault(committed=30), fault(committed=40)]
+    no = decide(faults, [], max_restarts=3, ever_trained=True, can_exclude=True)
+    assert not no.restart and "recovery.max_restarts" in no.why
+
+
+def test_policy_two_restarts_without_progress_end_the_loop() -> None:
+    faults = [fault(committed=10), fault(committed=10)]
+    assert decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True).restart
+    faults.append(fault(committed=10))
+    no = decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
+    assert not no.restart and "committed no new checkpoint" in no.why
+
+
+def test_policy_refuses_hopeless_or_final_cases() -> None:
+    crash = [fault()]
+    assert not decide(crash, [], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    assert decide([fault("hang")], [], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    for events in ([{"event": "cancel"}], [{"event": "stop", "requeued": True}],
+                   [{"event": "failed", "rank": 1, "retryable": False, "error": "ValueError: bad data"}]):
+        assert not decide(crash, events, max_restarts=3, ever_trained=True, can_exclude=True).restart, events
+    assert not decide(crash, [], max_restarts=0, ever_trained=True, can_exclude=True).restart
+
+
+def test_policy_excludes_a_node_blamed_twice() -> None:
+    faults = [fault(committed=10, hosts=("node2",)), fault(committed=20, hosts=("node2",))]
+    out = decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
+    assert not out.restart and out.exclude == ("node2",) and "node2" in out.why
+    assert decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=False).restart  # local: one machine
+
+
+def test_heartbeat_file_round_trip(tmp_path) -> None:
+    hb = Heartbeat(tmp_path, rank=3, launch=2, interval_s=0.05)
+    hb.at_step(7, NEXT_BATCH)
+    time.sleep(0.3)
+    [read] = read_beats(tmp_path, launch=2)
+    assert (read.rank, read.step, read.phase, read.launch) == (3, 7, NEXT_BATCH, 2)
+    assert read_beats(tmp_path, launch=1) == []
+    hb.exited()
+    assert read_beats(tmp_path)[0].phase == heartbeat.EXITED
+
+
+def test_top_frame_of_a_pyspy_dump() -> None:
+    dump = ('Process 42: python -m submitit.core._submit /r\nPython v3.11.7\n\n'
+            'Thread 42 (idle): "MainThread"\n    maybe_hang_in_data (fsdpjob/jobs/hooks.py:67)\n'
+            '    run (fsdpjob/jobs/train.py:121)\nThread 43 (idle): "fsdpjob-heartbeat"\n    wait (threading.py:331)\n')
+    assert top_frame(dump) == "maybe_hang_in_data (fsdpjob/jobs/hooks.py:67)"
+    assert top_frame("nothing") is None
+
+
+def test_planner_refuses_a_stall_floor_a_planned_step_would_cross() -> None:
+    from fsdpjob.orchestrator.core.spec import RecoverySpec
+    from fsdpjob.orchestrator.planner.fit import stall_bound_conflict
+    from fsdpjob.orchestrator.planner.timing import Timing
+
+    slow = Timing(checkpoint_bytes=10**9, save_s=40.0, flops_per_rank=12e12, flops_per_s=1e12,
+                  throughput_note="", signal_lead_s=120)  # 12 s steps
+    said = stall_bound_conflict(RecoverySpec(stall_floor_s=20), slow)
+    assert said is not None and "2 x 12.0 s = 24.0 s" in said and "recovery.stall_floor_s: 24" in said
+    assert stall_bound_conflict(RecoverySpec(), slow) is None  # the default 30 s floor holds two steps
+    big = Timing(checkpoint_bytes=10**12, save_s=200.0, flops_per_rank=12e12, flops_per_s=1e12,
+                 throughput_note="", signal_lead_s=300)
+    saves = stall_bound_conflict(RecoverySpec(stall_floor_s=25, setup_timeout_s=30), big)
+    assert saves is not None and "planned save (~200 s)" in saves
+    assert stall_bound_conflict(RecoverySpec(stall_floor_s=25), big) is None  # auto: the first save gets 900 s
