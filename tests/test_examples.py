@@ -71,6 +71,7 @@ CASES = {
     "llama2-70b-2x8-a100.yaml": ("llama-2-70b-hf", True, 2, 8, 68_976_648_192),  # "68.98B"
     "llama2-70b-lora-1x8-a100.yaml": ("llama-2-70b-hf", True, 1, 8, 68_976_648_192),  # LoRA: half the GPUs
     "llama3-8b-chat-h100.yaml": ("meta-llama-3-8b-instruct", True, 1, 8, 8_030_261_248),  # "8.03B"
+    "llama3-8b-mixture-h100.yaml": ("meta-llama-3-8b-instruct", True, 1, 8, 8_030_261_248),  # mixture + W&B
     "qwen2.5-7b-h200.yaml": ("qwen2.5-7b", True, 1, 1, 7_615_616_512),  # "7.61B"
 }
 
