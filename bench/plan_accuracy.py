@@ -6,7 +6,7 @@ activation checkpointing, ``fully_shard`` per layer then the root, each rank rea
 ``jobs/train.py`` builds it, and two ``jobs.train.train_step`` calls (forward, loss, backward, clipping, step).
 Measured = peak RSS (VmHWM, reset through /proc/self/clear_refs) above the RSS after imports, process group and a
 warm-up step of a one-layer model; predicted = the plan's per-rank peak without its fixed process item. The load
-column compares rank 0's peak while loading with the full checkpoint copy + its shard (information only).
+column compares rank 0's peak while loading with the plan's load figure for it (information only).
 
 The workers run with glibc's default allocator, as the shipped profiles do: it raises its mmap threshold after
 each free of a large block and then keeps freed activations in its heap for reuse, which the planner models as
@@ -245,12 +245,15 @@ def measure(case: Case, model_dir: Path, stock_malloc: bool = True) -> dict:
 
 
 def predict_load_rank0(case: Case, model_dir: Path) -> int:
-    """Rank 0's host memory at load above its baseline: the full checkpoint in its file dtype + its shard."""
-    from fsdpjob.orchestrator.planner.memory import DTYPE_BYTES
+    """Rank 0's host memory at load above its baseline, from the plan's per-node load figure: its shard, plus what
+    the weight read holds (each rank one shard of the largest tensor, or the full checkpoint on rank 0)."""
+    from fsdpjob.orchestrator.planner.memory import CPU_RUNTIME_BYTES
 
     plan = plan_for(case, model_dir)
-    full = plan.params.total * DTYPE_BYTES[plan.model.checkpoint_dtype]
-    return full + -(-plan.params.total // plan.setup.shard_degree) * plan.setup.model_bytes
+    u = plan.setup
+    shard = -(-plan.params.total // u.shard_degree) * u.model_bytes
+    read = plan.host.load_rank0 - u.tasks_per_node * (shard + CPU_RUNTIME_BYTES)
+    return shard + (read // u.tasks_per_node if plan.host.own_shards else read)
 
 
 def main() -> None:
