@@ -120,6 +120,9 @@ def test_policy_refuses_hopeless_or_final_cases() -> None:
     assert not decide(crash, [], max_restarts=3, ever_trained=False, can_exclude=True).restart
     assert decide([fault("hang")], [], max_restarts=3, ever_trained=False, can_exclude=True).restart
     for events in ([{"event": "cancel"}], [{"event": "stop", "requeued": True}],
+                   # past preemption.max_requeues: the workers stop, do not requeue, and exit 1
+                   [{"event": "stop", "reason": "preemption", "requeued": False, "detail": "requeue cap reached"},
+                    {"event": "failed", "reason": "requeue cap reached", "retryable": False}],
                    [{"event": "failed", "rank": 1, "retryable": False, "error": "ValueError: bad data"}]):
         assert not decide(crash, events, max_restarts=3, ever_trained=True, can_exclude=True).restart, events
     assert not decide(crash, [], max_restarts=0, ever_trained=True, can_exclude=True).restart

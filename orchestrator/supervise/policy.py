@@ -2,8 +2,9 @@
 
 Giving up hands the attempt to the batch script's failure policy (slurm/failure.py), which requeues or fails
 it as before. The rules, in order:
-- a cancel, a stop checkpoint the workers already requeued, or a worker error marked not retryable (bad
-  data, a refused resume, out of memory) end the loop: a restart cannot help;
+- a cancel, a stop checkpoint (preemption, time limit, external requeue: the workers requeued the job or,
+  past preemption.max_requeues, failed it), or a worker error marked not retryable (bad data, a refused
+  resume, out of memory) end the loop: a restart cannot help or must not happen;
 - a crash before the run ever trained a step ends it: it would crash the same way (a hang may be transient:
   it is restarted, within the budget);
 - ``recovery.max_restarts`` restarts per allocation;
@@ -51,9 +52,10 @@ def decide(faults: list[Fault], launch_events: list[dict], *, max_restarts: int,
     for e in launch_events:
         if e.get("event") == runlog.CANCEL:
             return Decision(False, "the run was cancelled")
-        if e.get("event") == runlog.STOP and e.get("requeued"):
-            return Decision(False, "the workers already requeued the job after a stop checkpoint")
-        if e.get("event") == runlog.FAILED and e.get("retryable") is False and "rank" in e:
+        if e.get("event") == runlog.STOP:  # preemption, time limit, an external requeue or a cancel
+            return Decision(False, f"the workers left after a {e.get('reason')} stop checkpoint "
+                                   f"({'requeued' if e.get('requeued') else 'not requeued: ' + str(e.get('detail'))})")
+        if e.get("event") == runlog.FAILED and e.get("retryable") is False:
             return Decision(False, f"not retryable: {e.get('error') or e.get('reason')}")
     if fault.kind == "crash" and not ever_trained:
         return Decision(False, "the workers crashed before the run's first training step; they would crash the same way")
