@@ -2,11 +2,13 @@
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bare_fsdp2.py --model DIR --data FILE.jsonl \
         [--seq-len 128] [--micro-batch 4] [--steps 20] [--activation-checkpointing] [--out times.json]
+        [--device cuda --bf16]      # bench/gpu.py: NCCL, one GPU per rank, bf16 mixed precision
 
 What a user writes from the PyTorch FSDP2 tutorial, and nothing of fsdpjob: every rank loads the Hugging
 Face folder with ``from_pretrained`` (fp32), optionally wraps each decoder layer in torch's
 ``checkpoint_wrapper`` (NO_REENTRANT, as jobs/parallelize.py does), ``fully_shard`` per decoder layer then
-the root (fp32, no mixed precision policy, reshard after forward), AdamW (betas 0.9/0.95, no weight
+the root (torch's default resharding: the layers after forward, the root kept; fp32, or with ``--bf16``
+bf16 parameters and fp32 gradient reduction), AdamW (betas 0.9/0.95, no weight
 decay, constant LR); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),
 backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``, ``loss.item()``.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, GPU LOCAL_RANK")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     parser.add_argument("--out", type=Path, help="rank 0 writes step times and losses here (JSON)")
     return parser.parse_args(argv)
 
@@ -67,26 +72,33 @@ def main() -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     per_step = args.micro_batch * world
     rows = packed_rows(args.model, args.data, args.seq_len, per_step * args.steps)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(args.device)
+    rows = rows.to(args.device)
     layers = model.model.layers
     if args.activation_checkpointing:
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(args.device, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    options = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    fused = {"fused": True} if args.device == "cuda" else {}  # what fsdpjob uses on GPUs
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, **fused)
 
     times, losses = [time.time()], []
     for step in range(args.steps):
@@ -100,11 +112,12 @@ def main() -> None:
         losses.append(loss.item())
         times.append(time.time())
 
-    mean = torch.tensor(losses)
+    mean = torch.tensor(losses, device=args.device)
     dist.all_reduce(mean)
     if rank == 0 and args.out:
         info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                "model_type": type(model).__name__, "params": sum(p.numel() for p in model.parameters())}  # DTensor: global
+                "model_type": type(model).__name__, "params": sum(p.numel() for p in model.parameters()),  # DTensor: global
+                "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None}
         args.out.write_text(json.dumps({"times": times, "losses": (mean / world).tolist(),
                                         "tokens_per_step": per_step * args.seq_len, "info": info}))
     dist.barrier()  # no rank tears gloo down while another still talks to it

@@ -14,7 +14,9 @@ per rank, no accumulation), fp32, AdamW, gradient clipping at 1.0, constant LR:
   local profile of the fsdpjob checkout under test (``--fsdpjob-repo``: its .venv/bin/fsdpjob; default this
   repository), in an environment without fsdpjob, Slurm or torch.distributed variables and without
   OMP_NUM_THREADS (the profile decides what the workers get; the bench reads it from /proc and prints it).
-  Tokens/s from the time stamps of the run's metrics.jsonl lines (log_every 1).
+  Tokens/s from the time stamps of the run's metrics.jsonl lines (log_every 5, or 1 where the warm-up is not a
+  multiple of 5: a logged step reads the loss with one all-reduce, as a user's run does every log_every
+  steps, 10 by default; the bare loop reads its local loss every step, which costs it no collective).
 - ``bare``: bench/bare_fsdp2.py under ``torchrun --nproc-per-node 2`` (from_pretrained on every rank,
   fully_shard per decoder layer then the root, a plain loop; see its docstring) in a clean environment
   with OMP_NUM_THREADS=--threads.
@@ -53,6 +55,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -285,7 +288,8 @@ def fsdpjob_command(setup: Setup, case: str, size: str, ac: bool, out: Path) -> 
     spec = job_spec(f"throughput-{size}-{'ac' if ac else 'noac'}", model, data, seq_len=SEQ_LEN,
                     micro_batch=MICRO_BATCH, max_steps=setup.steps[size][0], resources={"tasks_per_node": RANKS},
                     fsdp={"mixed_precision": "fp32", "collective_timeout_s": 180},
-                    train={"grad_accum_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.0})  # fmt: skip
+                    train={"grad_accum_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.0,
+                           "log_every": math.gcd(setup.steps[size][1], 5)})  # the warm-up's end must be logged
     spec["model"].update(dtype="float32", activation_checkpointing=ac)
     spec["data"]["shuffle"] = False  # the bare loop's order: the same token ids per step
     (out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")

@@ -225,6 +225,7 @@ def load_model(
     activation_checkpointing: bool,
     cpu_offload: bool,
     lora: Any = None,
+    compile_layers: bool = False,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``.
 
@@ -253,6 +254,7 @@ def load_model(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
+        compile_layers=compile_layers,
     )
     _materialize(model, env.device, cpu_offload)
     # Safetensors: each rank reads only its own shards (jobs/weightload.py); otherwise rank 0 reads and broadcasts.

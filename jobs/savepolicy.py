@@ -49,7 +49,7 @@ class Checkpointer:
     def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag,
                  control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks,
                  eval_loss_at: Callable[[int], float | None] | None = None) -> None:
-        # Flags travel as host tensors over the control group (jobs/dist.py): agreeing never syncs the GPU.
+        # Flags travel in the step's host collective over the control group (jobs/step.py StepAgreement).
         self.ckpt, self.stop, self.control, self.report = ckpt, stop, control, report
         self.worker, self.hooks = worker, hooks
         self.eval_loss_at = eval_loss_at  # a step's eval loss, recorded in its checkpoint's sidecar (keep_best)
@@ -58,11 +58,20 @@ class Checkpointer:
         self._last_save = time.time()  # the interval in minutes counts from the start of training
         self._save_started = self._last_save
 
-    def maybe_save(self, step: int, state: dict[str, Any]) -> int:
-        """After each trained step: save if due. Returns the stop signal once its checkpoint is committed, else 0."""
+    def flags_before(self, step: int) -> tuple[int, int]:
+        """This rank's stop signal and (rank 0 only) whether a time-based save is due, sampled before ``step``
+        trains; the step's StepAgreement carries them to every rank while it trains, so agreeing costs no
+        blocking collective. A signal that arrives during a step is therefore acted on after the next one:
+        the stop waits at most two steps and a save (the planner's signal lead covers that)."""
         if self.hooks.stop_at_step == step and dist.get_rank() == 0:
             self.stop.request()
-        signum, time_due = self._agree()
+        due = dist.get_rank() == 0 and self.policy.time_due(time.time() - self._last_save)
+        return self.stop.signum, int(due)
+
+    def maybe_save(self, step: int, state: dict[str, Any], flags: tuple[int, ...]) -> int:
+        """After each trained step, with the flags every rank agreed on (flags_before): save if due. Returns
+        the stop signal once its checkpoint is committed, else 0."""
+        signum, time_due = int(flags[0]), bool(flags[1])
         reason = self.policy.reason(step, signum=signum, time_due=time_due)
         if signum and reason is None:
             log.info("stop signal %d after the last step: finishing instead of requeueing", signum)
@@ -73,13 +82,6 @@ class Checkpointer:
 
     def save_final(self, step: int, state: dict[str, Any]) -> None:
         self._save(step, state, "final")
-
-    def _agree(self) -> tuple[int, bool]:
-        """The one collective per step: any rank's stop signal, and rank 0's clock for time-based saves."""
-        due = dist.get_rank() == 0 and self.policy.time_due(time.time() - self._last_save)
-        flags = torch.tensor([self.stop.signum, int(due)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
-        return int(flags[0]), bool(flags[1])
 
     def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
         heartbeat.enter(heartbeat.SAVE)

@@ -1,19 +1,59 @@
 """One optimizer step (forward and backward over this rank's micro-batches, clip, AdamW) and its values.
 
-Nothing here makes the host wait for the device: the global token count is agreed on host tensors over the
-control group (jobs/dist.py), and the loss and gradient norm stay where they were computed until a log or
-save step reads them (StepValues), which every rank does at the same steps.
+Nothing here makes the host wait for the device: the global token count travels with the loop's stop/save
+flags in one host collective per step (StepAgreement) that overlaps the first forward, and the loss and
+gradient norm stay where they were computed until a log or save step reads them (StepValues), which every
+rank does at the same steps.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import count_tokens
+
+
+class StepAgreement:
+    """The step's one host collective: the global count of real target tokens (summed over ranks: the loss's
+    denominator) and the loop's stop/save flags (the largest value over ranks).
+
+    One all-gather of a few int64 per rank over the control group (jobs/dist.py), started before the forward
+    and waited for only where a value is first read: the tokens before the first backward, the flags after
+    the step. Host tensors over gloo, so agreeing never waits for the device, and the first micro-batch's
+    forward runs while the values travel. Every rank starts one per step, in the same order.
+    """
+
+    def __init__(self, local_tokens: int, flags: Sequence[int], control: dist.ProcessGroup | None):
+        self._send = torch.tensor([local_tokens, *flags], dtype=torch.int64)
+        self._recv = torch.empty(dist.get_world_size(control) * len(self._send), dtype=torch.int64)
+        self._work = dist.all_gather_into_tensor(self._recv, self._send, group=control, async_op=True)
+        self._table: torch.Tensor | None = None
+
+    def _rows(self) -> torch.Tensor:
+        if self._table is None:
+            self._work.wait()
+            self._table = self._recv.view(-1, len(self._send))  # one row per rank
+        return self._table
+
+    @property
+    def tokens(self) -> int:
+        """Real target tokens of the global batch."""
+        return int(self._rows()[:, 0].sum())
+
+    @property
+    def flags(self) -> tuple[int, ...]:
+        """Each flag's largest value over the ranks."""
+        return tuple(int(v) for v in self._rows()[:, 1:].amax(dim=0))
+
+
+def local_tokens(micro_batches) -> int:
+    """Real target tokens of this rank's micro-batches, counted on the host (labels are still CPU tensors)."""
+    return sum(count_tokens(mb.labels) for mb in micro_batches)
 
 
 class StepValues:
@@ -43,21 +83,20 @@ class StepValues:
 
 
 def train_step(model, optimizer, micro_batches, device: torch.device, *, max_grad_norm: float,
-               control: dist.ProcessGroup | None, defer_grad_sync: bool = False) -> StepValues:
+               control: dist.ProcessGroup | None, agreed: StepAgreement | None = None,
+               defer_grad_sync: bool = False) -> StepValues:
     """One optimizer step over this rank's micro-batches.
 
     The loss is the mean over real (unmasked) target tokens of the whole global batch, across
     micro-batches and ranks: each micro-batch's summed token loss is divided by the global token count.
     FSDP averages gradients over ranks, so the local loss is scaled by the world size to undo that mean.
     With ``defer_grad_sync`` (the planner decided the unsharded fp32 gradients fit), the micro-batches
-    before the last accumulate locally and only the last one reduce-scatters.
+    before the last accumulate locally and only the last one reduce-scatters. ``agreed`` is the step's
+    StepAgreement when the loop started one (with its flags); without it the step starts its own.
     """
     world = dist.get_world_size()
-    # Counted on the host (labels are still CPU tensors): no device sync for the denominator.
-    global_tokens = torch.tensor([sum(count_tokens(mb.labels) for mb in micro_batches)], dtype=torch.float64)
-    dist.all_reduce(global_tokens, group=control)
-    tokens = int(global_tokens.item())
-    scale = world / max(float(tokens), 1.0)
+    agreed = agreed or StepAgreement(local_tokens(micro_batches), (), control)
+    scale = None  # known once the token count has arrived: read at the first backward, after a forward
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
@@ -70,13 +109,15 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, max_gra
         token_loss = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )
+        if scale is None:
+            scale = world / max(float(agreed.tokens), 1.0)
         (token_loss * scale).backward()
         loss_sum += token_loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepValues(loss_sum, tokens, norm)
+    return StepValues(loss_sum, agreed.tokens, norm)
 
 
 def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:

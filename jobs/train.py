@@ -36,7 +36,7 @@ from .model import load_model, model_flops_per_token
 from .parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
-from .step import StepValues, train_step
+from .step import StepAgreement, StepValues, local_tokens, train_step
 from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.train")
@@ -124,8 +124,10 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             hooks.maybe_hang_in_data(state.step, env.rank)
             micro_batches = stream.next_step()
             heartbeat.enter(heartbeat.STEP)
+            # The step's one host collective (token count, stop/save flags) travels while the step trains.
+            agreed = StepAgreement(local_tokens(micro_batches), saver.flags_before(state.step + 1), control)
             state.last = train_step(model, parts.optimizer, micro_batches, env.device, control=control,
-                                    max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
+                                    agreed=agreed, max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
             if hooks.log_samples:
                 _log_samples(paths, state.step + 1, micro_batches, env, parts.train_rows)
             lr = scheduler.get_last_lr()[0]
@@ -135,7 +137,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
             if evaluator:
                 evaluator.maybe_run(state.step)
-            if signum := saver.maybe_save(state.step, app_state):
+            if signum := saver.maybe_save(state.step, app_state, agreed.flags):
                 saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
 
         heartbeat.at_step(state.step, heartbeat.FINISH)
@@ -170,6 +172,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> Tra
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
         reshard_after_forward=spec.fsdp.reshard_after_forward,
         activation_checkpointing=spec.model.activation_checkpointing, cpu_offload=spec.fsdp.cpu_offload,
+        compile_layers=spec.model.compile,
         lora=spec.model.lora,
     )
     model.train()

@@ -32,7 +32,7 @@ from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
 from .interval import IntervalAdvice, advise, current_interval
 from .lora import Trainable, trainable
-from .timing import Timing, plan_timing
+from .timing import STEPS_BEFORE_STOP, Timing, plan_timing
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[F
     if t.step_s is None:
         out.append(f"step time is unknown ({t.throughput_note}); the signal lead check covers the save only")
     if t.signal_lead_s < t.needed_lead_s:
-        step = f"one step (~{t.step_s:.0f} s) + " if t.step_s is not None else ""
+        step = f"{STEPS_BEFORE_STOP} steps (~{t.step_s:.0f} s each) + " if t.step_s is not None else ""
         out.append(
             f"preemption signal lead {t.signal_lead_s} s is too short for {step}one save (~{t.save_s:.0f} s) + margin; "
             f"set preemption.signal_lead_s: {t.needed_lead_s}"

@@ -4,7 +4,8 @@ Units. Memory is in bytes internally and shown in GiB: a profile's ``gpu_memory_
 as GiB (an "80GB" A100 has 80 GiB; Slurm's ``G`` is GiB).
 
 What is modelled is the worker (jobs/model.py, jobs/parallelize.py, jobs/train.py): meta init, ``fully_shard`` on
-each decoder layer then the root (embedding, final norm, lm_head) with fsdp.reshard_after_forward for both,
+each decoder layer with fsdp.reshard_after_forward, then the root (embedding, final norm, lm_head), which stays
+gathered from the forward into the backward (it is the first unit the backward needs),
 ``param_dtype`` = compute dtype c (2 bytes bf16, 4 fp32), gradients reduced in fp32, master weights, gradients
 and both AdamW moments in model.dtype m; the loss code keeps the logits and upcasts them to fp32. On GPUs the
 optimizer is assumed fused (``AdamW(fused=True)``): torch's default foreach AdamW on CUDA adds one more m-byte
@@ -12,7 +13,7 @@ copy of the shard during the step (4 B/param/shard in fp32). CPU workers use the
 
 Per-rank peak = sharded params + AdamW state + the largest of four moments of a (steady-state) step:
   * forward end: saved activations + the loss ((12 + c) bytes x tokens x vocab: logits, fp32 log-softmax and
-    its two fp32 gradients) [+ all layers and the root gathered when reshard_after_forward is false];
+    its two fp32 gradients) + the root gathered [+ all layers when reshard_after_forward is false];
   * backward, last layer: saved activations + the root gathered again, the lm_head gradient (unsharded until
     the root's reduce-scatter at the very end), the held logits, the layer's gathered params (+ the prefetched
     next layer when sharded over > 1 rank), its unsharded gradients, the previous layer's fp32 reduce-scatter
@@ -97,7 +98,7 @@ class Setup:
     activation_checkpointing: bool
     attn: str
     cpu_offload: bool
-    reshard: bool  # reshard_after_forward, for the layers and the root
+    reshard: bool  # reshard_after_forward, for the layers (the root stays gathered after forward either way)
     # With grad_accum > 1: micro-batches before the last skip the reduce-scatter and accumulate unsharded
     # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
     defer_grad_sync: bool = False
@@ -160,7 +161,7 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
                       "per-tensor AdamW on CPU")
     moments = [
         Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
-                                      replace(root, bytes=root.bytes * (not u.reshard)),
+                                      root,
                                       Item("loss", (12 + c) * t * s.vocab, "logits + fp32 log-softmax and gradients"),
                                       kernels)),
         Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
