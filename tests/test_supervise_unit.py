@@ -169,3 +169,35 @@ def test_planner_refuses_a_stall_floor_a_planned_step_would_cross() -> None:
     saves = stall_bound_conflict(RecoverySpec(stall_floor_s=25, setup_timeout_s=30), big)
     assert saves is not None and "planned save (~200 s)" in saves
     assert stall_bound_conflict(RecoverySpec(stall_floor_s=25), big) is None  # auto: the first save gets 900 s
+
+
+def _supervised(tmp_path, script: str) -> tuple[int, list[dict]]:
+    """A real Supervisor (local) around ``python -c script``; its return code and the run log after it."""
+    import json
+    import sys
+
+    from fsdpjob.orchestrator.core import runlog
+    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.supervise.run import Supervisor
+
+    spec = JobSpec.model_validate({"name": "sup", "model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
+                                   "train": {"max_steps": 5}})
+    (tmp_path / "spec.json").write_text(json.dumps({"spec": spec.model_dump(mode="json")}))
+    rc = Supervisor(tmp_path, [sys.executable, "-c", script, str(tmp_path)], world_size=1, scheduler="local").run()
+    return rc, runlog.timeline(tmp_path)
+
+
+def test_an_exit_code_after_the_run_finished_is_not_a_crash(tmp_path) -> None:
+    """The time limit's warning signal can land while finished ranks tear down (seen in CI: exit 140 after
+    "done"); the supervisor must not restart a finished run."""
+    rc, events = _supervised(tmp_path, "import sys; from pathlib import Path; from fsdpjob.orchestrator.core import "
+                                       "runlog; runlog.append(Path(sys.argv[1]), runlog.DONE, step=5); sys.exit(140)")
+    assert rc == 0
+    assert [e["event"] for e in events] == ["done"]
+
+
+def test_an_exit_code_without_done_is_a_crash(tmp_path) -> None:
+    rc, events = _supervised(tmp_path, "import sys; sys.exit(140)")
+    assert rc == 140
+    faults = [e for e in events if e["event"] == "fault"]
+    assert len(faults) == 1 and not faults[0]["restart"]  # it never trained: not restarted

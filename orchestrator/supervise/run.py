@@ -71,6 +71,12 @@ class Supervisor:
             rc, verdict = self._launch(launch, started)
             if self.signalled or (rc == 0 and verdict is None):
                 return rc
+            if verdict is None and self._finished_since(started):
+                # A signal that lands after the last rank wrote "done" (e.g. the time limit's warning during
+                # teardown) fails the step's exit code, not the run: restarting would only find it finished.
+                print(f"fsdpjob supervisor: the run finished; the step's exit code {rc} came at teardown",
+                      file=sys.stderr, flush=True)
+                return 0
             if self._record(launch, started, rc, verdict).restart:
                 launch += 1
                 continue
@@ -154,6 +160,10 @@ class Supervisor:
             self.proc.send_signal(signum)
 
     # -- after a fault ---------------------------------------------------------------------------
+    def _finished_since(self, started: float) -> bool:
+        return any(e.get("event") == runlog.DONE and e.get("time", 0) >= started
+                   for e in runlog.timeline(self.run_dir))
+
     def _record(self, launch: int, started: float, rc: int, verdict: Verdict | None):
         timeline = runlog.timeline(self.run_dir)
         since = [e for e in timeline if e.get("time", 0) >= started]

@@ -148,7 +148,9 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
 def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
     # The warning signal comes 60-90 s before the end (Slurm checks on a 30 s tick): a 2-minute limit
     # stops the first allocation mid-training.
-    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=800)
+    # 400 steps: 3-4 allocations on the 2-core CI machine (it trains 130-160 steps in one), and more than a fast
+    # machine trains in its first (15-50 s of training), so at least one time-limit stop.
+    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=400)
     run = submit(spec)
 
     def finished_releasing_holds():
@@ -158,13 +160,15 @@ def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_
         report = status(run["run_id"])
         return report if report["phase"] in ("COMPLETED", "FAILED", "TIMEOUT") else None
 
-    # ~4 min on an idle 2-core machine; each allocation trains for less of its 2 minutes on a loaded one.
+    # ~3 min on an idle 2-core machine; each allocation trains for less of its 2 minutes on a loaded one.
     done = wait_for(finished_releasing_holds, timeout_s=900, interval_s=2.0, what="time-limited run to finish")
     assert done["phase"] == "COMPLETED", done
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
     stops = [e for e in events if e["event"] == "stop"]
     assert stops and all(e["reason"] == "time_limit" for e in stops), stops
-    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 800
+    # A warning signal that lands after "done" (the last allocation's teardown) is no crash to restart.
+    assert not [e for e in events if e["event"] == "fault"], events
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 400
 
 
 def _lines(run_dir: str, name: str) -> list[str]:
