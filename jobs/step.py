@@ -68,7 +68,9 @@ class StepValues:
     def _values(self) -> tuple[float, float]:
         if self._read is None:
             dist.all_reduce(self._loss_sum)
-            self._read = (self._loss_sum.item() / max(float(self.tokens), 1.0), float(self._grad_norm))
+            norm = self._grad_norm  # a DTensor from sharded gradients: its full value is one more collective
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            self._read = (self._loss_sum.item() / max(float(self.tokens), 1.0), float(norm))
         return self._read
 
     @property
@@ -114,7 +116,6 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, max_gra
         (token_loss * scale).backward()
         loss_sum += token_loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepValues(loss_sum, agreed.tokens, norm)

@@ -21,7 +21,7 @@ from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.spec import JobSpec
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import preemption
+from . import gcpolicy, preemption
 from .checkpoint import CheckpointManager
 from .ckpt_state import DictState, ModelOptimState, RNGState
 from .data import BatchStream, SequenceTable, split_eval
@@ -119,6 +119,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         start_step = state.step
         flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
+        gcpolicy.start()  # the collector runs between steps, not inside them
         while state.step < train.max_steps:
             heartbeat.at_step(state.step, heartbeat.NEXT_BATCH)
             hooks.maybe_hang_in_data(state.step, env.rank)
@@ -135,6 +136,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             state.step += 1
             state.tokens_seen += state.last.tokens
             report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
+            gcpolicy.after_step(state.step)
             if evaluator:
                 evaluator.maybe_run(state.step)
             if signum := saver.maybe_save(state.step, app_state, agreed.flags):
@@ -156,6 +158,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
                      retryable=_retryable(exc), step=state.step if state else None)
         raise
     finally:
+        gcpolicy.stop()
         if ckpt is not None:
             ckpt.close()
         report.close()
