@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from .data import count_tokens
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per call site); older torch has
+# only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class StepAgreement:
     """The step's one host collective: the global count of real target tokens (summed over ranks: the loss's
     denominator) and the loop's stop/save flags (the largest value over ranks).
@@ -31,7 +36,7 @@ class StepAgreement:
     def __init__(self, local_tokens: int, flags: Sequence[int], control: dist.ProcessGroup | None):
         self._send = torch.tensor([local_tokens, *flags], dtype=torch.int64)
         self._recv = torch.empty(dist.get_world_size(control) * len(self._send), dtype=torch.int64)
-        self._work = dist.all_gather_into_tensor(self._recv, self._send, group=control, async_op=True)
+        self._work = _all_gather_single(self._recv, self._send, group=control, async_op=True)
         self._table: torch.Tensor | None = None
 
     def _rows(self) -> torch.Tensor:
