@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 from pathlib import Path
@@ -15,6 +14,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weight_files
+
 from .dist import DistEnv
 from .lora import attach_lora
 from .parallelize import apply_fsdp
@@ -23,10 +24,8 @@ from .weightload import load_sharded
 log = logging.getLogger(__name__)
 
 _MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = (_INDEX_FILE, "pytorch_model.bin.index.json")
+_WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
 
 
 def side_files(model_dir: Path) -> list[Path]:
@@ -82,14 +81,11 @@ def _check_attn_implementation(attn_implementation: str) -> None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    index = path / _INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    if (path / _SINGLE_FILE).is_file():
-        return [path / _SINGLE_FILE]
+    files = weight_files(path)
+    if files is not None:
+        return files
     raise FileNotFoundError(
-        f"{path}: no {_SINGLE_FILE} or {_INDEX_FILE}; fsdpjob reads safetensors weights only "
+        f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; fsdpjob reads safetensors weights only "
         "(re-save the model with save_pretrained to convert)"
     )
 

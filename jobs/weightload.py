@@ -19,11 +19,9 @@ and any rank's read error fails every rank instead of leaving the others waiting
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +33,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdpjob.orchestrator.core.weightfiles import read_header, weight_files
+
 from .ckpt_io import pread_into
 
 log = logging.getLogger(__name__)
 
 SWITCH = "FSDPJOB_WEIGHT_LOAD"  # "rank0": read on rank 0 and broadcast, as before; unset or "sharded": this path
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's module, not in file names
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -72,25 +70,17 @@ class Piece:
 
 def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
     """Every tensor of the folder's safetensors weights (sharded with an index, or one file); None without any."""
-    index = model_dir / _INDEX_FILE
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / _SINGLE_FILE).is_file():
-        files = [_SINGLE_FILE]
-    else:
+    files = weight_files(model_dir)
+    if files is None:
         return None
     tensors: dict[str, StoredTensor] = {}
-    for name in files:
-        path = model_dir / name
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
+    for path in files:
+        header, data_start = read_header(path)
         for key, entry in header.items():
             if entry["dtype"] not in _DTYPES:
                 raise ValueError(f"{path}: tensor {key} has dtype {entry['dtype']}, which fsdpjob does not read")
             begin, end = entry["data_offsets"]
-            stored = StoredTensor(path, 8 + length + begin, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+            stored = StoredTensor(path, data_start + begin, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
             if end - begin != math.prod(stored.shape) * stored.dtype.itemsize:
                 raise ValueError(f"{path}: tensor {key}: its byte range does not match its shape and dtype")
             tensors[key] = stored

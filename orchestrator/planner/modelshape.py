@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, read_header, weight_files
 
 # How each family's decoder layer differs from Llama's (q/k/v/o attention with GQA, gated SwiGLU MLP, two
 # RMSNorms per layer, final RMSNorm), as the transformers modeling code builds it. Keys: gated (gate/up/down
@@ -141,28 +142,18 @@ def _kv_heads(cfg: dict, model_type: str, heads: int) -> int:
 
 
 def read_safetensors_header(file: Path) -> dict[str, dict]:
-    """The tensor table of one safetensors file: an 8-byte little-endian length, then that much JSON."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > 100_000_000:
-            raise ValueError(f"{file}: implausible safetensors header length {length}")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
+    """The tensor table of one safetensors file."""
+    return read_header(file)[0]
 
 
 def _weight_headers(folder: Path) -> dict[str, dict] | None:
-    index = folder / "model.safetensors.index.json"
     try:
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
+        files = weight_files(folder)
+        if files is None:
             return None
         tensors: dict[str, dict] = {}
-        for name in files:
-            tensors.update(read_safetensors_header(folder / name))
+        for file in files:
+            tensors.update(read_safetensors_header(file))
         return tensors
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None  # a partial download: plan from config.json
@@ -275,7 +266,7 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         experts=experts,
         shared_expert=cfg.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0,
     )
-    has_weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    has_weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
     shape = replace(shape, safetensors=has_weights)
     tensors = _weight_headers(folder)
     counted = _count_from_headers(tensors, layers, tied) if tensors else None
