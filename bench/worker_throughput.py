@@ -37,7 +37,9 @@ sees the same token ids per step (step 1's loss agrees; the Trainer's sampler is
 The fsdpjob spec sets ``fsdp.collective_timeout_s: 180`` (a failed rank's peers give up after 3 minutes, not
 10; no effect on a step), and a failed run is run once more (its note says so).
 
-Runs alternate (for each round: every size, AC setting and case in turn); each case's figure is the
+Runs alternate (for each round: every size, AC setting and case in turn, each round's case order rotated by
+one); fsdpjob logs every ``train.log_every`` steps as a user's run does by default (10; where the warm-up is
+not a multiple of it, the largest divisor of both, since the warm-up's last step must be logged); each case's figure is the
 median over rounds of tokens/s over the steps after the warm-up (from the step-end time stamps of rank
 0), and of tokens per CPU-second of both rank processes over the same steps (their /proc CPU time,
 sampled every 0.2 s: far steadier than wall time on a shared machine). Ratios are to the bare loop with
@@ -281,6 +283,13 @@ def torchrun_command(setup: Setup, case: str, size: str, ac: bool, out: Path) ->
     return cmd, clean_env(OMP_NUM_THREADS=str(setup.threads), **profile_env)
 
 
+def default_log_every() -> int:
+    """train.log_every when a spec leaves it out: what a user's run pays for its logged steps."""
+    from fsdpjob.orchestrator.core.spec import TrainSpec
+
+    return TrainSpec.model_fields["log_every"].default
+
+
 def fsdpjob_command(setup: Setup, case: str, size: str, ac: bool, out: Path) -> tuple[list[str], dict[str, str]]:
     import yaml
 
@@ -289,7 +298,7 @@ def fsdpjob_command(setup: Setup, case: str, size: str, ac: bool, out: Path) -> 
                     micro_batch=MICRO_BATCH, max_steps=setup.steps[size][0], resources={"tasks_per_node": RANKS},
                     fsdp={"mixed_precision": "fp32", "collective_timeout_s": 180},
                     train={"grad_accum_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.0,
-                           "log_every": math.gcd(setup.steps[size][1], 5)})  # the warm-up's end must be logged
+                           "log_every": math.gcd(setup.steps[size][1], default_log_every())})  # the warm-up's end is logged
     spec["model"].update(dtype="float32", activation_checkpointing=ac)
     spec["data"]["shuffle"] = False  # the bare loop's order: the same token ids per step
     (out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
@@ -474,6 +483,13 @@ def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: in
 
 # ------------------------------------------------------------------------------------------------
 # Report.
+
+
+def rotated(cases: list[str], by: int) -> list[str]:
+    """The cases in the order round ``by + 1`` runs them: each round starts one case later, so no case always
+    runs first (after the previous size's runs) or right after the same neighbour."""
+    by %= max(len(cases), 1)
+    return cases[by:] + cases[:by]
 
 
 def median(values: list[float]) -> float | None:
@@ -718,7 +734,7 @@ def main() -> int:
         setup = Setup(root, assets, clis, checkouts, labels, args.steps, args.threads, profile_env, args.timeout,
                       args.py_spy)  # fmt: skip
         plan = [(rnd, size, ac == "on", case) for rnd in range(1, args.rounds + 1) for size in args.sizes
-                for ac in args.ac for case in cases]  # fmt: skip
+                for ac in args.ac for case in rotated(cases, rnd - 1)]  # fmt: skip
         print(f"{len(plan)} runs: {args.rounds} round(s) x sizes {args.sizes} x AC {args.ac} x {cases}; "
               f"steps per run (warm-up left out) {json.dumps(args.steps)}; work folder {root}",
               flush=True)  # fmt: skip

@@ -37,23 +37,26 @@ class StepAgreement:
         self._send = torch.tensor([local_tokens, *flags], dtype=torch.int64)
         self._recv = torch.empty(dist.get_world_size(control) * len(self._send), dtype=torch.int64)
         self._work = _all_gather_single(self._recv, self._send, group=control, async_op=True)
-        self._table: torch.Tensor | None = None
+        self._columns: list[tuple[int, ...]] | None = None
 
-    def _rows(self) -> torch.Tensor:
-        if self._table is None:
+    def _read(self) -> list[tuple[int, ...]]:
+        """The gathered values, one tuple per field (the ranks' values), read into Python once."""
+        if self._columns is None:
             self._work.wait()
-            self._table = self._recv.view(-1, len(self._send))  # one row per rank
-        return self._table
+            width = len(self._send)
+            values = self._recv.tolist()  # rank after rank; plain ints from here: no tensor op per read
+            self._columns = [tuple(values[i::width]) for i in range(width)]
+        return self._columns
 
     @property
     def tokens(self) -> int:
         """Real target tokens of the global batch."""
-        return int(self._rows()[:, 0].sum())
+        return sum(self._read()[0])
 
     @property
     def flags(self) -> tuple[int, ...]:
         """Each flag's largest value over the ranks."""
-        return tuple(int(v) for v in self._rows()[:, 1:].amax(dim=0))
+        return tuple(max(column) for column in self._read()[1:])
 
 
 def local_tokens(micro_batches) -> int:
