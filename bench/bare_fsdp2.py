@@ -3,13 +3,14 @@
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bare_fsdp2.py --model DIR --data FILE.jsonl \
         [--seq-len 128] [--micro-batch 4] [--steps 20] [--activation-checkpointing] [--out times.json]
         [--device cuda --bf16]      # bench/gpu.py: NCCL, one GPU per rank, bf16 mixed precision
+        [--fused]                   # fused AdamW on CPU too (fsdpjob's optimizer; always on with cuda)
 
 What a user writes from the PyTorch FSDP2 tutorial, and nothing of fsdpjob: every rank loads the Hugging
 Face folder with ``from_pretrained`` (fp32), optionally wraps each decoder layer in torch's
 ``checkpoint_wrapper`` (NO_REENTRANT, as jobs/parallelize.py does), ``fully_shard`` per decoder layer then
 the root (torch's default resharding: the layers after forward, the root kept; fp32, or with ``--bf16``
 bf16 parameters and fp32 gradient reduction), AdamW (betas 0.9/0.95, no weight
-decay, constant LR); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),
+decay, constant LR; torch's default implementation on CPU, fused with ``--fused`` or on GPUs); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),
 backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``, ``loss.item()``.
 
 The data: the JSONL's ``text`` field tokenized with the model folder's tokenizer, each line as
@@ -62,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, GPU LOCAL_RANK")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    parser.add_argument("--fused", action="store_true",
+                        help="fused AdamW on CPU too, as fsdpjob runs it (default on CPU: torch's per-tensor AdamW)")
     parser.add_argument("--out", type=Path, help="rank 0 writes step times and losses here (JSON)")
     return parser.parse_args(argv)
 
@@ -97,7 +100,7 @@ def main() -> None:
         fully_shard(layer, **options)
     fully_shard(model, **options)
     model.train()
-    fused = {"fused": True} if args.device == "cuda" else {}  # what fsdpjob uses on GPUs
+    fused = {"fused": True} if args.device == "cuda" or args.fused else {}  # what fsdpjob uses
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, **fused)
 
     times, losses = [time.time()], []

@@ -24,6 +24,9 @@ per rank, no accumulation), fp32, AdamW, gradient clipping at 1.0, constant LR:
   CPU host ignores the FSDP plugin); ``hf``: the same Trainer configured as documented (fsdp_config
   version 2), which on CPU silently runs DDP. Both print what really ran (wrapped model type, DTensor
   parameters).
+- ``bare-fused`` (not run unless asked): the bare loop with fused AdamW, the optimizer fsdpjob runs on every
+  device (torch's default on CPU is the per-tensor AdamW): fsdpjob against it shows the loop's own overhead
+  apart from the optimizer choice.
 - ``bare-env`` (not run unless asked): the bare loop with the local profile's ``env`` added, which tells
   what the profile's variables (e.g. MALLOC_MMAP_THRESHOLD_) cost by themselves.
 - ``fsdpjob-b`` (with ``--compare-cli``): fsdpjob run by another checkout's CLI, alternated in the same
@@ -218,6 +221,7 @@ STEPS = {"0.1M": (60, 10), "19M": (20, 5)}
 CASES = {
     "bare": "bare FSDP2 loop (torchrun)",
     "bare-env": "bare FSDP2 loop + the local profile's env",
+    "bare-fused": "bare FSDP2 loop with fused AdamW (fsdpjob's optimizer)",
     "fsdpjob": "fsdpjob submit --profile local --wait",
     "fsdpjob-b": "fsdpjob submit --profile local --wait, --compare-cli",
     "hf-fsdp2": "HF Trainer + accelerate FSDP2 (forced on)",
@@ -279,6 +283,7 @@ def torchrun_command(setup: Setup, case: str, size: str, ac: bool, out: Path) ->
            "--micro-batch", str(MICRO_BATCH), "--steps", str(setup.steps[size][0]), "--out", str(out / "times.json")]  # fmt: skip
     cmd += ["--activation-checkpointing"] if ac else []
     cmd += ["--force-fsdp2"] if case == "hf-fsdp2" else []
+    cmd += ["--fused"] if case == "bare-fused" else []
     profile_env = setup.profile_env if case == "bare-env" else {}
     return cmd, clean_env(OMP_NUM_THREADS=str(setup.threads), **profile_env)
 

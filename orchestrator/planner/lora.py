@@ -29,7 +29,6 @@ class Trainable:
     root_weights: int  # in the root unit (embedding, final norm, lm_head, and their trained copies)
     root_trained: int
     head_trained: bool  # lm_head gets a gradient (held unsharded until the root's reduce-scatter)
-    largest_trained: int  # elements of the largest trained tensor (the per-tensor AdamW's temporaries)
     lora: Any = None  # the spec's model.lora; None for full fine-tuning
     note: str | None = None  # why the adapter count is an estimate (a plan warning)
 
@@ -39,9 +38,8 @@ class Trainable:
 
 
 def full_training(s: ModelShape, p: ParamCount) -> Trainable:
-    largest = max(s.vocab * s.hidden, s.hidden * s.intermediate, s.hidden * s.q_dim)
     return Trainable(weights=p.total, trained=p.total, layer_weights=p.per_layer, layer_trained=p.per_layer,
-                     root_weights=p.root, root_trained=p.root, head_trained=True, largest_trained=largest)
+                     root_weights=p.root, root_trained=p.root, head_trained=True)
 
 
 def _linear_shapes(s: ModelShape) -> dict[str, list[tuple[int, int]]]:
@@ -124,7 +122,7 @@ def lora_training(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
         weights=p.total + trained, trained=trained,
         layer_weights=p.per_layer + layer_adapters, layer_trained=layer_adapters,
         root_weights=p.root + root_adapters + copies, root_trained=root_adapters + copies,
-        head_trained=head, largest_trained=s.vocab * s.hidden if copies else lora.r * max(max(io) for io in per_layer),
+        head_trained=head,
         lora=lora, note="; ".join(notes) or None,
     )
 

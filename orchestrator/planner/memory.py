@@ -7,9 +7,9 @@ What is modelled is the worker (jobs/model.py, jobs/parallelize.py, jobs/train.p
 each decoder layer with fsdp.reshard_after_forward, then the root (embedding, final norm, lm_head), which stays
 gathered from the forward into the backward (it is the first unit the backward needs),
 ``param_dtype`` = compute dtype c (2 bytes bf16, 4 fp32), gradients reduced in fp32, master weights, gradients
-and both AdamW moments in model.dtype m; the loss code keeps the logits and upcasts them to fp32. On GPUs the
-optimizer is assumed fused (``AdamW(fused=True)``): torch's default foreach AdamW on CUDA adds one more m-byte
-copy of the shard during the step (4 B/param/shard in fp32). CPU workers use the per-tensor AdamW.
+and both AdamW moments in model.dtype m; the loss code keeps the logits and upcasts them to fp32. The
+optimizer is fused (``AdamW(fused=True)``, on GPUs and CPUs alike): it updates in place and holds no temporaries
+(torch's default foreach AdamW on CUDA would add one more m-byte copy of the shard during the step).
 
 Per-rank peak = sharded params + AdamW state + the largest of four moments of a (steady-state) step:
   * forward end: saved activations + the loss ((12 + c) bytes x tokens x vocab: logits, fp32 log-softmax and
@@ -19,7 +19,7 @@ Per-rank peak = sharded params + AdamW state + the largest of four moments of a 
     next layer when sharded over > 1 rank), its unsharded gradients, the previous layer's fp32 reduce-scatter
     input and the layer's gradient working set (3 c x tokens x intermediate, or the eager attention scores);
   * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
-  * optimizer step: sharded gradients (+ 2 temporaries of the largest tensor for the per-tensor AdamW on CPU).
+  * optimizer step: sharded gradients.
 Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a fixed
 runtime item (CUDA context + NCCL 1 GiB; a CPU worker process 0.4 GiB) and allocator slack: 5 % for CUDA's caching
 allocator, 30 % for glibc's (it keeps freed blocks in its heap for reuse).
@@ -157,8 +157,6 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
     ]
     kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2), "oneDNN (measured)")
     root_grads = Item("root gradients", tr.root_trained * (c + r), "unsharded + fp32 reduce-scatter input")
-    adamw_temp = Item("AdamW temporaries", 0 if u.on_gpu else 2 * math.ceil(tr.largest_trained / w) * m,
-                      "per-tensor AdamW on CPU")
     moments = [
         Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
                                       root,
@@ -167,7 +165,7 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
         Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
                                         *_layer_transients(s, p, u), kernels)),
         Moment("backward end", (grads, root_grads, kernels)),
-        Moment("optimizer step", (grads, adamw_temp, kernels)),
+        Moment("optimizer step", (grads, kernels)),
     ]
     return state, moments
 
