@@ -69,14 +69,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def build(model_dir: str, *, device: str = "cpu", activation_checkpointing: bool = False, bf16: bool = False,
+          fused: bool = False, lr: float = 1e-3):
+    """The model, sharded, and its optimizer, as the tutorial's user builds them (bench/step_ab.py shares this)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device)
+    layers = model.model.layers
+    if activation_checkpointing:
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    model.train()
+    extra = {"fused": True} if device == "cuda" or fused else {}  # what fsdpjob uses
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, **extra)
+    return model, optimizer
+
+
+def train_step(model, optimizer, batch) -> float:
+    """Forward with labels, backward, clip, step; the loss read on the host, as a plain loop prints it."""
+    import torch
+
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    import torch.distributed as dist
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -86,33 +122,14 @@ def main() -> None:
     per_step = args.micro_batch * world
     rows = packed_rows(args.model, args.data, args.seq_len, per_step * args.steps)
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    model.to(args.device)
+    model, optimizer = build(args.model, device=args.device, activation_checkpointing=args.activation_checkpointing,
+                             bf16=args.bf16, fused=args.fused, lr=args.lr)
     rows = rows.to(args.device)
-    layers = model.model.layers
-    if args.activation_checkpointing:
-        for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    mesh = init_device_mesh(args.device, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-    options = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
-    model.train()
-    fused = {"fused": True} if args.device == "cuda" or args.fused else {}  # what fsdpjob uses
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, **fused)
 
     times, losses = [time.time()], []
     for step in range(args.steps):
         start = step * per_step + rank * args.micro_batch
-        batch = rows[start : start + args.micro_batch]
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(train_step(model, optimizer, rows[start : start + args.micro_batch]))
         times.append(time.time())
 
     mean = torch.tensor(losses, device=args.device)

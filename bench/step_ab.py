@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-VARIANTS = ("bare", "bare-fused", "fsdpjob")
+sys.path.insert(0, str(BENCH))  # bare_fsdp2, worker_throughput
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,7 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def launch(args: argparse.Namespace) -> int:
     """Make the assets, then run this file on 2 ranks under torchrun."""
-    sys.path.insert(0, str(BENCH))
     from worker_throughput import SIZES, free_port, make_assets
 
     with tempfile.TemporaryDirectory(prefix="fsdpjob-step-ab-") as tmp:
@@ -63,65 +62,43 @@ def launch(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from bare_fsdp2 import packed_rows
+    import bare_fsdp2
     from fsdpjob.jobs.data import MicroBatch
     from fsdpjob.jobs.dist import DistEnv
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.step import StepAgreement, train_step
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from fsdpjob.jobs.step import StepAgreement, local_tokens, train_step
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, per = 4, args.steps_per_block
-    rows = packed_rows(args.model, args.data, 128, micro * world * per)
+    rows = bare_fsdp2.packed_rows(args.model, args.data, 128, micro * world * per)
     cpu = torch.device("cpu")
 
-    def bare_model():  # as bench/bare_fsdp2.py builds it
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-        mesh = init_device_mesh("cpu", (world,))
-        layers = model.model.layers
-        for i, layer in enumerate(layers):
-            if args.ac:
-                layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            fully_shard(layers[i], mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model.train()
-
-    def fsdpjob_model():
+    def fsdpjob_parts():  # the worker's build (jobs/train.py): load_model, then fused AdamW
         env = DistEnv(rank, world, rank, world, "127.0.0.1", 0, "gloo", cpu)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        return load_model(args.model, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
-                          mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=args.ac,
-                          cpu_offload=False).train()
+        model = load_model(args.model, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
+                           mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=args.ac,
+                           cpu_offload=False).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
 
     def bare_step(model, optimizer, batch, step):
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
+        bare_fsdp2.train_step(model, optimizer, batch)
 
     def fsdpjob_step(model, optimizer, batch, step):
         micro_batches = [MicroBatch(batch, batch, None, None)]
-        agreed = StepAgreement(batch[:, 1:].numel(), (0, 0), None)
+        agreed = StepAgreement(local_tokens(micro_batches), (0, 0), None)
         values = train_step(model, optimizer, micro_batches, cpu, max_grad_norm=1.0, control=None, agreed=agreed)
         agreed.flags  # the loop reads the stop/save flags after every step
         if step % 10 == 0:
             values.loss  # noqa: B018 - a logged step's read (one all-reduce)
 
-    def adamw(model, **kw):
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, **kw)
-
-    bare, fused_bare, job = bare_model(), bare_model(), fsdpjob_model()
     variants = {
-        "bare": (bare, adamw(bare), bare_step),
-        "bare-fused": (fused_bare, adamw(fused_bare, fused=True), bare_step),
-        "fsdpjob": (job, adamw(job, fused=True), fsdpjob_step),
+        "bare": (*bare_fsdp2.build(args.model, activation_checkpointing=args.ac), bare_step),
+        "bare-fused": (*bare_fsdp2.build(args.model, activation_checkpointing=args.ac, fused=True), bare_step),
+        "fsdpjob": (*fsdpjob_parts(), fsdpjob_step),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
@@ -150,7 +127,6 @@ def main() -> int:
     args = parse_args()
     if "RANK" not in os.environ:
         return launch(args)
-    sys.path.insert(0, str(BENCH))
     run(args)
     return 0
 

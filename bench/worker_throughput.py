@@ -42,9 +42,9 @@ The fsdpjob spec sets ``fsdp.collective_timeout_s: 180`` (a failed rank's peers 
 
 Runs alternate (for each round: every size, AC setting and case in turn, each round's case order rotated by
 one); fsdpjob logs every ``train.log_every`` steps as a user's run does by default (10; where the warm-up is
-not a multiple of it, the largest divisor of both, since the warm-up's last step must be logged); each case's figure is the
-median over rounds of tokens/s over the steps after the warm-up (from the step-end time stamps of rank
-0), and of tokens per CPU-second of both rank processes over the same steps (their /proc CPU time,
+not a multiple of it, the largest divisor of both, since the warm-up's last step must be logged). Each case's
+figure is the median over rounds of tokens/s over the steps after the warm-up (from the step-end time stamps
+of rank 0), and of tokens per CPU-second of both rank processes over the same steps (their /proc CPU time,
 sampled every 0.2 s: far steadier than wall time on a shared machine). Ratios are to the bare loop with
 the same and without AC. Nothing is asserted: it prints the figures, the environment and the load.
 
