@@ -91,12 +91,12 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
         _reset_peak()
         optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, betas=(0.9, 0.95))
         gen = torch.Generator().manual_seed(env.rank)
-        from fsdpjob.jobs.data import MicroBatch
+        from fsdpjob.jobs.data import MicroBatch, count_tokens
 
         for _ in range(2):
             ids = torch.randint(0, c.vocab, (c.micro_batch, c.seq_len), generator=gen)
             batch = MicroBatch(ids, ids.clone(), torch.zeros(c.micro_batch), torch.zeros(c.micro_batch))
-            train_step(model, optimizer, [batch], env.device, max_grad_norm=1.0, control=None)
+            train_step(model, optimizer, [batch], env.device, tokens=count_tokens(ids) * world_size, max_grad_norm=1.0)
         peak = _status_kib("VmHWM") * 1024 - base
         ckpt = CheckpointManager(Path(ckpt_dir), rank=rank, world_size=world_size, keep_last=1, async_save=False,
                                  sidecar={})

@@ -13,8 +13,9 @@ variant's figure is the median over blocks of milliseconds per step, with its ra
   ``loss.item()``.
 - ``bare-fused``: the same with ``AdamW(fused=True)``, the optimizer fsdpjob runs.
 - ``fsdpjob``: the worker's parts: ``jobs.model.load_model`` (meta init, fsdpjob's wrapping, own-shard weight
-  read), fused AdamW, ``jobs.step.train_step`` with its StepAgreement (token count and stop/save flags in
-  one async all-gather), the loss read every 10th step as a logged step would.
+  read), fused AdamW, ``jobs.step.train_step`` (the global token count from the data, as BatchStream gives
+  it), the stop/save flags' FlagAgreement begun and ended around every step as the loop does, and the loss
+  read every 10th step as a logged step would.
 
 What it leaves out is the rest of the worker's loop (data stream, metrics, save policy, heartbeat): the
 difference between this and worker_throughput's fsdpjob-to-bare ratio is what those cost. Nothing is asserted.
@@ -63,10 +64,11 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import bare_fsdp2
-    from fsdpjob.jobs.data import MicroBatch
+    from fsdpjob.jobs.agreement import FlagAgreement
+    from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.dist import DistEnv
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.step import StepAgreement, local_tokens, train_step
+    from fsdpjob.jobs.step import train_step
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -87,11 +89,14 @@ def run(args: argparse.Namespace) -> None:
     def bare_step(model, optimizer, batch, step):
         bare_fsdp2.train_step(model, optimizer, batch)
 
+    agreement = FlagAgreement(2, None)
+    global_tokens = count_tokens(rows[: micro * world])  # every step's: packed rows, no masked label
+
     def fsdpjob_step(model, optimizer, batch, step):
-        micro_batches = [MicroBatch(batch, batch, None, None)]
-        agreed = StepAgreement(local_tokens(micro_batches), (0, 0), None)
-        values = train_step(model, optimizer, micro_batches, cpu, max_grad_norm=1.0, control=None, agreed=agreed)
-        agreed.flags  # the loop reads the stop/save flags after every step
+        agreement.begin(step, (0, 0))
+        values = train_step(model, optimizer, [MicroBatch(batch, batch, None, None)], cpu, tokens=global_tokens,
+                            max_grad_norm=1.0)
+        agreement.end(step)
         if step % 10 == 0:
             values.loss  # noqa: B018 - a logged step's read (one all-reduce)
 
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             for s in range(per):
                 first = s * micro * world + rank * micro
-                step_fn(model, optimizer, rows[first : first + micro], s + 1)
+                step_fn(model, optimizer, rows[first : first + micro], block * per + s + 1)
             dist.barrier()
             times[name].append((time.perf_counter() - start) / per * 1000)
     if rank == 0:

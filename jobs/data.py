@@ -60,6 +60,13 @@ class MicroBatch:
     sequence_ids: torch.Tensor  # [mbs] rows of the SequenceTable
 
 
+class StepBatch(NamedTuple):
+    """One optimizer step's data on this rank."""
+
+    micro_batches: list[MicroBatch]  # this rank's
+    tokens: int  # real target tokens of the whole global batch (every rank's rows): the loss's denominator
+
+
 # ---------------------------------------------------------------- reading
 
 
@@ -230,7 +237,12 @@ def build_sequences(examples: list[Example], seq_len: int, packing: bool, pad_id
 
 def count_tokens(labels: torch.Tensor) -> int:
     """Real target tokens in ``labels`` [B, L]: HF shifts labels left by one, so position 0 is never a target."""
-    return int((labels[:, 1:] != IGNORE).sum())
+    return int(row_tokens(labels).sum())
+
+
+def row_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Real target tokens of each row of ``labels`` [B, L] ([B] long)."""
+    return (labels[:, 1:] != IGNORE).sum(dim=1)
 
 
 # ---------------------------------------------------------------- batch stream
@@ -278,6 +290,9 @@ class BatchStream:
         self._perms: dict[int, torch.Tensor] = {}
         # Rows an epoch takes: the table's, or with a mixture the sources' shares of it (mixture.py).
         self.epoch_size = len(table) if table.source is None else epoch_size(table.source, table.weights)
+        # Every rank holds the whole table, so each counts the global batch's target tokens itself (the loss's
+        # denominator) instead of summing the ranks' counts in a collective every step.
+        self._row_tokens = row_tokens(table.labels)
 
     @property
     def global_batch_size(self) -> int:
@@ -318,17 +333,20 @@ class BatchStream:
             rows[mask] = self._perm(epoch)[positions[mask] % n]
         return rows
 
-    def next_step(self) -> list[MicroBatch]:
-        """This rank's grad_accum_steps micro-batches for the next optimizer step."""
-        per_rank = self.micro_batch_size * self.grad_accum_steps
-        start = self.samples_consumed + self.dp_rank * per_rank
-        positions = torch.arange(start, start + per_rank, dtype=torch.long)
+    def next_step(self) -> StepBatch:
+        """This rank's grad_accum_steps micro-batches for the next optimizer step, and the global batch's
+        target tokens."""
+        per_rank, first = self.micro_batch_size * self.grad_accum_steps, self.samples_consumed
+        positions = torch.arange(first, first + self.global_batch_size, dtype=torch.long)  # every rank's
         rows = self._rows(positions)
+        tokens = int(self._row_tokens[rows].sum())
+        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        positions, rows = positions[mine], rows[mine]
         self.samples_consumed += self.global_batch_size
         batches = []
         for pos, row in zip(positions.split(self.micro_batch_size), rows.split(self.micro_batch_size)):
             batches.append(MicroBatch(self.table.input_ids[row], self.table.labels[row], pos, row))
-        return batches
+        return StepBatch(batches, tokens)
 
     def state_dict(self) -> dict[str, int]:
         return {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_sequences": len(self.table)}

@@ -2,8 +2,8 @@
 
 Why not submitit's handler: it requeues and exits on rank 0 from inside the signal handler, in the middle of
 a step; the other ranks then crash in a collective and no checkpoint is written. So every rank replaces it
-(and the SIGTERM bypass) with a handler that only records the signal. At each step boundary the ranks agree
-with an all-reduce (savepolicy.py); all ranks save one committed checkpoint; then one rank requeues and every
+(and the SIGTERM bypass) with a handler that only records the signal. The ranks' next flag agreement
+(agreement.py) tells every rank; all ranks save one committed checkpoint; then one rank requeues and every
 rank exits without returning a result (returning would make Slurm record COMPLETED and never requeue).
 """
 
@@ -26,7 +26,7 @@ LOCAL_REQUEUE_EXIT_CODE = 144
 
 
 class StopFlag:
-    """Records the first stop signal; the training loop's per-step all-reduce turns it into a decision
+    """Records the first stop signal; the loop's flag agreement (agreement.py) turns it into a decision
     every rank shares. This module imports no torch: the flag is set up before the worker's heavy imports."""
 
     def __init__(self, signal_name: str):

@@ -13,6 +13,7 @@ from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import preemption
+from .agreement import FlagAgreement
 from .checkpoint import CheckpointManager
 from .hooks import TestHooks
 from .metrics import Reporter
@@ -49,7 +50,6 @@ class Checkpointer:
     def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag,
                  control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks,
                  eval_loss_at: Callable[[int], float | None] | None = None) -> None:
-        # Flags travel in the step's host collective over the control group (jobs/step.py StepAgreement).
         self.ckpt, self.stop, self.control, self.report = ckpt, stop, control, report
         self.worker, self.hooks = worker, hooks
         self.eval_loss_at = eval_loss_at  # a step's eval loss, recorded in its checkpoint's sidecar (keep_best)
@@ -57,22 +57,28 @@ class Checkpointer:
         self.max_requeues = spec.preemption.max_requeues
         self._last_save = time.time()  # the interval in minutes counts from the start of training
         self._save_started = self._last_save
+        # The stop signal and rank 0's "a time-based save is due" reach every rank in an all-gather that
+        # travels while a step trains, every few steps (jobs/agreement.py); the stop-at-step test hook's step
+        # always carries one, so its stop lands on that step.
+        self.agreement = FlagAgreement(2, control, always_at=[hooks.stop_at_step] if hooks.stop_at_step else [])
 
-    def flags_before(self, step: int) -> tuple[int, int]:
-        """This rank's stop signal and (rank 0 only) whether a time-based save is due, sampled before ``step``
-        trains; the step's StepAgreement carries them to every rank while it trains, so agreeing costs no
-        blocking collective. A signal that arrives during a step is therefore acted on after the next one:
-        the stop waits at most two steps and a save (the planner's signal lead covers that)."""
+    def before_step(self, step: int) -> None:
+        """Before ``step`` trains, on every rank: where that step carries an agreement, start it with this
+        rank's stop signal and (rank 0 only) whether a time-based save is due. A signal that arrives after
+        that waits for the next agreement and the step carrying it (orchestrator/core/stopping.py bounds the
+        wait; the planner's signal-lead check counts it)."""
+        if not self.agreement.carries(step):
+            return
         if self.hooks.stop_at_step == step and dist.get_rank() == 0:
             self.stop.request()
         due = dist.get_rank() == 0 and self.policy.time_due(time.time() - self._last_save)
-        return self.stop.signum, int(due)
+        self.agreement.begin(step, (self.stop.signum, int(due)))
 
-    def maybe_save(self, step: int, state: dict[str, Any], flags: tuple[int, ...]) -> int:
-        """After each trained step, with the flags every rank agreed on (flags_before): save if due. Returns
-        the stop signal once its checkpoint is committed, else 0."""
-        signum, time_due = int(flags[0]), bool(flags[1])
-        reason = self.policy.reason(step, signum=signum, time_due=time_due)
+    def after_step(self, step: int, state: dict[str, Any]) -> int:
+        """After ``step`` trained, on every rank, with the flags agreed for it (none on a step that carried
+        no agreement): save if due. Returns the stop signal once its checkpoint is committed, else 0."""
+        signum, time_due = self.agreement.end(step)
+        reason = self.policy.reason(step, signum=signum, time_due=bool(time_due))
         if signum and reason is None:
             log.info("stop signal %d after the last step: finishing instead of requeueing", signum)
         if reason is None:

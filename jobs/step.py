@@ -1,67 +1,21 @@
 """One optimizer step (forward and backward over this rank's micro-batches, clip, AdamW) and its values.
 
-Nothing here makes the host wait for the device: the global token count travels with the loop's stop/save
-flags in one host collective per step (StepAgreement) that overlaps the first forward, and the loss and
-gradient norm stay where they were computed until a log or save step reads them (StepValues), which every
-rank does at the same steps.
+Nothing here makes the host wait for the device or for the other ranks beyond FSDP's own collectives and the
+gradient clip's norm: the loss's denominator (the global batch's target tokens) comes with the step's data,
+counted by every rank from the whole table it holds (jobs/data.py BatchStream), and the loss and gradient
+norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
+at the same steps.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import count_tokens
-
-
-# torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per call site); older torch has
-# only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class StepAgreement:
-    """The step's one host collective: the global count of real target tokens (summed over ranks: the loss's
-    denominator) and the loop's stop/save flags (the largest value over ranks).
-
-    One all-gather of a few int64 per rank over the control group (jobs/dist.py), started before the forward
-    and waited for only where a value is first read: the tokens before the first backward, the flags after
-    the step. Host tensors over gloo, so agreeing never waits for the device, and the first micro-batch's
-    forward runs while the values travel. Every rank starts one per step, in the same order.
-    """
-
-    def __init__(self, local_tokens: int, flags: Sequence[int], control: dist.ProcessGroup | None):
-        self._send = torch.tensor([local_tokens, *flags], dtype=torch.int64)
-        self._recv = torch.empty(dist.get_world_size(control) * len(self._send), dtype=torch.int64)
-        self._work = _all_gather_single(self._recv, self._send, group=control, async_op=True)
-        self._columns: list[tuple[int, ...]] | None = None
-
-    def _read(self) -> list[tuple[int, ...]]:
-        """The gathered values, one tuple per field (the ranks' values), read into Python once."""
-        if self._columns is None:
-            self._work.wait()
-            width = len(self._send)
-            values = self._recv.tolist()  # rank after rank; plain ints from here: no tensor op per read
-            self._columns = [tuple(values[i::width]) for i in range(width)]
-        return self._columns
-
-    @property
-    def tokens(self) -> int:
-        """Real target tokens of the global batch."""
-        return sum(self._read()[0])
-
-    @property
-    def flags(self) -> tuple[int, ...]:
-        """Each flag's largest value over the ranks."""
-        return tuple(max(column) for column in self._read()[1:])
-
-
-def local_tokens(micro_batches) -> int:
-    """Real target tokens of this rank's micro-batches, counted on the host (labels are still CPU tensors)."""
-    return sum(count_tokens(mb.labels) for mb in micro_batches)
 
 
 class StepValues:
@@ -92,21 +46,17 @@ class StepValues:
         return self._values()[1]
 
 
-def train_step(model, optimizer, micro_batches, device: torch.device, *, max_grad_norm: float,
-               control: dist.ProcessGroup | None, agreed: StepAgreement | None = None,
+def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
                defer_grad_sync: bool = False) -> StepValues:
     """One optimizer step over this rank's micro-batches.
 
     The loss is the mean over real (unmasked) target tokens of the whole global batch, across
-    micro-batches and ranks: each micro-batch's summed token loss is divided by the global token count.
-    FSDP averages gradients over ranks, so the local loss is scaled by the world size to undo that mean.
-    With ``defer_grad_sync`` (the planner decided the unsharded fp32 gradients fit), the micro-batches
-    before the last accumulate locally and only the last one reduce-scatters. ``agreed`` is the step's
-    StepAgreement when the loop started one (with its flags); without it the step starts its own.
+    micro-batches and ranks: each micro-batch's summed token loss is divided by ``tokens``, the global batch's
+    count (StepBatch.tokens). FSDP averages gradients over ranks, so the local loss is scaled by the world
+    size to undo that mean. With ``defer_grad_sync`` (the planner decided the unsharded fp32 gradients fit),
+    the micro-batches before the last accumulate locally and only the last one reduce-scatters.
     """
-    world = dist.get_world_size()
-    agreed = agreed or StepAgreement(local_tokens(micro_batches), (), control)
-    scale = None  # known once the token count has arrived: read at the first backward, after a forward
+    scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
@@ -119,14 +69,12 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, max_gra
         token_loss = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )
-        if scale is None:
-            scale = world / max(float(agreed.tokens), 1.0)
         (token_loss * scale).backward()
         loss_sum += token_loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepValues(loss_sum, agreed.tokens, norm)
+    return StepValues(loss_sum, tokens, norm)
 
 
 def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:

@@ -36,7 +36,7 @@ from .model import load_model, model_flops_per_token
 from .parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
-from .step import StepAgreement, StepValues, local_tokens, train_step
+from .step import StepValues, train_step
 from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.train")
@@ -123,14 +123,13 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         while state.step < train.max_steps:
             heartbeat.at_step(state.step, heartbeat.NEXT_BATCH)
             hooks.maybe_hang_in_data(state.step, env.rank)
-            micro_batches = stream.next_step()
+            batch = stream.next_step()
             heartbeat.enter(heartbeat.STEP)
-            # The step's one host collective (token count, stop/save flags) travels while the step trains.
-            agreed = StepAgreement(local_tokens(micro_batches), saver.flags_before(state.step + 1), control)
-            state.last = train_step(model, parts.optimizer, micro_batches, env.device, control=control,
-                                    agreed=agreed, max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
+            saver.before_step(state.step + 1)  # every few steps, the stop/save flags travel while the step trains
+            state.last = train_step(model, parts.optimizer, batch.micro_batches, env.device, tokens=batch.tokens,
+                                    max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
             if hooks.log_samples:
-                _log_samples(paths, state.step + 1, micro_batches, env, parts.train_rows)
+                _log_samples(paths, state.step + 1, batch.micro_batches, env, parts.train_rows)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             state.step += 1
@@ -139,7 +138,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             gcpolicy.after_step(state.step)
             if evaluator:
                 evaluator.maybe_run(state.step)
-            if signum := saver.maybe_save(state.step, app_state, agreed.flags):
+            if signum := saver.after_step(state.step, app_state):
                 saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
 
         heartbeat.at_step(state.step, heartbeat.FINISH)

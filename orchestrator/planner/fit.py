@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
 from fsdpjob.orchestrator.core.units import GiB
 
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
@@ -32,7 +33,7 @@ from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
 from .interval import IntervalAdvice, advise, current_interval
 from .lora import Trainable, trainable
-from .timing import STEPS_BEFORE_STOP, Timing, plan_timing
+from .timing import Timing, plan_timing
 
 
 @dataclass(frozen=True)
@@ -262,9 +263,10 @@ def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[F
     if t.step_s is None:
         out.append(f"step time is unknown ({t.throughput_note}); the signal lead check covers the save only")
     if t.signal_lead_s < t.needed_lead_s:
-        step = f"{STEPS_BEFORE_STOP} steps (~{t.step_s:.0f} s each) + " if t.step_s is not None else ""
+        wait = (f"{STEPS_BEFORE_STOP} steps (~{t.step_s:.0f} s each) + {AGREE_EVERY_S:g} s to agree + "
+                if t.step_s is not None else "")
         out.append(
-            f"preemption signal lead {t.signal_lead_s} s is too short for {step}one save (~{t.save_s:.0f} s) + margin; "
+            f"preemption signal lead {t.signal_lead_s} s is too short for {wait}one save (~{t.save_s:.0f} s) + margin; "
             f"set preemption.signal_lead_s: {t.needed_lead_s}"
         )
     return out

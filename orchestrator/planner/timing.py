@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
 
 from .lora import trainable
@@ -20,10 +21,7 @@ MFU = 0.40  # assumed model FLOPs utilisation on GPUs
 GPU_PEAK_FLOPS = {"a100": {2: 312e12, 4: 19.5e12}, "h100": {2: 989e12, 4: 67e12}, "h200": {2: 989e12, 4: 67e12}}
 # Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
 CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
-SIGNAL_MARGIN_S = 10  # the lead must cover two steps + a save + this (or 25 %, whichever is larger)
-# A signal is agreed on during the step after the one it arrives in (jobs/step.py StepAgreement: no blocking
-# collective per step), so a stop waits for up to two steps before its save.
-STEPS_BEFORE_STOP = 2
+SIGNAL_MARGIN_S = 10  # the lead must cover the wait for the ranks' agreement + a save + this (or 25 %)
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,9 @@ class Timing:
 
     @property
     def needed_lead_s(self) -> int:
-        """Seconds of warning that cover the steps before a stop, one save and a margin (rounded up to 10 s)."""
-        work = STEPS_BEFORE_STOP * (self.step_s or 0.0) + self.save_s
+        """Seconds of warning that cover the wait before a stop (core/stopping.py: up to two steps and the
+        ranks' agreement interval), one save and a margin (rounded up to 10 s)."""
+        work = stop_wait_s(self.step_s or 0.0) + self.save_s
         return int(math.ceil((work + max(SIGNAL_MARGIN_S, 0.25 * work)) / 10) * 10)
 
 

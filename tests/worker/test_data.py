@@ -125,7 +125,7 @@ def test_quickstart_assets_pass_checks_and_loss_falls(tmp_path):
     for step in range(25):
         for group in optimizer.param_groups:
             group["lr"] = 3e-3 * min(1.0, (step + 1) / 10)
-        (batch,) = stream.next_step()
+        (batch,) = stream.next_step().micro_batches
         loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
         loss.backward()
         optimizer.step()
@@ -307,7 +307,7 @@ def stream(table, world: int, rank: int, *, gbs: int = 12, mbs: int = 2, seed: i
 
 def step_samples(streams: list[BatchStream]) -> tuple[list[int], list[int]]:
     """One step on every rank: (sorted global positions, sorted rows) of the whole global batch."""
-    batches = [mb for s in streams for mb in s.next_step()]
+    batches = [mb for s in streams for mb in s.next_step().micro_batches]
     for mb in batches:
         assert torch.equal(mb.input_ids[:, 0], mb.sequence_ids) and mb.input_ids.shape == (2, 4)
     positions = torch.cat([mb.sample_ids for mb in batches]).tolist()
@@ -316,7 +316,25 @@ def step_samples(streams: list[BatchStream]) -> tuple[list[int], list[int]]:
 
 def step_batches(streams: list[BatchStream]) -> list[tuple[list[int], list[int]]]:
     """One step on every rank: (positions, rows) of each micro-batch, in rank order."""
-    return [(mb.sample_ids.tolist(), mb.sequence_ids.tolist()) for s in streams for mb in s.next_step()]
+    steps = [s.next_step() for s in streams]
+    return [(mb.sample_ids.tolist(), mb.sequence_ids.tolist()) for step in steps for mb in step.micro_batches]
+
+
+def test_every_rank_counts_the_global_batch_target_tokens_itself():
+    # Row i has i % 5 masked labels (position 0 is never a target), so rows count differently; G = 12 > N = 10,
+    # so steps straddle epochs. What each rank computes alone must be what a sum over the ranks gives.
+    ids = torch.arange(10).unsqueeze(1).repeat(1, 6)
+    labels = ids.clone()
+    for i in range(10):
+        labels[i, 6 - i % 5 :] = IGNORE
+    table = SequenceTable(ids, labels, 10, 0)
+    for world in (1, 2, 3):
+        streams = [stream(table, world, r) for r in range(world)]
+        for _ in range(4):
+            steps = [s.next_step() for s in streams]
+            summed = sum(count_tokens(mb.labels) for step in steps for mb in step.micro_batches)
+            assert {step.tokens for step in steps} == {summed}
+            assert 0 < summed < 12 * 5
 
 
 def test_every_world_size_sees_the_same_samples_per_step():
@@ -331,15 +349,15 @@ def test_every_world_size_sees_the_same_samples_per_step():
 def test_each_epoch_is_a_seeded_permutation():
     table = table_of(10)
     s = stream(table, 1, 0, gbs=2)
-    order = [x for _ in range(10) for mb in s.next_step() for x in mb.sequence_ids.tolist()]
+    order = [x for _ in range(10) for mb in s.next_step().micro_batches for x in mb.sequence_ids.tolist()]
     epoch0, epoch1 = order[:10], order[10:]
     assert sorted(epoch0) == sorted(epoch1) == list(range(10)) and epoch0 != epoch1
     same = stream(table, 1, 0, gbs=2)
-    assert [x for _ in range(10) for mb in same.next_step() for x in mb.sequence_ids.tolist()] == order
+    assert [x for _ in range(10) for mb in same.next_step().micro_batches for x in mb.sequence_ids.tolist()] == order
     other = stream(table, 1, 0, gbs=2, seed=8)
-    assert [x for _ in range(10) for mb in other.next_step() for x in mb.sequence_ids.tolist()] != order
+    assert [x for _ in range(10) for mb in other.next_step().micro_batches for x in mb.sequence_ids.tolist()] != order
     plain = stream(table, 1, 0, gbs=2, shuffle=False)
-    assert [x for _ in range(10) for mb in plain.next_step() for x in mb.sequence_ids.tolist()] == list(range(10)) * 2
+    assert [x for _ in range(10) for mb in plain.next_step().micro_batches for x in mb.sequence_ids.tolist()] == list(range(10)) * 2
 
 
 def test_resume_mid_run_continues_exactly():

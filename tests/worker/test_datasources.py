@@ -146,7 +146,7 @@ def stream(table, world: int, rank: int, *, gbs: int = 12, mbs: int = 2, shuffle
 
 
 def step_rows(streams: list[BatchStream]) -> list[int]:
-    return sorted(int(r) for s in streams for mb in s.next_step() for r in mb.sequence_ids)
+    return sorted(int(r) for s in streams for mb in s.next_step().micro_batches for r in mb.sequence_ids)
 
 
 def test_mixture_table_keeps_sources_apart(tmp_path, tokenizer):
