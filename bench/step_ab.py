@@ -1,6 +1,6 @@
 """The step alone, A/B inside the same two processes: the bare loop's model, optimizer and step against fsdpjob's.
 
-    python bench/step_ab.py [--blocks 10] [--steps-per-block 20] [--ac] [--size 0.1M]
+    python bench/step_ab.py [--blocks 10] [--steps-per-block 20] [--ac] [--size 0.1M] [--crossed]
 
 Separate launches (bench/worker_throughput.py) carry the machine's noise: on 2 shared cores one run's rate
 differs from the next by 10-20 %, more than the overheads looked for. Here every variant lives in the same 2
@@ -16,6 +16,8 @@ variant's figure is the median over blocks of milliseconds per step, with its ra
   read), fused AdamW, ``jobs.step.train_step`` (the global token count from the data, as BatchStream gives
   it), the stop/save flags' FlagAgreement begun and ended around every step as the loop does, and the loss
   read every 10th step as a logged step would.
+- with ``--crossed``, also ``fj-model,bare-step`` (fsdpjob's model, the bare step) and ``bare-model,fj-step``
+  (the fused bare model, fsdpjob's step): which half a difference comes from.
 
 What it leaves out is the rest of the worker's loop (data stream, metrics, save policy, heartbeat): the
 difference between this and worker_throughput's fsdpjob-to-bare ratio is what those cost. Nothing is asserted.
@@ -42,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps-per-block", type=int, default=20)
     parser.add_argument("--ac", action="store_true", help="activation checkpointing in every variant")
     parser.add_argument("--size", default="0.1M", help="a size of bench/worker_throughput.py (0.1M, 19M)")
+    parser.add_argument("--crossed", action="store_true", help="also each model with the other's step")
     parser.add_argument("--model", help="(set by the launcher) model folder")
     parser.add_argument("--data", help="(set by the launcher) JSONL text")
     return parser.parse_args(argv)
@@ -56,7 +59,8 @@ def launch(args: argparse.Namespace) -> int:
         torchrun = Path(sys.executable).with_name("torchrun")
         cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                __file__, "--model", str(model), "--data", str(data), "--blocks", str(args.blocks),
-               "--steps-per-block", str(args.steps_per_block), *(["--ac"] if args.ac else [])]  # fmt: skip
+               "--steps-per-block", str(args.steps_per_block), *(["--ac"] if args.ac else []),
+               *(["--crossed"] if args.crossed else [])]  # fmt: skip
         return subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False).returncode
 
 
@@ -105,6 +109,10 @@ def run(args: argparse.Namespace) -> None:
         "bare-fused": (*bare_fsdp2.build(args.model, activation_checkpointing=args.ac, fused=True), bare_step),
         "fsdpjob": (*fsdpjob_parts(), fsdpjob_step),
     }
+    if args.crossed:
+        variants["fj-model,bare-step"] = (*fsdpjob_parts(), bare_step)
+        variants["bare-model,fj-step"] = (*bare_fsdp2.build(args.model, activation_checkpointing=args.ac, fused=True),
+                                          fsdpjob_step)
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     for block in range(args.blocks):
