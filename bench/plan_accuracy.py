@@ -179,7 +179,7 @@ def _load(model_dir: str, case: Case, env, mesh):
 def _train(model, case: Case, env, steps: int) -> float:
     """``steps`` optimizer steps exactly as the worker runs them; the seconds of the last one."""
     import torch
-    from fsdpjob.jobs.data import MicroBatch
+    from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.step import train_step
 
     model.train()
@@ -191,8 +191,10 @@ def _train(model, case: Case, env, steps: int) -> float:
         for _ in range(case.grad_accum):
             ids = torch.randint(0, case.vocab, (case.micro_batch, case.seq_len), generator=gen)
             batches.append(MicroBatch(ids, ids.clone(), torch.zeros(case.micro_batch), torch.zeros(case.micro_batch)))
+        # Every rank draws the same shape with no padding, so the global count is the local one times the world.
+        tokens = sum(count_tokens(mb.labels) for mb in batches) * env.world_size
         # As the worker does where the plan says the unsharded gradients fit (always, for these small cases).
-        train_step(model, optimizer, batches, env.device, max_grad_norm=1.0, control=None,
+        train_step(model, optimizer, batches, env.device, tokens=tokens, max_grad_norm=1.0,
                    defer_grad_sync=case.grad_accum > 1)
     return time.perf_counter() - start
 
