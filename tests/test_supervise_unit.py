@@ -15,9 +15,10 @@ from fsdpjob.orchestrator.supervise.stacks import top_frame
 from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
 
 
-def beat(rank: int, step: int, phase: str = STEP, *, t: float, since: float | None = None, host: str = "n1") -> Beat:
+def beat(rank: int, step: int, phase: str = STEP, *, t: float, since: float | None = None, host: str = "n1",
+         longest: dict | None = None) -> Beat:
     return Beat(rank=rank, host=host, machine="m", pid=100 + rank, launch=0, step=step, phase=phase,
-                phase_since=t if since is None else since, time=t)
+                phase_since=t if since is None else since, time=t, longest=longest or {})
 
 
 def trained(watch: Watch, steps: int, every: float, t0: float = 100.0) -> float:
@@ -93,6 +94,36 @@ def test_saves_get_their_own_bound() -> None:
     t2 = t + 40
     watch.observe([beat(0, 20, SAVE, t=t2, since=t2), beat(1, 20, SAVE, t=t2, since=t2)], t2)
     assert watch.bound() == pytest.approx(310, rel=0.05)
+
+
+def test_a_save_too_short_to_be_seen_still_bounds_the_next_one() -> None:
+    """The first save took 0.3 s, between two heartbeats: the watch never saw a rank in 'save'. The ranks'
+    own figure (``longest``) bounds the second save at max(10 x 0.3 s, 4 x floor), not at the setup bound."""
+    watch = make_watch(setup=120, floor=5, factor=10)
+    t = trained(watch, 10, every=0.5)
+    after = {SAVE: 0.3}
+    for s in range(11, 15):
+        t += 0.5
+        assert watch.observe([beat(0, s, t=t, longest=after), beat(1, s, t=t, longest=after)], t) is None
+    stuck = lambda now: [beat(0, 15, SAVE, t=now, since=t, longest=after),  # noqa: E731
+                         beat(1, 15, SAVE, t=now, since=t, longest=after)]
+    assert watch.observe(stuck(t + 1), t + 1) is None
+    assert watch.bound() == 20  # 4 x the floor, over 10 x 0.3 s
+    verdict = watch.observe(stuck(t + 21), t + 21)
+    assert verdict is not None and verdict.kind == "hang" and "'save'" in verdict.reason, verdict
+
+
+def test_heartbeat_reports_the_longest_save_it_finished(tmp_path) -> None:
+    hb = Heartbeat(tmp_path, rank=0, launch=0, interval_s=0.05)
+    hb.enter(SAVE)
+    time.sleep(0.2)
+    hb.at_step(5, NEXT_BATCH)  # the save ends when the next step starts
+    hb.enter(SAVE)
+    hb.enter(STEP)  # a shorter save does not lower the figure
+    time.sleep(0.2)
+    [read] = read_beats(tmp_path)
+    hb.close()
+    assert 0.2 <= read.longest[SAVE] < 1.0 and set(read.longest) == {SAVE}, read.longest
 
 
 def fault(kind: str = "crash", launch: int = 0, committed: int | None = 10, hosts: tuple = ()) -> Fault:

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HEARTBEAT_S = 1.0  # how often each rank's thread rewrites its file
@@ -27,6 +27,7 @@ IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD = "imports", "pro
 STEP, NEXT_BATCH, EVAL, SAVE, FINISH = "training step", "next batch", "eval", "save", "finish"
 EXITED = "exited"  # the worker returned (done) or left after a stop checkpoint: its process may be gone
 SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD)
+LONG_PHASES = (SAVE, EVAL)  # bounded by their own earlier durations, not by the step time
 LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXITED)
 PHASES = SETUP_PHASES + LOOP_PHASES
 
@@ -48,10 +49,14 @@ class Beat:
     phase: str
     phase_since: float  # wall time the rank entered ``phase`` (or started ``step``)
     time: float  # wall time of this write: stops advancing when the process is frozen
+    # The longest save and eval this rank has finished in this launch, in seconds. The rank measures them
+    # itself: a save shorter than the heartbeat interval is never seen in progress by the supervisor.
+    longest: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> "Beat":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        # A missing required key raises TypeError (the reader skips the file); ``longest`` may be absent.
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def read_beats(run_dir: Path | str, launch: int | None = None) -> list[Beat]:
@@ -75,6 +80,7 @@ class Heartbeat:
                  interval_s: float = HEARTBEAT_S):
         self.enabled, self.rank, self.launch, self.interval_s = enabled, rank, launch, interval_s
         self.step, self.phase, self.phase_since = 0, IMPORTS, time.time()
+        self.longest: dict[str, float] = {}
         self._path = heartbeat_dir(run_dir or ".") / f"rank-{rank}.json"
         # Slurm's node name (what --exclude takes; dev-cluster nodes share one machine), and the machine.
         self._host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
@@ -87,11 +93,23 @@ class Heartbeat:
             self._thread.start()
 
     def enter(self, phase: str) -> None:
-        self.phase, self.phase_since = phase, time.time()
+        now = time.time()
+        if self.phase in LONG_PHASES:
+            self._finished_long(now)
+        self.phase, self.phase_since = phase, now
 
     def at_step(self, step: int, phase: str = STEP) -> None:
-        """Two stores: this runs on every training step."""
-        self.step, self.phase, self.phase_since = step, phase, time.time()
+        """A few stores: this runs on every training step."""
+        now = time.time()
+        if self.phase in LONG_PHASES:
+            self._finished_long(now)
+        self.step, self.phase, self.phase_since = step, phase, now
+
+    def _finished_long(self, now: float) -> None:
+        took = now - self.phase_since
+        if took > self.longest.get(self.phase, -1.0):
+            # A new dict, not an update: the heartbeat thread may be serializing the old one right now.
+            self.longest = {**self.longest, self.phase: took}
 
     def close(self) -> None:
         self._stop.set()
@@ -112,7 +130,8 @@ class Heartbeat:
 
     def _write(self) -> None:
         record = {"rank": self.rank, "host": self._host, "machine": self._machine, "pid": os.getpid(), "launch": self.launch,
-                  "step": self.step, "phase": self.phase, "phase_since": self.phase_since, "time": time.time()}
+                  "step": self.step, "phase": self.phase, "phase_since": self.phase_since, "time": time.time(),
+                  "longest": self.longest}
         # Per thread: the main thread's last write (exited) may overlap the heartbeat thread's.
         tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record), encoding="utf-8")

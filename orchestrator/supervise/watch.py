@@ -5,6 +5,9 @@ What counts as progress: any rank's (step, phase) changing. What bounds a wait:
 - setup (imports to the first step): ``setup_bound_s`` from the launch, for every rank;
 - a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound;
 - a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound.
+  "Earlier" counts what the ranks report in their heartbeats (``Beat.longest``) as well as what the watch saw:
+  a save of under a second usually falls between two heartbeats, and without the ranks' own figure a stuck
+  second save would wait out the setup bound (minutes) instead of ten times the first.
 Who is blamed when the bound passes (the host of a blamed rank may be excluded later):
 - a rank whose heartbeat thread stopped (SIGSTOP, a stuck process) -> "hang", that rank;
 - ranks behind the others (an earlier step or phase while the others wait in a collective) -> "straggler";
@@ -93,6 +96,9 @@ class Watch:
 
     def _track(self, beats: list[Beat], now: float) -> None:
         for beat in beats:
+            for phase, took in beat.longest.items():
+                if took > self._long_phases.get(phase, -1.0):
+                    self._long_phases[phase] = took
             place = _place(beat)
             if self._places.get(beat.rank) != place:
                 self._places[beat.rank] = place
