@@ -100,10 +100,8 @@ class Heartbeat:
 
     def at_step(self, step: int, phase: str = STEP) -> None:
         """A few stores: this runs on every training step."""
-        now = time.time()
-        if self.phase in LONG_PHASES:
-            self._finished_long(now)
-        self.step, self.phase, self.phase_since = step, phase, now
+        self.step = step
+        self.enter(phase)
 
     def _finished_long(self, now: float) -> None:
         took = now - self.phase_since

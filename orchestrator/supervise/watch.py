@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdpjob.orchestrator.core.heartbeat import EVAL, HEARTBEAT_S, PHASES, SAVE, SETUP_PHASES, Beat
+from fsdpjob.orchestrator.core.heartbeat import HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
 
 FROZEN_AFTER_S = 3 * HEARTBEAT_S + 2  # a heartbeat older than this: the process is not running
 RECENT_STEPS = 50  # step times kept for the p95
@@ -104,7 +104,7 @@ class Watch:
                 self._places[beat.rank] = place
                 self._last_change = now
             long = self._in_long.get(beat.rank)
-            if beat.phase in (SAVE, EVAL) and long is None:
+            if beat.phase in LONG_PHASES and long is None:
                 self._in_long[beat.rank] = (beat.phase, beat.phase_since)
                 self._long_since_step = True
             elif long is not None and beat.phase != long[0]:
