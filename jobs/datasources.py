@@ -26,7 +26,7 @@ from fsdpjob.orchestrator.core.dataformats import (
     source_records,
 )
 from fsdpjob.orchestrator.core.dataspec import DataSource
-from fsdpjob.orchestrator.core.inputs import RecordError, record_fields
+from fsdpjob.orchestrator.core.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.spec import DataSpec
 
 from .data import DataError, Example, SequenceTable, build_sequences, examples_from_records

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .dataspec import DataSource
 from .errors import InputError
-from .inputs import SCAN_LINES, RecordError, _spec_error, iter_records, record_fields
+from .records import SCAN_LINES, RecordError, iter_records, record_fields
 
 if TYPE_CHECKING:
     from .spec import DataSpec
@@ -268,17 +268,17 @@ def _check_source(data: DataSpec, source: DataSource, index: int | None, path_lo
     try:
         located = locate(source)
         if located.format != "jsonl" and (bad := check_columns(located, source)):
-            raise _spec_error(bad[1], _field_loc(data, index, bad[0], path_loc), doc)
+            raise InputError.at(doc, _field_loc(data, index, bad[0], path_loc), bad[1])
         if located.format == "jsonl" and (empty := next((f for f in located.files if not f.stat().st_size), None)):
             raise SourceProblem(f"data file {empty} is empty")
         found = sum(1 for _ in source_records(located, source, limit=SCAN_LINES))
     except SourceProblem as exc:
-        raise _spec_error(str(exc), path_loc, doc) from None
+        raise InputError.at(doc, path_loc, str(exc)) from None
     except RowError as exc:
         raise InputError(exc.message, file=str(exc.file), line=exc.line) from None
     if not found:
         what = f"in its first {SCAN_LINES} lines (only blank lines)" if located.format == "jsonl" else "(no rows)"
-        raise _spec_error(f"data {source.path} has no examples {what}", path_loc, doc)
+        raise InputError.at(doc, path_loc, f"data {source.path} has no examples {what}")
 
 
 def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
@@ -293,7 +293,7 @@ def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
         try:
             evaluation = eval_data(data)
         except SourceProblem as exc:
-            raise _spec_error(str(exc), ("data", "eval_path"), doc) from None
+            raise InputError.at(doc, ("data", "eval_path"), str(exc)) from None
         _check_source(evaluation, evaluation.inputs()[0], None, ("data", "eval_path"), doc)
 
 

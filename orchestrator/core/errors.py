@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .yamlio import YamlDoc
 
 _LINE_BREAKS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
 
@@ -27,6 +31,17 @@ class InputError(FsdpjobError):
         self.line = line
         self.loc = loc
         super().__init__(self.format())
+
+    @classmethod
+    def at(cls, doc: YamlDoc | None, loc: tuple[str | int, ...], message: str):
+        """The error for the field at ``loc`` (e.g. ``("model", "path")``), at its line in ``doc`` when given.
+
+        The one way a YAML location becomes an error; a subclass calls it to get its own type (SpecError.at).
+        """
+        return cls(
+            message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None,
+            loc=".".join(map(str, loc)) or None,
+        )
 
     def format(self) -> str:
         where = ""

@@ -1,16 +1,15 @@
-"""Login-node checks of the model folder and data a spec names (the data in dataformats.py); the record rules
-(JSONL lines, table rows) the worker shares."""
+"""Login-node checks of the model folder and data a spec names (the data in dataformats.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
+from .dataformats import check_data
 from .errors import InputError
 
 if TYPE_CHECKING:
-    from .dataspec import FieldOptions
     from .spec import DataSpec, JobSpec
     from .yamlio import YamlDoc
 
@@ -23,101 +22,18 @@ SUPPORTED_MODEL_TYPES = (
     "cohere", "cohere2", "starcoder2", "stablelm", "helium", "smollm3", "glm", "glm4", "exaone4",
     "seed_oss", "arcee", "apertus", "gpt2", "gpt_neox", "falcon",
 )  # fmt: skip
-SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
-_SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
-            "messages": "data.messages_field"}  # fmt: skip
-
-
-class RecordError(ValueError):
-    """A JSONL line that cannot be used as an example; ``line`` is 1-based."""
-
-    def __init__(self, message: str, line: int):
-        self.message = message
-        self.line = line
-        super().__init__(f"line {line}: {message}")
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number")
-
-
-def _messages_problem(value: Any) -> str | None:
-    if not isinstance(value, list):
-        return f"expected a list of {{role, content}} objects, found {_json_type(value)}"
-    if not value:
-        return "the conversation is empty"
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            return f"message {i} is {_json_type(message)}, not a {{role, content}} object"
-        for key in ("role", "content"):
-            if key not in message:
-                return f"message {i} has no {key!r}"
-            if not isinstance(message[key], str):
-                return f"message {i}: {key!r} must be a string, found {_json_type(message[key])}"
-    return None
-
-
-def parse_record(raw: bytes, data: FieldOptions, line: int) -> dict[str, Any]:
-    """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
-    except json.JSONDecodeError as exc:
-        message = f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
-        raise RecordError(message, line) from None
-    return record_fields(obj, data, line)
-
-
-def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
-    """The configured fields of one record (a JSON object, or a table row as a dict), keyed by role."""
-    if not isinstance(obj, dict):
-        raise RecordError(f"expected a JSON object, found {_json_type(obj)}", line)
-    out: dict[str, Any] = {}
-    for role, field in data.fields.items():
-        if field not in obj:
-            present = ", ".join(repr(k) for k in list(obj)[:8]) or "no fields"
-            raise RecordError(f"missing field {field!r} (set by {_SETTING[role]}); this line has {present}", line)
-        value = obj[field]
-        if role == "messages":
-            problem = _messages_problem(value)
-        else:
-            problem = None if isinstance(value, str) else f"expected a string, found {_json_type(value)}"
-        if problem:
-            raise RecordError(f"field {field!r}: {problem}", line)
-        out[role] = value
-    return out
-
-
-def iter_records(path: str | Path, data: FieldOptions,
-                 limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, fields) for each non-blank line of a JSONL file, up to line ``limit``."""
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if limit is not None and line > limit:
-                return
-            if raw.strip():
-                yield line, parse_record(raw, data, line)
-
-
-def _spec_error(message: str, loc: tuple[str | int, ...], doc: YamlDoc | None) -> InputError:
-    return InputError(
-        message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None,
-        loc=".".join(map(str, loc)),
-    )
 
 
 def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:
     loc = ("model", "path")
     if not folder.exists():
         message = f"model folder {folder} does not exist; point model.path at a local Hugging Face model folder"
-        raise _spec_error(message, loc, doc)
+        raise InputError.at(doc, loc, message)
     if not folder.is_dir():
-        raise _spec_error(f"{folder} is not a folder; model.path must be a Hugging Face model folder", loc, doc)
+        raise InputError.at(doc, loc, f"{folder} is not a folder; model.path must be a Hugging Face model folder")
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise _spec_error(f"no config.json in {folder}; is this a Hugging Face model folder?", loc, doc)
+        raise InputError.at(doc, loc, f"no config.json in {folder}; is this a Hugging Face model folder?")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -132,19 +48,19 @@ def _check_architecture(config: dict[str, Any], folder: Path, doc: YamlDoc | Non
     archs = config.get("architectures") or []
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            ("model", "path"),
             f"model_type {model_type!r} in {folder / 'config.json'} is not supported: fsdpjob trains decoder-only "
             f"causal LMs of these families: {supported}; use a model of one of them (or a checkpoint converted "
             "to one), or add the family after checking that its decoder blocks are in its _no_split_modules",
-            ("model", "path"),
-            doc,
         )
     if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT2LMHeadModel
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            ("model", "path"),
             f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM (or *LMHeadModel); fsdpjob "
             "fine-tunes causal LMs",
-            ("model", "path"),
-            doc,
         )
 
 
@@ -160,18 +76,18 @@ def _check_weights(folder: Path, doc: YamlDoc | None) -> None:
         missing = sorted(s for s in shards if not (folder / s).is_file())
         if missing:
             message = f"{index.name} names {len(missing)} missing shard(s), e.g. {missing[0]}: the download is partial"
-            raise _spec_error(message, loc, doc)
+            raise InputError.at(doc, loc, message)
         return
     if any(folder.glob("*.safetensors")):
         return
     if any(folder.glob("*.bin")):
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            loc,
             f"{folder} has only PyTorch .bin weights; convert them to safetensors "
             "(from_pretrained, then save_pretrained(dir, safe_serialization=True))",
-            loc,
-            doc,
         )
-    raise _spec_error(f"no weights in {folder} (*.safetensors or model.safetensors.index.json)", loc, doc)
+    raise InputError.at(doc, loc, f"no weights in {folder} (*.safetensors or model.safetensors.index.json)")
 
 
 def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
@@ -179,18 +95,18 @@ def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
            if (folder / name).is_file()}  # fmt: skip
     if not ({"tokenizer.json"} <= has or {"tokenizer.model", "tokenizer_config.json"} <= has
             or {"vocab.json", "merges.txt"} <= has):  # fmt: skip
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            ("model", "path"),
             f"no tokenizer in {folder}: need tokenizer.json (or tokenizer.model with tokenizer_config.json); "
             "save the tokenizer next to the model with save_pretrained",
-            ("model", "path"),
-            doc,
         )
     if any(source.shape == "chat" for source in data.inputs()) and not _has_chat_template(folder):
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            ("data", "messages_field"),
             f"data.messages_field needs a chat template, and the tokenizer in {folder} has none; "
             "use text_field or prompt_field/completion_field, or add a chat template",
-            ("data", "messages_field"),
-            doc,
         )
 
 
@@ -207,11 +123,11 @@ def _has_chat_template(folder: Path) -> bool:
 def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: YamlDoc | None) -> None:
     limit = config.get("max_position_embeddings")
     if isinstance(limit, int) and data.seq_len > limit:
-        raise _spec_error(
+        raise InputError.at(
+            doc,
+            ("data", "seq_len"),
             f"data.seq_len {data.seq_len} is beyond the model's max_position_embeddings {limit} "
             f"({folder / 'config.json'}); use at most {limit}",
-            ("data", "seq_len"),
-            doc,
         )
 
 
@@ -229,6 +145,4 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
         _check_tokenizer(folder, spec.data, doc)
     _check_seq_len(config, spec.data, folder, doc)
     if not config_only:
-        from .dataformats import check_data  # it builds on this module's record rules: imported here, not above
-
         check_data(spec.data, doc)

@@ -142,15 +142,7 @@ def errors_from_validation(
             loc = loc + tuple(err["ctx"]["field"].split("."))
         messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
     # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
-    return [
-        SpecError(
-            "; or ".join(dict.fromkeys(texts)),
-            file=doc.file,
-            line=doc.line_of(loc),
-            loc=".".join(str(p) for p in loc) or None,
-        )
-        for loc, texts in messages.items()
-    ]
+    return [SpecError.at(doc, loc, "; or ".join(dict.fromkeys(texts))) for loc, texts in messages.items()]
 
 
 class SpecErrors(SpecError):

@@ -45,7 +45,7 @@ def load_job(
             raise
         if profile:
             raise ProfileError(exc.message, file="--profile") from None
-        raise ProfileError(exc.message, file=doc.file, line=doc.line_of(("profile",)), loc="profile") from None
+        raise ProfileError.at(doc, ("profile",), exc.message) from None
     resolved = resolve(spec, prof, doc)
     if check_files:
         from fsdpjob.orchestrator.core.inputs import check_inputs

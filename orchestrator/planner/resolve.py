@@ -143,10 +143,5 @@ def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) ->
     """Raise SpecErrors (with FILE:LINE when ``doc`` is given) for spec/profile conflicts."""
     found = problems(spec, profile)
     if found:
-        raise SpecErrors(
-            [
-                SpecError(msg, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None, loc=".".join(loc))
-                for loc, msg in found
-            ]
-        )
+        raise SpecErrors([SpecError.at(doc, loc, msg) for loc, msg in found])
     return effective(spec, profile)

@@ -1,0 +1,88 @@
+"""The record rules both sides share: what makes a JSONL line or a table row an example (the login node checks
+the first SCAN_LINES of each source, the worker every record it reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from .dataspec import FieldOptions
+
+SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
+_SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
+            "messages": "data.messages_field"}  # fmt: skip
+
+
+class RecordError(ValueError):
+    """A JSONL line that cannot be used as an example; ``line`` is 1-based."""
+
+    def __init__(self, message: str, line: int):
+        self.message = message
+        self.line = line
+        super().__init__(f"line {line}: {message}")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _messages_problem(value: Any) -> str | None:
+    if not isinstance(value, list):
+        return f"expected a list of {{role, content}} objects, found {_json_type(value)}"
+    if not value:
+        return "the conversation is empty"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"message {i} is {_json_type(message)}, not a {{role, content}} object"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"message {i} has no {key!r}"
+            if not isinstance(message[key], str):
+                return f"message {i}: {key!r} must be a string, found {_json_type(message[key])}"
+    return None
+
+
+def parse_record(raw: bytes, data: FieldOptions, line: int) -> dict[str, Any]:
+    """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
+    except json.JSONDecodeError as exc:
+        message = f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+        raise RecordError(message, line) from None
+    return record_fields(obj, data, line)
+
+
+def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
+    """The configured fields of one record (a JSON object, or a table row as a dict), keyed by role."""
+    if not isinstance(obj, dict):
+        raise RecordError(f"expected a JSON object, found {_json_type(obj)}", line)
+    out: dict[str, Any] = {}
+    for role, field in data.fields.items():
+        if field not in obj:
+            present = ", ".join(repr(k) for k in list(obj)[:8]) or "no fields"
+            raise RecordError(f"missing field {field!r} (set by {_SETTING[role]}); this line has {present}", line)
+        value = obj[field]
+        if role == "messages":
+            problem = _messages_problem(value)
+        else:
+            problem = None if isinstance(value, str) else f"expected a string, found {_json_type(value)}"
+        if problem:
+            raise RecordError(f"field {field!r}: {problem}", line)
+        out[role] = value
+    return out
+
+
+def iter_records(path: str | Path, data: FieldOptions,
+                 limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, fields) for each non-blank line of a JSONL file, up to line ``limit``."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if limit is not None and line > limit:
+                return
+            if raw.strip():
+                yield line, parse_record(raw, data, line)
