@@ -69,6 +69,8 @@ def run_bare(root: Path, model: str, data: str, args: argparse.Namespace) -> dic
 
 
 def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, compile_layers: bool) -> dict:
+    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runmeta import RunMeta
     from fsdpjob.orchestrator.core.spec import JobSpec
 
     name = "fsdpjob-compile" if compile_layers else "fsdpjob"
@@ -83,7 +85,7 @@ def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, com
     })  # fmt: skip
     run_dir = root / name
     run_dir.mkdir()
-    (run_dir / "spec.json").write_text(json.dumps({"spec": spec.model_dump(mode="json"), "resume_from": None}))
+    RunMeta.of(spec).write(RunPaths(run_dir))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
     code = "import sys; from fsdpjob.jobs.train import run; run(sys.argv[1])"

@@ -148,13 +148,13 @@ def job_spec(
 
 
 def write_run_folder(run_dir: Path, spec: dict, resume_from: str | None = None) -> Path:
-    """The run folder the worker reads (spec.json as orchestrator/submit.py::_write_run_folder writes it)."""
+    """The run folder the worker reads (spec.json, through RunMeta as `fsdpjob submit` writes it)."""
+    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runmeta import RunMeta
     from fsdpjob.orchestrator.core.spec import JobSpec
 
-    resolved = JobSpec.model_validate(spec)
     run_dir.mkdir(parents=True)
-    meta = {"spec": resolved.model_dump(mode="json"), "spec_hash": resolved.spec_hash(), "resume_from": resume_from}
-    (run_dir / "spec.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+    RunMeta.of(JobSpec.model_validate(spec), resume_from=resume_from).write(RunPaths(run_dir))
     return run_dir
 
 

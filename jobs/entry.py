@@ -13,9 +13,11 @@ class TrainJob:
         # First thing, before torch and transformers load (seconds): submitit's handlers are live from
         # here on and would swallow a SIGTERM (an external requeue or cancel) or the warning signal that
         # lands during those imports; the job would then train on until Slurm's SIGKILL and lose steps.
+        from fsdpjob.orchestrator.core.runmeta import stop_signal
+
         from .preemption import StopFlag
 
-        stop = StopFlag(_stop_signal(self.run_dir))
+        stop = StopFlag(stop_signal(self.run_dir))
         _start_heartbeat(self.run_dir)  # before the heavy imports too: a hang there is a setup hang
         from .train import run
 
@@ -36,17 +38,6 @@ class TrainJob:
 
     def __repr__(self) -> str:
         return f"TrainJob({self.run_dir!r})"
-
-
-def _stop_signal(run_dir: str) -> str:
-    """The spec's preemption.signal, read from the run folder without pydantic (run() validates it)."""
-    import json
-    from pathlib import Path
-
-    try:
-        return json.loads((Path(run_dir) / "spec.json").read_text())["spec"]["preemption"]["signal"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "USR2"
 
 
 def _start_heartbeat(run_dir: str) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.core.spec import JobSpec
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -88,8 +89,8 @@ class TrainParts:
 def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     os.umask(0o077)  # run folders hold checkpoints and logs of the user's data: owner only
     paths = RunPaths(Path(run_dir))
-    meta = json.loads(paths.spec_file.read_text(encoding="utf-8"))
-    spec = JobSpec.model_validate(meta["spec"])
+    meta = RunMeta.read(paths.run_dir)
+    spec = JobSpec.model_validate(meta.spec)
     # First thing on every rank: our flag-only handlers replace submitit's (see preemption.py).
     stop = stop or preemption.StopFlag(spec.preemption.signal)
     worker, hooks = WorkerEnv.from_env(), TestHooks.from_env()
@@ -107,12 +108,12 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
         parts = build(spec, paths, env, report)
         state, model, scheduler = parts.state, parts.model, parts.scheduler
-        ckpt = open_checkpoints(spec, paths, env, parts.mesh, hooks)
-        stream, app_state = resume(ckpt, parts, spec, env, meta.get("resume_from"), report)
+        ckpt = open_checkpoints(spec, meta.checkpoint_root(paths), env, parts.mesh, hooks)
+        stream, app_state = resume(ckpt, parts, spec, env, meta.resume_from, report)
         report.event(runlog.READY, step=state.step, setup_s=round(time.time() - t_start, 2))
 
         control = control_group(env)  # host-side agreements, off the GPU stream
-        defer_grad_sync = bool(meta.get("plan", {}).get("defer_grad_sync"))  # the planner's memory verdict
+        defer_grad_sync = bool(meta.worker_facts.get("defer_grad_sync"))  # the planner's memory verdict
         evaluator = _evaluator(spec, parts, env, report)
         saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks,
                              eval_loss_at=evaluator.loss_at if evaluator else None)
@@ -232,10 +233,10 @@ def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter)
                      rank=env.rank, world_size=env.world_size, device=env.device, report=report)
 
 
-def open_checkpoints(spec: JobSpec, paths: RunPaths, env: DistEnv, mesh: DeviceMesh,
+def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
                      hooks: TestHooks) -> CheckpointManager:
     return CheckpointManager(
-        Path(spec.checkpoint.dir) if spec.checkpoint.dir else paths.checkpoints_dir,
+        root,
         rank=env.rank, world_size=env.world_size, keep_last=spec.checkpoint.keep_last,
         keep_best=spec.checkpoint.keep_best,
         async_save=spec.checkpoint.async_save, hooks=hooks,

@@ -195,7 +195,7 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
     sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,
-                            plan_facts=fit.worker_facts())
+                            worker_facts=fit.worker_facts())
     if as_json:
         _echo_json({"run_id": sub.record.run_id, "job_id": sub.record.job_id, "run_dir": sub.record.run_dir})
     else:

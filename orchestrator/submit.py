@@ -4,7 +4,6 @@ submit, the registry record; cancel's scheduler call, run-log event and registry
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -16,6 +15,7 @@ from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import SubmissionError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
 from fsdpjob.orchestrator.planner.jobload import LoadedJob
 from fsdpjob.orchestrator.views import registry
 from fsdpjob.orchestrator.views.registry import JobRecord
@@ -76,41 +76,34 @@ def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
 
 
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,
-                      plan_facts: dict) -> None:
+                      worker_facts: dict) -> None:
     paths.submitit_dir.mkdir(mode=0o700)
-    resolved = job.spec.redacted().model_dump(mode="json")
-    meta = {
-        "spec": resolved,
-        "spec_hash": job.spec.spec_hash(),
-        "spec_source": str(Path(job.source).resolve()),
-        "profile": job.profile.model_dump(mode="json"),
-        "effective": {
-            "nodes": job.eff.nodes,
-            "tasks_per_node": job.eff.tasks_per_node,
-            "world_size": job.eff.world_size,
-            "signal": job.eff.signal,
-            "signal_lead_s": job.eff.signal_lead_s,
-            "time_limit_s": job.eff.time_limit_s,
-            "scheduler": job.eff.scheduler,
-        },
-        "resume_from": resume_from,
-        "plan": plan_facts,
-    }
-    write_atomic(paths.spec_file, json.dumps(meta, indent=1, sort_keys=True))
+    eff = job.eff
+    RunMeta.of(
+        job.spec.redacted(),
+        spec_source=str(Path(job.source).resolve()),
+        profile=job.profile.model_dump(mode="json"),
+        effective=EffectiveFacts(
+            nodes=eff.nodes, tasks_per_node=eff.tasks_per_node, world_size=eff.world_size, signal=eff.signal,
+            signal_lead_s=eff.signal_lead_s, time_limit_s=eff.time_limit_s, scheduler=eff.scheduler,
+        ),
+        resume_from=resume_from,
+        worker_facts=worker_facts,
+    ).write(paths)
     if script is not None:
         write_atomic(paths.sbatch_file, script, mode=0o700)
 
 
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None,
-           plan_facts: dict | None = None) -> Submission:
+           worker_facts: dict | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
-    ``plan_facts`` (the planner's worker_facts) go to the workers through spec.json."""
+    ``worker_facts`` (the planner's, planner/fit.Plan.worker_facts) go to the workers through spec.json."""
     backend = backend_for(job.profile.scheduler)
     with _owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
         try:
             request = backend.dry_run(job, paths)
-            _write_run_folder(job, paths, request.script, resume_from, plan_facts or {})
+            _write_run_folder(job, paths, request.script, resume_from, worker_facts or {})
         except BaseException:
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise

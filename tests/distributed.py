@@ -86,15 +86,14 @@ def committed_model_state(run_dir) -> dict:
 def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True):
     """A run folder as `fsdpjob submit` writes it for the workers: the validated spec (and the plan's verdict on
     deferring the gradient reduce-scatter) in spec.json. Returns the folder."""
-    import json
-
+    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runmeta import RunMeta
     from fsdpjob.orchestrator.core.spec import JobSpec
 
     run_dir = root / name
     run_dir.mkdir()
-    meta = {"spec": JobSpec.model_validate({"name": name, **spec}).model_dump(mode="json"), "resume_from": None,
-            "plan": {"defer_grad_sync": defer_grad_sync}}
-    (run_dir / "spec.json").write_text(json.dumps(meta))
+    spec = JobSpec.model_validate({"name": name, **spec})
+    RunMeta.of(spec, worker_facts={"defer_grad_sync": defer_grad_sync}).write(RunPaths(run_dir))
     return run_dir
 
 

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .runmeta import checkpoint_root as run_checkpoint_root  # noqa: F401 - the rule lives with spec.json; jobs/ckpt_verify uses this name
+
 MARKER = "COMMITTED"
 SIDECAR = "fsdpjob.json"
 LATEST = "latest"
@@ -49,12 +51,3 @@ def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
 
 def read_sidecar(step_dir: Path) -> dict[str, Any]:
     return json.loads((step_dir / SIDECAR).read_text())
-
-
-def run_checkpoint_root(run_dir: Path) -> Path:
-    """A run folder's checkpoint root: checkpoint.dir from its spec.json when set, else checkpoints/."""
-    try:
-        configured = json.loads((Path(run_dir) / "spec.json").read_text())["spec"]["checkpoint"].get("dir")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        configured = None
-    return Path(configured) if configured else Path(run_dir) / "checkpoints"

@@ -13,13 +13,13 @@ Preemption and time limits never get here: their workers requeue and exit 0.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 # A crash during setup is retried only this many times in a row, and only after an earlier attempt trained:
@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir, exit_code = (argv or sys.argv[1:])[:2]
     paths = RunPaths(Path(run_dir))
-    spec = json.loads(paths.spec_file.read_text(encoding="utf-8"))["spec"]
+    preemption = RunMeta.read(paths.run_dir).section("preemption")
     restarts = slurm_cli.restart_count()
     job_id = slurm_cli.job_id_from_env() or ""
     timeline = runlog.timeline(paths.run_dir)
-    requeue, why = decide(timeline, restarts=restarts, max_requeues=spec["preemption"]["max_requeues"])
+    requeue, why = decide(timeline, restarts=restarts, max_requeues=preemption["max_requeues"])
     # The step this attempt reached: what the next resume loses beyond its checkpoint (fsdpjob status).
     current = _current(_attempts(timeline), restarts) or []
     reached = max((e["step"] for e in current if isinstance(e.get("step"), int)), default=None)

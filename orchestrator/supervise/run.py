@@ -17,7 +17,6 @@ A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` loca
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -28,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import heartbeat, runlog
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
@@ -48,8 +47,7 @@ PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes 
 class Supervisor:
     def __init__(self, run_dir: Path, command: list[str], *, world_size: int, scheduler: str):
         self.run_dir, self.command, self.world_size, self.scheduler = run_dir, command, world_size, scheduler
-        meta = json.loads(RunPaths(run_dir).spec_file.read_text(encoding="utf-8"))
-        spec = JobSpec.model_validate(meta["spec"])
+        spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) if scheduler == "slurm" else 1
@@ -167,7 +165,7 @@ class Supervisor:
     def _record(self, launch: int, started: float, rc: int, verdict: Verdict | None):
         timeline = runlog.timeline(self.run_dir)
         since = [e for e in timeline if e.get("time", 0) >= started]
-        committed = committed_steps(run_checkpoint_root(self.run_dir))
+        committed = committed_steps(checkpoint_root(self.run_dir))
         if verdict is None:
             seen = self._crash_seen_at or time.time()
             kind, info, hosts = "crash", {"reason": f"the workers' step exited {rc}", "detected_at": seen}, self._crashed_hosts()

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
 
 from .goodput import CATEGORIES, GoodputReport, goodput
@@ -57,14 +56,14 @@ def run_report(record: JobRecord) -> RunReport:
     return RunReport(rep, phase, advice, note, warnings)
 
 
-def _run_meta(record: JobRecord) -> dict:
+def _run_meta(record: JobRecord) -> RunMeta | None:
     try:
-        return json.loads(RunPaths(Path(record.run_dir)).spec_file.read_text(encoding="utf-8"))
+        return RunMeta.read(record.run_dir)
     except (OSError, ValueError):
-        return {}
+        return None
 
 
-def interval_advice(rep: GoodputReport, meta: dict) -> tuple[IntervalAdvice | None, str]:
+def interval_advice(rep: GoodputReport, meta: RunMeta | None) -> tuple[IntervalAdvice | None, str]:
     """Young/Daly from the measured save time and the mean allocated time between the interruptions that lost
     work (signalled stops save first and lose none)."""
     losing = [c for c in rep.interruptions if c.kind not in SIGNALLED or c.lost_s > 0]
@@ -73,8 +72,9 @@ def interval_advice(rep: GoodputReport, meta: dict) -> tuple[IntervalAdvice | No
     if not losing:
         return None, ("no interruption lost work (signalled stops save first): periodic saves only cost "
                       f"{duration_text(rep.save_s)} each")
-    ckpt = (meta.get("spec") or {}).get("checkpoint") or {}
-    limit = float((meta.get("effective") or {}).get("time_limit_s") or 0) or sum(a.allocated_s for a in rep.attempts)
+    ckpt = meta.section("checkpoint") if meta else {}
+    limit = float(meta.effective.time_limit_s or 0) if meta else 0.0
+    limit = limit or sum(a.allocated_s for a in rep.attempts)
     current, how = current_interval(int(ckpt.get("interval_steps") or 0), float(ckpt.get("interval_minutes") or 0),
                                     rep.step_s, limit)
     mtbi = sum(a.allocated_s for a in rep.attempts) / len(losing)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core.ckptlayout import committed_steps
+from fsdpjob.orchestrator.core.runmeta import checkpoint_root
 
 
 @dataclass
@@ -95,6 +96,6 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         ):
             # Failure events carry the step a crash reached: older metrics may be past the tail read.
             reached = max(reached, ev["step"])
-    steps = committed_steps(checkpoints_dir or run_checkpoint_root(run_dir))  # honours checkpoint.dir
+    steps = committed_steps(checkpoints_dir or checkpoint_root(run_dir))  # honours checkpoint.dir
     prog.last_checkpoint_step = steps[-1][0] if steps else None
     return prog
