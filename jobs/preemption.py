@@ -15,7 +15,7 @@ import time
 from typing import NoReturn
 
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from fsdpjob.orchestrator.slurm.failure import cap_reached
+from fsdpjob.orchestrator.core.attempts import cap_reached
 
 from .workerenv import WorkerEnv
 

@@ -1,6 +1,6 @@
-"""Which crashed attempts are requeued (orchestrator/failure.py::decide), on recorded event timelines."""
+"""Which crashed attempts are requeued (slurm/failure.py::requeue_after_crash), on recorded event timelines."""
 
-from fsdpjob.orchestrator.slurm.failure import decide
+from fsdpjob.orchestrator.slurm.failure import requeue_after_crash
 
 
 def attempt(restart, *events, t0=0):
@@ -12,36 +12,38 @@ TRAINED = ({"event": "ready", "step": 0}, {"event": "metric", "step": 5})
 
 
 def test_crash_after_progress_is_requeued():
-    ok, why = decide(attempt(0, {"event": "ready", "step": 10}, {"event": "metric", "step": 12}), restarts=0, max_requeues=3)
+    events = attempt(0, {"event": "ready", "step": 10}, {"event": "metric", "step": 12})
+    ok, why = requeue_after_crash(events, restarts=0, max_requeues=3)
     assert ok, why
 
 
 def test_first_attempt_crash_before_first_step_is_not_requeued():
-    ok, why = decide(attempt(0, {"event": "ready", "step": 0}), restarts=0, max_requeues=3)
+    ok, why = requeue_after_crash(attempt(0, {"event": "ready", "step": 0}), restarts=0, max_requeues=3)
     assert not ok and "before its first training step" in why
-    assert not decide(attempt(0), restarts=0, max_requeues=3)[0]  # died during setup (bad spec, OOM at load)
-    assert not decide([], restarts=0, max_requeues=3)[0]  # never even started
+    # died during setup (bad spec, OOM at load)
+    assert not requeue_after_crash(attempt(0), restarts=0, max_requeues=3)[0]
+    assert not requeue_after_crash([], restarts=0, max_requeues=3)[0]  # never even started
 
 
 def test_not_retryable_failure_is_not_requeued():
     events = attempt(0, *TRAINED, {"event": "failed", "retryable": False, "error": "DataError: bad line"})
-    ok, why = decide(events, restarts=0, max_requeues=3)
+    ok, why = requeue_after_crash(events, restarts=0, max_requeues=3)
     assert not ok and "DataError" in why
 
 
 def test_cap_and_already_requeued():
-    assert not decide(attempt(3, *TRAINED), restarts=3, max_requeues=3)[0]
+    assert not requeue_after_crash(attempt(3, *TRAINED), restarts=3, max_requeues=3)[0]
     stopped = attempt(0, *TRAINED, {"event": "stop", "requeued": True})
-    ok, why = decide(stopped, restarts=0, max_requeues=3)
+    ok, why = requeue_after_crash(stopped, restarts=0, max_requeues=3)
     assert not ok and "already requeued" in why
 
 
 def test_setup_crash_after_earlier_progress_is_retried_a_bounded_number_of_times():
     earlier = attempt(0, *TRAINED)
-    assert decide(earlier + attempt(1, t0=100), restarts=1, max_requeues=9)[0]
-    assert decide(earlier, restarts=1, max_requeues=9)[0]  # killed before the new attempt wrote anything
-    assert decide(earlier, restarts=2, max_requeues=9)[0]
-    ok, why = decide(earlier, restarts=3, max_requeues=9)
+    assert requeue_after_crash(earlier + attempt(1, t0=100), restarts=1, max_requeues=9)[0]
+    assert requeue_after_crash(earlier, restarts=1, max_requeues=9)[0]  # killed before the new attempt wrote anything
+    assert requeue_after_crash(earlier, restarts=2, max_requeues=9)[0]
+    ok, why = requeue_after_crash(earlier, restarts=3, max_requeues=9)
     assert not ok and "in a row" in why
 
 

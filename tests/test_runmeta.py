@@ -16,7 +16,8 @@ SPEC = {"name": "meta", "model": {"path": "m"}, "data": {"path": "d.jsonl"}, "tr
 
 def test_write_then_read_gives_the_same_facts(tmp_path):
     spec = JobSpec.model_validate(SPEC)
-    meta = RunMeta.of(spec, effective=EffectiveFacts(nodes=2, time_limit_s=600), worker_facts={"defer_grad_sync": True})
+    facts = {"effective": EffectiveFacts(nodes=2, time_limit_s=600), "worker_facts": {"defer_grad_sync": True}}
+    meta = RunMeta.of(spec, **facts)
     meta.write(RunPaths(tmp_path))
     assert RunMeta.read(tmp_path) == meta
     assert json.loads((tmp_path / "spec.json").read_text())["spec_hash"] == spec.spec_hash()
@@ -49,6 +50,6 @@ def test_the_stop_signal_is_read_without_pydantic_and_defaults_to_usr2(tmp_path)
 
 def test_only_runmeta_and_paths_name_the_file():
     root = Path(__file__).resolve().parents[1]
-    naming = sorted(str(p.relative_to(root)) for folder in ("orchestrator", "jobs", "bench") for p in (root / folder).rglob("*.py")
-                    if '"spec.json"' in p.read_text(encoding="utf-8"))
+    files = [p for folder in ("orchestrator", "jobs", "bench") for p in (root / folder).rglob("*.py")]
+    naming = sorted(str(p.relative_to(root)) for p in files if '"spec.json"' in p.read_text(encoding="utf-8"))
     assert naming == ["orchestrator/core/paths.py"]

@@ -10,7 +10,7 @@ import pytest
 
 from fsdpjob.orchestrator.core import heartbeat
 from fsdpjob.orchestrator.core.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
-from fsdpjob.orchestrator.supervise.policy import Fault, decide
+from fsdpjob.orchestrator.supervise.policy import Fault, restart_in_allocation
 from fsdpjob.orchestrator.supervise.stacks import top_frame
 from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
 
@@ -132,38 +132,40 @@ def fault(kind: str = "crash", launch: int = 0, committed: int | None = 10, host
 
 def test_policy_restarts_within_budget_then_gives_up() -> None:
     faults = [fault(committed=10)]
-    assert decide(faults, [], max_restarts=3, ever_trained=True, can_exclude=True).restart
+    assert restart_in_allocation(faults, [], max_restarts=3, ever_trained=True, can_exclude=True).restart
     faults += [fault(committed=20), fault(committed=30), fault(committed=40)]
-    no = decide(faults, [], max_restarts=3, ever_trained=True, can_exclude=True)
+    no = restart_in_allocation(faults, [], max_restarts=3, ever_trained=True, can_exclude=True)
     assert not no.restart and "recovery.max_restarts" in no.why
 
 
 def test_policy_two_restarts_without_progress_end_the_loop() -> None:
     faults = [fault(committed=10), fault(committed=10)]
-    assert decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True).restart
+    assert restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=True).restart
     faults.append(fault(committed=10))
-    no = decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
+    no = restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
     assert not no.restart and "committed no new checkpoint" in no.why
 
 
 def test_policy_refuses_hopeless_or_final_cases() -> None:
     crash = [fault()]
-    assert not decide(crash, [], max_restarts=3, ever_trained=False, can_exclude=True).restart
-    assert decide([fault("hang")], [], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    assert not restart_in_allocation(crash, [], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    assert restart_in_allocation([fault("hang")], [], max_restarts=3, ever_trained=False, can_exclude=True).restart
     for events in ([{"event": "cancel"}], [{"event": "stop", "requeued": True}],
                    # past preemption.max_requeues: the workers stop, do not requeue, and exit 1
                    [{"event": "stop", "reason": "preemption", "requeued": False, "detail": "requeue cap reached"},
                     {"event": "failed", "reason": "requeue cap reached", "retryable": False}],
                    [{"event": "failed", "rank": 1, "retryable": False, "error": "ValueError: bad data"}]):
-        assert not decide(crash, events, max_restarts=3, ever_trained=True, can_exclude=True).restart, events
-    assert not decide(crash, [], max_restarts=0, ever_trained=True, can_exclude=True).restart
+        out = restart_in_allocation(crash, events, max_restarts=3, ever_trained=True, can_exclude=True)
+        assert not out.restart, events
+    assert not restart_in_allocation(crash, [], max_restarts=0, ever_trained=True, can_exclude=True).restart
 
 
 def test_policy_excludes_a_node_blamed_twice() -> None:
     faults = [fault(committed=10, hosts=("node2",)), fault(committed=20, hosts=("node2",))]
-    out = decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
+    out = restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=True)
     assert not out.restart and out.exclude == ("node2",) and "node2" in out.why
-    assert decide(faults, [], max_restarts=5, ever_trained=True, can_exclude=False).restart  # local: one machine
+    # local: one machine
+    assert restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=False).restart
 
 
 def test_heartbeat_file_round_trip(tmp_path) -> None:

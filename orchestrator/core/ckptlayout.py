@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .runmeta import checkpoint_root as run_checkpoint_root  # noqa: F401 - the rule lives with spec.json; jobs/ckpt_verify uses this name
+# The rule lives with spec.json (core/runmeta.py); jobs/ckpt_verify.py reads it under this name.
+from .runmeta import checkpoint_root as run_checkpoint_root  # noqa: F401
 
 MARKER = "COMMITTED"
 SIDECAR = "fsdpjob.json"

@@ -102,6 +102,16 @@ def timeline(run_dir: Path | str, *, metrics: bool = True, max_bytes: int | None
     return merge(read_events(run_dir, max_bytes), read_metrics(run_dir, max_bytes) if metrics else [])
 
 
+def first(events: list[dict], kind: str) -> dict | None:
+    """The first event of ``kind`` (e.g. READY) in ``events``, or None."""
+    return next((e for e in events if e.get("event") == kind), None)
+
+
+def since(timeline: list[dict], started: float) -> list[dict]:
+    """The entries written at or after ``started``: a launch's, for the supervisor that started it then."""
+    return [e for e in timeline if e.get("time", 0) >= started]
+
+
 class Follower:
     """The timeline's new entries as both files grow (for --wait): complete lines only."""
 

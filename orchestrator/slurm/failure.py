@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core import attempts, runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
@@ -27,68 +27,37 @@ from fsdpjob.orchestrator.slurm import commands as slurm_cli
 MAX_SETUP_CRASHES_IN_A_ROW = 2
 
 
-def _attempts(events: list[dict]) -> list[tuple[int, list[dict]]]:
-    """(restart number, events) per attempt (allocation), from the workers' start events; the launches the
-    in-allocation supervisor restarted share their allocation's restart number and count as one attempt."""
-    out: list[tuple[int, list[dict]]] = []
-    for e in events:
-        if e.get("event") == runlog.START:
-            restart = int(e.get("restart", 0) or 0)
-            if out and out[-1][0] == restart and int(e.get("launch", 0) or 0) > 0:
-                out[-1][1].append(e)
-            else:
-                out.append((restart, [e]))
-        elif out:
-            out[-1][1].append(e)
-    return out
-
-
 def excluded_nodes(attempt: list[dict]) -> list[str]:
     """Nodes the supervisor gave up on in this attempt (blamed twice): the requeued job must avoid them."""
     return sorted({h for e in attempt if e.get("event") == runlog.FAULT for h in e.get("exclude") or ()})
 
 
-def _progressed(attempt: list[dict]) -> bool:
-    ready = next((e for e in attempt if e.get("event") == runlog.READY), None)
-    return ready is not None and any(
-        e.get("event") == runlog.METRIC and int(e.get("step", 0)) > int(ready.get("step", 0)) for e in attempt
-    )
-
-
-def _current(attempts: list[tuple[int, list[dict]]], restarts: int) -> list[dict] | None:
+def _current(cut: list[tuple[int, list[dict]]], restarts: int) -> list[dict] | None:
     """The events of the attempt with Slurm restart count ``restarts`` (the newest such), if it wrote any."""
-    return next((ev for r, ev in reversed(attempts) if r == restarts), None)
+    return next((ev for r, ev in reversed(cut) if r == restarts), None)
 
 
-def decide(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
+def requeue_after_crash(events: list[dict], *, restarts: int, max_requeues: int) -> tuple[bool, str]:
     """(requeue?, why) for the attempt with Slurm restart count ``restarts`` that just failed."""
-    attempts = _attempts(events)
-    current = _current(attempts, restarts)
+    cut = attempts.attempts(events)
+    current = _current(cut, restarts)
     if current is not None:
-        if any(e.get("event") == runlog.STOP and e.get("requeued") for e in current):
+        if any(attempts.requeued_after_stop(e) for e in current):
             return False, "the workers already requeued this job after a stop checkpoint"
-        bad = [e for e in current if e.get("event") == runlog.FAILED and e.get("retryable") is False]
+        bad = [e for e in current if attempts.not_retryable(e)]
         if bad:
-            return False, f"not retryable: {bad[0].get('error') or bad[0].get('reason')}"
-    if current is not None and _progressed(current):
+            return False, attempts.not_retryable_why(bad[0])
+    if current is not None and attempts.trained(current):
         why = "a crash after training progressed; resuming from the newest committed checkpoint"
     else:
-        trained = [r for r, ev in attempts if _progressed(ev) and r < restarts]
+        trained = [r for r, ev in cut if attempts.trained(ev) and r < restarts]
         if not trained:
             return False, "the job failed before its first training step; it would fail the same way again"
         if restarts - trained[-1] > MAX_SETUP_CRASHES_IN_A_ROW:
             return False, f"{restarts - trained[-1]} attempts in a row crashed before training; giving up"
         why = "a crash during setup after earlier attempts trained (transient); retrying"
-    capped = cap_reached(restarts, max_requeues)
+    capped = attempts.cap_reached(restarts, max_requeues)
     return (False, capped) if capped else (True, why)
-
-
-def cap_reached(restarts: int, max_requeues: int) -> str | None:
-    """Why the job may not be requeued again (preemption.max_requeues), or None. The workers' stop path
-    (jobs/preemption.py) and this policy share it."""
-    if restarts >= max_requeues:
-        return f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     restarts = slurm_cli.restart_count()
     job_id = slurm_cli.job_id_from_env() or ""
     timeline = runlog.timeline(paths.run_dir)
-    requeue, why = decide(timeline, restarts=restarts, max_requeues=preemption["max_requeues"])
+    requeue, why = requeue_after_crash(timeline, restarts=restarts, max_requeues=preemption["max_requeues"])
     # The step this attempt reached: what the next resume loses beyond its checkpoint (fsdpjob status).
-    current = _current(_attempts(timeline), restarts) or []
+    current = _current(attempts.attempts(timeline), restarts) or []
     reached = max((e["step"] for e in current if isinstance(e.get("step"), int)), default=None)
     record = {"exit_code": int(exit_code), "detail": why, "step": reached}
     if requeue:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core import attempts, runlog
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,11 @@ class Decision:
     exclude: tuple[str, ...] = ()
 
 
-def decide(faults: list[Fault], launch_events: list[dict], *, max_restarts: int, ever_trained: bool,
-           can_exclude: bool, dead: tuple[str, ...] = (), excluded: tuple[str, ...] = (), nodes: int = 1,
-           min_nodes: int = 1) -> Decision:
+def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max_restarts: int,
+                          ever_trained: bool, can_exclude: bool, dead: tuple[str, ...] = (), excluded: tuple[str, ...] = (),
+                          nodes: int = 1, min_nodes: int = 1) -> Decision:
     """Restart after ``faults[-1]``? ``launch_events`` are the run-log events written since that launch
-    started; ``ever_trained``: the run has trained at least one step (any attempt); ``dead``: nodes that no
+    started; ``ever_trained``: a launch of the run trained (core/attempts.ever_trained); ``dead``: nodes that no
     longer run anything (count as blamed twice); ``excluded``: nodes this allocation already left out, of its
     ``nodes``; it may go on with ``min_nodes`` (resources.min_nodes)."""
     fault = faults[-1]
@@ -55,8 +55,8 @@ def decide(faults: list[Fault], launch_events: list[dict], *, max_restarts: int,
         if e.get("event") == runlog.STOP:  # preemption, time limit, an external requeue or a cancel
             return Decision(False, f"the workers left after a {e.get('reason')} stop checkpoint "
                                    f"({'requeued' if e.get('requeued') else 'not requeued: ' + str(e.get('detail'))})")
-        if e.get("event") == runlog.FAILED and e.get("retryable") is False:
-            return Decision(False, f"not retryable: {e.get('error') or e.get('reason')}")
+        if attempts.not_retryable(e):
+            return Decision(False, attempts.not_retryable_why(e))
     if fault.kind == "crash" and not ever_trained:
         return Decision(False, "the workers crashed before the run's first training step; they would crash the same way")
     if len(faults) > max_restarts:

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import heartbeat, runlog
+from fsdpjob.orchestrator.core import attempts, heartbeat, runlog
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
@@ -34,7 +34,7 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 from . import stacks
-from .policy import Fault, decide
+from .policy import Fault, restart_in_allocation
 from .watch import Bounds, Verdict, Watch
 
 POLL_S = 1.0
@@ -159,12 +159,10 @@ class Supervisor:
 
     # -- after a fault ---------------------------------------------------------------------------
     def _finished_since(self, started: float) -> bool:
-        return any(e.get("event") == runlog.DONE and e.get("time", 0) >= started
-                   for e in runlog.timeline(self.run_dir))
+        return runlog.first(runlog.since(runlog.timeline(self.run_dir), started), runlog.DONE) is not None
 
     def _record(self, launch: int, started: float, rc: int, verdict: Verdict | None):
         timeline = runlog.timeline(self.run_dir)
-        since = [e for e in timeline if e.get("time", 0) >= started]
         committed = committed_steps(checkpoint_root(self.run_dir))
         if verdict is None:
             seen = self._crash_seen_at or time.time()
@@ -172,11 +170,12 @@ class Supervisor:
         else:
             kind, info, hosts = verdict.kind, self._stall_info, self._stall_hosts
         self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts))
-        decision = decide(self.faults, since, max_restarts=self.recovery.max_restarts,
-                          ever_trained=any(e.get("event") == runlog.METRIC for e in timeline),
-                          can_exclude=self.scheduler == "slurm", dead=self._lost() if kind == "crash" else (),
-                          excluded=self.excluded,
-                          nodes=self.nodes, min_nodes=self.min_nodes)
+        decision = restart_in_allocation(self.faults, runlog.since(timeline, started),
+                                         max_restarts=self.recovery.max_restarts,
+                                         ever_trained=attempts.ever_trained(timeline),
+                                         can_exclude=self.scheduler == "slurm",
+                                         dead=self._lost() if kind == "crash" else (), excluded=self.excluded,
+                                         nodes=self.nodes, min_nodes=self.min_nodes)
         if decision.restart and decision.exclude:
             self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
         runlog.append(self.run_dir, runlog.FAULT, kind=kind, launch=launch, exit_code=rc, hosts=list(hosts),

@@ -24,6 +24,7 @@ from statistics import median
 
 from fsdpjob.orchestrator.backend import AttemptTimes
 from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.attempts import later_starts
 
 from .registry import JobRecord
 
@@ -207,7 +208,7 @@ def _segments(entries: tuple[list[dict], list[dict]], alloc: Attempt) -> list[_S
     if alloc.start is None:
         return []
     end = alloc.end if alloc.end is not None else alloc.start
-    bounds = [alloc.start, *[e["time"] for e in events if e.get("event") == runlog.START][1:], end]
+    bounds = [alloc.start, *[e["time"] for e in later_starts(events)], end]
     last = len(bounds) - 2
 
     def mine(entries: list[dict], i: int) -> list[dict]:
@@ -262,15 +263,17 @@ def _analyse(s: _Segment) -> None:
 
 
 def _assign_kept(segments: list[_Segment], *, live: bool) -> None:
-    """Each segment keeps its steps up to where the next start that trained resumed; the last keeps all if it
+    """Each segment keeps its steps up to where the next start that got ready resumed; the last keeps all if it
     finished, saved at a stop or still runs, else up to the newest committed checkpoint."""
-    trained = [s for s in segments if s.ready is not None]
+    # The starts that got ready (not attempts.trained): where a start resumed is its ready step, also when
+    # it crashed before its first logged step.
+    began = [s for s in segments if s.ready is not None]
     committed = 0
-    for i, s in enumerate(trained):
+    for i, s in enumerate(began):
         saves = [int(e["step"]) for e in s.events if e.get("event") == runlog.CHECKPOINT and isinstance(e.get("step"), int)]
         committed = max([committed, *saves])
-        if i + 1 < len(trained):
-            s.kept_until = int(trained[i + 1].ready.get("step", 0) or 0)
+        if i + 1 < len(began):
+            s.kept_until = int(began[i + 1].ready.get("step", 0) or 0)
         elif live or _first(s.events, runlog.DONE) or _first(s.events, runlog.STOP):
             s.kept_until = s.reached
         else:

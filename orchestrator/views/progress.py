@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core import attempts, runlog
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import checkpoint_root
 
@@ -67,7 +67,7 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
     events = runlog.read_events(run_dir, EVENTS_TAIL_BYTES)
     prog.events, prog.metrics = events, metrics
     # Metrics matter for steps lost only when the run started more than once; most runs did not.
-    if sum(e.get("event") == runlog.START for e in events) <= 1:
+    if not attempts.later_starts(events):
         metrics = []
     # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
     reached = 0
