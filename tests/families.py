@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fsdpjob.orchestrator.core.families import FAMILIES as TABLE
+
 VOCAB = 256
 _BASE = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -23,17 +25,21 @@ _OWN = {
     "falcon": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
                    bos_token_id=1, eos_token_id=2),
 }  # fmt: skip
-# At least one of each layer layout: model.layers (most), transformer.h (gpt2, falcon), gpt_neox.layers.
+# The families the worker tests train, at least one of each layer layout: model.layers (most), transformer.h
+# (gpt2, falcon), gpt_neox.layers.
 FAMILIES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi", "phi3", "olmo", "olmo2", "stablelm",
     "granite", "mixtral", "gpt2", "gpt_neox", "falcon",
 )  # fmt: skip
+assert set(FAMILIES) <= set(TABLE)
+# ministral's config class leaves head_dim None, so no tiny model of it can be built from a config alone.
+_NO_TINY_CONFIG = ("ministral",)
 
-# More families the planner counts exactly from config.json alone (tests/test_modelshape_families.py).
-PLANNED_FAMILIES = FAMILIES + (
-    "qwen2_moe", "qwen3_moe", "gemma3_text", "olmo3", "granitemoe", "cohere", "cohere2", "starcoder2",
-    "exaone4", "seed_oss", "arcee", "glm", "glm4", "smollm3",
-)  # fmt: skip
+# Every family the planner counts exactly from config.json alone (tests/test_modelshape_families.py).
+PLANNED_FAMILIES = FAMILIES + tuple(
+    name for name, family in TABLE.items()
+    if family.exact_from_config and name not in FAMILIES and name not in _NO_TINY_CONFIG
+)
 
 
 def tiny_config(family: str, **overrides: Any):

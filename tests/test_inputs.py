@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.inputs import SUPPORTED_MODEL_TYPES, check_inputs
+from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
+from fsdpjob.orchestrator.core.inputs import check_inputs
 from fsdpjob.orchestrator.core.records import SCAN_LINES
 from fsdpjob.orchestrator.core.spec import load_spec
 

@@ -12,7 +12,7 @@ import pytest
 from families import FAMILIES, PLANNED_FAMILIES, save_tiny_family, tiny_config
 
 import helpers
-from fsdpjob.orchestrator.core.inputs import SUPPORTED_MODEL_TYPES
+from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
 from fsdpjob.orchestrator.planner.modelshape import (
     EXACT_FROM_CONFIG,
     count_params,

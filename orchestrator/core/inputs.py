@@ -8,20 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from .dataformats import check_data
 from .errors import InputError
+from .families import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
     from .spec import DataSpec, JobSpec
     from .yamlio import YamlDoc
-
-# Decoder-only causal LM families the worker trains (checked on transformers 5.24 by building each from a
-# tiny config); FSDP wraps the blocks the model's own `_no_split_modules` names (`model.layers` in most,
-# `transformer.h` in gpt2 and falcon, `gpt_neox.layers` in gpt_neox).
-SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "olmo3", "granite", "granitemoe",
-    "cohere", "cohere2", "starcoder2", "stablelm", "helium", "smollm3", "glm", "glm4", "exaone4",
-    "seed_oss", "arcee", "apertus", "gpt2", "gpt_neox", "falcon",
-)  # fmt: skip
 
 
 def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpjob.orchestrator.core.families import FAMILIES, Family
+
 from .modelshape import ModelShape, ParamCount
 
 _EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
@@ -56,27 +58,23 @@ def _linear_shapes(s: ModelShape) -> dict[str, list[tuple[int, int]]]:
         "query_key_value": [(h, q + 2 * kv)], "dense": [(q, h)],  # gpt_neox, falcon; phi's dense
         "dense_h_to_4h": [(h, i)], "dense_4h_to_h": [(i, h)], "fc1": [(h, i)], "fc2": [(i, h)],
         # gpt2: c_proj in attention and MLP; starcoder2: in the MLP only
-        "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (i, h)] if s.model_type == "gpt2" else [(i, h)], "c_fc": [(h, i)],
+        "c_attn": [(h, 3 * h)], "c_proj": [(h, h), (i, h)] if _family(s).c_proj_in_attention else [(i, h)],
+        "c_fc": [(h, i)],
         "gate": [(h, s.experts)] if s.experts > 1 else [],  # the MoE router
     }
 
 
 def _family_linears(s: ModelShape) -> list[str]:
-    """The names all-linear finds in one decoder block of this family."""
-    if s.model_type == "gpt2":
-        return ["c_attn", "c_proj", "c_fc"]
-    if s.model_type in ("gpt_neox", "falcon"):
-        return ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
-    if s.model_type == "phi":
-        return ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]
-    if s.model_type == "phi3":
-        return ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    if s.model_type in ("glm", "glm4"):
-        return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
-    if s.model_type == "starcoder2":
-        return ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]
+    """The names all-linear finds in one decoder block of this family (core/families.py)."""
+    own = _family(s).lora_linears
+    if own is not None:
+        return list(own)
     mlp = ["gate_proj", "up_proj", "down_proj"] if s.gated_mlp else ["up_proj", "down_proj"]
     return ["q_proj", "k_proj", "v_proj", "o_proj", *mlp, *(["gate"] if s.experts > 1 else [])]
+
+
+def _family(s: ModelShape) -> Family:
+    return FAMILIES.get(s.model_type) or Family()
 
 
 def _adapted(s: ModelShape, lora: Any) -> tuple[list[str], list[tuple[int, int]], list[str]]:

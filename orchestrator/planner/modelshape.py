@@ -11,38 +11,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.families import FAMILIES, Family
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, read_header, weight_files
 
-# How each family's decoder layer differs from Llama's (q/k/v/o attention with GQA, gated SwiGLU MLP, two
-# RMSNorms per layer, final RMSNorm), as the transformers modeling code builds it. Keys: gated (gate/up/down
-# MLP, else up/down), ln_bias (LayerNorm with a bias), norms (per layer; 0 for OLMo's parameter-free
-# norms), final_norm, qkv_bias/o_bias/mlp_bias (always on), qk_norm ("head": per-head-dim, "full": over all
-# heads), tied (tie_word_embeddings when config.json leaves it out), positions (learned position embedding).
-_FAMILIES: dict[str, dict] = {
-    "llama": {}, "mistral": {}, "ministral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": "head"},
-    "granite": {}, "mixtral": {}, "qwen2_moe": {"qkv_bias": True}, "qwen3_moe": {"qk_norm": "head"},
-    "granitemoe": {}, "gemma": {"tied": True}, "gemma2": {"tied": True, "norms": 4},
-    "gemma3_text": {"tied": True, "norms": 4, "qk_norm": "head"}, "phi3": {}, "helium": {}, "smollm3": {},
-    "olmo": {"norms": 0, "final_norm": 0}, "olmo2": {"qk_norm": "full"}, "olmo3": {"qk_norm": "full"},
-    "glm": {"qkv_bias": True}, "glm4": {"qkv_bias": True, "norms": 4}, "exaone4": {"qk_norm": "head"},
-    "seed_oss": {"qkv_bias": True}, "arcee": {"gated": False}, "apertus": {"gated": False, "qk_norm": "head"},
-    "cohere": {"tied": True, "norms": 1}, "cohere2": {"tied": True, "norms": 1},
-    "stablelm": {"ln_bias": True}, "starcoder2": {"gated": False, "ln_bias": True, "tied": True},
-    "phi": {"gated": False, "ln_bias": True, "norms": 1, "qkv_bias": True, "o_bias": True, "mlp_bias": True},
-    "gpt2": {"gated": False, "ln_bias": True, "qkv_bias": True, "o_bias": True, "mlp_bias": True, "tied": True,
-             "positions": True},
-    "gpt_neox": {"gated": False, "ln_bias": True},
-    "falcon": {"gated": False, "ln_bias": True, "tied": True},
-}  # fmt: skip
 # Families whose parameter count from config.json alone is checked against transformers (tests); for the
 # others the plan says the count is an estimate unless the safetensors headers give the exact one.
-EXACT_FROM_CONFIG = frozenset(_FAMILIES) - {"helium", "apertus"}
-# Defaults of the transformers config classes for keys a config.json may leave out (absent, not null):
-# kv heads = heads and head_dim = hidden / heads unless listed here.
-_OMITTED_DEFAULTS = {
-    "num_key_value_heads": {"mistral": 8, "qwen2": 32, "qwen3": 32},
-    "head_dim": {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256},
-}
+EXACT_FROM_CONFIG = frozenset(name for name, family in FAMILIES.items() if family.exact_from_config)
 # The names each config key goes by across families, first match wins.
 _ALIASES = {
     "vocab_size": ("vocab_size", "padded_vocab_size"),
@@ -125,20 +99,34 @@ def _first(cfg: dict, key: str) -> object:
     return next((cfg[k] for k in _ALIASES.get(key, (key,)) if isinstance(cfg.get(k), int)), None)
 
 
-def _omitted(cfg: dict, key: str, model_type: str, fallback: int) -> int:
-    value = cfg[key] if key in cfg else _OMITTED_DEFAULTS[key].get(model_type)
-    return value or fallback
-
-
-def _kv_heads(cfg: dict, model_type: str, heads: int) -> int:
-    if model_type == "gpt_neox":  # multi-head attention only
+def _kv_heads(cfg: dict, f: Family, heads: int) -> int:
+    if f.mha_only:
         return heads
-    if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
+    if f.falcon_layout and not cfg.get("new_decoder_architecture"):
         return 1 if cfg.get("multi_query", True) else heads
     for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv"):
         if isinstance(cfg.get(key), int) and cfg[key]:
             return cfg[key]
-    return _omitted(cfg, "num_key_value_heads", model_type, heads)
+    return (cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else f.omitted_kv_heads) or heads
+
+
+def _norms(cfg: dict, f: Family) -> int:
+    if not f.falcon_layout:
+        return f.norms
+    if cfg.get("new_decoder_architecture", False):
+        return cfg.get("num_ln_in_parallel_attn") or 2
+    return 1 if cfg.get("parallel_attn", True) else 2
+
+
+def _biases(cfg: dict, f: Family) -> tuple[bool, bool, bool]:
+    """(qkv, o, mlp) biases: the family's fixed ones, or switched on by config.json."""
+    own = bool(cfg.get(f.bias_key[0], f.bias_key[1])) if f.bias_key else False
+    attention = bool(cfg.get("attention_bias", False)) or own
+    qkv = f.qkv_bias or bool(cfg.get("use_qkv_bias")) or attention
+    o = f.o_bias or (attention and not f.attention_bias_skips_o) or bool(cfg.get("attention_out_bias"))
+    follows = {"attention": attention, "bias_key": own}.get(f.mlp_bias_follows or "", False)
+    mlp = f.mlp_bias or (f.mlp_bias_key and bool(cfg.get("mlp_bias", False))) or follows
+    return qkv, o, mlp
 
 
 def read_safetensors_header(file: Path) -> dict[str, dict]:
@@ -198,10 +186,7 @@ def _count_from_headers(tensors: dict[str, dict], layers: int, tied: bool) -> Pa
     return ParamCount(embedding=embedding, layers=layers, final_norm=rest, lm_head=lm_head, **per_layer[0])
 
 
-def read_model_shape(model_dir: str | Path) -> ModelShape:
-    """Parse ``<model_dir>/config.json`` (and the safetensors headers, where the weights are there)."""
-    folder = Path(model_dir)
-    path = folder / "config.json"
+def _read_config(path: Path) -> dict:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
@@ -211,63 +196,47 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         raise _config_error(path, f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the language model's own config
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    return cfg
+
+
+def _need(cfg: dict, key: str, path: Path) -> int:
+    value = _first(cfg, key)
+    if not isinstance(value, int):
+        names = " / ".join(_ALIASES.get(key, (key,)))
+        raise _config_error(path, f"{names} is missing or not an integer; the planner needs it to size the model")
+    return value
+
+
+def read_model_shape(model_dir: str | Path) -> ModelShape:
+    """Parse ``<model_dir>/config.json`` (and the safetensors headers, where the weights are there)."""
+    folder = Path(model_dir)
+    path = folder / "config.json"
+    cfg = _read_config(path)
     model_type = str(cfg.get("model_type"))
-    family = _FAMILIES.get(model_type)
-
-    def need(key: str) -> int:
-        value = _first(cfg, key)
-        if not isinstance(value, int):
-            names = " / ".join(_ALIASES.get(key, (key,)))
-            raise _config_error(path, f"{names} is missing or not an integer; the planner needs it to size the model")
-        return value
-
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    layers = need("num_hidden_layers")
-    vocab = need("vocab_size")
-    f = family or {}
-    intermediate = _first(cfg, "intermediate_size") or 4 * hidden
+    family = FAMILIES.get(model_type)
+    f = family or Family()
+    heads, hidden = _need(cfg, "num_attention_heads", path), _need(cfg, "hidden_size", path)
+    layers, vocab = _need(cfg, "num_hidden_layers", path), _need(cfg, "vocab_size", path)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    intermediate = _first(cfg, "intermediate_size") or 4 * hidden
     if experts > 1 and isinstance(cfg.get("moe_intermediate_size"), int):
         intermediate = cfg["moe_intermediate_size"]
-    bias = bool(cfg.get("attention_bias", False)) or (model_type == "falcon" and bool(cfg.get("bias")))
-    bias |= model_type == "starcoder2" and bool(cfg.get("use_bias", True))
-    bias |= model_type == "gpt_neox" and bool(cfg.get("attention_bias", True))
-    qk_norm = f.get("qk_norm") or ("head" if cfg.get("qk_layernorm") else None)
-    norms = f.get("norms", 2)
-    if model_type == "falcon":
-        parallel, new_arch = cfg.get("parallel_attn", True), cfg.get("new_decoder_architecture", False)
-        norms = (cfg.get("num_ln_in_parallel_attn") or 2) if new_arch else (1 if parallel else 2)
-    tied = bool(cfg.get("tie_word_embeddings", f.get("tied", False)))
+    qk_norm = f.qk_norm or ("head" if cfg.get("qk_layernorm") else None)
+    tied = bool(cfg.get("tie_word_embeddings", f.tied))
+    qkv_bias, o_bias, mlp_bias = _biases(cfg, f)
     shape = ModelShape(
-        model_type=model_type,
-        vocab=vocab,
-        hidden=hidden,
-        intermediate=intermediate,
-        layers=layers,
-        heads=heads,
-        kv_heads=_kv_heads(cfg, model_type, heads),
-        head_dim=_omitted(cfg, "head_dim", model_type, hidden // heads),
-        tied=tied,
-        qkv_bias=f.get("qkv_bias", False) or bool(cfg.get("use_qkv_bias")) or bias,
-        o_bias=(f.get("o_bias", False) or bias) and model_type not in ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4")
-        or bool(cfg.get("attention_out_bias")),
-        mlp_bias=f.get("mlp_bias", False) or (bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"))
-        or (model_type in ("gpt_neox", "starcoder2") and bias) or (model_type == "falcon" and bool(cfg.get("bias"))),
-        qk_norm=qk_norm is not None,
-        qk_norm_full=qk_norm == "full",
+        model_type=model_type, vocab=vocab, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
+        kv_heads=_kv_heads(cfg, f, heads),
+        head_dim=(cfg["head_dim"] if "head_dim" in cfg else f.omitted_head_dim) or hidden // heads,
+        tied=tied, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+        qk_norm=qk_norm is not None, qk_norm_full=qk_norm == "full",
         checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        gated_mlp=f.get("gated", True),
-        norm_params=2 if f.get("ln_bias") else 1,
-        norms=norms,
-        final_norm=f.get("final_norm", 1) > 0,
-        positions=(cfg.get("n_positions") or 1024) * hidden if f.get("positions") else 0,
-        lm_head_bias=model_type == "phi",
-        experts=experts,
-        shared_expert=cfg.get("shared_expert_intermediate_size") or 0 if model_type == "qwen2_moe" else 0,
-    )
-    has_weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
-    shape = replace(shape, safetensors=has_weights)
+        gated_mlp=f.gated, norm_params=2 if f.ln_bias else 1, norms=_norms(cfg, f), final_norm=f.final_norm,
+        positions=(cfg.get("n_positions") or 1024) * hidden if f.positions else 0,
+        lm_head_bias=f.lm_head_bias, experts=experts,
+        shared_expert=(cfg.get("shared_expert_intermediate_size") or 0) if f.shared_expert else 0,
+        safetensors=(folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file(),
+    )  # fmt: skip
     tensors = _weight_headers(folder)
     counted = _count_from_headers(tensors, layers, tied) if tensors else None
     if counted is not None:
