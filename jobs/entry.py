@@ -42,14 +42,14 @@ class TrainJob:
 
 def _start_heartbeat(run_dir: str) -> None:
     """Under the in-allocation supervisor (orchestrator/supervise), start this rank's heartbeat thread."""
-    import os
+    from .workerenv import WorkerEnv
 
-    if os.environ.get("FSDPJOB_SUPERVISED") != "1":
+    worker = WorkerEnv.from_env()
+    if not worker.supervised:
         return
     from fsdpjob.orchestrator.core import heartbeat
 
-    rank = int(os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID") or 0)
-    heartbeat.start(run_dir, rank=rank, launch=int(os.environ.get("FSDPJOB_LAUNCH") or 0))
+    heartbeat.start(run_dir, rank=int(worker.log_rank), launch=worker.launch)
 
 
 def _heartbeat_exited() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .ckpt_io import CheckpointWriter
+from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -49,7 +50,7 @@ class TestHooks:
     @classmethod
     def from_env(cls) -> TestHooks:
         env = os.environ
-        faults = int(env.get("FSDPJOB_LAUNCH") or 0) == 0
+        faults = WorkerEnv.from_env().launch == 0
         return cls(
             stop_at_step=int(env.get("FSDPJOB_STOP_AT_STEP") or 0),
             log_samples=bool(env.get("FSDPJOB_LOG_SAMPLES")),

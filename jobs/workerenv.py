@@ -1,4 +1,6 @@
-"""What a worker knows about the job it runs in (scheduler, job id, restarts, rank for logs, host), read once."""
+"""What a worker knows about the job it runs in (scheduler, job id, restarts, rank for logs, host, the
+supervisor's launch), read once: the one place the worker reads the scheduler's and the supervisor's variables
+(core/envvars.py lists the FSDPJOB_* ones)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class WorkerEnv:
     log_rank: str  # the rank log lines show, known before the process group exists
     host: str
     launch: int = 0  # the in-allocation supervisor's launch number (0: first; restarts count up)
+    supervised: bool = False  # started by the in-allocation supervisor (orchestrator/supervise): heartbeats on
 
     @classmethod
     def from_env(cls) -> WorkerEnv:
@@ -33,6 +36,7 @@ class WorkerEnv:
             log_rank=env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or env.get("RANK", "0"),
             host=os.uname().nodename,
             launch=int(env.get("FSDPJOB_LAUNCH") or 0),
+            supervised=env.get("FSDPJOB_SUPERVISED") == "1",
         )
 
     @property

@@ -23,17 +23,15 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import attempts, heartbeat, runlog
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
-from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 from . import stacks
+from .allocation import allocation_for
 from .policy import Fault, restart_in_allocation
 from .watch import Bounds, Verdict, Watch
 
@@ -41,20 +39,20 @@ POLL_S = 1.0
 TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, a save cannot happen anyway
 KILL_WAIT_S = 15.0
 FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with
-PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes well under a second
 
 
 class Supervisor:
     def __init__(self, run_dir: Path, command: list[str], *, world_size: int, scheduler: str):
-        self.run_dir, self.command, self.world_size, self.scheduler = run_dir, command, world_size, scheduler
+        self.run_dir, self.command, self.world_size = run_dir, command, world_size
         spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
-        self.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) if scheduler == "slurm" else 1
+        self.allocation = allocation_for(scheduler)
+        self.nodes = self.allocation.nodes
         self.min_nodes = min(self.nodes, spec.resources.min_nodes or self.nodes)
         self.tasks_per_node = max(1, world_size // self.nodes)
         self.excluded: tuple[str, ...] = ()
-        self.job_id = slurm_cli.job_id_from_env() if scheduler == "slurm" else None  # for srun --overlap
+        self.job_id = self.allocation.job_id
         self.proc: subprocess.Popen | None = None
         self.signalled: int = 0
         self.faults: list[Fault] = []
@@ -125,20 +123,14 @@ class Supervisor:
         print(f"fsdpjob supervisor: {verdict.kind}: {verdict.reason}; stacks in {out}", file=sys.stderr, flush=True)
 
     def _end_step(self) -> int:
-        """SIGTERM, a grace, then the hard kill: srun aborts its step on a second SIGINT within a second
-        (SIGKILL to every task, frozen ones included); a local tree gets SIGKILL."""
+        """SIGTERM, a grace, then the allocation's hard kill (allocation.py)."""
         proc = self.proc
         self._signal_group(signal.SIGTERM)
         try:
             return proc.wait(TERM_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-        if self.scheduler == "slurm":
-            proc.send_signal(signal.SIGINT)
-            time.sleep(0.2)
-            proc.send_signal(signal.SIGINT)
-        else:
-            self._signal_group(signal.SIGKILL)
+        self.allocation.kill_step(proc, self._signal_group)
         try:
             return proc.wait(KILL_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -173,8 +165,9 @@ class Supervisor:
         decision = restart_in_allocation(self.faults, runlog.since(timeline, started),
                                          max_restarts=self.recovery.max_restarts,
                                          ever_trained=attempts.ever_trained(timeline),
-                                         can_exclude=self.scheduler == "slurm",
-                                         dead=self._lost() if kind == "crash" else (), excluded=self.excluded,
+                                         can_exclude=self.allocation.can_exclude,
+                                         dead=self.allocation.lost(self.excluded) if kind == "crash" else (),
+                                         excluded=self.excluded,
                                          nodes=self.nodes, min_nodes=self.min_nodes)
         if decision.restart and decision.exclude:
             self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
@@ -184,27 +177,6 @@ class Supervisor:
                       job_id=self.job_id or str(os.getpid()), step=self.faults[-1].committed, **info)
         print(f"fsdpjob supervisor: {kind} of launch {launch}: {decision.why}", file=sys.stderr, flush=True)
         return decision
-
-    def _lost(self) -> tuple[str, ...]:
-        """Nodes of the allocation that no longer run a trivial command in this job (a dead slurmd, a node
-        gone), probed in parallel after a crash: srun's --kill-on-bad-exit ends every rank within a second,
-        so the heartbeats alone cannot always tell which node went first."""
-        if self.scheduler != "slurm" or self.job_id is None:
-            return ()
-        try:
-            nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in self.excluded]
-        except FsdpjobError:
-            return ()
-
-        def gone(node: str) -> bool:
-            try:
-                slurm_cli.on_node(self.job_id, node, ["true"], timeout=PROBE_TIMEOUT_S)
-                return False
-            except FsdpjobError:
-                return True
-
-        with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
-            return tuple(n for n, dead in zip(nodes, pool.map(gone, nodes)) if dead)
 
     def _crashed_hosts(self) -> tuple[str, ...]:
         """The node of a rank that died: seen dead on this machine, or its heartbeat stopped before the

@@ -1,0 +1,30 @@
+"""Every FSDPJOB_* environment variable fsdpjob reads (orchestrator/, jobs/, templates/), with who reads it
+and what it does. tests/test_envvars.py fails when the code reads a name this list lacks, or lists one the
+code no longer reads. The test suite's own switches (FSDPJOB_KEEP_CLUSTER, FSDPJOB_REQUIRE_SLURM, ...) are
+in README.md ("Tests and benchmarks")."""
+
+from __future__ import annotations
+
+VARIABLES: dict[str, str] = {
+    # -- the login node
+    "FSDPJOB_HOME": "the registry and, by default, the run folders (default ~/.fsdpjob; core/paths.py)",
+    "FSDPJOB_RUNS": "where new run folders go (default $FSDPJOB_HOME/runs; core/paths.py)",
+    "FSDPJOB_PROFILES": "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)",
+    "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
+    # -- set by fsdpjob for the job
+    "FSDPJOB_RUN_DIR": "the run folder, exported to the batch script and the local workers (slurm/, local/)",
+    "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",
+    "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
+    # -- the workers, from the spec's env
+    "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
+                           "reads its own shards (jobs/weightload.py)",
+    "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/ckpt_io.py)",
+    # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
+    "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
+    "FSDPJOB_LOG_SAMPLES": "append each step's global sample ids to samples.jsonl",
+    "FSDPJOB_FAULT_SAVE_PAUSE_S": "ranks sleep this long in a checkpoint save after writing their shard",
+    "FSDPJOB_FAULT_SAVE_RANK": "limits the save pause to this rank",
+    "FSDPJOB_FAULT_SAVE_STEP": "limits the save pause to this step",
+    "FSDPJOB_FAULT_DATA_HANG_STEP": "before training step n+1, one rank hangs where it fetches its batch",
+    "FSDPJOB_FAULT_DATA_HANG_RANK": "the rank that hangs in the data path (default 0)",
+}  # fmt: skip

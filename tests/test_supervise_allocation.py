@@ -1,0 +1,26 @@
+"""The supervisor's allocation per backend (supervise/allocation.py): nodes, job id, what it may exclude."""
+
+from __future__ import annotations
+
+from fsdpjob.orchestrator.supervise.allocation import LocalAllocation, SlurmAllocation, allocation_for
+
+
+def test_slurm_allocation_reads_the_batch_jobs_environment(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    alloc = allocation_for("slurm")
+    assert alloc == SlurmAllocation(nodes=3, job_id="77") and alloc.can_exclude
+
+
+def test_slurm_allocation_without_a_job_id_probes_nothing():
+    assert SlurmAllocation(nodes=2, job_id=None).lost(()) == ()
+
+
+def test_local_allocation_is_one_machine_with_nothing_to_exclude_or_probe():
+    alloc = allocation_for("local")
+    assert alloc == LocalAllocation() and alloc.nodes == 1 and alloc.job_id is None
+    assert not alloc.can_exclude and alloc.lost(()) == ()
+    killed = []
+    alloc.kill_step(None, killed.append)
+    assert killed == [9]
