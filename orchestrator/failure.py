@@ -1,5 +1,6 @@
-"""Entry point kept at its old path: batch scripts already in the queue (and requeued ones) run
-`python -m fsdpjob.orchestrator.failure`; the policy itself lives in slurm/failure.py."""
+"""The old path of the batch script's failure policy, kept for scripts rendered before the template called
+`python -m fsdpjob.orchestrator.slurm.failure` (jobs already in the queue, and their requeues, still run
+`python -m fsdpjob.orchestrator.failure`). New scripts never call it; drop it a release after the change."""
 
 import sys
 

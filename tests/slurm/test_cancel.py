@@ -1,4 +1,4 @@
-"""A cancelled job stays cancelled: the batch script's failure policy (orchestrator/failure.py) never
+"""A cancelled job stays cancelled: the batch script's failure policy (slurm/failure.py) never
 requeues it, on the real cluster. The workers' own stop path is covered in test_fsdp_slurm.py."""
 
 from __future__ import annotations
