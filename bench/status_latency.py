@@ -37,8 +37,8 @@ def shim_dir(root: Path) -> Path:
 
 
 def populate(home: Path, job_ids: list[str]) -> None:
-    from fsdpjob.orchestrator.views import registry
-    from fsdpjob.orchestrator.views.registry import JobRecord
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.registry import JobRecord
 
     os.environ["FSDPJOB_HOME"] = str(home)
     now = time.time()

@@ -13,7 +13,7 @@ from fsdpjob.orchestrator.core.paths import RunPaths
 
 if TYPE_CHECKING:
     from fsdpjob.orchestrator.planner.jobload import LoadedJob
-    from fsdpjob.orchestrator.views.registry import JobRecord
+    from fsdpjob.orchestrator.registry import JobRecord
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
 @JSON_OPT
 def status(run: str | None, as_json: bool) -> None:
     """Status of a run (default: the newest): scheduler state joined with training progress."""
-    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.views.status import report_for
 
     record = registry.find(run) if run else registry.latest()
@@ -228,7 +228,7 @@ def status(run: str | None, as_json: bool) -> None:
 @JSON_OPT
 def list_runs(as_json: bool) -> None:
     """All runs in the registry, with one scheduler call."""
-    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.views.status import reports
 
     rows = reports(registry.all_records())
@@ -257,7 +257,8 @@ def list_runs(as_json: bool) -> None:
               help="Also draw loss, tokens/s, attempts, interruptions and the breakdown into this PNG.")
 def report(run: str, as_json: bool, plot_file: Path | None) -> None:
     """Goodput: where every allocated GPU-second of a run went, across all its attempts."""
-    from fsdpjob.orchestrator.views import goodputplot, registry
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.views import goodputplot
     from fsdpjob.orchestrator.views.goodputreport import format_report, run_report
 
     if plot_file is not None and not goodputplot.available():
@@ -284,7 +285,7 @@ def report(run: str, as_json: bool, plot_file: Path | None) -> None:
 @click.option("--stacks", is_flag=True, help="Print every rank's Python stacks from the newest hang the supervisor caught.")
 def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
     """Print a worker's log (all attempts of a requeued job are in one file), or the stacks of a hang."""
-    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.views.follow import follow_file, log_path
 
     record = registry.find(run)
@@ -307,7 +308,7 @@ def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
 def cancel(run: str) -> None:
     """Cancel a run (scancel, or stop the local workers)."""
     from fsdpjob.orchestrator.submit import cancel as cancel_run
-    from fsdpjob.orchestrator.views import registry
+    from fsdpjob.orchestrator import registry
 
     record = registry.find(run)
     how = cancel_run(record)

@@ -17,8 +17,8 @@ from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
 from fsdpjob.orchestrator.planner.jobload import LoadedJob
-from fsdpjob.orchestrator.views import registry
-from fsdpjob.orchestrator.views.registry import JobRecord
+from fsdpjob.orchestrator import registry
+from fsdpjob.orchestrator.registry import JobRecord
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from fsdpjob.orchestrator.planner.interval import advise, current_interval, lost
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm.backend import attempts_from_sacct, views_from_sacct
 from fsdpjob.orchestrator.views.goodput import CATEGORIES, goodput
-from fsdpjob.orchestrator.views.registry import JobRecord
+from fsdpjob.orchestrator.registry import JobRecord
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
 

@@ -85,8 +85,8 @@ def test_plan_submit_dry_run_status_list_and_report_do_not_import_torch(tmp_path
     for args in (["plan", "job.yaml"], ["submit", "job.yaml", "--dry-run"], ["list"], ["list", "--json"]):
         assert probe(*args, cwd=tmp_path, env=env) == {"code": 0, "heavy": []}, args
     # status of a recorded run (a finished local run: its controller pid is gone)
-    from fsdpjob.orchestrator.views import registry
-    from fsdpjob.orchestrator.views.registry import JobRecord
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.registry import JobRecord
 
     os.environ["FSDPJOB_HOME"], saved = str(tmp_path / "home"), os.environ.get("FSDPJOB_HOME")
     try:

@@ -71,7 +71,7 @@ def test_scontrol_show_node_gives_the_node_address():
 
 
 def slurm_record(run_dir: Path, **extra_fields):
-    from fsdpjob.orchestrator.views.registry import JobRecord
+    from fsdpjob.orchestrator.registry import JobRecord
 
     return JobRecord(run_id="r-1", name="r", run_dir=str(run_dir), scheduler="slurm", job_id="9", profile="p",
                      submitted_at=0.0, spec_hash="h", nodes=2, tasks_per_node=2, max_steps=40, **extra_fields)

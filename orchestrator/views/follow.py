@@ -11,8 +11,8 @@ from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.fileio import Tail
+from fsdpjob.orchestrator.registry import JobRecord
 
-from .registry import JobRecord
 from .status import report_for
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}

@@ -25,8 +25,7 @@ from statistics import median
 from fsdpjob.orchestrator.backend import AttemptTimes
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.attempts import later_starts
-
-from .registry import JobRecord
+from fsdpjob.orchestrator.registry import JobRecord
 
 CATEGORIES = ("startup", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
 _PRIORITY = ("checkpoint", "hang", "lost", "productive", "startup", "teardown")  # who wins an overlap

@@ -12,9 +12,9 @@ from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
+from fsdpjob.orchestrator.registry import JobRecord
 
 from .goodput import CATEGORIES, GoodputReport, goodput
-from .registry import JobRecord
 from .status import build_report
 
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")

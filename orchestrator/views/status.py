@@ -9,10 +9,10 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.registry import JobRecord
 
 from .goodput import goodput
 from .progress import Progress, read_progress
-from .registry import JobRecord
 
 # Slurm job states -> fsdpjob phases (a plain table; UNKNOWN when absent).
 PHASES = {
