@@ -97,7 +97,7 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None,
            worker_facts: dict | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
-    ``worker_facts`` (the planner's, planner/fit.Plan.worker_facts) go to the workers through spec.json."""
+    ``worker_facts`` (the planner's, planner/fit.FitPlan.worker_facts) go to the workers through spec.json."""
     backend = backend_for(job.profile.scheduler)
     with _owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)

@@ -104,7 +104,7 @@ def check_sources(sources: list[DataSource]) -> str | None:
     return None
 
 
-def effective(source: DataSource, defaults: DataSpec) -> DataSource:
+def with_defaults(source: DataSource, defaults: DataSpec) -> DataSource:
     """``source`` with what it leaves unset taken from ``defaults`` (the data section): format, split and,
     unless it sets any field of its own, the field options."""
     update: dict[str, Any] = {}
@@ -173,4 +173,4 @@ class DataSpec(FieldOptions, Strict):
         if self.sources is None:
             only = {"path": self.path, "weight": 1.0, **{key: getattr(self, key) for key in FIELD_KEYS}}
             return [DataSource.model_validate(only | {"format": self.format, "split": self.split})]
-        return [effective(source, self) for source in self.sources]
+        return [with_defaults(source, self) for source in self.sources]

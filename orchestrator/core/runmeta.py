@@ -40,7 +40,7 @@ class EffectiveFacts:
 @dataclass(frozen=True)
 class RunMeta:
     """One run's spec.json. ``worker_facts`` are the planner's decisions that depend on memory
-    (planner/fit.Plan.worker_facts, e.g. defer_grad_sync); files written before the rename call them "plan"."""
+    (planner/fit.FitPlan.worker_facts, e.g. defer_grad_sync); files written before the rename call them "plan"."""
 
     spec: dict[str, Any]
     spec_hash: str | None = None

@@ -1,8 +1,8 @@
 """Preflight planner: parameter count from config.json, per-rank and per-node memory, checkpoint and step time.
 
 Pure arithmetic on the login node: reads the model folder's ``config.json`` only (never weights) and imports
-neither torch nor transformers. ``make_plan(resolved)`` returns a :class:`Plan`; ``planformat.format_plan``
-renders it as a text table and ``Plan.to_json()`` as a dict with stable keys (documented on the method). The
+neither torch nor transformers. ``make_plan(resolved)`` returns a :class:`FitPlan`; ``planformat.format_plan``
+renders it as a text table and ``FitPlan.to_json()`` as a dict with stable keys (documented on the method). The
 model's shape and parameter count come from ``modelshape.py``, the memory model from ``memory.py`` and the
 step and save times from ``timing.py``; this module puts them together into a plan and finds the fixes.
 
@@ -45,7 +45,10 @@ class Fix:
 
 
 @dataclass(frozen=True)
-class Plan:
+class FitPlan:
+    """Does the job fit: memory and time per rank, and the fixes. The other two plans are the sbatch
+    payload (slurm/render.SbatchPlan) and the facts the workers take from this one (spec.json's worker_facts)."""
+
     name: str
     model: ModelShape
     params: ParamCount
@@ -189,7 +192,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
     return out
 
 
-def make_plan(job: Resolved) -> Plan:
+def make_plan(job: Resolved) -> FitPlan:
     """Plan a spec resolved against its profile. Pure: reads config.json only."""
     spec, profile, eff = job.spec, job.profile, job.eff
     shape = read_model_shape(spec.model.path)
@@ -201,7 +204,7 @@ def make_plan(job: Resolved) -> Plan:
     dev = device_memory(shape, params, u, profile)
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
-    plan = Plan(spec.name, shape, params, u, dev, host, timing)
+    plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
     fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak))
     return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
                    interval=_interval(job, timing), refusal=stall_bound_conflict(spec.recovery, timing))
@@ -235,7 +238,7 @@ def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:
     return advise(t.save_s, 86400.0 / (rate * job.eff.nodes), current, how)
 
 
-def _warnings(plan: Plan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[Fix, ...]) -> list[str]:
+def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[Fix, ...]) -> list[str]:
     d, h, t = plan.device, plan.host, plan.timing
     out = []
     unit = "GPU" if d.kind == "gpu" else "rank (host RAM / tasks_per_node)"

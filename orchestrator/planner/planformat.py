@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
 
-from .fit import Plan
+from .fit import FitPlan
 from .interval import advice_lines
 from .memory import DeviceMemory, HostMemory, Setup
 from .modelshape import ModelShape
@@ -41,7 +41,7 @@ def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
     ]
 
 
-def _lora_lines(plan: Plan) -> list[str]:
+def _lora_lines(plan: FitPlan) -> list[str]:
     tr, lora = plan.trainable, plan.setup.lora
     if lora is None:
         return []
@@ -51,7 +51,7 @@ def _lora_lines(plan: Plan) -> list[str]:
             f"({tr.trained / plan.params.total:.2%} of the base), the base is frozen (weights only, not saved)"]
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: FitPlan) -> str:
     """A readable plain-text report; the CLI prints it as is."""
     s, p, u, d, t = plan.model, plan.params, plan.setup, plan.device, plan.timing
     head = ", lm_head tied" if s.tied else f", lm_head {params_text(p.lm_head)}"

@@ -39,7 +39,7 @@ class Effective:
         return format_slurm_time(self.time_limit_s)
 
 
-def effective(spec: JobSpec, profile: ClusterProfile) -> Effective:
+def apply_profile(spec: JobSpec, profile: ClusterProfile) -> Effective:
     """Apply profile defaults. Does not validate; see :func:`check`."""
     r = spec.resources
     gpus = r.gpus_per_node if r.gpus_per_node is not None else profile.gpus_per_node
@@ -70,7 +70,7 @@ def effective(spec: JobSpec, profile: ClusterProfile) -> Effective:
 
 def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
     """Cross checks between spec and profile, as (loc, message) pairs. Messages show the arithmetic."""
-    eff = effective(spec, profile)
+    eff = apply_profile(spec, profile)
     out: list[tuple[tuple, str]] = []
     if spec.resources.gpus_per_node and profile.gpus_per_node and spec.resources.gpus_per_node > profile.gpus_per_node:
         out.append(
@@ -144,4 +144,4 @@ def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) ->
     found = problems(spec, profile)
     if found:
         raise SpecErrors([SpecError.at(doc, loc, msg) for loc, msg in found])
-    return effective(spec, profile)
+    return apply_profile(spec, profile)
