@@ -1,4 +1,5 @@
-"""Fixtures for tests on the real local Slurm dev cluster: bring-up, sharing, teardown, and small helpers.
+"""Fixtures for tests on the real local Slurm dev cluster: bring-up, sharing, teardown (plain helpers are in
+slurm_helpers.py).
 
 Two clusters may run side by side: `slurm_cluster` (with slurmdbd, so sacct works) and
 `slurm_cluster_noacct` (no accounting, like many real clusters). They live in
@@ -11,7 +12,6 @@ FSDPJOB_REQUIRE_SLURM=1 (CI).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,8 +23,8 @@ import yaml
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from distributed import committed_model_state
-from helpers import fsdpjob, wait_for
+from helpers import wait_for
+from slurm.slurm_helpers import final_weights, submit, wait_phase
 
 HERE = Path(__file__).resolve().parent
 STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")
@@ -146,16 +146,6 @@ def _cancel_leftovers(basetemp: Path) -> None:
                  timeout_s=60, interval_s=0.5, what=f"left-over jobs {mine} to end")
 
 
-def slurm_env(info: ClusterInfo) -> dict[str, str]:
-    """os.environ with SLURM_CONF pointing at `info`, for subprocesses of session-scoped fixtures."""
-    return {**os.environ, "SLURM_CONF": str(info.slurm_conf)}
-
-
-def release_held(job_id: int | str) -> None:
-    """Lift the BeginTime hold of a requeued job (tests only; see manage.lift_requeue_hold)."""
-    manage.lift_requeue_hold(job_id)
-
-
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A tiny Llama model, tokenizer and JSONL data set, built once per session."""
@@ -191,34 +181,6 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
         return path
 
     return make
-
-
-# ---- submitting 2x2 jobs, shared by the modules that run them ----
-
-def status(ref: str) -> dict:
-    return json.loads(fsdpjob("status", ref, "--json", check=True).stdout)
-
-
-def submit(spec: Path, *extra: str) -> dict:
-    return _json_prefix(fsdpjob("submit", str(spec), "--json", *extra, check=True).stdout)
-
-
-def _json_prefix(text: str) -> dict:
-    return json.loads(text[text.index("{"): text.index("}") + 1])
-
-
-def final_weights(run_dir: str) -> dict:
-    return committed_model_state(run_dir)
-
-
-def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
-    def probe():
-        report = status(ref)
-        if seen is not None and (not seen or seen[-1] != report["phase"]):
-            seen.append(report["phase"])
-        return report if report["phase"] in phases else None
-
-    return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
 
 
 @pytest.fixture(scope="session")

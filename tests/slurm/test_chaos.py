@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import fsdpjob, wait_for
-from slurm.conftest import final_weights, release_held, status, submit, wait_phase
+from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
 from slurm.test_fsdp_slurm import assert_same_weights, preempt_now, status_of, worker_pids
 
 pytestmark = [pytest.mark.chaos, pytest.mark.distributed, pytest.mark.slow]

@@ -13,7 +13,7 @@ from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from helpers import wait_for
-from slurm.conftest import release_held, slurm_env
+from slurm.slurm_helpers import release_held, slurm_env
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import fsdpjob, wait_for
-from slurm.conftest import final_weights, release_held, status, submit, wait_phase
+from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
-from slurm.conftest import final_weights, status, submit, wait_phase
+from slurm.slurm_helpers import final_weights, status, submit, wait_phase
 from slurm.test_fsdp_slurm import preempt_now, release_when_held
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

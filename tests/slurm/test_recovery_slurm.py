@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import fsdpjob, wait_for
-from slurm.conftest import status, submit, wait_phase
+from slurm.slurm_helpers import status, submit, wait_phase
 from slurm.test_fsdp_slurm import assert_same_weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -87,7 +87,7 @@ def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference):
     import torch
 
     from fsdpjob.orchestrator.devcluster import manage
-    from slurm.conftest import final_weights
+    from slurm.slurm_helpers import final_weights
 
     run = submit(reference["spec"], *FAST, "--set", "resources.min_nodes=1")
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 12, timeout_s=240, interval_s=1.0, what="step 12")

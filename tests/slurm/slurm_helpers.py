@@ -1,0 +1,51 @@
+"""Plain helpers of the tests on the real Slurm dev cluster: submitting 2x2 jobs and waiting on them (the
+fixtures are in conftest.py). Not named helpers.py: tests/slurm is on sys.path first and would shadow
+tests/helpers.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distributed import committed_model_state
+from helpers import fsdpjob, wait_for
+
+from fsdpjob.orchestrator.devcluster import manage
+from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
+
+
+def slurm_env(info: ClusterInfo) -> dict[str, str]:
+    """os.environ with SLURM_CONF pointing at `info`, for subprocesses of session-scoped fixtures."""
+    return {**os.environ, "SLURM_CONF": str(info.slurm_conf)}
+
+
+def release_held(job_id: int | str) -> None:
+    """Lift the BeginTime hold of a requeued job (tests only; see manage.lift_requeue_hold)."""
+    manage.lift_requeue_hold(job_id)
+
+
+def status(ref: str) -> dict:
+    return json.loads(fsdpjob("status", ref, "--json", check=True).stdout)
+
+
+def submit(spec: Path, *extra: str) -> dict:
+    return _json_prefix(fsdpjob("submit", str(spec), "--json", *extra, check=True).stdout)
+
+
+def _json_prefix(text: str) -> dict:
+    return json.loads(text[text.index("{"): text.index("}") + 1])
+
+
+def final_weights(run_dir: str) -> dict:
+    return committed_model_state(run_dir)
+
+
+def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
+    def probe():
+        report = status(ref)
+        if seen is not None and (not seen or seen[-1] != report["phase"]):
+            seen.append(report["phase"])
+        return report if report["phase"] in phases else None
+
+    return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
