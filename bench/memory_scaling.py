@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from worker_throughput import (
+from common import (
     ModelSize,
     job_spec,
     launch_ranks,

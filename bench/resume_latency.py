@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from worker_throughput import ModelSize, job_spec, launch_ranks, load_note, make_assets, read_jsonl, write_run_folder
+from common import ModelSize, job_spec, launch_ranks, load_note, make_assets, read_jsonl, write_run_folder
 
 RESUME_MODEL = ModelSize(vocab=8192, hidden=512, intermediate=1376, layers=10, heads=8, kv_heads=8)
 IMPORTS = "import torch, transformers; from transformers import AutoModelForCausalLM"

@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def launch(args: argparse.Namespace) -> int:
     """Make the assets, then run this file on 2 ranks under torchrun."""
-    from worker_throughput import SIZES, free_port, make_assets
+    from common import free_port, make_assets
+    from worker_throughput import SIZES
 
     with tempfile.TemporaryDirectory(prefix="fsdpjob-step-ab-") as tmp:
         model, data = make_assets(Path(tmp), SIZES[args.size])
