@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from specs import build, job_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
@@ -43,15 +44,9 @@ def write_config(folder: Path, cfg: dict) -> Path:
 
 
 def make_spec(model_dir: Path, **sections: dict) -> JobSpec:
-    data = {
-        "name": "plan-test",
-        "model": {"path": str(model_dir)},
-        "data": {"path": "train.jsonl"},
-        "train": {"max_steps": 500},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return JobSpec.model_validate(data)
+    base = {"name": "plan-test", "model": {"path": str(model_dir)}, "data": {"path": "train.jsonl"},
+            "train": {"max_steps": 500}}
+    return job_spec(build(base, **sections))
 
 
 def with_changes(spec: JobSpec, change: str) -> JobSpec:

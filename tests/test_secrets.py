@@ -17,10 +17,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import yaml
 
 import helpers
 from helpers import ONE_THREAD, wait_for
+from specs import write_spec
 from slurm.conftest import slurm_cluster, slurm_cluster_session  # noqa: F401 - fixtures for the Slurm case
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -59,9 +59,7 @@ def write_spec(folder: Path, assets: dict, profile: str) -> Path:
         # The trackers hold the run's config and run with WANDB_API_KEY in their environment: their files too.
         "logging": {"wandb": {"project": "secrets", "mode": "offline"}, "mlflow": {}},
     }
-    path = folder / "secrets.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return write_spec(folder / "secrets.yaml", spec)
 
 
 def worker_environments(run_dir: str, ranks: int, timeout_s: float = 180) -> list[dict[str, str]]:

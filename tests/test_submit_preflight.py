@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from helpers import fsdpjob
+from specs import write_spec
 
 LLAMA2_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 8192,
@@ -23,15 +24,11 @@ def make_70b_spec(tmp_path: Path, nodes: int) -> Path:
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (model / name).write_text("{}")  # the planner reads config.json only
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
-    spec = tmp_path / "seed.yaml"
-    spec.write_text(
-        "name: llama2-70b\nprofile: a100-80gb\n"
-        f"resources: {{nodes: {nodes}, time_limit: '12:00:00'}}\n"
-        "model: {path: llama-2-70b, activation_checkpointing: true}\n"
-        "data: {path: data.jsonl, seq_len: 2048}\n"
-        "train: {max_steps: 100, micro_batch_size: 1}\n"
-    )
-    return spec
+    return write_spec(tmp_path / "seed.yaml", {
+        "name": "llama2-70b", "profile": "a100-80gb", "resources": {"nodes": nodes, "time_limit": "12:00:00"},
+        "model": {"path": "llama-2-70b", "activation_checkpointing": True},
+        "data": {"path": "data.jsonl", "seq_len": 2048}, "train": {"max_steps": 100, "micro_batch_size": 1},
+    })  # fmt: skip
 
 
 def test_submit_refuses_a_job_that_cannot_fit(tmp_path):

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-import yaml
 
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from helpers import wait_for
 from slurm.slurm_helpers import final_weights, submit, wait_phase
+from specs import build, write_spec
 
 HERE = Path(__file__).resolve().parent
 STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")
@@ -160,7 +160,7 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
     tmp_path = tmp_path_factory.mktemp("specs")
 
     def make(name: str, **overrides) -> Path:
-        spec = {
+        base = {
             "name": name,
             "profile": "test-cluster",
             "resources": {"nodes": 2, "time_limit": "10:00"},
@@ -170,15 +170,7 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
             "fsdp": {"mixed_precision": "fp32"},
             "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
         }
-        for dotted, value in overrides.items():
-            node = spec
-            *parents, leaf = dotted.split("__")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = value
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(spec))
-        return path
+        return write_spec(tmp_path / f"{name}.yaml", build(base, **overrides))
 
     return make
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks, train_worker
+from specs import job_spec
 
 wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
@@ -26,7 +27,7 @@ TOKEN = f"mlflow-{secrets.token_hex(16)}"
 
 
 def make_spec(model: str = "/m", data: dict | None = None, *, wandb_mode: str = "offline", **logging) -> JobSpec:
-    return JobSpec.model_validate({
+    return job_spec({
         "name": "trk", "env": {"WANDB_API_KEY": KEY, "MLFLOW_TRACKING_TOKEN": TOKEN},
         "model": {"path": model}, "data": data or {"path": "/d.jsonl", "seq_len": 32},
         "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum_steps": 2, "lr": 3e-3, "log_every": 1},
