@@ -60,3 +60,12 @@ def test_follower_returns_only_new_complete_entries(tmp_path):
         f.write("}\n")
     assert [(e["event"], e["step"]) for e in follow.new_entries()] == [("metric", 1)]
     assert follow.new_entries() == []
+
+
+def test_first_and_since_are_the_two_queries_the_readers_share():
+    timeline = [{"event": "start", "time": 1}, {"event": "checkpoint", "step": 2, "reason": "interval", "time": 2},
+                {"event": "checkpoint", "step": 4, "reason": "final", "time": 3}, {"event": "done", "time": 4}]
+    assert runlog.first(timeline, runlog.CHECKPOINT)["step"] == 2
+    assert runlog.first(timeline, runlog.CHECKPOINT, reason="final")["step"] == 4
+    assert runlog.first(timeline, runlog.STOP) is None
+    assert [e["event"] for e in runlog.since(timeline, 3)] == ["checkpoint", "done"]

@@ -102,9 +102,9 @@ def timeline(run_dir: Path | str, *, metrics: bool = True, max_bytes: int | None
     return merge(read_events(run_dir, max_bytes), read_metrics(run_dir, max_bytes) if metrics else [])
 
 
-def first(events: list[dict], kind: str) -> dict | None:
-    """The first event of ``kind`` (e.g. READY) in ``events``, or None."""
-    return next((e for e in events if e.get("event") == kind), None)
+def first(events: list[dict], kind: str, **fields: object) -> dict | None:
+    """The first event of ``kind`` (e.g. READY) in ``events`` whose ``fields`` have these values, or None."""
+    return next((e for e in events if e.get("event") == kind and all(e.get(k) == v for k, v in fields.items())), None)
 
 
 def since(timeline: list[dict], started: float) -> list[dict]:

@@ -221,7 +221,9 @@ def _segments(entries: tuple[list[dict], list[dict]], alloc: Attempt) -> list[_S
 
 def _first(events: list[dict], kind: str, worker: bool = False) -> dict | None:
     # A worker's failure names its rank; the failure policy's names the exit code instead.
-    return next((e for e in events if e.get("event") == kind and (not worker or "rank" in e)), None)
+    if not worker:
+        return runlog.first(events, kind)
+    return next((e for e in events if e.get("event") == kind and "rank" in e), None)
 
 
 def _is_hang(failed: dict | None) -> bool:
@@ -252,7 +254,7 @@ def _analyse(s: _Segment) -> None:
     if stop is not None:
         s.work_end = stop["time"] - float(stop.get("save_s") or 0)
     elif done is not None:
-        final = next((e for e in s.events if e.get("event") == runlog.CHECKPOINT and e.get("reason") == "final"), None)
+        final = runlog.first(s.events, runlog.CHECKPOINT, reason="final")
         s.work_end = final["time"] - float(final.get("save_s") or 0) if final else done["time"]
     elif failed is not None and not _is_hang(failed):
         s.work_end = failed["time"]  # the unfinished step was work too, lost with the rest
@@ -281,7 +283,7 @@ def _assign_kept(segments: list[_Segment], *, live: bool) -> None:
 
 def _time_of_step(s: _Segment, step: int) -> float:
     """When this segment finished ``step``: its save of that step, else interpolated between progress points."""
-    save = next((e for e in s.events if e.get("event") == runlog.CHECKPOINT and e.get("step") == step), None)
+    save = runlog.first(s.events, runlog.CHECKPOINT, step=step)
     if save is not None:
         return save["time"]
     pts = [(s.ready["time"], int(s.ready.get("step", 0) or 0)), *_progress(s), (s.work_end, s.reached)]
