@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .yamlio import YamlDoc
+from typing import Protocol
 
 _LINE_BREAKS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+
+
+class Located(Protocol):
+    """Where the fields of a YAML file are: core/yamlio.YamlDoc (not imported: yamlio raises these errors)."""
+
+    file: str
+
+    def line_of(self, loc: tuple[str | int, ...]) -> int | None: ...
 
 
 class FsdpjobError(Exception):
@@ -33,7 +38,7 @@ class InputError(FsdpjobError):
         super().__init__(self.format())
 
     @classmethod
-    def at(cls, doc: YamlDoc | None, loc: tuple[str | int, ...], message: str):
+    def at(cls, doc: Located | None, loc: tuple[str | int, ...], message: str):
         """The error for the field at ``loc`` (e.g. ``("model", "path")``), at its line in ``doc`` when given.
 
         The one way a YAML location becomes an error; a subclass calls it to get its own type (SpecError.at).
