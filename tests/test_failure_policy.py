@@ -51,11 +51,13 @@ def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path
     # Outside a Slurm job the requeue itself cannot run: stop right before it and check the record.
     import json
 
+    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runmeta import RunMeta
     from fsdpjob.orchestrator.slurm import failure
 
     from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
-    (tmp_path / "spec.json").write_text(json.dumps({"spec": {"preemption": {"max_requeues": 5}}}))
+    RunMeta(spec={"preemption": {"max_requeues": 5}}).write(RunPaths(tmp_path))
     events = attempt(0, *TRAINED, t0=0) + attempt(1, {"event": "ready", "step": 5},
                                                    {"event": "checkpoint", "step": 8}, t0=100)
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))

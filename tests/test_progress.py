@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.ckptlayout import MARKER, step_dir_name
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.views.progress import read_progress
 
 
@@ -53,7 +55,7 @@ def test_checkpoints_are_read_where_the_spec_put_them(tmp_path):
     elsewhere = tmp_path / "scratch" / "ckpt"
     run = tmp_path / "run"
     run.mkdir()
-    (run / "spec.json").write_text(json.dumps({"spec": {"checkpoint": {"dir": str(elsewhere)}}}))
+    RunMeta(spec={"checkpoint": {"dir": str(elsewhere)}}).write(RunPaths(run))
     step_folder(elsewhere, 30, committed=True)
     step_folder(run / "checkpoints", 10, committed=True)  # not this run's checkpoint root
     assert read_progress(run).last_checkpoint_step == 30

@@ -206,16 +206,17 @@ def test_planner_refuses_a_stall_floor_a_planned_step_would_cross() -> None:
 
 def _supervised(tmp_path, script: str) -> tuple[int, list[dict]]:
     """A real Supervisor (local) around ``python -c script``; its return code and the run log after it."""
-    import json
     import sys
 
     from fsdpjob.orchestrator.core import runlog
+    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runmeta import RunMeta
     from fsdpjob.orchestrator.core.spec import JobSpec
     from fsdpjob.orchestrator.supervise.run import Supervisor
 
     spec = JobSpec.model_validate({"name": "sup", "model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
                                    "train": {"max_steps": 5}})
-    (tmp_path / "spec.json").write_text(json.dumps({"spec": spec.model_dump(mode="json")}))
+    RunMeta.of(spec).write(RunPaths(tmp_path))
     rc = Supervisor(tmp_path, [sys.executable, "-c", script, str(tmp_path)], world_size=1, scheduler="local").run()
     return rc, runlog.timeline(tmp_path)
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from helpers import wait_for
 
@@ -34,7 +36,7 @@ for _ in $(seq 1500); do sleep 0.2; done
 
 def trained_run(run_dir: Path) -> None:
     run_dir.mkdir()
-    (run_dir / "spec.json").write_text(json.dumps({"spec": {"preemption": {"max_requeues": 5}}}))
+    RunMeta(spec={"preemption": {"max_requeues": 5}}).write(RunPaths(run_dir))
     t = time.time()
     events = [{"event": "start", "restart": 0, "time": t}, {"event": "ready", "step": 0, "time": t + 1}]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
