@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import jinja2
 import torch
 
-from fsdpjob.orchestrator.core.records import RecordError, iter_records
 from fsdpjob.orchestrator.core.dataspec import FieldOptions
+from fsdpjob.orchestrator.core.records import RecordError, iter_records
 from fsdpjob.orchestrator.core.spec import DataSpec
 
 from .mixture import epoch_rows, epoch_size

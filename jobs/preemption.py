@@ -14,8 +14,8 @@ import signal
 import time
 from typing import NoReturn
 
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.core.attempts import cap_reached
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 from .workerenv import WorkerEnv
 
