@@ -7,7 +7,7 @@
 
 What a user writes from the PyTorch FSDP2 tutorial, and nothing of fsdpjob: every rank loads the Hugging
 Face folder with ``from_pretrained`` (fp32), optionally wraps each decoder layer in torch's
-``checkpoint_wrapper`` (NO_REENTRANT, as jobs/parallelize.py does), ``fully_shard`` per decoder layer then
+``checkpoint_wrapper`` (NO_REENTRANT, as jobs/model/parallelize.py does), ``fully_shard`` per decoder layer then
 the root (torch's default resharding: the layers after forward, the root kept; fp32, or with ``--bf16``
 bf16 parameters and fp32 gradient reduction), AdamW (betas 0.9/0.95, no weight
 decay, constant LR; torch's default implementation on CPU, fused with ``--fused`` or on GPUs); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),

@@ -15,7 +15,7 @@ counts):
 
 With --compare-stock the same run also measures DCP's stock FileSystemWriter/Reader behaviour
 (FSDPJOB_CHECKPOINT_IO=stock: the same files, CRC32 and no early write-back on save, torch.load and a copy per
-tensor on load), interleaved with the worker's own (jobs/ckpt_io.py): before and after on the same disk.
+tensor on load), interleaved with the worker's own (jobs/checkpoint/io.py): before and after on the same disk.
 
     OMP_NUM_THREADS=1 python bench/checkpoint_io.py [--hidden 1024 --layers 24 --vocab 32000] [--dir DIR]
         [--rounds 3] [--compare-stock]
@@ -125,9 +125,9 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from fsdpjob.jobs import ckpt_io
+    from fsdpjob.jobs.checkpoint import io as ckpt_io
     from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.jobs.ckpt_state import ModelOptimState
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
 
     def use(mode: str) -> None:  # "fast": the worker's writer and reader; "stock": DCP's own, same files
         os.environ[ckpt_io.SWITCH] = mode
@@ -200,7 +200,7 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
         for step in (1, 2, 3):  # the first one also pays for fresh staging memory
             in_save = _timed(lambda: background.save(step, state, reason="bench"))
             # The next training step: its forward and backward overlap the background copy, and its optimizer
-            # step waits for what is left of it (jobs/ckpt_staging.py); the loop is blocked for both parts.
+            # step waits for what is left of it (jobs/checkpoint/staging.py); the loop is blocked for both parts.
             computed.append(_timed(lambda: _forward_backward(model, args["vocab"], args["step_tokens"])))
             _timed(optimizer.step)
             at_step = torch.tensor([background._gate.waited_s if background._gate else 0.0])

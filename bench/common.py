@@ -45,7 +45,7 @@ def make_assets(root: Path, size: ModelSize, *, lines: int = 3000, max_positions
     """A BPE tokenizer and a random Llama of ``size`` in root/model, text lines in root/data.jsonl."""
     from transformers.utils import logging as hf_logging
 
-    from fsdpjob.jobs.assets import build_tiny_model, build_tokenizer
+    from fsdpjob.jobs.quickstart import build_tiny_model, build_tokenizer
 
     hf_logging.disable_progress_bar()
 

@@ -183,7 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--submits", type=int, default=50)
     args = parser.parse_args()
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
     from fsdpjob.orchestrator.devcluster import manage
 
     cluster = manage.up(accounting=True)  # a no-op when the dev cluster is already up

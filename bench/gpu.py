@@ -36,7 +36,7 @@ LR = 1e-4  # constant in every case
 
 
 def build_assets(root: Path, tiny: bool) -> tuple[str, str]:
-    from fsdpjob.jobs.assets import build_tiny_model, build_tokenizer
+    from fsdpjob.jobs.quickstart import build_tiny_model, build_tokenizer
 
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "tensor", "shard", "gather", "reduce", "token", "layer"]
@@ -124,7 +124,7 @@ def main() -> None:
         model, data = build_assets(root, args.tiny)
         from transformers import AutoConfig
 
-        from fsdpjob.jobs.model import model_flops_per_token
+        from fsdpjob.jobs.model.build import model_flops_per_token
 
         flops_per_token = model_flops_per_token(AutoConfig.from_pretrained(model), seq_len=args.seq)
         print(f"assets            {time.time() - t0:.0f} s", flush=True)

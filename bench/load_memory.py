@@ -39,7 +39,7 @@ def _worker(method: str, model_dir: str) -> None:
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import find_decoder_layers, load_model
-    from fsdpjob.jobs.parallelize import apply_fsdp, build_mesh
+    from fsdpjob.jobs.model.parallelize import apply_fsdp, build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(600)

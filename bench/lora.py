@@ -65,11 +65,11 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
     import torch
     import torch.distributed as dist
     from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.jobs.ckpt_state import ModelOptimState
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.lora import trainable_parameters
+    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
     from fsdpjob.orchestrator.core.spec import LoraSpec
 

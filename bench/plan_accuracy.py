@@ -203,7 +203,7 @@ def measure_rank(rank: int, world_size: int, *, model_dir: str, case: dict, step
     """This rank's peak RSS above its baseline: at load and over ``steps`` training steps (bytes)."""
     import torch.distributed as dist
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
 
     c = Case(**case)
     env = init_distributed(600)

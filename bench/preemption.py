@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     with tempfile.TemporaryDirectory(prefix="fsdpjob-preempt-bench-") as tmp:
         root = Path(tmp)

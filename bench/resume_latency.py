@@ -95,7 +95,8 @@ def rank_main(run_dir: Path, entered: float) -> None:
     from transformers import LlamaForCausalLM  # noqa: F401
 
     marks["model_class"] = time.time()
-    from fsdpjob.jobs import model, train
+    from fsdpjob.jobs.model import build as model
+    from fsdpjob.jobs import train
 
     marks["worker"] = time.time()
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ def _worker(method: str, model_dir: str) -> None:
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
 
     os.environ["FSDPJOB_WEIGHT_LOAD"] = method
     torch.set_num_threads(1)

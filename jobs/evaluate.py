@@ -7,7 +7,7 @@ import time
 import torch
 from fsdpjob.orchestrator.core import heartbeat
 
-from .data import SequenceTable, eval_batches
+from .data.packing import SequenceTable, eval_batches
 from .metrics import Reporter
 from .step import eval_loss
 

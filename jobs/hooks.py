@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .ckpt_io import CheckpointWriter
+from .checkpoint.io import CheckpointWriter
 from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.checkpoint")

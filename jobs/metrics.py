@@ -41,7 +41,7 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.devic
     """Model FLOP utilisation on CUDA (bf16 dense peak of the device), 0 on CPU where no peak is defined."""
     if device.type != "cuda" or seconds <= 0:
         return 0.0
-    from .model import device_peak_flops
+    from .model.build import device_peak_flops
 
     return flops_per_token * tokens / seconds / (device_peak_flops(device) * world_size)
 

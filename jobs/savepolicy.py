@@ -14,7 +14,7 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import preemption
 from .agreement import FlagAgreement
-from .checkpoint import CheckpointManager
+from .checkpoint.manager import CheckpointManager
 from .hooks import TestHooks
 from .metrics import Reporter
 from .workerenv import WorkerEnv

@@ -2,7 +2,7 @@
 
 Nothing here makes the host wait for the device or for the other ranks beyond FSDP's own collectives and the
 gradient clip's norm: the loss's denominator (the global batch's target tokens) comes with the step's data,
-counted by every rank from the whole table it holds (jobs/data.py BatchStream), and the loss and gradient
+counted by every rank from the whole table it holds (jobs/data/packing.py BatchStream), and the loss and gradient
 norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
 at the same steps.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import count_tokens
+from .data.packing import count_tokens
 
 
 class StepValues:
@@ -82,7 +82,7 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
 
     The same reduction as train_step's loss (summed token losses over the global token count), with the
     model in eval mode and no autograd; the model is put back in train mode. Collective: every rank calls it
-    with the same number of micro-batches (jobs/data.py eval_batches).
+    with the same number of micro-batches (jobs/data/packing.py eval_batches).
     """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token loss, target tokens]

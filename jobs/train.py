@@ -23,18 +23,18 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import gcpolicy, preemption
-from .checkpoint import CheckpointManager
-from .ckpt_state import DictState, ModelOptimState, RNGState
-from .data import BatchStream, SequenceTable, split_eval
-from .datacache import load_or_build
-from .datasources import build_table, eval_spec
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.state import DictState, ModelOptimState, RNGState
+from .data.packing import BatchStream, SequenceTable, split_eval
+from .data.cache import load_or_build
+from .data.sources import build_table, eval_spec
 from .dist import DistEnv, close_distributed, control_group, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter
-from .lora import checkpoint_fingerprint, trainable_parameters
-from .model import load_model, model_flops_per_token
-from .parallelize import build_mesh
+from .model.lora import checkpoint_fingerprint, trainable_parameters
+from .model.build import load_model, model_flops_per_token
+from .model.parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
 from .step import StepValues, train_step
@@ -239,7 +239,7 @@ def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
         root,
         rank=env.rank, world_size=env.world_size, keep_last=spec.checkpoint.keep_last,
         keep_best=spec.checkpoint.keep_best,
-        async_save=spec.checkpoint.async_save, hooks=hooks,
+        async_save=spec.checkpoint.async_save, storage_writer=hooks.storage_writer,
         sidecar={"spec_hash": spec.spec_hash(), "fingerprint": checkpoint_fingerprint(spec),
                  "world_size": env.world_size, "mesh_shape": list(mesh.shape), "fsdpjob_version": __version__,
                  "model_path": spec.model.path},
@@ -278,7 +278,7 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
 
 def _export_final(spec: JobSpec, paths: RunPaths, ckpt: CheckpointManager, env: DistEnv, report: Reporter) -> None:
     if spec.checkpoint.export_final and env.is_main:
-        from .export import export_hf
+        from .export.full import export_hf
 
         shutil.rmtree(paths.export_dir, ignore_errors=True)  # a rerun after an earlier export replaces it
         export_hf(ckpt.latest_committed(), Path(spec.model.path), paths.export_dir, dtype="bf16")

@@ -338,7 +338,7 @@ def export(source: Path, out: Path, dtype: str, merge: bool) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default="examples/quickstart-assets")
 def quickstart(directory: Path) -> None:
     """Create the quickstart's tiny Llama model, tokenizer and data set locally (no downloads)."""
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     made = make_quickstart(directory)
     click.echo(f"model: {made['model_path']}\ndata:  {made['data_path']}")

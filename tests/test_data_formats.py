@@ -184,7 +184,7 @@ def test_parquet_training_with_save_to_disk_eval_and_trackers_on_the_local_profi
     from functools import partial
 
     import helpers
-    from fsdpjob.jobs.assets import addition_examples, make_quickstart
+    from fsdpjob.jobs.quickstart import addition_examples, make_quickstart
 
     assets = make_quickstart(tmp_path / "assets")
     texts = [json.loads(line)["text"] for line in Path(assets["data_path"]).read_text().splitlines()]

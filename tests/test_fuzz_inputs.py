@@ -128,7 +128,7 @@ COMMANDS = st.sampled_from([["validate"], ["validate", "--no-file-checks"], ["re
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 

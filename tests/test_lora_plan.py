@@ -136,7 +136,7 @@ def test_planned_adapter_count_is_what_peft_injects(tmp_path, family, targets):
     from transformers import AutoModelForCausalLM
 
     from families import tiny_config
-    from fsdpjob.jobs.lora import attach_lora
+    from fsdpjob.jobs.model.lora import attach_lora
 
     config = tiny_config(family)
     names = {"gpt2": ["c_attn"], "gpt_neox": ["query_key_value"], "falcon": ["query_key_value"],

@@ -39,7 +39,7 @@ fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, check=True)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 

@@ -1,10 +1,10 @@
-"""The on-disk layout of a checkpoint root, shared by the worker (jobs/checkpoint.py writes it) and the
+"""The on-disk layout of a checkpoint root, shared by the worker (jobs/checkpoint/manager.py writes it) and the
 login node (status reads it): plain file reads, no torch.
 
     <root>/step-00000120/      DCP shards (__<rank>_0.distcp), .metadata, fsdpjob.json, COMMITTED
     <root>/latest              name of the newest committed step folder (informational)
 
-A step counts only once ``COMMITTED`` exists; it is written last (see jobs/checkpoint.py).
+A step counts only once ``COMMITTED`` exists; it is written last (see jobs/checkpoint/manager.py).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def _cancel_leftovers(basetemp: Path) -> None:
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A tiny Llama model, tokenizer and JSONL data set, built once per session."""
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.jobs.checkpoint import CheckpointManager
-from fsdpjob.jobs.ckpt_state import DictState, ModelOptimState, RNGState
+from fsdpjob.jobs.checkpoint.state import DictState, ModelOptimState, RNGState
 from fsdpjob.jobs.hooks import TestHooks
 
 SEED = 7
@@ -27,7 +27,7 @@ FINGERPRINT = {"model.path": "tiny-llama", "model.dtype": "float32", "data.seq_l
 
 
 def tiny_config(tie: bool = False) -> Any:
-    from fsdpjob.jobs.assets import tiny_config as config
+    from fsdpjob.jobs.quickstart import tiny_config as config
 
     return config("llama", vocab_size=128, hidden_size=32, intermediate_size=64, max_position_embeddings=64,
                   tie_word_embeddings=tie)
@@ -118,7 +118,7 @@ def rng_snapshot() -> tuple:
 
 def manager(root: Path, rank: int, world_size: int, **kwargs: Any) -> CheckpointManager:
     """A manager with the fault-injection hooks of this process's environment (FSDPJOB_FAULT_SAVE_*)."""
-    options = {"keep_last": 3, "async_save": False, "hooks": TestHooks.from_env()} | kwargs
+    options = {"keep_last": 3, "async_save": False, "storage_writer": TestHooks.from_env().storage_writer} | kwargs
     sidecar = {"fingerprint": FINGERPRINT, "spec_hash": "test", "mesh_shape": [world_size], "global_batch_size": 2}
     sidecar |= options.pop("sidecar", {})
     return CheckpointManager(root, rank=rank, world_size=world_size, sidecar=sidecar, **options)

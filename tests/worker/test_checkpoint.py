@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ckpt_driver import FINGERPRINT, SEED, Trainer, manager, rng_snapshot, tiny_config
 from distributed import free_port, run_ranks
 from fsdpjob.jobs.checkpoint import MARKER, CheckpointError, committed_steps, select_checkpoint, step_dir_name
-from fsdpjob.jobs.ckpt_verify import ResumeRefused
-from fsdpjob.jobs.ckpt_state import derived_seed
+from fsdpjob.jobs.checkpoint.verify import ResumeRefused
+from fsdpjob.jobs.checkpoint.state import derived_seed
 from fsdpjob.jobs.export import export_from_path, export_hf
 
 pytestmark = pytest.mark.distributed
@@ -405,7 +405,7 @@ def test_export_skips_tied_lm_head(tmp_path: Path) -> None:
 def test_a_checkpoint_written_before_a_train_field_was_added_still_loads(tmp_path: Path) -> None:
     import math
 
-    from fsdpjob.jobs.ckpt_state import DictState
+    from fsdpjob.jobs.checkpoint.state import DictState
     from fsdpjob.jobs.train import TrainState
 
     class Before:  # TrainState as checkpoints from before the "loss" field hold it

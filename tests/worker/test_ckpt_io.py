@@ -1,4 +1,4 @@
-"""The checkpoint writer and reader (jobs/ckpt_io.py) keep plain DCP files: what one writes the other reads,
+"""The checkpoint writer and reader (jobs/checkpoint/io.py) keep plain DCP files: what one writes the other reads,
 bitwise, in both directions with DCP's stock classes; the reader's direct path and its fallbacks."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.serialization import config as serialization_config
 
-from fsdpjob.jobs import ckpt_io
-from fsdpjob.jobs.ckpt_io import CheckpointReader, CheckpointWriter
+from fsdpjob.jobs.checkpoint import io as ckpt_io
+from fsdpjob.jobs.checkpoint.io import CheckpointReader, CheckpointWriter
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +112,7 @@ def test_an_async_save_holds_the_state_the_step_after_it_would_change(tmp_path, 
     import time
 
     from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.jobs.ckpt_state import ModelOptimState
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpjob.jobs.assets import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
+from fsdpjob.jobs.quickstart import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
 from fsdpjob.jobs.data import (
     IGNORE,
     BatchStream,

@@ -17,7 +17,7 @@ MAX_STEPS = 6
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    from fsdpjob.jobs.assets import addition_examples, make_quickstart
+    from fsdpjob.jobs.quickstart import addition_examples, make_quickstart
 
     out = tmp_path_factory.mktemp("assets")
     made = make_quickstart(out)

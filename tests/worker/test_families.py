@@ -21,7 +21,7 @@ def _train_families(rank: int, world_size: int, folders: dict[str, str]) -> dict
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import find_decoder_layers, load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
 
     env = init_distributed(120)
     mesh = build_mesh(env, 1)

@@ -21,7 +21,7 @@ LORA = {"r": 4, "alpha": 8, "modules_to_save": ["embed_tokens"]}
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 
@@ -115,11 +115,11 @@ def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> obje
     import torch
 
     from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.jobs.ckpt_state import ModelOptimState
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.lora import trainable_parameters
+    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.orchestrator.core.spec import JobSpec
 
     spec = JobSpec.model_validate(json.loads((Path(run_dir) / "spec.json").read_text())["spec"])

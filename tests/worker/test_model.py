@@ -16,14 +16,14 @@ from distributed import free_port, run_ranks
 from torch import nn
 
 from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed, port_for_job
-from fsdpjob.jobs.model import (
+from fsdpjob.jobs.model.build import (
     find_decoder_layers,
     load_model,
     model_flops_per_token,
     peak_flops_for_name,
     read_full_state_dict,
 )
-from fsdpjob.jobs.parallelize import build_mesh
+from fsdpjob.jobs.model.parallelize import build_mesh
 
 pytestmark = pytest.mark.distributed
 

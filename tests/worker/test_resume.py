@@ -46,7 +46,7 @@ def _worker_signalled_while_importing(rank: int, world_size: int, run_dir: str, 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 

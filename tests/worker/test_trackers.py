@@ -175,7 +175,7 @@ def test_the_worker_stopped_and_resumed_keeps_one_tracker_run(tmp_path_factory, 
     datasets = pytest.importorskip("datasets")
     import pyarrow as pa
 
-    from fsdpjob.jobs.assets import addition_examples, make_quickstart
+    from fsdpjob.jobs.quickstart import addition_examples, make_quickstart
 
     assets = make_quickstart(tmp_path_factory.mktemp("assets"))
     texts = addition_examples(200, seed=1)

@@ -1,4 +1,4 @@
-"""Each rank reading its own shards (jobs/weightload.py) gives bitwise the model the rank-0 read + broadcast gives,
+"""Each rank reading its own shards (jobs/model/weightload.py) gives bitwise the model the rank-0 read + broadcast gives,
 on real gloo ranks: tiny families, tied embeddings, bf16 files for fp32 training, sharded files, a bare-model
 checkpoint (no base-model prefix), uneven shards on 3 ranks, HSDP, activation checkpointing and CPU offload;
 the checkpoints transformers converts on load keep the rank-0 path; training is unchanged."""
@@ -37,10 +37,10 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
 
     import torch.distributed as dist
 
-    from fsdpjob.jobs import weightload
+    from fsdpjob.jobs.model import weightload
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
 
     env = init_distributed(120)
     mesh = build_mesh(env, replicate_degree)
@@ -137,7 +137,7 @@ def test_uneven_shards_on_three_ranks_and_hsdp_on_four(tmp_path):
 
 
 def test_names_map_through_ties_and_the_base_model_prefix():
-    from fsdpjob.jobs.weightload import map_names
+    from fsdpjob.jobs.model.weightload import map_names
 
     expected = {"model.embed.weight", "model.norm.weight", "lm_head.weight"}
     ties = [["model.embed.weight", "lm_head.weight"]]
@@ -156,8 +156,8 @@ def test_the_planner_knows_which_checkpoints_each_rank_reads_itself(tmp_path):
 
     from families import PLANNED_FAMILIES
 
-    from fsdpjob.jobs.model import _tie_groups
-    from fsdpjob.jobs.weightload import map_names, stored_tensors
+    from fsdpjob.jobs.model.build import _tie_groups
+    from fsdpjob.jobs.model.weightload import map_names, stored_tensors
     from fsdpjob.orchestrator.planner.memory import reads_own_shards
     from fsdpjob.orchestrator.planner.modelshape import read_model_shape
 

@@ -8,7 +8,7 @@ Layout of a checkpoint root::
 A step counts only once ``COMMITTED`` exists. Rank 0 writes it last, after DCP's own final
 collective has gathered every rank's write results (so every shard is written and fsynced), and
 after the sidecar. A save killed at any point leaves a folder without the marker, which resume
-never chooses and purge removes. Which step a resume may use is decided in ckpt_verify.py; the
+never chooses and purge removes. Which step a resume may use is decided in checkpoint/verify.py; the
 fault-injection pause mid-save is in hooks.py.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.ckptlayout import (
@@ -43,16 +43,18 @@ from fsdpjob.orchestrator.core.ckptlayout import (
 )
 from fsdpjob.orchestrator.core.fileio import write_atomic
 
-from .ckpt_io import CheckpointReader
-from .ckpt_staging import StagingGate, stage_in_background, start_async_save
-from .ckpt_state import DictState, ModelOptimState, RNGState
-from .ckpt_verify import CheckpointError, newest_valid_step, select_checkpoint
-from .ckpt_verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
-from .hooks import TestHooks
+from .io import CheckpointReader, plain_writer
+from .staging import StagingGate, stage_in_background, start_async_save
+from .state import DictState, ModelOptimState, RNGState
+from .verify import CheckpointError, newest_valid_step, select_checkpoint
+from .verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
 FORMAT_VERSION = 1
+# Builds one rank's DCP storage writer for a save: (step folder, rank=, step=) -> writer. Production passes
+# io.plain_writer; train passes the test hooks' writer, which can pause mid-save (jobs/hooks.py).
+WriterFactory = Callable[..., FileSystemWriter]
 # Sidecar fields the manager writes itself; state entries with these names are not copied into it.
 _MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
                    "reason", "model_key", "eval_loss"}
@@ -103,7 +105,7 @@ class CheckpointManager:
 
     def __init__(
         self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any],
-        hooks: TestHooks = TestHooks(), keep_best: bool = False,
+        storage_writer: WriterFactory = plain_writer, keep_best: bool = False,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1 (got {keep_last})")
@@ -111,11 +113,11 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.async_save, self.keep_best = keep_last, async_save, keep_best
         self.sidecar = dict(sidecar)
-        self.hooks = hooks
+        self.storage_writer = storage_writer
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
         # Async saves copy the state in the background into host buffers kept between saves; the next optimizer
-        # step waits for the copy (jobs/ckpt_staging.py).
+        # step waits for the copy (jobs/checkpoint/staging.py).
         self._stager = stage_in_background(torch.cuda.is_available()) if async_save else None
         self._gate: StagingGate | None = None
         self._pending: tuple[int, dict[str, Any], Future, float] | None = None
@@ -145,7 +147,7 @@ class CheckpointManager:
         if self.rank == 0 and step_dir.exists():
             _remove_step(step_dir)
         self._barrier()
-        writer = self.hooks.storage_writer(step_dir, rank=self.rank, step=step)
+        writer = self.storage_writer(step_dir, rank=self.rank, step=step)
         facts = self._save_facts(state, reason)
         if eval_loss is not None and math.isfinite(eval_loss):
             facts["eval_loss"] = eval_loss

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import SIDECAR, CheckpointError, read_sidecar, select_checkpoint, single_process_dcp
-from .model import side_files
+from ..checkpoint.manager import SIDECAR, CheckpointError, read_sidecar, select_checkpoint, single_process_dcp
+from ..model.build import side_files
 
 log = logging.getLogger("fsdpjob.export")
 
@@ -101,7 +101,7 @@ def export_hf(
     Loads at most one shard's worth of tensors at a time; no consolidated file is written. The
     folder appears atomically (written next to it, then renamed). Returns ``out_dir``.
     A LoRA checkpoint gives a peft adapter folder, or with ``merge`` the base model with the adapters merged in
-    (jobs/lora_export.py).
+    (jobs/export/lora.py).
     """
     step_dir, model_dir, out_dir = Path(step_dir), Path(model_dir), Path(out_dir)
     lora = read_sidecar(step_dir).get("fingerprint", {}).get("model.lora")
@@ -110,7 +110,7 @@ def export_hf(
                           "export it without --merge")
     write = _write_folder
     if lora is not None:
-        from .lora_export import lora_writer
+        from .lora import lora_writer
 
         write = lora_writer(lora, merge)
     if dtype not in DTYPES:

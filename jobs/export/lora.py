@@ -21,11 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import read_sidecar
-from .export import ExportError, _copy_side_files, _load_group, _model_entries, _write_config, write_shards
-from .lora import (ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config,
+from ..checkpoint.manager import read_sidecar
+from .full import ExportError, _copy_side_files, _load_group, _model_entries, _write_config, write_shards
+from ..model.lora import (ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config,
                    swap_parameter)
-from .model import side_files
+from ..model.build import side_files
 
 log = logging.getLogger("fsdpjob.export")
 

@@ -16,12 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weight_files
 
-from .dist import DistEnv
+from ..dist import DistEnv
 from .lora import attach_lora
 from .parallelize import apply_fsdp
 from .weightload import load_sharded
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fsdpjob.jobs.model")
 
 _MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -253,7 +253,7 @@ def load_model(
         compile_layers=compile_layers,
     )
     _materialize(model, env.device, cpu_offload)
-    # Safetensors: each rank reads only its own shards (jobs/weightload.py); otherwise rank 0 reads and broadcasts.
+    # Safetensors: each rank reads only its own shards (jobs/model/weightload.py); otherwise rank 0 reads and broadcasts.
     if adapters is None and load_sharded(model, path, expected, tie_groups):
         log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
         return model

@@ -118,6 +118,11 @@ class CheckpointWriter(FileSystemWriter):
             return super().write_data(plan, planner)
 
 
+def plain_writer(step_dir: Path, *, rank: int, step: int) -> CheckpointWriter:
+    """The production storage writer of one rank's save (the CheckpointManager's default)."""
+    return CheckpointWriter(str(step_dir))
+
+
 def pread_into(fd: int, target: torch.Tensor, offset: int) -> None:
     """Fill the contiguous CPU tensor ``target`` with the bytes of ``fd`` from ``offset`` (no intermediate buffer)."""
     view = memoryview(target.view(-1).view(torch.uint8).numpy())

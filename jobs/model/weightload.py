@@ -35,9 +35,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdpjob.orchestrator.core.weightfiles import read_header, weight_files
 
-from .ckpt_io import pread_into
+from ..checkpoint.io import pread_into
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fsdpjob.jobs.weightload")
 
 SWITCH = "FSDPJOB_WEIGHT_LOAD"  # "rank0": read on rank 0 and broadcast, as before; unset or "sharded": this path
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's module, not in file names

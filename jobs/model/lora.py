@@ -5,7 +5,7 @@ peft wraps each targeted module in place (``q_proj`` becomes a LoRA layer holdin
 ``lora_B``), so the Hugging Face model keeps its class, its decoder layers and its forward; FSDP2 then shards it
 exactly as in full fine-tuning, frozen base and adapters alike, and only the adapters (and ``modules_to_save``)
 get gradients and optimizer state. The PeftModel wrapper peft returns is not kept: training and checkpoints use
-the injected model, and export writes peft's own folder layout (jobs/lora_export.py).
+the injected model, and export writes peft's own folder layout (jobs/export/lora.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .dist import DistEnv
+from ..dist import DistEnv
 
 
 def build_mesh(env: DistEnv, replicate_degree: int) -> DeviceMesh:

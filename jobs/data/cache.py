@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from fsdpjob.orchestrator.core.spec import DataSpec
 
-from .data import SequenceTable
-from .datasources import data_files
-from .model import side_files
+from .packing import SequenceTable
+from .sources import data_files
+from ..model.build import side_files
 
 log = logging.getLogger("fsdpjob.data")
 

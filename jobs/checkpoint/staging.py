@@ -18,8 +18,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .ckpt_io import fast_io
-from .ckpt_state import ModelOptimState
+from .io import fast_io
+from .state import ModelOptimState
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fsdpjob.orchestrator.core.dataspec import DataSource
 from fsdpjob.orchestrator.core.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.spec import DataSpec
 
-from .data import DataError, Example, SequenceTable, build_sequences, examples_from_records
+from .packing import DataError, Example, SequenceTable, build_sequences, examples_from_records
 
 _BATCH_ROWS = 1024
 
