@@ -99,8 +99,8 @@ class CheckpointManager:
 
     With torch.distributed initialized, the constructor is collective: it creates the gloo group
     that DCP and the checkpoint barriers use (DCP's async save deadlocks on the training group).
-    ``sidecar`` holds the run's static facts (spec_hash, fingerprint, mesh_shape, global_batch_size,
-    model_path, ...); the manager adds world_size, step, reason, wall time and versions.
+    ``sidecar`` holds the run's static facts (train passes spec_hash, fingerprint, world_size, mesh_shape,
+    fsdpjob_version and model_path); the manager adds world_size, step, reason, wall time and versions.
     """
 
     def __init__(
