@@ -47,7 +47,6 @@ from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
 from .state import DictState, ModelOptimState, RNGState
 from .verify import CheckpointError, newest_valid_step, select_checkpoint
-from .verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
