@@ -1,5 +1,6 @@
 """Rank-0 progress reporting: which steps are logged and their window figures, console lines, metrics.jsonl,
-events.jsonl, TensorBoard when installed, and the spec's W&B and MLflow trackers."""
+events.jsonl, TensorBoard when installed, and the spec's W&B and MLflow trackers; MFU, with the model's FLOPs per
+token and the device's peak."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
 from fsdpjob.orchestrator.core import runlog
 
 if TYPE_CHECKING:
@@ -41,9 +44,52 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.devic
     """Model FLOP utilisation on CUDA (bf16 dense peak of the device), 0 on CPU where no peak is defined."""
     if device.type != "cuda" or seconds <= 0:
         return 0.0
-    from .model.build import device_peak_flops
-
     return flops_per_token * tokens / seconds / (device_peak_flops(device) * world_size)
+
+
+def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward): 6 per matmul weight, plus PaLM's attention term
+    12*L*H*Dh*seq_len when ``seq_len`` is given (it grows with the context, so pass the training seq_len).
+
+    Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
+    """
+    from transformers import AutoModelForCausalLM  # only here: the reporter itself runs without it
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul_params = sum(
+        p.numel() for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * (seq_len or 0)
+    return float(6 * matmul_params + attention)
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,
+# most specific first.
+_PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("MI300X", 1307e12),
+)
+
+
+def peak_flops_for_name(device_name: str) -> float:
+    """Dense bf16 peak of the named accelerator; NaN when it is not in the table (MFU then reads nan)."""
+    return next((peak for key, peak in _PEAK_BF16_FLOPS if key in device_name), math.nan)
+
+
+def device_peak_flops(device: torch.device) -> float:
+    """Dense bf16 peak of one CUDA device, for MFU."""
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
 class Reporter:

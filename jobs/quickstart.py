@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -151,16 +150,3 @@ def make_quickstart(out_dir: str | Path) -> dict[str, str]:
         if was_on:
             hf_logging.enable_progress_bar()
     return {"model_path": str(model_path), "data_path": str(data_path)}
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fsdpjob.jobs.assets", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    quick = sub.add_parser("quickstart", help="write a tiny model and an addition data set to DIR")
-    quick.add_argument("dir", type=Path)
-    args = parser.parse_args(argv)
-    print(json.dumps(make_quickstart(args.dir), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,9 +31,9 @@ from .data.sources import build_table, eval_spec
 from .dist import DistEnv, close_distributed, control_group, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
-from .metrics import Reporter
+from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint, trainable_parameters
-from .model.build import load_model, model_flops_per_token
+from .model.build import load_model
 from .model.parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
@@ -166,8 +166,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
 
 
 def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> TrainParts:
-    """The model (meta init on every rank, FSDP2 wrap, weights read on rank 0 and broadcast), its optimizer and
-    LR schedule, the packed data, and counters for a fresh start."""
+    """The model (meta init on every rank, FSDP2 wrap, each rank reading its own shards of the weights, or rank 0
+    reading and broadcasting where that cannot be done: model/weightload.py), its optimizer and LR schedule, the
+    packed data, and counters for a fresh start."""
     heartbeat.enter(heartbeat.MODEL_LOAD)
     mesh = build_mesh(env, spec.fsdp.replicate_degree)
     model = load_model(
@@ -181,9 +182,9 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> Tra
     model.train()
     train = spec.train
     # Fused on every device (torch has had a CPU kernel since 2.4): one kernel over all of this rank's shards,
-    # where torch's default on CPU runs ~10 DTensor ops per parameter (the fused step measured 1.14x the
-    # default's at 0.1 M parameters on CPU, bench/RESULTS.md), and no temporaries (foreach AdamW, the default on
-    # CUDA, holds one more shard-sized copy; the planner assumes none).
+    # where torch's default on CPU runs several DTensor ops per parameter (bench/RESULTS.md "Fused AdamW, fewer
+    # ops around the step, and an in-process A/B"), and no temporaries (foreach AdamW, the default on CUDA,
+    # holds one more shard-sized copy; the planner assumes none).
     optimizer = torch.optim.AdamW(
         trainable_parameters(model), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True,
     )
@@ -288,7 +289,7 @@ def _export_final(spec: JobSpec, paths: RunPaths, ckpt: CheckpointManager, env: 
 def _retryable(exc: BaseException) -> bool:
     """Whether a crash may pass on a new attempt: a lost peer or connection, yes; errors of the job itself
     (data, resume refused, out of memory, bugs) or an interrupt, no. The batch script's failure policy
-    (orchestrator/failure.py) also requires that the attempt made progress."""
+    (orchestrator/slurm/failure.py) also requires that the attempt made progress."""
     if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError)):
         return False
     if isinstance(exc, dist.DistError):

@@ -47,7 +47,6 @@ from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
 from .state import DictState, ModelOptimState, RNGState
 from .verify import CheckpointError, newest_valid_step, select_checkpoint
-from .verify import damage  # noqa: F401 - bench/crash_consistency.py imports it from here
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -99,8 +98,8 @@ class CheckpointManager:
 
     With torch.distributed initialized, the constructor is collective: it creates the gloo group
     that DCP and the checkpoint barriers use (DCP's async save deadlocks on the training group).
-    ``sidecar`` holds the run's static facts (spec_hash, fingerprint, mesh_shape, global_batch_size,
-    model_path, ...); the manager adds world_size, step, reason, wall time and versions.
+    ``sidecar`` holds the run's static facts (train passes spec_hash, fingerprint, world_size, mesh_shape,
+    fsdpjob_version and model_path); the manager adds world_size, step, reason, wall time and versions.
     """
 
     def __init__(

@@ -24,10 +24,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fsdpjob.orchestrator.core.spec import DataSpec
+from fsdpjob.orchestrator.core.weightfiles import side_files
 
 from .packing import SequenceTable
 from .sources import data_files
-from ..model.build import side_files
 
 log = logging.getLogger("fsdpjob.data")
 

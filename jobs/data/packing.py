@@ -323,8 +323,9 @@ class BatchStream:
         n = self.epoch_size
         first, last = int(positions[0]), int(positions[-1])
         if last - first == len(positions) - 1 and first // n == last // n:
-            # Contiguous positions inside one epoch (nearly every step): a slice of its order. next_step takes
-            # half the time of the general case below (0.05 against 0.11 ms, warm), which counts at small models.
+            # Contiguous positions inside one epoch (nearly every step): a slice of its order, faster than the
+            # general case below, which counts at small models (bench/RESULTS.md "Fused AdamW, fewer ops around
+            # the step, and an in-process A/B").
             return self._perm(first // n)[first % n : last % n + 1]
         epochs = positions // n
         rows = torch.empty_like(positions)

@@ -21,11 +21,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from fsdpjob.orchestrator.core.spec import LoraSpec
+from fsdpjob.orchestrator.core.weightfiles import side_files
+
 from ..checkpoint.manager import read_sidecar
-from .full import ExportError, _copy_side_files, _load_group, _model_entries, _write_config, write_shards
 from ..model.lora import (ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config,
-                   swap_parameter)
-from ..model.build import side_files
+                          swap_parameter)
+from .hfdir import ExportError, copy_side_files, load_group, model_entries, write_config, write_shards
 
 log = logging.getLogger("fsdpjob.export")
 
@@ -36,8 +38,6 @@ _SAVED = f".modules_to_save.{ADAPTER}."
 
 def lora_writer(lora: dict[str, Any], merge: bool) -> Callable[..., int]:
     """The folder writer export_hf calls for a LoRA checkpoint (``lora``: the spec's model.lora, from its sidecar)."""
-    from fsdpjob.orchestrator.core.spec import LoraSpec
-
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -54,8 +54,8 @@ def _trained(step_dir: Path, model_dir: Path) -> dict[str, torch.Tensor]:
     if recorded is not None and base_fingerprint(model_dir) != recorded:
         raise ExportError(f"{model_dir}: not the base model these adapters were trained on (its weights differ "
                           f"from the ones {step_dir} recorded); pass the run's model folder")
-    prefix, entries = _model_entries(step_dir)
-    return _load_group(step_dir, prefix, entries, list(entries))
+    prefix, entries = model_entries(step_dir)
+    return load_group(step_dir, prefix, entries, list(entries))
 
 
 def _targets(trained: dict[str, torch.Tensor]) -> list[str]:
@@ -132,7 +132,7 @@ def _write_merged(lora: Any, step_dir: Path, model_dir: Path, out: Path, target:
             "load), so they cannot be merged one file at a time; export the adapter folder (without --merge) and "
             "merge it with peft's merge_and_unload"
         )
-    config = _write_config(model_dir, out, target)
+    config = write_config(model_dir, out, target)
     names = [n for n in files if not (config.get("tie_word_embeddings") and n == "lm_head.weight")]
     sizes = _sizes(files, names, target)
 
@@ -151,7 +151,7 @@ def _write_merged(lora: Any, step_dir: Path, model_dir: Path, out: Path, target:
         return out_tensors
 
     count = write_shards(out, sizes, load, target, max_shard_bytes)
-    _copy_side_files(model_dir, out)
+    copy_side_files(model_dir, out)
     log.info("export: merged the adapters of %d modules into %s", len(layers), out)
     return count
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,6 @@ from .weightload import load_sharded
 log = logging.getLogger("fsdpjob.jobs.model")
 
 _MIXED_PRECISION = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-_WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
-
-
-def side_files(model_dir: Path) -> list[Path]:
-    """The model folder's top-level files other than weights and their index: config, tokenizer files,
-    generation config, chat template. Export copies them; the data cache keys on them."""
-    return [
-        item for item in sorted(Path(model_dir).iterdir())
-        if item.is_file() and item.name not in _WEIGHT_INDEXES and not item.name.endswith(_WEIGHT_SUFFIXES)
-    ]
 
 
 def _no_split_classes(model: nn.Module) -> set[str]:
@@ -264,48 +252,3 @@ def load_model(
     del full
     log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
     return model
-
-
-def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward): 6 per matmul weight, plus PaLM's attention term
-    12*L*H*Dh*seq_len when ``seq_len`` is given (it grows with the context, so pass the training seq_len).
-
-    Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
-    """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    matmul_params = sum(
-        p.numel() for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
-    )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * (seq_len or 0)
-    return float(6 * matmul_params + attention)
-
-
-# Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,
-# most specific first.
-_PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("MI300X", 1307e12),
-)
-
-
-def peak_flops_for_name(device_name: str) -> float:
-    """Dense bf16 peak of the named accelerator; NaN when it is not in the table (MFU then reads nan)."""
-    return next((peak for key, peak in _PEAK_BF16_FLOPS if key in device_name), math.nan)
-
-
-def device_peak_flops(device: torch.device) -> float:
-    """Dense bf16 peak of one CUDA device, for MFU."""
-    return peak_flops_for_name(torch.cuda.get_device_name(device))

@@ -59,5 +59,5 @@ def apply_fsdp(
         fully_shard(layer, **options)
     # The root (embedding, final norm, lm_head) is the first unit the backward needs: resharding it after the
     # forward only to gather it again at once costs an all-gather per micro-batch (torch's advice: False for
-    # the root; measured ~6 % of a small model's step in bench/worker_throughput.py).
+    # the root; bench/RESULTS.md "After one collective per step, the root kept gathered ...").
     fully_shard(model, **{**options, "reshard_after_forward": False})

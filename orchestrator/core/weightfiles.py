@@ -1,5 +1,6 @@
-"""A Hugging Face folder's safetensors weights, read without torch: which files hold them, and each file's
-tensor table. Shared by the planner (exact parameter counts) and the worker (each rank's own shards)."""
+"""A Hugging Face folder's safetensors weights, read without torch: which files hold them, each file's
+tensor table, and the files beside them (config, tokenizer). Shared by the planner (exact parameter counts)
+and the worker (each rank's own shards, the data cache's key, export's side files)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # a longer header is a damaged file, not a model
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
 
 
 def weight_files(folder: Path) -> list[Path] | None:
@@ -32,3 +35,12 @@ def read_header(file: Path) -> tuple[dict[str, dict], int]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return header, 8 + length
+
+
+def side_files(model_dir: Path) -> list[Path]:
+    """The model folder's top-level files other than weights and their index: config, tokenizer files,
+    generation config, chat template. Export copies them; the data cache keys on them."""
+    return [
+        item for item in sorted(Path(model_dir).iterdir())
+        if item.is_file() and item.name not in _WEIGHT_INDEXES and not item.name.endswith(_WEIGHT_SUFFIXES)
+    ]

@@ -16,13 +16,8 @@ from distributed import free_port, run_ranks
 from torch import nn
 
 from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed, port_for_job
-from fsdpjob.jobs.model.build import (
-    find_decoder_layers,
-    load_model,
-    model_flops_per_token,
-    peak_flops_for_name,
-    read_full_state_dict,
-)
+from fsdpjob.jobs.metrics import model_flops_per_token, peak_flops_for_name
+from fsdpjob.jobs.model.build import find_decoder_layers, load_model, read_full_state_dict
 from fsdpjob.jobs.model.parallelize import build_mesh
 
 pytestmark = pytest.mark.distributed
