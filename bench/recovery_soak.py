@@ -78,7 +78,8 @@ class Run:
 
 def inject(run: Run, launch: int, rng: random.Random, sig: signal.Signals) -> tuple[float, int, int]:
     """Wait for ``launch`` to train 11-20 steps past its resume, then send ``sig`` to a random rank."""
-    resumed = poll(lambda: run.resumed_at(launch), 300, f"launch {launch} ready")
+    poll(lambda: run.resumed_at(launch) is not None, 300, f"launch {launch} ready")
+    resumed = run.resumed_at(launch)
     target, victim = resumed + CHECKPOINT_EVERY + rng.randint(1, 10), rng.randrange(4)
     poll(lambda: (b := run.beat(victim)).get("launch") == launch and b.get("step", 0) >= target, 300,
          f"launch {launch} at step {target}")

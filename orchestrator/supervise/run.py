@@ -119,8 +119,11 @@ class Supervisor:
 
     def _relay_stderr(self, stream) -> None:
         for line in iter(stream.readline, b""):
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+            try:
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # no log to pass it to: keep reading, or srun would block on a full pipe
             if (report := srun_task_exit(line.decode("utf-8", errors="replace"))) is not None:
                 self._srun_exits.append(report)
 
