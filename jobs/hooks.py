@@ -9,6 +9,9 @@
   Each pause logs ``fault injection: rank R pausing ...``.
 - ``FSDPJOB_FAULT_DATA_HANG_STEP=<n>``: before training step n+1, rank ``FSDPJOB_FAULT_DATA_HANG_RANK`` (default 0)
   sleeps forever where it fetches its batch (a rank stuck in the data path).
+- ``FSDPJOB_FAULT_STOP_STEP=<n>``: after training step n, before that step's checkpoint, rank
+  ``FSDPJOB_FAULT_STOP_RANK`` (default 0) sends itself SIGSTOP (a frozen process, heartbeat thread included)
+  while the others go on into the save.
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
 then runs clean, as after a real transient fault.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -46,6 +50,8 @@ class TestHooks:
     save_pause_step: int | None = None  # None: every step
     data_hang_step: int | None = None
     data_hang_rank: int = 0
+    stop_step: int | None = None
+    stop_rank: int = 0
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -59,6 +65,8 @@ class TestHooks:
             save_pause_step=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_STEP")),
             data_hang_step=_int_or_none(env.get("FSDPJOB_FAULT_DATA_HANG_STEP")) if faults else None,
             data_hang_rank=int(env.get("FSDPJOB_FAULT_DATA_HANG_RANK") or 0),
+            stop_step=_int_or_none(env.get("FSDPJOB_FAULT_STOP_STEP")) if faults else None,
+            stop_rank=int(env.get("FSDPJOB_FAULT_STOP_RANK") or 0),
         )
 
     def maybe_hang_in_data(self, step: int, rank: int) -> None:
@@ -66,6 +74,11 @@ class TestHooks:
             log.warning("fault injection: rank %d hanging in the data path before step %d", rank, step + 1)
             while True:
                 time.sleep(3600)
+
+    def maybe_freeze(self, step: int, rank: int) -> None:
+        if self.stop_step == step and self.stop_rank == rank:
+            log.warning("fault injection: rank %d freezing itself (SIGSTOP) after step %d", rank, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def storage_writer(self, step_dir: Path, *, rank: int, step: int) -> CheckpointWriter:
         """DCP's file writer for this rank's save of ``step``; one that pauses when the fault hook says so."""

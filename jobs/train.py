@@ -136,6 +136,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             state.step += 1
             state.tokens_seen += state.last.tokens
             report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
+            hooks.maybe_freeze(state.step, env.rank)
             gcpolicy.after_step(state.step)
             if evaluator:
                 evaluator.maybe_run(state.step)

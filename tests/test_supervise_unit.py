@@ -10,7 +10,8 @@ import pytest
 
 from fsdpjob.orchestrator.core import heartbeat
 from fsdpjob.orchestrator.core.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
-from fsdpjob.orchestrator.supervise.policy import Fault, restart_in_allocation
+from fsdpjob.orchestrator.supervise.blame import blame_crash
+from fsdpjob.orchestrator.supervise.policy import BLAME_FORGOTTEN_AFTER_STEPS, Fault, restart_in_allocation
 from fsdpjob.orchestrator.supervise.stacks import top_frame
 from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
 
@@ -73,6 +74,28 @@ def test_everyone_in_the_same_place_is_a_hang_without_a_culprit() -> None:
     t = trained(watch, 20, every=1.0)
     verdict = watch.observe([beat(0, 20, t=t + 6), beat(1, 20, t=t + 6)], t + 6)
     assert verdict is not None and verdict.kind == "hang" and verdict.ranks == ()
+
+
+def test_a_frozen_rank_is_a_hang_whatever_phase_the_others_are_in() -> None:
+    """Issue 29: rank 1 froze after its step while rank 0 went on into the save and waits there; the save's
+    bound (minutes) is for ranks alive in a save: the frozen heartbeat is a hang after max(5 s, floor)."""
+    watch = make_watch(setup=600, floor=5, factor=10)
+    t = trained(watch, 10, every=0.5)
+    for k in range(1, 30):
+        verdict = watch.observe([beat(0, 10, SAVE, t=t + k, since=t), beat(1, 9, STEP, t=t)], t + k)
+        if verdict is not None:
+            break
+    assert k == 6 and verdict.kind == "hang" and verdict.ranks == (1,), (k, verdict)
+    assert "rank 1 on n1 frozen in 'training step' at step 9" in verdict.reason and verdict.waited_s == 6
+
+
+def test_a_frozen_heartbeat_is_timed_by_the_supervisors_clock() -> None:
+    """A node whose clock is 60 s behind is not frozen as long as its heartbeat keeps changing."""
+    watch = make_watch(floor=5, factor=10)
+    t = 100.0
+    for s in range(1, 40):
+        t += 1.0
+        assert watch.observe([beat(0, s, t=t), beat(1, s, t=t - 60, host="n2")], t) is None
 
 
 def test_setup_bound_and_missing_ranks() -> None:
@@ -168,6 +191,57 @@ def test_policy_excludes_a_node_blamed_twice() -> None:
     assert restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=False).restart
 
 
+def test_policy_forgets_a_blame_after_enough_good_steps() -> None:
+    hang = Fault("hang", 0, 10, ("n2",), trained=30)
+    soon = Fault("crash", 1, 20, ("n2",), trained=BLAME_FORGOTTEN_AFTER_STEPS - 1)
+    later = Fault("crash", 1, 20, ("n2",), trained=BLAME_FORGOTTEN_AFTER_STEPS)
+    assert not restart_in_allocation([hang, soon], [], max_restarts=5, ever_trained=True, can_exclude=True).restart
+    assert restart_in_allocation([hang, later], [], max_restarts=5, ever_trained=True, can_exclude=True).restart
+
+
+def test_policy_restarts_here_when_a_requeue_could_not_exclude_the_node() -> None:
+    """Issue 29: on a 2-node partition a 2-node job cannot be kept off n2; a requeue would land on the same
+    nodes after Slurm's hold, so the workers restart in the allocation (a lost node still ends the loop)."""
+    faults = [fault(committed=10, hosts=("n2",)), fault(committed=20, hosts=("n2",))]
+    refuses = lambda nodes: f"{', '.join(nodes)}: partition debug would keep 1 node(s) for a 2-node job"  # noqa: E731
+    out = restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=True, nodes=2, min_nodes=2,
+                 requeue_refuses=refuses)
+    assert out.restart and not out.exclude and "could not exclude" in out.why, out
+    lost = restart_in_allocation(faults, [], max_restarts=5, ever_trained=True, can_exclude=True, nodes=2, min_nodes=2,
+                  dead=("n2",), requeue_refuses=refuses)
+    assert not lost.restart and lost.exclude == ("n2",), lost
+    spent = restart_in_allocation(faults, [], max_restarts=1, ever_trained=True, can_exclude=True, nodes=2, min_nodes=2,
+                   requeue_refuses=refuses)
+    assert not spent.restart and "recovery.max_restarts" in spent.why
+
+
+def _failed(rank: int, t: float, error: str) -> dict:
+    return {"event": "failed", "rank": rank, "time": t, "error": error, "retryable": True, "step": 12}
+
+
+def test_crash_blames_the_rank_that_died_not_its_peers() -> None:
+    beats = [beat(r, 12, t=99.5 if r == 0 else 100.4, host="n1" if r < 2 else "n2") for r in range(4)]
+    reset = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection reset by peer [127.0.0.1]:4242"
+    events = [_failed(r, 100.1, reset) for r in (1, 2, 3)]
+    found = blame_crash(beats, events, gone=(0, 1, 2, 3))
+    assert found.ranks == (0,) and found.hosts == ("n1",) and found.casualties == (1, 2, 3), found
+    assert "signal" in found.exits[0] and "after a peer" in found.exits[2]
+    # A rank torn down by srun after its peers failed (still beating then) is a casualty too.
+    found = blame_crash(beats, events[:2], gone=(0, 1, 2, 3))
+    assert found.ranks == (0,) and found.hosts == ("n1",), found
+    # A Python error of one rank, its peers then failing on the broken connection: that rank.
+    found = blame_crash(beats, [_failed(2, 100.0, "ValueError: bad batch"), *events[:1]], gone=())
+    assert found.ranks == (0,), found  # rank 0 still wrote nothing and stopped first
+    quiet = [beat(r, 12, t=100.4, host="n1" if r < 2 else "n2") for r in range(4)]
+    found = blame_crash(quiet, [_failed(2, 100.0, "ValueError: bad batch"), _failed(3, 100.1, reset)])
+    assert found.ranks == (2,) and found.hosts == ("n2",), found
+    # Nothing written at all (every rank killed): the heartbeat that stopped first, else unknown.
+    early = [beat(r, 12, t=97.0 if r == 2 else 100.4, host="n1" if r < 2 else "n2") for r in range(4)]
+    assert blame_crash(early, []).hosts == ("n2",)
+    assert blame_crash(quiet, []).hosts == ()
+    assert blame_crash(quiet, [], gone=(1,)).ranks == (1,)
+
+
 def test_heartbeat_file_round_trip(tmp_path) -> None:
     hb = Heartbeat(tmp_path, rank=3, launch=2, interval_s=0.05)
     hb.at_step(7, NEXT_BATCH)
@@ -235,3 +309,30 @@ def test_an_exit_code_without_done_is_a_crash(tmp_path) -> None:
     assert rc == 140
     faults = [e for e in events if e["event"] == "fault"]
     assert len(faults) == 1 and not faults[0]["restart"]  # it never trained: not restarted
+
+
+def test_crash_blame_on_a_recorded_run() -> None:
+    """Recorded on the dev cluster (tests/data/recovery/crash-peers-reset: launch 2 of
+    tests/slurm/test_recovery_slurm.py's issue-29 run): rank 2 on n2 SIGKILLed at step 22; ranks 0, 1 and 3 then
+    failed with gloo's "Connection reset by peer" / "Connection closed by peer". Every rank's process was gone by
+    the supervisor's next poll (the dev cluster's nodes share one machine), which used to blame n1 and n2."""
+    import json
+    from pathlib import Path
+
+    from fsdpjob.orchestrator.supervise.blame import srun_task_exit
+
+    data = Path(__file__).parent / "data" / "recovery" / "crash-peers-reset"
+    events = [json.loads(x) for x in (data / "events.jsonl").read_text().splitlines()]
+    beats = [Beat.from_json(json.loads(p.read_text())) for p in sorted((data / "heartbeat").glob("rank-*.json"))]
+    srun = [srun_task_exit(x) for x in (data / "srun.txt").read_text().splitlines()]
+    assert srun[0] == ((2,), "Killed") and srun[1] == ((1,), "Exited with exit code 1")
+    before_fault = [e for e in events if e["event"] != "fault"]
+    for reports in (srun, []):  # srun's order, or the errors and heartbeats alone
+        found = blame_crash(beats, before_fault, gone=(0, 1, 2, 3), srun=reports)
+        assert found.ranks == (2,) and found.hosts == ("n2",) and found.casualties == (0, 1, 3), found
+    hang = Fault("hang", 0, 5, ("n2",), trained=9)
+    crash = Fault("crash", 2, 20, found.hosts, trained=7)
+    refuses = lambda nodes: "n2: partition debug would keep 1 node(s) for a 2-node job"  # noqa: E731
+    out = restart_in_allocation([hang, Fault("crash", 1, 15, ("n1",), trained=12), crash], before_fault, max_restarts=3,
+                 ever_trained=True, can_exclude=True, nodes=2, min_nodes=2, requeue_refuses=refuses)
+    assert out.restart and "could not exclude" in out.why, out

@@ -145,14 +145,10 @@ def exclude_nodes(job_id: str, nodes: list[str], wait_s: float = 20) -> str:
     Not when the job's partition would keep too few other nodes for it: it would then pend forever. Slurm
     takes the change only once the requeued job is pending, so a "can not be altered now" is retried."""
     info = scontrol_job(job_id) or {}
-    old = [n for n in (info.get("ExcNodeList") or "").split(",") if n and n != "(null)"]
-    wanted = sorted({*old, *nodes})
-    partition, needed = info.get("Partition", ""), int((info.get("NumNodes") or "1").split("-")[0])
-    members = hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
-    left = [n for n in members if n not in wanted]
-    if members and len(left) < needed:
-        return (f"not excluding {', '.join(nodes)}: partition {partition} would keep {len(left)} node(s) for a "
-                f"{needed}-node job")
+    refused = exclusion_refusal(job_id, nodes, info)
+    if refused:
+        return f"not excluding {refused}"
+    wanted = sorted({*_excluded(info), *nodes})
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -162,6 +158,23 @@ def exclude_nodes(job_id: str, nodes: list[str], wait_s: float = 20) -> str:
             if time.monotonic() > deadline:
                 return f"could not exclude {', '.join(nodes)}: {exc}"
             time.sleep(1)
+
+
+def exclusion_refusal(job_id: str, nodes: list[str], info: dict | None = None) -> str | None:
+    """Why the job cannot be kept off ``nodes``: its partition would keep too few other nodes for it (it
+    would pend forever); None when it can."""
+    info = info if info is not None else scontrol_job(job_id) or {}
+    wanted = {*_excluded(info), *nodes}
+    partition, needed = info.get("Partition", ""), int((info.get("NumNodes") or "1").split("-")[0])
+    members = hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
+    left = [n for n in members if n not in wanted]
+    if members and len(left) < needed:
+        return f"{', '.join(nodes)}: partition {partition} would keep {len(left)} node(s) for a {needed}-node job"
+    return None
+
+
+def _excluded(info: dict) -> list[str]:
+    return [n for n in (info.get("ExcNodeList") or "").split(",") if n and n != "(null)"]
 
 
 def hostnames(nodelist: str) -> list[str]:

@@ -24,6 +24,7 @@ class SlurmAllocation:
     nodes: int
     job_id: str | None  # for srun --overlap (probes, stack dumps on other nodes)
     can_exclude = True
+    srun_reports = True  # srun's stderr names the task that failed first (supervise/blame.py)
 
     @classmethod
     def from_env(cls) -> SlurmAllocation:
@@ -50,6 +51,16 @@ class SlurmAllocation:
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
             return tuple(n for n, dead in zip(nodes, pool.map(gone, nodes)) if dead)
 
+    def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
+        """Why a requeue could not keep the job off ``nodes`` (its partition would keep too few others), or
+        None. Asked only when the supervisor would otherwise give up on a node blamed twice."""
+        if self.job_id is None:
+            return None
+        try:
+            return slurm_cli.exclusion_refusal(self.job_id, list(nodes))
+        except FsdpjobError:
+            return None
+
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""
         proc.send_signal(signal.SIGINT)
@@ -64,9 +75,13 @@ class LocalAllocation:
     nodes: int = 1
     job_id: str | None = None
     can_exclude = False
+    srun_reports = False
 
     def lost(self, excluded: tuple[str, ...]) -> tuple[str, ...]:
         return ()
+
+    def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
+        return None  # no requeue path to compare with: a local run restarts or gives up
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """A local tree (controller and ranks) gets SIGKILL."""

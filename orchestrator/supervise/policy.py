@@ -9,14 +9,18 @@ it as before. The rules, in order:
   it is restarted, within the budget);
 - ``recovery.max_restarts`` restarts per allocation;
 - two restarts in a row that committed no new checkpoint end it: the fault repeats faster than progress;
-- a node blamed twice (by the rank that died or stalled), or lost (it no longer runs a probe): the run goes
-  on without it when ``resources.min_nodes`` allows, else the loop ends naming the node and the failure
-  policy requeues the job with that node excluded.
+- a node blamed twice (by the rank that died first or stalled, never by its casualties: blame.py), or lost
+  (it no longer runs a probe): the run goes on without it when ``resources.min_nodes`` allows, else the loop
+  ends naming the node and the failure policy requeues the job with that node excluded. A blame is
+  forgotten once the run trained ``BLAME_FORGOTTEN_AFTER_STEPS`` good steps after it. Where a requeue could
+  not exclude a node that still answers (its partition would keep too few others), a requeue would only
+  land on the same nodes after Slurm's ~120 s hold: the workers restart here instead (within the budget).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core import attempts, runlog
@@ -30,6 +34,11 @@ class Fault:
     launch: int
     committed: int | None  # the newest committed checkpoint step when it happened
     hosts: tuple[str, ...]  # nodes of the blamed ranks
+    trained: int = 0  # steps the launch trained before it: what makes earlier blames decay
+
+
+# A node blamed once and then clean for this many trained steps is not "blamed twice" at its next fault.
+BLAME_FORGOTTEN_AFTER_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,13 @@ class Decision:
 
 def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max_restarts: int,
                           ever_trained: bool, can_exclude: bool, dead: tuple[str, ...] = (), excluded: tuple[str, ...] = (),
-                          nodes: int = 1, min_nodes: int = 1) -> Decision:
+                          nodes: int = 1, min_nodes: int = 1,
+                          requeue_refuses: Callable[[tuple[str, ...]], str | None] | None = None) -> Decision:
     """Restart after ``faults[-1]``? ``launch_events`` are the run-log events written since that launch
     started; ``ever_trained``: a launch of the run trained (core/attempts.ever_trained); ``dead``: nodes that no
     longer run anything (count as blamed twice); ``excluded``: nodes this allocation already left out, of its
-    ``nodes``; it may go on with ``min_nodes`` (resources.min_nodes)."""
+    ``nodes``; it may go on with ``min_nodes`` (resources.min_nodes); ``requeue_refuses(nodes)``: why a
+    requeue could not keep the job off those nodes (asked only before giving up on them), or None."""
     fault = faults[-1]
     for e in launch_events:
         if e.get("event") == runlog.CANCEL:
@@ -64,7 +75,7 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
                                "(recovery.max_restarts)")
     if len(faults) >= 3 and faults[-1].committed == faults[-2].committed == faults[-3].committed:
         return Decision(False, f"two restarts in a row committed no new checkpoint (still step {fault.committed})")
-    blamed = Counter(host for f in faults for host in set(f.hosts))
+    blamed = Counter(host for f in _remembered(faults) for host in set(f.hosts))
     twice = tuple(sorted(({h for h, n in blamed.items() if n >= 2} | set(dead)) - set(excluded)))
     if twice and can_exclude:
         left = nodes - len(excluded) - len(twice)
@@ -73,8 +84,24 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
                                   f"going on with {left} node(s) in this allocation (resources.min_nodes {min_nodes}), "
                                   f"from the newest committed checkpoint (restart {len(faults)} of {max_restarts})",
                             exclude=twice)
+        refused = requeue_refuses(twice) if requeue_refuses and not set(twice) & set(dead) else None
+        if refused:
+            return Decision(True, f"node(s) {', '.join(twice)} blamed twice, but a requeue could not exclude them "
+                                  f"({refused}): restarting the workers in this allocation instead "
+                                  f"(restart {len(faults)} of {max_restarts})")
         return Decision(False, f"node(s) {', '.join(twice)} blamed twice or lost and only {left} of {nodes} would "
                                f"be left (resources.min_nodes {min_nodes}); requeueing the job without them",
                         exclude=twice)
     return Decision(True, f"{fault.kind}: restarting the workers in this allocation from the newest committed "
                           f"checkpoint (restart {len(faults)} of {max_restarts})")
+
+
+def _remembered(faults: list[Fault]) -> list[Fault]:
+    """The faults whose blame still counts: those not followed by BLAME_FORGOTTEN_AFTER_STEPS trained steps
+    (the launches after a fault trained that much before the next one, or the last, ended)."""
+    kept, clean = [], 0
+    for fault in reversed(faults):
+        if clean < BLAME_FORGOTTEN_AFTER_STEPS:
+            kept.append(fault)
+        clean += fault.trained
+    return kept[::-1]

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import stacks
 from .allocation import allocation_for
+from .blame import blame_crash, srun_task_exit
 from .policy import Fault, restart_in_allocation
 from .watch import Bounds, Verdict, Watch
 
@@ -79,12 +81,19 @@ class Supervisor:
             return rc if rc != 0 else 1
 
     def _launch(self, launch: int, started: float) -> tuple[int, Verdict | None]:
-        self._crash_hosts: tuple[str, ...] = ()
+        self._gone: tuple[int, ...] = ()
         self._crash_seen_at: float | None = None
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
         env = {**os.environ, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
-        self.proc = subprocess.Popen(self._command(), env=env, start_new_session=True)
+        # srun's stderr passes through here: its task reports name the rank that failed first (blame.py).
+        srun = self.allocation.srun_reports
+        self.proc = subprocess.Popen(self._command(), env=env, start_new_session=True,
+                                     stderr=subprocess.PIPE if srun else None)
+        self._srun_exits: list[tuple[tuple[int, ...], str]] = []
+        self._relay = threading.Thread(target=self._relay_stderr, args=(self.proc.stderr,), daemon=True) if srun else None
+        if self._relay is not None:
+            self._relay.start()
         world = (self.nodes - len(self.excluded)) * self.tasks_per_node
         watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
                                              self.recovery.stall_factor))
@@ -93,7 +102,7 @@ class Supervisor:
             beats = heartbeat.read_beats(self.run_dir, launch)
             dead = _dead(beats)
             if dead:  # srun's --kill-on-bad-exit ends a Slurm step itself; a local controller waits for all
-                self._crash_hosts = tuple(sorted({b.host for b in dead}))
+                self._gone = tuple(b.rank for b in dead)
                 self._crash_seen_at = time.time()
                 print(f"fsdpjob supervisor: rank(s) {[b.rank for b in dead]} exited; ending the step",
                       file=sys.stderr, flush=True)
@@ -103,6 +112,16 @@ class Supervisor:
                 self._stall(verdict, beats, launch)
                 return self._end_step(), verdict
         return self.proc.wait(), None
+
+    def _relay_stderr(self, stream) -> None:
+        for line in iter(stream.readline, b""):
+            try:
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # no log to pass it to: keep reading, or srun would block on a full pipe
+            if (report := srun_task_exit(line.decode("utf-8", errors="replace"))) is not None:
+                self._srun_exits.append(report)
 
     def _command(self) -> list[str]:
         """The step's command; after nodes were lost, srun on the ones left (same tasks per node)."""
@@ -155,20 +174,28 @@ class Supervisor:
 
     def _record(self, launch: int, started: float, rc: int, verdict: Verdict | None):
         timeline = runlog.timeline(self.run_dir)
+        since = runlog.since(timeline, started)
         committed = committed_steps(checkpoint_root(self.run_dir))
+        beats = heartbeat.read_beats(self.run_dir, launch)
         if verdict is None:
             seen = self._crash_seen_at or time.time()
-            kind, info, hosts = "crash", {"reason": f"the workers' step exited {rc}", "detected_at": seen}, self._crashed_hosts()
+            # The rank that died first, not the peers that failed after it (blame.py).
+            if self._relay is not None:
+                self._relay.join(timeout=2.0)  # srun has exited: its last lines are on their way
+            found = blame_crash(beats, since, self._gone, self._srun_exits)
+            kind, hosts = "crash", found.hosts
+            info = {"reason": f"the workers' step exited {rc}", "detected_at": seen, "ranks": list(found.ranks),
+                    "casualties": list(found.casualties), "exits": {str(r): w for r, w in found.exits.items()}}
         else:
             kind, info, hosts = verdict.kind, self._stall_info, self._stall_hosts
-        self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts))
-        decision = restart_in_allocation(self.faults, runlog.since(timeline, started),
-                                         max_restarts=self.recovery.max_restarts,
+        self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts,
+                                 trained=_trained(beats, since)))
+        decision = restart_in_allocation(self.faults, since, max_restarts=self.recovery.max_restarts,
                                          ever_trained=attempts.ever_trained(timeline),
                                          can_exclude=self.allocation.can_exclude,
                                          dead=self.allocation.lost(self.excluded) if kind == "crash" else (),
-                                         excluded=self.excluded,
-                                         nodes=self.nodes, min_nodes=self.min_nodes)
+                                         excluded=self.excluded, nodes=self.nodes, min_nodes=self.min_nodes,
+                                         requeue_refuses=self.allocation.requeue_refuses)
         if decision.restart and decision.exclude:
             self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
         runlog.append(self.run_dir, runlog.FAULT, kind=kind, launch=launch, exit_code=rc, hosts=list(hosts),
@@ -178,17 +205,6 @@ class Supervisor:
         print(f"fsdpjob supervisor: {kind} of launch {launch}: {decision.why}", file=sys.stderr, flush=True)
         return decision
 
-    def _crashed_hosts(self) -> tuple[str, ...]:
-        """The node of a rank that died: seen dead on this machine, or its heartbeat stopped before the
-        others' (--kill-on-bad-exit then killed the rest within a second or two). Unknown when they all
-        stopped together."""
-        if self._crash_hosts:
-            return self._crash_hosts
-        beats = heartbeat.read_beats(self.run_dir)
-        if len(beats) < 2:
-            return ()
-        newest = max(b.time for b in beats)
-        return tuple(sorted({b.host for b in beats if newest - b.time > 2 * heartbeat.HEARTBEAT_S}))
 
     def _setup_bound(self) -> float:
         """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
@@ -198,6 +214,14 @@ class Supervisor:
         if not ready:
             return FIRST_SETUP_BOUND_S
         return 3 * float(ready[-1].get("setup_s") or 0) + 60
+
+
+def _trained(beats: list[heartbeat.Beat], events: list[dict]) -> int:
+    """Steps this launch trained: from its ready event's step to the furthest rank's heartbeat."""
+    ready = next((e for e in events if e.get("event") == runlog.READY), None)
+    if ready is None or not beats:
+        return 0
+    return max(0, max(b.step for b in beats) - int(ready.get("step") or 0))
 
 
 def _dead(beats: list[heartbeat.Beat]) -> list[heartbeat.Beat]:

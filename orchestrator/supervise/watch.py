@@ -1,6 +1,9 @@
 """Stall detection over the ranks' heartbeats: pure (beats and clock in, a verdict out), so it is unit-tested
 without processes. The supervisor calls ``Watch.observe`` about once a second.
 
+A frozen rank (its heartbeat thread stopped writing: SIGSTOP, a stuck process) is a hang as soon as its
+heartbeat is max(``FROZEN_AFTER_S``, floor) old, once the ranks train, whatever phase the others are in: the
+others may wait for it in a save or an eval, whose bounds are for ranks that are alive and in that phase.
 What counts as progress: any rank's (step, phase) changing. What bounds a wait:
 - setup (imports to the first step): ``setup_bound_s`` from the launch, for every rank;
 - a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound;
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdpjob.orchestrator.core.heartbeat import HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
+from fsdpjob.orchestrator.core.heartbeat import EXITED, HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
 
 FROZEN_AFTER_S = 3 * HEARTBEAT_S + 2  # a heartbeat older than this: the process is not running
 RECENT_STEPS = 50  # step times kept for the p95
@@ -64,6 +67,8 @@ class Watch:
     _long_phases: dict[str, float] = field(default_factory=dict)  # longest save/eval seen so far
     _in_long: dict[int, tuple[str, float]] = field(default_factory=dict)
     _long_since_step: bool = False
+    _stale: set = field(default_factory=set)
+    _beat_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank: (its beat's time, seen at)
     training: bool = False  # every rank has reached the loop
 
     def __post_init__(self) -> None:
@@ -73,16 +78,26 @@ class Watch:
         self._track(beats, now)
         if not self.training:
             return self._setup_verdict(beats, now)
+        ages = self.ages(now)
+        after = max(FROZEN_AFTER_S, self.bounds.floor_s)
+        frozen = [ages[b.rank] for b in beats if b.phase != EXITED and ages[b.rank] > after]
+        if frozen:
+            return blame(beats, now, max(frozen), f"a heartbeat stopped {max(frozen):.0f} s ago (bound {after:.0f} s)",
+                         ages)
         bound = self.bound()
         waited = now - self._last_change
         if waited < bound:
             return None
-        return blame(beats, now, waited, f"no rank advanced for {waited:.0f} s (bound {bound:.0f} s)")
+        return blame(beats, now, waited, f"no rank advanced for {waited:.0f} s (bound {bound:.0f} s)", ages)
+
+    def ages(self, now: float) -> dict[int, float]:
+        """Seconds since each rank's heartbeat last changed, on this clock (a node's clock may be off)."""
+        return {rank: now - seen for rank, (_, seen) in self._beat_seen.items()}
 
     def bound(self) -> float:
-        """Seconds without progress that make a stall, for where the ranks are now."""
+        """Seconds without progress that make a stall, for where the live ranks are now."""
         b = self.bounds
-        long = {phase for phase, _ in self._in_long.values()}
+        long = {phase for rank, (phase, _) in self._in_long.items() if rank not in self._stale}
         if long:
             if not all(p in self._long_phases for p in long):
                 return max(b.setup_s, 4 * b.floor_s)  # a first save or eval: nothing to compare it with yet
@@ -95,6 +110,11 @@ class Watch:
         return _p95(self._step_times) if self._step_times else None
 
     def _track(self, beats: list[Beat], now: float) -> None:
+        for beat in beats:
+            if self._beat_seen.get(beat.rank, (None,))[0] != beat.time:
+                self._beat_seen[beat.rank] = (beat.time, now)
+        # Ranks whose heartbeat is not running: a save or eval they seem to be in is no longer going on.
+        self._stale = {rank for rank, age in self.ages(now).items() if age > FROZEN_AFTER_S}
         for beat in beats:
             for phase, took in beat.longest.items():
                 if took > self._long_phases.get(phase, -1.0):
@@ -131,15 +151,17 @@ class Watch:
         if missing:
             return Verdict("hang", tuple(missing), f"rank(s) {missing} never reported in {waited:.0f} s of setup "
                                                    f"(bound {self.bounds.setup_s:.0f} s)", waited)
-        return blame(beats, now, waited, f"setup took over {self.bounds.setup_s:.0f} s")
+        return blame(beats, now, waited, f"setup took over {self.bounds.setup_s:.0f} s", self.ages(now))
 
 
-def blame(beats: list[Beat], now: float, waited: float, why: str) -> Verdict:
-    """Who stalled the run, from where each rank is and whether its heartbeat still runs."""
-    frozen = [b for b in beats if now - b.time > FROZEN_AFTER_S]
+def blame(beats: list[Beat], now: float, waited: float, why: str, ages: dict[int, float] | None = None) -> Verdict:
+    """Who stalled the run, from where each rank is and whether its heartbeat still runs (``ages``: seconds
+    since each rank's heartbeat changed; by default from the beats' own times)."""
+    age = {b.rank: (ages or {}).get(b.rank, now - b.time) for b in beats}
+    frozen = [b for b in beats if b.phase != EXITED and age[b.rank] > FROZEN_AFTER_S]
     if frozen:
         where = "; ".join(f"rank {b.rank} on {b.host} frozen in {b.phase!r} at step {b.step} "
-                          f"(no heartbeat for {now - b.time:.0f} s)" for b in frozen)
+                          f"(no heartbeat for {age[b.rank]:.0f} s)" for b in frozen)
         return Verdict("hang", tuple(b.rank for b in frozen), f"{why}: {where}", waited)
     places = {b.rank: _place(b) for b in beats}
     if places and len(set(places.values())) > 1:

@@ -109,3 +109,38 @@ def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference):
     assert status(run["run_id"])["recovery"]["excluded_nodes"] == ["n2"]
     a, b = reference["weights"], final_weights(run["run_dir"])
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), "beyond fp32 tolerance"
+
+
+def _beat(run_dir: str, rank: int) -> dict:
+    try:
+        return json.loads(Path(run_dir, "heartbeat", f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _kill_at(run: dict, launch: int, step: int, rank: int) -> None:
+    """SIGKILL ``rank`` once launch ``launch`` trained past ``step`` (its heartbeat says so)."""
+    wait_for(lambda: (b := _beat(run["run_dir"], rank)).get("launch") == launch and b.get("step", 0) >= step,
+             timeout_s=240, interval_s=0.5, what=f"launch {launch} at step {step}")
+    os.kill(_beat(run["run_dir"], rank)["pid"], signal.SIGKILL)
+
+
+def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(slurm_cluster, reference):
+    """Issue 29. Launch 0: rank 3 (n2) freezes itself (SIGSTOP) after step 10, while the others go into step
+    10's save: a hang detected within the stall floor + 10 s, not after the save's bound. Launch 1: rank 1 (n1)
+    is killed; its peers fail with connection errors, and only n1 is blamed. Launch 2: rank 2 (n2) is
+    killed; n2 is now blamed twice, but the partition has no node to requeue onto without it, so the workers
+    restart here again. One allocation, no requeue, the uninterrupted run's bits."""
+    run = submit(reference["spec"], *FAST, "--set", "env.FSDPJOB_FAULT_STOP_STEP='10'",
+                 "--set", "env.FSDPJOB_FAULT_STOP_RANK='3'")
+    _kill_at(run, launch=1, step=17, rank=1)  # checkpoint 15 committed: every restart made progress
+    _kill_at(run, launch=2, step=22, rank=2)
+    _finished(run)
+    hang, other_node, same_node = _one_allocation(run, launches=4)
+    assert hang["kind"] == "hang" and hang["ranks"] == [3] and hang["hosts"] == ["n2"], hang
+    assert "frozen in 'training step'" in hang["reason"] and hang["detected_after_s"] <= 5 + 10, hang
+    assert other_node["kind"] == "crash" and other_node["ranks"] == [1] and other_node["hosts"] == ["n1"], other_node
+    assert 1 not in other_node["casualties"] and other_node["restart"] is True, other_node
+    assert same_node["ranks"] == [2] and same_node["hosts"] == ["n2"] and same_node["restart"] is True, same_node
+    assert "could not exclude" in same_node["decision"], same_node
+    assert_same_weights(reference, run["run_dir"])

@@ -1,0 +1,164 @@
+"""Recovery soak (issue 29): hang + crash trials back to back in one run on the dev cluster (2 nodes x 2 tasks):
+
+    SLURM_CONF=/tmp/fsdpjob-devcluster/etc/slurm.conf python bench/recovery_soak.py [--trials 10] [--seed N]
+
+One quickstart-model run with the default recovery settings (stall floor 30 s, factor 10), except
+`recovery.max_restarts` (2 x trials + 1: every fault costs one restart) and checkpoints every 10 steps. Each
+trial, with seeded random steps and victims (the seed is printed):
+- hang: once the launch trained 11-20 steps past where it resumed (so a newer checkpoint is committed), one
+  random rank is SIGSTOPped; timed: freeze -> the supervisor's fault event (`detected_at`), and freeze -> the
+  first step trained after the restart;
+- crash: the same wait in the next launch, then one random rank is SIGKILLed; timed: kill -> the first step
+  trained after the restart.
+Per trial it prints both times, the fault events' blamed nodes, requeues so far (must stay 0: the same job
+id, restart count 0) and steps lost (the step a fault hit minus the step the next launch resumed from).
+Targets: every trial recovered in the allocation with no requeue, hang detection <= 60 s, crash -> next
+trained step <= 30 s. Exits 1 when a trial misses one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from devjobs import cli, poll  # bench/devjobs.py (this folder is on sys.path)
+
+CHECKPOINT_EVERY = 10
+
+
+def lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+class Run:
+    def __init__(self, run: dict):
+        self.info, self.dir = run, Path(run["run_dir"])
+
+    def events(self, name: str | None = None) -> list[dict]:
+        return [e for e in lines(self.dir / "events.jsonl") if name is None or e["event"] == name]
+
+    def beat(self, rank: int) -> dict:
+        try:
+            return json.loads((self.dir / "heartbeat" / f"rank-{rank}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def resumed_at(self, launch: int) -> int | None:
+        ready = [e for e in self.events("ready")]
+        return ready[launch]["step"] if len(ready) > launch else None
+
+    def first_step_after(self, t: float) -> float | None:
+        """Time of the first step trained after the first ready event later than ``t``."""
+        ready = [e for e in self.events("ready") if e["time"] > t]
+        if not ready:
+            return None
+        after = [m["time"] for m in lines(self.dir / "metrics.jsonl") if m["time"] > ready[0]["time"] and "loss" in m]
+        return after[0] if after else None
+
+    def step_before(self, t: float) -> int:
+        return max((m["step"] for m in lines(self.dir / "metrics.jsonl") if m["time"] <= t and "loss" in m), default=0)
+
+
+def inject(run: Run, launch: int, rng: random.Random, sig: signal.Signals) -> tuple[float, int, int]:
+    """Wait for ``launch`` to train 11-20 steps past its resume, then send ``sig`` to a random rank."""
+    poll(lambda: run.resumed_at(launch) is not None, 300, f"launch {launch} ready")
+    resumed = run.resumed_at(launch)
+    target, victim = resumed + CHECKPOINT_EVERY + rng.randint(1, 10), rng.randrange(4)
+    poll(lambda: (b := run.beat(victim)).get("launch") == launch and b.get("step", 0) >= target, 300,
+         f"launch {launch} at step {target}")
+    os.kill(run.beat(victim)["pid"], sig)
+    return time.time(), victim, run.beat(victim)["step"]
+
+
+def fault_after(run: Run, t: float) -> dict:
+    return poll(lambda: next((e for e in run.events("fault") if e["time"] > t), None), 300, "the fault event")
+
+
+def trial(run: Run, n: int, rng: random.Random) -> dict:
+    launch = 2 * n
+    frozen_at, hang_rank, hang_step = inject(run, launch, rng, signal.SIGSTOP)
+    hang = fault_after(run, frozen_at)
+    hang_next = poll(lambda: run.first_step_after(hang["time"]), 300, "a step after the hang's restart")
+    killed_at, crash_rank, crash_step = inject(run, launch + 1, rng, signal.SIGKILL)
+    crash = fault_after(run, killed_at)
+    crash_next = poll(lambda: run.first_step_after(crash["time"]), 300, "a step after the crash's restart")
+    starts = run.events("start")
+    requeues = len(run.events("requeue")) + sum(1 for e in starts if e["restart"] != 0 or e["job_id"] != run.info["job_id"])
+    lost = sum(run.step_before(f["time"]) - run.resumed_at(launch + i + 1) for i, f in enumerate((hang, crash)))
+    return {"trial": n + 1, "hang_rank": hang_rank, "hang_step": hang_step, "crash_rank": crash_rank,
+            "crash_step": crash_step, "detect_s": round(hang["detected_at"] - frozen_at, 1),
+            "hang_to_step_s": round(hang_next - frozen_at, 1), "crash_to_step_s": round(crash_next - killed_at, 1),
+            "requeues": requeues, "steps_lost": lost, "restarted": bool(hang["restart"] and crash["restart"]),
+            "blamed": [hang["hosts"], crash["hosts"]], "decisions": [hang["decision"], crash["decision"]]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    if not os.environ.get("SLURM_CONF"):
+        sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    print(f"seed {seed}, {args.trials} trials", flush=True)
+    rng = random.Random(seed)
+    from fsdpjob.jobs.assets import make_quickstart
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fsdpjob-soak-", ignore_cleanup_errors=True) as tmp:
+        root = Path(tmp)
+        os.environ["FSDPJOB_HOME"] = str(root / "home")
+        assets = make_quickstart(root / "assets")
+        spec = {
+            "name": "recovery-soak", "profile": "test-cluster",
+            "resources": {"nodes": 2, "time_limit": "2:00:00"},
+            "model": {"path": assets["model_path"]},
+            "data": {"path": assets["data_path"], "seq_len": 64},
+            "train": {"max_steps": 100000, "micro_batch_size": 2, "lr": 3e-3, "log_every": 1},
+            "fsdp": {"mixed_precision": "fp32"},
+            "checkpoint": {"interval_steps": CHECKPOINT_EVERY, "interval_minutes": 0},
+            "recovery": {"max_restarts": 2 * args.trials + 1},
+        }
+        (root / "soak.yaml").write_text(yaml.safe_dump(spec))
+        out = cli("submit", str(root / "soak.yaml"), "--json")
+        run = Run(json.loads(out[out.index("{"): out.index("}") + 1]))
+        print(f"job {run.info['job_id']}, run folder {run.dir}", flush=True)
+        try:
+            for n in range(args.trials):
+                rows.append(trial(run, n, rng))
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            subprocess.run(["scancel", run.info["job_id"]], capture_output=True)
+    print(f"{'trial':>5} {'hang rank@step':>14} {'detect s':>8} {'hang->step s':>12} {'crash rank@step':>15} "
+          f"{'crash->step s':>13} {'requeues':>8} {'steps lost':>10}")
+    for r in rows:
+        print(f"{r['trial']:>5} {r['hang_rank']:>8}@{r['hang_step']:<5} {r['detect_s']:>8.1f} {r['hang_to_step_s']:>12.1f} "
+              f"{r['crash_rank']:>9}@{r['crash_step']:<5} {r['crash_to_step_s']:>13.1f} {r['requeues']:>8} "
+              f"{r['steps_lost']:>10}")
+    for key in ("detect_s", "hang_to_step_s", "crash_to_step_s", "steps_lost"):
+        values = [r[key] for r in rows]
+        print(f"{key}: median {statistics.median(values):.1f}, worst {max(values):.1f}")
+    ok = [r for r in rows if r["restarted"] and r["requeues"] == 0 and r["detect_s"] <= 60 and r["crash_to_step_s"] <= 30]
+    print(f"{len(ok)}/{args.trials} trials recovered in the allocation within the targets (seed {seed})")
+    return 0 if len(ok) == args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

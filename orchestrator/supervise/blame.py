@@ -1,0 +1,125 @@
+"""Who caused a crash (pure): the rank that failed first or died by a signal, not the peers that failed after it.
+
+When one rank dies, its peers fail a moment later in the collective they were in: gloo's "Connection reset
+by peer" or "Connection closed by peer", an NCCL remote error, a store or collective timeout. Those ranks are
+casualties: blaming their nodes would count a healthy node as faulty (and, blamed twice, exclude it).
+
+What the supervisor has to go on, per rank of the launch:
+- srun's own report, in the order srun learnt it: ``srun: error: n1: task 1: Killed`` comes before the
+  lines of the tasks it then tore down (``--kill-on-bad-exit``), on whichever node they ran;
+- its heartbeat (node, and when its thread last wrote: a dead process stops writing);
+- the ``failed`` event the worker writes from its exception handler (error class and message, time). A rank
+  killed by a signal (SIGKILL, SIGSEGV, the OOM killer) writes none, which is itself the sign.
+The rules:
+- a rank whose error is a peer-connection error is a casualty and blames nothing;
+- the ranks of srun's first report that are not casualties are the cause;
+- a rank that wrote no error and whose heartbeat stopped no later than the first error of any rank died by
+  a signal before its peers failed: it is the cause (a rank still beating after that was torn down later by
+  srun's --kill-on-bad-exit: a casualty);
+- otherwise the first rank that failed with any other error is the cause;
+- with no error written at all (every rank killed, a node lost), the ranks whose heartbeat stopped clearly
+  before the others' are blamed, else the ones the supervisor saw gone, else nobody.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.heartbeat import EXITED, HEARTBEAT_S, Beat
+
+# What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
+PEER_ERRORS = re.compile(
+    r"connection (reset|closed|refused) by peer|broken pipe|remote process exited|ncclremoteerror|remote error"
+    r"|communicator was aborted|pair closure|recv(value|vector)? failed|timed out|timeout|distnetworkerror",
+    re.IGNORECASE,
+)
+STOPPED_FIRST_S = 2 * HEARTBEAT_S  # a heartbeat this much older than the newest one stopped before the others
+SRUN_TASK_EXIT = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
+
+
+def srun_task_exit(line: str) -> tuple[tuple[int, ...], str] | None:
+    """(ranks, how they ended) from one line of srun's stderr, e.g. ``srun: error: n2: tasks 2-3: Killed``."""
+    found = SRUN_TASK_EXIT.search(line)
+    if not found:
+        return None
+    ranks: list[int] = []
+    for part in found["tasks"].split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            ranks.extend(range(int(first), int(last or first) + 1))
+    return tuple(ranks), found["how"].strip()
+
+
+@dataclass(frozen=True)
+class CrashBlame:
+    ranks: tuple[int, ...]  # the cause(s); empty: unknown
+    hosts: tuple[str, ...]  # their nodes
+    casualties: tuple[int, ...]  # ranks that failed because a peer did
+    exits: dict[int, str]  # per rank, what the supervisor concluded (for the fault event)
+
+
+def is_peer_error(error: str) -> bool:
+    return bool(PEER_ERRORS.search(error or ""))
+
+
+def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (),
+                srun: list[tuple[tuple[int, ...], str]] = ()) -> CrashBlame:
+    """``beats``: the launch's last heartbeats; ``events``: the run-log events since the launch started;
+    ``gone``: ranks whose process the supervisor saw end (on its own machine), first seen first; ``srun``:
+    srun's task exit reports in order (``srun_task_exit``)."""
+    alive = {b.rank: b for b in beats if b.phase != EXITED}
+    failed: dict[int, dict] = {}
+    for e in events:
+        if e.get("event") == runlog.FAILED and isinstance(e.get("rank"), int) and e["rank"] not in failed:
+            failed[e["rank"]] = e
+    casualties = tuple(sorted(r for r, e in failed.items() if is_peer_error(str(e.get("error")))))
+    exits = {r: f"failed after a peer: {_short(e)}" for r, e in failed.items() if r in casualties}
+    causes = (_first_in_srun(srun, casualties, alive, failed, exits)
+              or (_from_errors(alive, failed, casualties, exits) if failed else _from_heartbeats(alive, gone, exits)))
+    causes = sorted(set(causes))
+    hosts = tuple(sorted({alive[r].host for r in causes}))
+    return CrashBlame(tuple(causes), hosts, casualties, dict(sorted(exits.items())))
+
+
+def _first_in_srun(srun, casualties, alive, failed, exits) -> list[int]:
+    """The ranks of srun's first task report that are not casualties."""
+    for ranks, how in srun:
+        causes = [r for r in ranks if r not in casualties and r in alive]
+        if causes:
+            for rank in causes:
+                exits[rank] = f"srun reported it first: {how}" + (f" ({_short(failed[rank])})" if rank in failed else "")
+            return causes
+    return []
+
+
+def _from_errors(alive, failed, casualties, exits) -> list[int]:
+    """A rank that wrote nothing and stopped beating before the first error; else the first own error."""
+    first_error = min(float(e.get("time", 0)) for e in failed.values())
+    causes = []
+    for rank, beat in alive.items():
+        if rank in failed:
+            continue
+        if beat.time <= first_error:
+            causes.append(rank)
+            exits[rank] = "died without an error (a signal: SIGKILL, SIGSEGV, out of memory) before its peers failed"
+        else:
+            exits[rank] = "ended without an error after its peers failed (the step was torn down)"
+    own = sorted((float(e.get("time", 0)), r) for r, e in failed.items() if r not in casualties)
+    for _, rank in own:
+        exits[rank] = f"failed: {_short(failed[rank])}"
+    return causes or [rank for _, rank in own[:1]]
+
+
+def _from_heartbeats(alive, gone, exits) -> list[int]:
+    """No error written at all: the heartbeats that stopped clearly first, else the ranks seen gone first."""
+    newest = max((b.time for b in alive.values()), default=0.0)
+    causes = [r for r, b in alive.items() if newest - b.time > STOPPED_FIRST_S] or [r for r in gone if r in alive]
+    for rank in alive:
+        exits[rank] = "stopped first, no error written" if rank in causes else "no error written"
+    return causes
+
+
+def _short(event: dict) -> str:
+    return str(event.get("error") or event.get("reason") or "")[:200]
