@@ -21,8 +21,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdpjob.train")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the CUDA peaks at the training loop: set-up (the rank-0 load broadcast, a DCP load) spikes above
+    the steady state the planner predicts. The CPU's VmHWM cannot be reset here (bench/memory_scaling.py)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """The logged memory figures. On CUDA: ``peak_mem_mb`` allocated by tensors and ``peak_reserved_mb`` held by
+    the caching allocator (fragmentation included: what the planner's peak compares to), both since the loop
+    began, and ``device_used_mb`` in use on the device now by every process (total - free: reserved plus the
+    CUDA context, cuBLAS and NCCL buffers, other processes' contexts). On CPU: ``peak_mem_mb`` only."""
+    if device.type != "cuda":
+        return {"peak_mem_mb": peak_memory_mb(device)}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_mem_mb": peak_memory_mb(device), "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+            "device_used_mb": (total - free) / 2**20}  # fmt: skip
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """CUDA allocator peak on GPU; peak resident set (VmHWM) of this process on CPU."""
+    """CUDA allocator peak (allocated, since the last reset_peak_memory) on GPU; peak resident set (VmHWM) of this
+    process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
@@ -87,6 +107,7 @@ class Reporter:
     def begin_training(self, step: int, *, flops_per_token: float, device: torch.device, world_size: int) -> None:
         """Open the first log window at ``step``, where this start trains from."""
         self._flops_per_token, self._device, self._world_size = flops_per_token, device, world_size
+        reset_peak_memory(device)
         self._window_start, self._window_step, self._window_tokens = time.time(), step, 0
 
     def on_step(self, step: int, values: StepValues, *, lr: float, tokens_seen: int) -> None:
@@ -102,7 +123,7 @@ class Reporter:
             "loss": values.loss, "lr": lr, "grad_norm": values.grad_norm, "tokens": tokens_seen,
             "tokens_per_s": window_tokens / max(elapsed, 1e-9),
             "mfu": mfu(self._flops_per_token, window_tokens, elapsed, self._device, self._world_size),
-            "peak_mem_mb": peak_memory_mb(self._device),
+            **memory_figures(self._device),
         }, step_time_s=elapsed / steps)
         self._window_start, self._window_step, self._window_tokens = now, step, 0
 
