@@ -146,6 +146,7 @@ def _setup(spec: JobSpec, eff: Effective) -> Setup:
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
+        async_save=spec.checkpoint.async_save,
     )
 
 

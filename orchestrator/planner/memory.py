@@ -34,6 +34,9 @@ With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as s
 AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
 gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
 adapted layer keeps r values per token (plus its dropped input with dropout).
+Host RAM per node while training on GPUs: each worker process (CUDA libraries, CUDA_PROCESS_BYTES), the
+offloaded state with fsdp.cpu_offload, and with checkpoint.async_save the stager's pinned copy of the rank's
+params + both AdamW moments, which it keeps between saves.
 Measured on CPU (bench/plan_accuracy.py, the worker's load_model + train_step, glibc's default allocator as the
 shipped profiles run it): the three quick cases land at +9 %, +1 % and -5 % of peak RSS.
 """
@@ -55,6 +58,9 @@ REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute 
 
 CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context (~0.5-0.8 GiB) + NCCL communicator buffers
 CPU_RUNTIME_BYTES = int(0.4 * GiB)  # python + torch + transformers per worker process (measured: 335 MiB)
+# A CUDA torch worker's own RSS: the CUDA runtime, cuBLAS/cuDNN and NCCL libraries and their host buffers. Not
+# measured here (no GPU lent yet): 1.5-3 GiB is the range CUDA torch processes show; the high end is planned.
+CUDA_PROCESS_BYTES = 3 * GiB
 CUDA_FRAGMENTATION = 0.05  # caching-allocator blocks freed but not reusable for the next size
 # glibc's default allocator keeps freed blocks (activations, gathered layers) in its heap for reuse: peak RSS
 # runs 19-37 % above what the frozen-threshold measurement saw (bench/plan_accuracy.py --frozen). Modelled as
@@ -103,6 +109,7 @@ class Setup:
     # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
     defer_grad_sync: bool = False
     lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
+    async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
 
     @property
     def world(self) -> int:
@@ -242,6 +249,8 @@ class HostMemory:
     training: int
     offloaded_per_rank: int  # params + grads + AdamW moved off the GPU by fsdp.cpu_offload
     own_shards: bool = False  # each rank reads only its own shards (load_rank0 then holds no full copy)
+    staged_per_rank: int = 0  # checkpoint.async_save: the stager's pinned copy of params + both AdamW moments
+    process_per_rank: int = CPU_RUNTIME_BYTES  # the worker process itself (CUDA libraries on GPUs)
 
     @property
     def peak(self) -> int:
@@ -269,11 +278,17 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     or with CPU offload (on GPUs they are materialized on the device)."""
     tr = trainable(s, p, u.lora)
     shard_bytes = math.ceil(tr.weights / u.shard_degree) * u.model_bytes
-    process = u.tasks_per_node * CPU_RUNTIME_BYTES
+    process_per_rank = CUDA_PROCESS_BYTES if u.on_gpu else CPU_RUNTIME_BYTES
+    process = u.tasks_per_node * process_per_rank
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
+    trained_bytes = math.ceil(tr.trained / u.shard_degree) * u.model_bytes
     # params + grads + 2 AdamW moments (of what trains)
-    offloaded = (shard_bytes + 3 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes) * u.cpu_offload
-    training = process + u.tasks_per_node * offloaded if u.on_gpu else u.tasks_per_node * dev.peak
+    offloaded = (shard_bytes + 3 * trained_bytes) * u.cpu_offload
+    # DefaultStager keeps its (pinned) buffers between saves: the saved tensors, params + exp_avg + exp_avg_sq. On
+    # CPU workers the device model (dev.peak, which is host RAM) does not hold it either, but the CPU plan is
+    # left as measured (bench/plan_accuracy.py) until a staged CPU run is measured too.
+    staged = (shard_bytes + 2 * trained_bytes) * (u.async_save and u.on_gpu)
+    training = process + u.tasks_per_node * (offloaded + staged) if u.on_gpu else u.tasks_per_node * dev.peak
     return HostMemory(
         budget=int(profile.host_ram_gb * GiB),
         load_rank0=_load_read_bytes(s, p, u) + host_shards + process,
@@ -281,6 +296,8 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
         training=training,
         offloaded_per_rank=offloaded,
         own_shards=reads_own_shards(s, u),
+        staged_per_rank=staged,
+        process_per_rank=process_per_rank,
     )
 
 
