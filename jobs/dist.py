@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,12 +46,43 @@ def port_for_job(job_id: str, launch: int = 0) -> int:
     return random.Random(job_id if not launch else f"{job_id}+{launch}").randint(*_PORT_RANGE)
 
 
+def granted_gpus(environ: Mapping[str, str]) -> str | None:
+    """The variable that says Slurm (or the user) gave this task GPUs, as ``NAME=value``; None when none does."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = environ.get(name, "").strip()
+        if value and value not in ("0" if name == "SLURM_GPUS_ON_NODE" else "", "-1", "none", "NoDevFiles"):
+            return f"{name}={value}"
+    return None
+
+
+def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int:
+    """This task's device among the visible ones. Every GPU of the node visible (the rendered --gpus-per-node
+    layout): the local rank. One visible (a per-task binding: --gpus-per-task=1, --gpu-bind=single:1/closest/
+    map_gpu narrowed CUDA_VISIBLE_DEVICES to this task's GPU): that one. Anything else has no right answer."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES="
+        f"{environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); give every task all of the node's GPUs (no --gpus-per-task "
+        "or --gpu-bind in the profile's sbatch_extra/srun_extra) or exactly one"
+    )
+
+
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
     if not torch.cuda.is_available():
+        if granted := granted_gpus(os.environ):
+            # A CPU-only torch (or a driver that does not match it) on a GPU node would train on the CPU over gloo.
+            raise RuntimeError(
+                f"this task was given GPUs ({granted}) but torch {torch.__version__} sees none (CUDA build: "
+                f"{torch.version.cuda or 'none, a CPU-only wheel'}); install a CUDA torch in the job's environment or "
+                "check the driver with nvidia-smi"
+            )
         return "gloo", torch.device("cpu")
     # Offloaded shards live on the CPU: their collectives (e.g. the rank-0 weight broadcast) need gloo.
     backend = "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
-    return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), os.environ))
 
 
 def _node_addr_from_scontrol(node: str) -> str:

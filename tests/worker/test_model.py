@@ -356,6 +356,26 @@ def test_no_env_is_one_process(clean_env):
     assert (env.rank, env.world_size, env.is_main, env.master_port) == (0, 1, True, 0)
 
 
+def test_device_index_comes_from_what_is_visible():
+    from fsdpjob.jobs.dist import cuda_index
+
+    assert cuda_index(5, 8, {}) == 5  # every GPU of the node visible: the local rank
+    assert cuda_index(5, 1, {"CUDA_VISIBLE_DEVICES": "5"}) == 0  # a per-task binding left this task its own GPU
+    with pytest.raises(RuntimeError, match=r"local rank 5 has no GPU: 4 visible \(CUDA_VISIBLE_DEVICES=4,5,6,7\)"):
+        cuda_index(5, 4, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_gpus_granted_but_none_seen_is_a_clear_error_not_cpu_training(clean_env):
+    from fsdpjob.jobs.dist import granted_gpus
+
+    assert granted_gpus({"SLURM_GPUS_ON_NODE": "0", "CUDA_VISIBLE_DEVICES": ""}) is None
+    assert granted_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) is None
+    clean_env.setenv("SLURM_GPUS_ON_NODE", "8")
+    with pytest.raises(RuntimeError, match=r"given GPUs \(SLURM_GPUS_ON_NODE=8\) but torch .* sees none"):
+        detect_env()
+
+
 def _fake_slurm_job(env, job_id: str, nodelist: str) -> None:
     """Variables as srun sets them for task 3 of a 2-node x 2-task submitit job (see submitit's test_slurm.py)."""
     values = dict(
