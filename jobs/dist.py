@@ -72,7 +72,8 @@ def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int
 
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
     if not torch.cuda.is_available():
-        if granted := granted_gpus(os.environ):
+        # FSDPJOB_FAKE_GPUS=1: the GPUs Slurm hands out are not real (the dev cluster's are /dev/null devices).
+        if (granted := granted_gpus(os.environ)) and os.environ.get("FSDPJOB_FAKE_GPUS") != "1":
             # A CPU-only torch (or a driver that does not match it) on a GPU node would train on the CPU over gloo.
             raise RuntimeError(
                 f"this task was given GPUs ({granted}) but torch {torch.__version__} sees none (CUDA build: "
