@@ -11,13 +11,15 @@ and both AdamW moments in model.dtype m; the loss code keeps the logits and upca
 optimizer is fused (``AdamW(fused=True)``, on GPUs and CPUs alike): it updates in place and holds no temporaries
 (torch's default foreach AdamW on CUDA would add one more m-byte copy of the shard during the step).
 
-Per-rank peak = sharded params + AdamW state + the largest of four moments of a (steady-state) step:
+Per-rank peak = sharded params + AdamW state + the largest of five moments of a (steady-state) step:
   * forward end: saved activations + the loss ((12 + c) bytes x tokens x vocab: logits, fp32 log-softmax and
     its two fp32 gradients) + the root gathered [+ all layers when reshard_after_forward is false];
   * backward, last layer: saved activations + the root gathered again, the lm_head gradient (unsharded until
     the root's reduce-scatter at the very end), the held logits, the layer's gathered params (+ the prefetched
     next layer when sharded over > 1 rank), its unsharded gradients, the previous layer's fp32 reduce-scatter
     input and the layer's gradient working set (3 c x tokens x intermediate, or the eager attention scores);
+  * backward, first layer: every layer's sharded gradients (the others are reduce-scattered by then) + the root
+    gathered, the lm_head gradient, the held logits, the first layer's saved activations and its transients;
   * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
   * optimizer step: sharded gradients.
 Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a fixed
@@ -155,6 +157,9 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
         early_grads = Item("accumulated gradients", tr.trained * REDUCE_BYTES,
                            "unsharded fp32, held across micro-batches (reduce-scatter on the last only)")
     root = Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype")
+    # The first layer's own shard of gradients comes only from its reduce-scatter, after its backward.
+    other_grads = replace(grads, bytes=on_device * (trained_shard - math.ceil(tr.layer_trained / w)) * m,
+                          note=f"sharded, {m} B, every layer's but the first")
     kept = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
                 "fsdp.reshard_after_forward: false")
     head = [
@@ -171,15 +176,32 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
                                       kernels)),
         Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
                                         *_layer_transients(s, p, u), kernels)),
+        # With one micro-batch the first layer's backward runs with every other layer's gradients already
+        # reduce-scattered: all sharded gradients, the root and its head gradient, the first layer's saved
+        # activations and its transients are alive together.
+        Moment("backward, first layer", (other_grads, _one_layer_activations(s, u), root, *head,
+                                         *_layer_transients(s, p, u), kernels)),
         Moment("backward end", (grads, root_grads, kernels)),
         Moment("optimizer step", (grads, kernels)),
     ]
     return state, moments
 
 
+def _kept_per_layer(s: ModelShape, u: Setup) -> int:
+    """Bytes one layer keeps for its backward: its input with activation checkpointing, else its activations."""
+    return u.micro_batch * u.seq_len * s.hidden * u.compute_bytes if u.activation_checkpointing \
+        else _layer_activations(s, u)[0]
+
+
+def _one_layer_activations(s: ModelShape, u: Setup) -> Item:
+    per_layer = _kept_per_layer(s, u)
+    return Item("first layer's activations", per_layer, "saved for its backward" + (" (input, AC)" if
+                                                                                   u.activation_checkpointing else ""))
+
+
 def _saved_activations(s: ModelShape, u: Setup) -> Item:
     c, t = u.compute_bytes, u.micro_batch * u.seq_len
-    per_layer = t * s.hidden * c if u.activation_checkpointing else _layer_activations(s, u)[0]
+    per_layer = _kept_per_layer(s, u)
     final_norm = (4 + 3 * c) * t * s.hidden
     unit = unit_for(per_layer)
     note = f"{s.layers} layers x {size_text(per_layer, unit)} {unit[0]}"
