@@ -218,7 +218,24 @@ def control_group(env: DistEnv) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def close_distributed() -> None:
-    """Destroy the default process group if there is one; safe to call twice."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def host_barrier(control: dist.ProcessGroup | None) -> None:
+    """Every rank waits here over gloo: a CPU all-reduce on ``control`` (None: the default group, which has gloo
+    for CPU tensors). A barrier on NCCL would be bounded by the NCCL watchdog's collective timeout instead."""
+    dist.all_reduce(torch.zeros(1), group=control)
+
+
+def close_distributed(*, abort: bool = False) -> None:
+    """Destroy the default process group if there is one; safe to call twice. ``abort`` (a crashing rank): abort
+    NCCL's communicators instead, since a destroy can block on peers still inside a collective and delay the
+    exit that srun's --kill-on-bad-exit needs to end the step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if abort and "nccl" in str(dist.get_backend()):
+        from torch.distributed.distributed_c10d import _abort_process_group  # experimental; NCCL only
+
+        try:
+            _abort_process_group()
+            return
+        except Exception:  # noqa: BLE001 - an abort that fails falls back to the ordinary destroy
+            log.exception("aborting the NCCL process group failed; destroying it instead")
+    dist.destroy_process_group()

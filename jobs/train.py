@@ -27,7 +27,7 @@ from .ckpt_state import DictState, ModelOptimState, RNGState
 from .data import BatchStream, SequenceTable, split_eval
 from .datacache import load_or_build
 from .datasources import build_table, eval_spec
-from .dist import DistEnv, close_distributed, control_group, init_distributed
+from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter
@@ -98,7 +98,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
     train = spec.train
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=train.max_steps, log_every=train.log_every)
-    ckpt, state = None, None
+    ckpt, state, crashed, control = None, None, False, None
     try:
         t_start = time.time()
         torch.manual_seed(train.seed)
@@ -145,13 +145,17 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         if evaluator:
             evaluator.run_final(state.step, start_step)
         saver.save_final(state.step, app_state)
+        heartbeat.enter(heartbeat.EXPORT)
         _export_final(spec, paths, ckpt, env, report)
-        dist.barrier()
+        # The other ranks wait for rank 0's export on gloo (bounded by the gloo group's timeout), not on NCCL,
+        # whose watchdog would abort them after fsdp.collective_timeout_s while a large export is written.
+        host_barrier(control)
         report.event(runlog.DONE, step=state.step, loss=None if math.isnan(state.loss) else state.loss)
         return {"rank": env.rank, "step": state.step, "status": "completed"}
     except SystemExit:
         raise
     except BaseException as exc:
+        crashed = True
         # The step reached counts the steps this crash loses (fsdpjob status: steps lost).
         report.event(runlog.FAILED, all_ranks=True, rank=env.rank, error=f"{type(exc).__name__}: {exc}"[:2000],
                      retryable=_retryable(exc), step=state.step if state else None)
@@ -161,7 +165,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         if ckpt is not None:
             ckpt.close()
         report.close()
-        close_distributed()
+        close_distributed(abort=crashed)
 
 
 def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> TrainParts:

@@ -445,6 +445,21 @@ def test_one_process_still_gets_a_process_group(tmp_path):
     assert run_ranks(_single_process_group, 1) == [(1, 1.0)]
 
 
+def _host_barrier_then_abort(rank: int, world_size: int) -> tuple[bool, bool]:
+    from fsdpjob.jobs.dist import control_group, host_barrier
+
+    env = init_distributed(60)
+    host_barrier(control_group(env))  # the wait for rank 0's export: a CPU all-reduce, gloo on every backend
+    close_distributed(abort=True)  # a crashing rank: gloo has no abort, so this destroys
+    import torch.distributed as dist
+
+    return dist.is_initialized(), True
+
+
+def test_the_export_wait_is_on_gloo_and_a_crash_closes_the_group(tmp_path):
+    assert run_ranks(_host_barrier_then_abort, 2) == [(False, True), (False, True)]
+
+
 def _unreachable_rendezvous(rank: int, world_size: int, port: int) -> tuple[str, float]:
     os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_PORT=str(port))
     start = time.monotonic()
