@@ -341,3 +341,9 @@ def test_async_save_staging_and_cuda_processes_are_in_the_host_plan(seed_70b: Jo
     assert staged.training - sync.training == 8 * staged.staged_per_rank  # ~0.4 TB per node
     assert staged.training == pytest.approx(0.41e12 + 8 * CUDA_PROCESS_BYTES, rel=0.02)
     assert "async-save staging" in format_plan(make_plan(resolve(with_changes(seed_70b, "checkpoint.async_save=true"), A100)))
+
+
+def test_gpu_step_time_says_communication_is_assumed_hidden(seed_70b: JobSpec) -> None:
+    plan = make_plan(resolve(seed_70b, A100))
+    assert "communication assumed hidden behind compute" in plan.timing.throughput_note
+    assert "communication assumed hidden" in format_plan(plan)
