@@ -9,6 +9,8 @@
   Each pause logs ``fault injection: rank R pausing ...``.
 - ``FSDPJOB_FAULT_DATA_HANG_STEP=<n>``: before training step n+1, rank ``FSDPJOB_FAULT_DATA_HANG_RANK`` (default 0)
   sleeps forever where it fetches its batch (a rank stuck in the data path).
+- ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
+  that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
 then runs clean, as after a real transient fault.
 """
@@ -45,6 +47,7 @@ class TestHooks:
     save_pause_step: int | None = None  # None: every step
     data_hang_step: int | None = None
     data_hang_rank: int = 0
+    skip_final_save: bool = False
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -58,6 +61,7 @@ class TestHooks:
             save_pause_step=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_STEP")),
             data_hang_step=_int_or_none(env.get("FSDPJOB_FAULT_DATA_HANG_STEP")) if faults else None,
             data_hang_rank=int(env.get("FSDPJOB_FAULT_DATA_HANG_RANK") or 0),
+            skip_final_save=env.get("FSDPJOB_SKIP_FINAL_SAVE") == "1",
         )
 
     def maybe_hang_in_data(self, step: int, rank: int) -> None:

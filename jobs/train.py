@@ -144,7 +144,8 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         heartbeat.at_step(state.step, heartbeat.FINISH)
         if evaluator:
             evaluator.run_final(state.step, start_step)
-        saver.save_final(state.step, app_state)
+        if not hooks.skip_final_save:
+            saver.save_final(state.step, app_state)
         heartbeat.enter(heartbeat.EXPORT)
         _export_final(spec, paths, ckpt, env, report)
         # The other ranks wait for rank 0's export on gloo (bounded by the gloo group's timeout), not on NCCL,
