@@ -266,12 +266,15 @@ def load_model(
     return model
 
 
-def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward): 6 per matmul weight, plus PaLM's attention term
-    12*L*H*Dh*seq_len when ``seq_len`` is given (it grows with the context, so pass the training seq_len).
+def model_flops_per_token(config: Any, *, seq_len: int | None = None, trained_params: int | None = None) -> float:
+    """Training FLOPs per token for MFU, by the planner's formula (orchestrator/core/flops.py): 6 per trained
+    matmul weight, 4 per frozen one (``trained_params``: the trainable parameters, e.g. LoRA's adapters; None:
+    every weight trains), plus causal attention when ``seq_len`` is given (it grows with the context, so pass
+    the training seq_len). Activation checkpointing's recompute is not counted (model FLOPs, not hardware).
 
     Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
     """
+    from fsdpjob.orchestrator.core.flops import train_flops_per_token
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -281,8 +284,10 @@ def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
     )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * (seq_len or 0)
-    return float(6 * matmul_params + attention)
+    return train_flops_per_token(
+        matmul_params=matmul_params, trained_params=matmul_params if trained_params is None else trained_params,
+        layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim, seq_len=seq_len or 0,
+    )
 
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,

@@ -117,7 +117,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks,
                              eval_loss_at=evaluator.loss_at if evaluator else None)
         start_step = state.step
-        flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global sizes (DTensor numel)
+        flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len,
+                                                trained_params=trained if spec.model.lora else None)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         gcpolicy.start()  # the collector runs between steps, not inside them
         while state.step < train.max_steps:

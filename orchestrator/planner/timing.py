@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fsdpjob.orchestrator.core.flops import train_flops_per_token
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
@@ -67,11 +68,8 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
 def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, cpus: int | None, lead: int) -> Timing:
     tr = trainable(s, p, u.lora)
     matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
-    forward = 2 * matmul_params + 2 * s.layers * u.seq_len * s.q_dim  # causal attention: half of 4 L s d
-    # Backward is twice the forward, less the weight gradients a frozen base (LoRA) does not compute.
-    per_token = 3 * forward - 2 * max(matmul_params - tr.trained, 0)
-    if u.activation_checkpointing:
-        per_token += forward  # forward runs twice
+    per_token = train_flops_per_token(matmul_params=matmul_params, trained_params=tr.trained, layers=s.layers,
+                                      q_dim=s.q_dim, seq_len=u.seq_len, recompute=u.activation_checkpointing)
     tokens = u.micro_batch * u.grad_accum * u.seq_len
     rate, note = _throughput(u, profile, cpus)
     ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)

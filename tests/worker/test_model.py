@@ -299,13 +299,14 @@ def test_flash_attention_without_the_package_is_a_clear_error(tmp_path, clean_en
         )  # fmt: skip
 
 
-def test_model_flops_per_token_is_six_n_plus_the_attention_term():
+def test_model_flops_per_token_is_six_n_plus_causal_attention_and_four_n_for_frozen_weights():
     cfg = _config(tie_word_embeddings=True)
     h, f, v, layers, kv_dim = 64, 128, 256, 2, 2 * 16
     per_layer = h * h * 2 + h * kv_dim * 2 + 3 * h * f + 2 * h  # q,o + k,v + mlp + 2 norms
     n = layers * per_layer + h + v * h  # + final norm + output projection (tied, still a matmul)
-    assert model_flops_per_token(cfg, seq_len=32) == 6 * n + 12 * layers * 4 * 16 * 32
+    assert model_flops_per_token(cfg, seq_len=32) == 6 * n + 6 * layers * 4 * 16 * 32  # half of PaLM's 12 L H Dh S
     assert model_flops_per_token(cfg) == 6 * n
+    assert model_flops_per_token(cfg, trained_params=100) == 6 * n - 2 * (n - 100)  # LoRA: the base ~4N
 
 
 @pytest.mark.parametrize(
