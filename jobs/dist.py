@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,12 +46,44 @@ def port_for_job(job_id: str, launch: int = 0) -> int:
     return random.Random(job_id if not launch else f"{job_id}+{launch}").randint(*_PORT_RANGE)
 
 
+def granted_gpus(environ: Mapping[str, str]) -> str | None:
+    """The variable that says Slurm (or the user) gave this task GPUs, as ``NAME=value``; None when none does."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = environ.get(name, "").strip()
+        if value and value not in ("0" if name == "SLURM_GPUS_ON_NODE" else "", "-1", "none", "NoDevFiles"):
+            return f"{name}={value}"
+    return None
+
+
+def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int:
+    """This task's device among the visible ones. Every GPU of the node visible (the rendered --gpus-per-node
+    layout): the local rank. One visible (a per-task binding: --gpus-per-task=1, --gpu-bind=single:1/closest/
+    map_gpu narrowed CUDA_VISIBLE_DEVICES to this task's GPU): that one. Anything else has no right answer."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES="
+        f"{environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); give every task all of the node's GPUs (no --gpus-per-task "
+        "or --gpu-bind in the profile's sbatch_extra/srun_extra) or exactly one"
+    )
+
+
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
     if not torch.cuda.is_available():
+        # FSDPJOB_FAKE_GPUS=1: the GPUs Slurm hands out are not real (the dev cluster's are /dev/null devices).
+        if (granted := granted_gpus(os.environ)) and os.environ.get("FSDPJOB_FAKE_GPUS") != "1":
+            # A CPU-only torch (or a driver that does not match it) on a GPU node would train on the CPU over gloo.
+            raise RuntimeError(
+                f"this task was given GPUs ({granted}) but torch {torch.__version__} sees none (CUDA build: "
+                f"{torch.version.cuda or 'none, a CPU-only wheel'}); install a CUDA torch in the job's environment or "
+                "check the driver with nvidia-smi"
+            )
         return "gloo", torch.device("cpu")
     # Offloaded shards live on the CPU: their collectives (e.g. the rank-0 weight broadcast) need gloo.
     backend = "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
-    return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), os.environ))
 
 
 def _node_addr_from_scontrol(node: str) -> str:
@@ -185,7 +218,24 @@ def control_group(env: DistEnv) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def close_distributed() -> None:
-    """Destroy the default process group if there is one; safe to call twice."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def host_barrier(control: dist.ProcessGroup | None) -> None:
+    """Every rank waits here over gloo: a CPU all-reduce on ``control`` (None: the default group, which has gloo
+    for CPU tensors). A barrier on NCCL would be bounded by the NCCL watchdog's collective timeout instead."""
+    dist.all_reduce(torch.zeros(1), group=control)
+
+
+def close_distributed(*, abort: bool = False) -> None:
+    """Destroy the default process group if there is one; safe to call twice. ``abort`` (a crashing rank): abort
+    NCCL's communicators instead, since a destroy can block on peers still inside a collective and delay the
+    exit that srun's --kill-on-bad-exit needs to end the step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if abort and "nccl" in str(dist.get_backend()):
+        from torch.distributed.distributed_c10d import _abort_process_group  # experimental; NCCL only
+
+        try:
+            _abort_process_group()
+            return
+        except Exception:  # noqa: BLE001 - an abort that fails falls back to the ordinary destroy
+            log.exception("aborting the NCCL process group failed; destroying it instead")
+    dist.destroy_process_group()

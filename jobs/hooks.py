@@ -12,6 +12,8 @@
 - ``FSDPJOB_FAULT_STOP_STEP=<n>``: after training step n, before that step's checkpoint, rank
   ``FSDPJOB_FAULT_STOP_RANK`` (default 0) sends itself SIGSTOP (a frozen process, heartbeat thread included)
   while the others go on into the save.
+- ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
+  that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
 then runs clean, as after a real transient fault.
 """
@@ -52,6 +54,7 @@ class TestHooks:
     data_hang_rank: int = 0
     stop_step: int | None = None
     stop_rank: int = 0
+    skip_final_save: bool = False
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -67,6 +70,7 @@ class TestHooks:
             data_hang_rank=int(env.get("FSDPJOB_FAULT_DATA_HANG_RANK") or 0),
             stop_step=_int_or_none(env.get("FSDPJOB_FAULT_STOP_STEP")) if faults else None,
             stop_rank=int(env.get("FSDPJOB_FAULT_STOP_RANK") or 0),
+            skip_final_save=env.get("FSDPJOB_SKIP_FINAL_SAVE") == "1",
         )
 
     def maybe_hang_in_data(self, step: int, rank: int) -> None:

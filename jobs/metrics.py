@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.flops import train_flops_per_token
 
 if TYPE_CHECKING:
     from fsdpjob.orchestrator.core.spec import JobSpec
@@ -24,8 +25,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdpjob.train")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the CUDA peaks at the training loop: set-up (the rank-0 load broadcast, a DCP load) spikes above
+    the steady state the planner predicts. The CPU's VmHWM cannot be reset here (bench/memory_scaling.py)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """The logged memory figures. On CUDA: ``peak_mem_mb`` allocated by tensors and ``peak_reserved_mb`` held by
+    the caching allocator (fragmentation included: what the planner's peak compares to), both since the loop
+    began, and ``device_used_mb`` in use on the device now by every process (total - free: reserved plus the
+    CUDA context, cuBLAS and NCCL buffers, other processes' contexts). On CPU: ``peak_mem_mb`` only."""
+    if device.type != "cuda":
+        return {"peak_mem_mb": peak_memory_mb(device)}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"peak_mem_mb": peak_memory_mb(device), "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+            "device_used_mb": (total - free) / 2**20}  # fmt: skip
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """CUDA allocator peak on GPU; peak resident set (VmHWM) of this process on CPU."""
+    """CUDA allocator peak (allocated, since the last reset_peak_memory) on GPU; peak resident set (VmHWM) of this
+    process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
@@ -47,9 +68,11 @@ def mfu(flops_per_token: float, tokens: int, seconds: float, device: torch.devic
     return flops_per_token * tokens / seconds / (device_peak_flops(device) * world_size)
 
 
-def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward): 6 per matmul weight, plus PaLM's attention term
-    12*L*H*Dh*seq_len when ``seq_len`` is given (it grows with the context, so pass the training seq_len).
+def model_flops_per_token(config: Any, *, seq_len: int | None = None, trained_params: int | None = None) -> float:
+    """Training FLOPs per token for MFU, by the planner's formula (orchestrator/core/flops.py): 6 per trained
+    matmul weight, 4 per frozen one (``trained_params``: the trainable parameters, e.g. LoRA's adapters; None:
+    every weight trains), plus causal attention when ``seq_len`` is given (it grows with the context, so pass
+    the training seq_len). Activation checkpointing's recompute is not counted (model FLOPs, not hardware).
 
     Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
     """
@@ -62,8 +85,10 @@ def model_flops_per_token(config: Any, *, seq_len: int | None = None) -> float:
     )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    attention = 12 * text.num_hidden_layers * text.num_attention_heads * head_dim * (seq_len or 0)
-    return float(6 * matmul_params + attention)
+    return train_flops_per_token(
+        matmul_params=matmul_params, trained_params=matmul_params if trained_params is None else trained_params,
+        layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim, seq_len=seq_len or 0,
+    )
 
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,
@@ -133,6 +158,7 @@ class Reporter:
     def begin_training(self, step: int, *, flops_per_token: float, device: torch.device, world_size: int) -> None:
         """Open the first log window at ``step``, where this start trains from."""
         self._flops_per_token, self._device, self._world_size = flops_per_token, device, world_size
+        reset_peak_memory(device)
         self._window_start, self._window_step, self._window_tokens = time.time(), step, 0
 
     def on_step(self, step: int, values: StepValues, *, lr: float, tokens_seen: int) -> None:
@@ -148,7 +174,7 @@ class Reporter:
             "loss": values.loss, "lr": lr, "grad_norm": values.grad_norm, "tokens": tokens_seen,
             "tokens_per_s": window_tokens / max(elapsed, 1e-9),
             "mfu": mfu(self._flops_per_token, window_tokens, elapsed, self._device, self._world_size),
-            "peak_mem_mb": peak_memory_mb(self._device),
+            **memory_figures(self._device),
         }, step_time_s=elapsed / steps)
         self._window_start, self._window_step, self._window_tokens = now, step, 0
 

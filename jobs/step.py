@@ -1,7 +1,9 @@
 """One optimizer step (forward and backward over this rank's micro-batches, clip, AdamW) and its values.
 
 Nothing here makes the host wait for the device or for the other ranks beyond FSDP's own collectives and the
-gradient clip's norm: the loss's denominator (the global batch's target tokens) comes with the step's data,
+gradient clip's norm. On CUDA a micro-batch goes to the device from pinned host memory with non_blocking copies
+(to_device), and the next one's copy is queued before the current one's forward, so the host never waits for
+the stream to drain before it issues the next kernels. The loss's denominator (the global batch's target tokens) comes with the step's data,
 counted by every rank from the whole table it holds (jobs/data/packing.py BatchStream), and the loss and gradient
 norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
 at the same steps.
@@ -46,6 +48,31 @@ class StepValues:
         return self._values()[1]
 
 
+def copy_is_async(device: torch.device) -> bool:
+    """Whether host-to-device copies pin the source and return at once: only to CUDA. A pageable source
+    makes every copy a memcpy plus a stream synchronize (the host waits for the previous backward); CPU
+    tensors are used as they are."""
+    return device.type == "cuda"
+
+
+def to_device(mb, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's input ids and labels on ``device``. On CUDA, pinned and copied non-blocking: the copy is
+    queued on the current stream (ordered before the forward that reads it) and the pinned buffer is kept by the
+    caching host allocator until the copy has run."""
+    if not copy_is_async(device):
+        return mb.input_ids.to(device), mb.labels.to(device)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in (mb.input_ids, mb.labels))
+
+
+def _prefetched(micro_batches, device: torch.device):
+    """Each micro-batch on the device, the next one's copy issued before the current one is handed out."""
+    ahead = to_device(micro_batches[0], device) if micro_batches else None
+    for i in range(len(micro_batches)):
+        current = ahead
+        ahead = to_device(micro_batches[i + 1], device) if i + 1 < len(micro_batches) else None
+        yield current
+
+
 def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
                defer_grad_sync: bool = False) -> StepValues:
     """One optimizer step over this rank's micro-batches.
@@ -59,10 +86,9 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
-    for i, mb in enumerate(micro_batches):
+    for i, (input_ids, labels) in enumerate(_prefetched(micro_batches, device)):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
-        input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
         logits = model(input_ids=input_ids, use_cache=False).logits
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -89,7 +115,7 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
     try:
         with torch.no_grad():
             for mb in micro_batches:
-                input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
+                input_ids, labels = to_device(mb, device)
                 logits = model(input_ids=input_ids, use_cache=False).logits
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(

@@ -28,7 +28,7 @@ from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .data.packing import BatchStream, SequenceTable, split_eval
 from .data.cache import load_or_build
 from .data.sources import build_table, eval_spec
-from .dist import DistEnv, close_distributed, control_group, init_distributed
+from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter, model_flops_per_token
@@ -99,7 +99,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
     train = spec.train
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=train.max_steps, log_every=train.log_every)
-    ckpt, state = None, None
+    ckpt, state, crashed, control = None, None, False, None
     try:
         t_start = time.time()
         torch.manual_seed(train.seed)
@@ -118,7 +118,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks,
                              eval_loss_at=evaluator.loss_at if evaluator else None)
         start_step = state.step
-        flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global sizes (DTensor numel)
+        flops_per_token = model_flops_per_token(model.config, seq_len=spec.data.seq_len,
+                                                trained_params=trained if spec.model.lora else None)
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         gcpolicy.start()  # the collector runs between steps, not inside them
         while state.step < train.max_steps:
@@ -146,14 +148,19 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         heartbeat.at_step(state.step, heartbeat.FINISH)
         if evaluator:
             evaluator.run_final(state.step, start_step)
-        saver.save_final(state.step, app_state)
+        if not hooks.skip_final_save:
+            saver.save_final(state.step, app_state)
+        heartbeat.enter(heartbeat.EXPORT)
         _export_final(spec, paths, ckpt, env, report)
-        dist.barrier()
+        # The other ranks wait for rank 0's export on gloo (bounded by the gloo group's timeout), not on NCCL,
+        # whose watchdog would abort them after fsdp.collective_timeout_s while a large export is written.
+        host_barrier(control)
         report.event(runlog.DONE, step=state.step, loss=None if math.isnan(state.loss) else state.loss)
         return {"rank": env.rank, "step": state.step, "status": "completed"}
     except SystemExit:
         raise
     except BaseException as exc:
+        crashed = True
         # The step reached counts the steps this crash loses (fsdpjob status: steps lost).
         report.event(runlog.FAILED, all_ranks=True, rank=env.rank, error=f"{type(exc).__name__}: {exc}"[:2000],
                      retryable=_retryable(exc), step=state.step if state else None)
@@ -163,7 +170,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         if ckpt is not None:
             ckpt.close()
         report.close()
-        close_distributed()
+        close_distributed(abort=crashed)
 
 
 def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> TrainParts:

@@ -151,7 +151,11 @@ def test_example_plans_against_its_public_config(tmp_path: Path, example: str) -
     assert (topo["nodes"], topo["tasks_per_node"], topo["world_size"]) == (nodes, gpus, nodes * gpus)
     assert topo["device"] == "gpu" and topo["shard_degree"] == nodes * gpus
     assert plan["device_memory"]["fits"] and plan["host_memory"]["fits"]
-    assert plan["fixes"] == [] and plan["warnings"] == []  # no signal-lead or other warning either
+    # No signal-lead or other warning either; the 70B on 2x8 A100 is left 0.4 GiB by the first layer's backward
+    # (every gradient held with one micro-batch): under the 3 % headroom, so the plan says so.
+    headroom = [w for w in plan["warnings"] if w.startswith("GPU headroom")]
+    assert plan["fixes"] == [] and plan["warnings"] == headroom
+    assert bool(headroom) is (example == "llama2-70b-2x8-a100.yaml"), plan["warnings"]
 
 
 def test_llama2_70b_on_one_node_does_not_fit_without_offload(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from specs import build, job_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
+from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
 from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
@@ -160,10 +161,12 @@ def test_seed_70b_fits_on_two_a100_nodes(seed_70b: JobSpec) -> None:
     assert state < plan.device.peak <= 80 * GiB
     assert plan.setup.world == 16 and plan.setup.shard_degree == 16
     assert plan.host.load_every_rank == pytest.approx(2.2e12, rel=0.03)  # 70e9 x 4 B x 8 ranks
-    # One fp16 copy (the checkpoint's dtype) on rank 0; the fp32 shards are materialized on the GPUs.
-    assert plan.host.load_rank0 == pytest.approx(68.98e9 * 2, rel=0.03)
+    # One fp16 copy (the checkpoint's dtype) on rank 0; the fp32 shards are materialized on the GPUs; 8 CUDA processes.
+    assert plan.host.load_rank0 == pytest.approx(68.98e9 * 2 + 8 * CUDA_PROCESS_BYTES, rel=0.03)
     assert plan.host.load_every_rank > plan.host.budget  # why rank-0 loading: 2 TB nodes cannot load on every rank
-    assert plan.fixes == () and plan.warnings == ()
+    # The first layer's backward (all sharded gradients + its transients, grad_accum 1) leaves ~0.4 GiB of 80.
+    assert plan.device.peak_moment.name == "backward, first layer"
+    assert plan.fixes == () and len(plan.warnings) == 1 and plan.warnings[0].startswith("GPU headroom 0.4 GiB (0.5%)")
 
 
 def test_seed_70b_on_one_node_needs_offload_or_a_second_node(seed_70b: JobSpec) -> None:
@@ -180,11 +183,12 @@ def test_seed_70b_on_one_node_needs_offload_or_a_second_node(seed_70b: JobSpec) 
     assert "DOES NOT FIT" in format_plan(plan)
     host = make_plan(resolve(with_changes(one, offload.change), A100)).host
     assert host.offloaded_per_rank == pytest.approx(16 * 68.98e9 / 8, rel=0.01)  # params + grads + AdamW, fp32
-    assert host.training == pytest.approx(8 * host.offloaded_per_rank, rel=0.01) and host.fits  # 1.1 TB of 2 TB
+    assert host.training == 8 * (host.offloaded_per_rank + CUDA_PROCESS_BYTES) and host.fits  # 1.1 TB of 2 TB
 
 
 def test_every_fix_fits_and_they_come_cheapest_first(seed_70b: JobSpec) -> None:
-    spec = with_changes(seed_70b, "model.activation_checkpointing=false train.micro_batch_size=4")
+    # On 4 nodes: on 2, the first layer's backward with every gradient held leaves no single change that fits.
+    spec = with_changes(seed_70b, "model.activation_checkpointing=false train.micro_batch_size=4 resources.nodes=4")
     plan = make_plan(resolve(spec, A100))
     assert not plan.fits
     order = ["model.activation_checkpointing", "train.micro_batch_size", "fsdp.cpu_offload", "resources.nodes"]
@@ -257,11 +261,14 @@ def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
 def test_cpu_profile_too_small_proposes_activation_checkpointing(tmp_path: Path) -> None:
     big = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 6, "torch_dtype": "bfloat16"})
     spec = make_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
-    profile = load_profile("local").model_copy(update={"host_ram_gb": 120.0})
+    profile = load_profile("local").model_copy(update={"host_ram_gb": 140.0})
     plan = make_plan(resolve(spec, profile))
     assert not plan.fits and any("per rank (host RAM / tasks_per_node)" in w for w in plan.warnings)
-    # Offload means nothing on CPU and the local profile has one node: activation checkpointing is the only fix.
-    assert [f.change for f in plan.fixes] == ["model.activation_checkpointing=true"]
+    # Offload means nothing on CPU and the local profile has one node: activation checkpointing comes first (a
+    # smaller micro-batch also fits since the first layer's backward, with every gradient held, sets the peak).
+    changes = [f.change for f in plan.fixes]
+    assert changes[0] == "model.activation_checkpointing=true"
+    assert not any("cpu_offload" in c or "nodes" in c for c in changes)
     assert make_plan(resolve(with_changes(spec, plan.fixes[0].change), profile)).fits
 
 
@@ -316,3 +323,22 @@ def test_gradient_sync_is_deferred_to_the_last_micro_batch_only_where_it_fits(tm
     assert "gradient sync: every micro-batch" in format_plan(big)
     # Without accumulation there is nothing to defer.
     assert not make_plan(resolve(make_spec(tiny), A100)).setup.defer_grad_sync
+
+
+def test_async_save_staging_and_cuda_processes_are_in_the_host_plan(seed_70b: JobSpec) -> None:
+    """DefaultStager keeps a pinned copy of each rank's params + both AdamW moments between saves; a CUDA worker's
+    own RSS (CUDA, cuBLAS, NCCL libraries) is GiBs, not the CPU worker's 0.4 GiB."""
+    sync = make_plan(resolve(seed_70b, A100)).host
+    staged = make_plan(resolve(with_changes(seed_70b, "checkpoint.async_save=true"), A100)).host
+    assert sync.staged_per_rank == 0 and sync.process_per_rank == CUDA_PROCESS_BYTES
+    assert sync.training == 8 * CUDA_PROCESS_BYTES
+    assert staged.staged_per_rank == pytest.approx(3 * 68.98e9 * 4 / 16, rel=0.01)  # fp32 params + 2 moments / 16
+    assert staged.training - sync.training == 8 * staged.staged_per_rank  # ~0.4 TB per node
+    assert staged.training == pytest.approx(0.41e12 + 8 * CUDA_PROCESS_BYTES, rel=0.02)
+    assert "async-save staging" in format_plan(make_plan(resolve(with_changes(seed_70b, "checkpoint.async_save=true"), A100)))
+
+
+def test_gpu_step_time_says_communication_is_assumed_hidden(seed_70b: JobSpec) -> None:
+    plan = make_plan(resolve(seed_70b, A100))
+    assert "communication assumed hidden behind compute" in plan.timing.throughput_note
+    assert "communication assumed hidden" in format_plan(plan)

@@ -58,6 +58,23 @@ def render(spec_path: Path, monkeypatch, *, profile: str | None = None, override
     return render_script(build_plan(job, paths, spec_source=source))
 
 
+def srun_line(script: str) -> str:
+    return next(line for line in script.splitlines() if line.strip().startswith("srun "))
+
+
+def test_srun_gets_the_tasks_cpus_and_exclusive_gets_the_nodes_memory(tmp_path, monkeypatch):
+    # Slurm >= 22.05: srun does not inherit --cpus-per-task from the #SBATCH line, so it must be on srun itself.
+    script = render(VALID / "h100-overrides.yaml", monkeypatch)
+    assert "--cpus-per-task=14 --cpu-bind=cores" in srun_line(script)
+    assert "--mem=0" in directives(script)  # h100 is --exclusive without --mem: all of the node's memory
+    profile = tmp_path / "cpu.yaml"
+    profile.write_text("scheduler: slurm\npartition: cpu\ncpus_per_node: 8\nsbatch_extra: [--exclusive, --mem=64G]\n")
+    script = render(VALID / "single-node.yaml", monkeypatch, profile=str(profile))
+    srun = srun_line(script)
+    assert "--cpus-per-task=8" in srun and "--cpu-bind" not in srun  # no GPU: no binding near one
+    assert "--mem=0" not in directives(script)  # the profile's own --mem wins
+
+
 @pytest.mark.parametrize("stem", GOLDEN_SPECS)
 def test_golden_script(stem, monkeypatch):
     assert_golden(f"{stem}.sbatch", render(VALID / f"{stem}.yaml", monkeypatch))
@@ -189,7 +206,7 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
     assert (log / "module.argv").read_bytes().split(b"\0")[:-1] == [b"load", b"cuda/12.4"]
     argv = (log / "srun.argv").read_bytes().decode().split("\0")[:-1]
     assert argv == ["--kill-on-bad-exit=1", "--unbuffered", "--output", "/runs/example-run/submitit/%j_%t_log.out", "--error",
-                    "/runs/example-run/submitit/%j_%t_log.err", "--cpu-bind=none", str(bin_dir / "python"), "-u", "-m",
+                    "/runs/example-run/submitit/%j_%t_log.err", "--cpus-per-task=96", "--cpu-bind=none", str(bin_dir / "python"), "-u", "-m",
                     "submitit.core._submit", "/runs/example-run/submitit"]  # fmt: skip
     seen = dict(item.split("=", 1) for item in (log / "srun.env").read_bytes().decode().split("\0") if "=" in item)
     assert seen["VENV_ACTIVATED"] == str(home)
@@ -216,7 +233,9 @@ def test_script_keeps_submitits_contract(monkeypatch):
     assert "--signal=USR1@300" in ours  # submitit hardcodes USR2; the spec chose USR1 (SUBMITIT_PREEMPT_SIGNAL)
     their_srun = next(line for line in theirs.splitlines() if line.startswith("srun "))
     # Ours adds --kill-on-bad-exit (a crashed rank ends the step), runs it under the in-allocation supervisor
-    # and keeps the exit code for the failure policy; submitit's own options and command follow unchanged.
+    # and keeps the exit code for the failure policy; the tasks' CPUs and their binding go before the command
+    # (srun does not inherit --cpus-per-task); submitit's own options and command follow unchanged.
+    their_srun = their_srun.replace(f" {PYTHON} ", f" --cpus-per-task=14 --cpu-bind=cores {PYTHON} ", 1)
     ours_srun = "    " + their_srun.replace("srun ", "srun --kill-on-bad-exit=1 ", 1) + " || rc=$?"
     assert ours_srun in script.splitlines(), script
     assert "export SUBMITIT_EXECUTOR=slurm" in script and "export SUBMITIT_PREEMPT_SIGNAL=USR1" in script

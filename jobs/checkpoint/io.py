@@ -110,8 +110,12 @@ class CheckpointWriter(FileSystemWriter):
         self.fast = fast_io() if fast is None else fast
         if self.fast and hasattr(os, "posix_fadvise"):
             self.fs = _WritebackFileSystem()
+        # An async save writes from DCP's thread, which starts on GPU 0: bind it to this rank's device.
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         if not self.fast:
             return super().write_data(plan, planner)
         with _without_crc32():

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import re
 import time
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .io import fast_io
@@ -61,14 +63,58 @@ class StagingGate:
         self._handles = []
 
 
+ASYNC_SAVE_TORCH = (2, 9)  # DefaultStager, StagingOptions and AsyncSaveResponse
+
+
+def check_async_save_torch(version: str) -> None:
+    """Fail at set-up, not at the first save, where this torch has no DefaultStager (torch < 2.9)."""
+    release = tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:2])
+    if release < ASYNC_SAVE_TORCH:
+        need = ".".join(map(str, ASYNC_SAVE_TORCH))
+        raise RuntimeError(f"checkpoint.async_save needs torch >= {need} (DCP's DefaultStager); this worker has torch "
+                           f"{version}: install torch >= {need} or set checkpoint.async_save: false")
+
+
+def bind_cuda_device(device: int | None) -> None:
+    """Make ``device`` this thread's current CUDA device. A new thread starts on device 0: the first CUDA call there
+    (cudaHostRegister for pinned buffers, current_stream() in DCP's loader) would create a second context on GPU 0
+    for every local rank but 0."""
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
 def stage_in_background(cuda: bool) -> Any:
     """DCP's stager for async saves: copies into buffers kept between saves (pinned on CUDA, so later saves only
-    copy), in a background thread; FSDPJOB_CHECKPOINT_IO=stock keeps the copy in save(), as before. The copies
-    stay on the device's default stream, ordered after the step that produced the tensors."""
+    copy), in a background thread; FSDPJOB_CHECKPOINT_IO=stock keeps the copy in save(), as before. On CUDA the
+    copies run non-blocking on the stager's own stream, after an event recorded on the compute stream at save()
+    (the step that produced the tensors), so they overlap the next step's kernels instead of queueing among them."""
+    check_async_save_torch(torch.__version__)
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=fast_io(), use_non_blocking_copy=False))  # fmt: skip
+    class DeviceStager(DefaultStager):
+        """DefaultStager whose thread is on this rank's device and whose copy stream waits for the compute stream."""
+
+        def __init__(self, options: StagingOptions) -> None:
+            super().__init__(options)
+            self._device = torch.cuda.current_device() if cuda else None
+            self._ready: Any = None
+            if self._staging_executor is not None:
+                self._staging_executor.submit(bind_cuda_device, self._device).result()
+
+        def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+            if self._staging_stream is not None:
+                self._ready = torch.Event()
+                self._ready.record()  # on the caller's (compute) stream: after optimizer.step() and everything before
+            return super().stage(state_dict, **kwargs)
+
+        def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+            if self._staging_stream is not None and self._ready is not None:
+                self._staging_stream.wait_event(self._ready)
+            return super()._stage(state_dict, **kwargs)
+
+    background = fast_io()
+    return DeviceStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=background,
+                                       use_non_blocking_copy=cuda and background))  # fmt: skip
 
 
 def start_async_save(state: dict[str, Any], **save_options: Any) -> tuple[concurrent.futures.Future, StagingGate | None]:

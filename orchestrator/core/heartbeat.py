@@ -25,10 +25,11 @@ HEARTBEAT_S = 1.0  # how often each rank's thread rewrites its file
 # or by the previous attempt's setup time, the loop phases by the run's own step and save times.
 IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD = "imports", "process group", "model load", "data", "checkpoint load"
 STEP, NEXT_BATCH, EVAL, SAVE, FINISH = "training step", "next batch", "eval", "save", "finish"
+EXPORT = "export"  # rank 0 writes the HF folder after the final save; the other ranks wait for it
 EXITED = "exited"  # the worker returned (done) or left after a stop checkpoint: its process may be gone
 SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD)
-LONG_PHASES = (SAVE, EVAL)  # bounded by their own earlier durations, not by the step time
-LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXITED)
+LONG_PHASES = (SAVE, EVAL, EXPORT)  # bounded by their own earlier durations, not by the step time
+LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXPORT, EXITED)
 PHASES = SETUP_PHASES + LOOP_PHASES
 
 

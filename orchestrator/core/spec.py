@@ -282,6 +282,20 @@ class JobSpec(Strict):
                                                       "data) or drop keep_best")
         return self
 
+    @model_validator(mode="after")
+    def _gpu_combinations(self) -> "JobSpec":
+        """Combinations that fail on GPUs only, refused before they reach one."""
+        if self.model.attn_implementation == "flash_attention_2" and self.fsdp.mixed_precision != "bf16":
+            raise field_error("model.attn_implementation", "flash_attention_2 computes in bf16/fp16 only and errors "
+                                                           "at the first forward with fp32 q/k/v; set "
+                                                           "fsdp.mixed_precision: bf16 or attn_implementation: sdpa")
+        if self.fsdp.replicate_degree > 1 and self.fsdp.cpu_offload:
+            # DeviceMesh's dimension groups may be NCCL-only (torch-version dependent): the offloaded CPU gradients'
+            # clip-norm reduction would find no CPU backend. Untested on GPUs, so refused.
+            raise field_error("fsdp.cpu_offload", "CPU offload with HSDP (replicate_degree > 1) is not supported: "
+                                                  "set replicate_degree: 1 or cpu_offload: false")
+        return self
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:

@@ -149,6 +149,7 @@ def _setup(spec: JobSpec, eff: Effective) -> Setup:
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
+        async_save=spec.checkpoint.async_save,
     )
 
 
@@ -238,6 +239,9 @@ def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:
     return advise(t.save_s, 86400.0 / (rate * job.eff.nodes), current, how)
 
 
+HEADROOM = 0.03  # GPU memory left over below which a plan that fits is flagged
+
+
 def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tuple[Fix, ...]) -> list[str]:
     d, h, t = plan.device, plan.host, plan.timing
     out = []
@@ -246,6 +250,12 @@ def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tupl
         out.append(f"profile {profile.name!r} has no gpu_memory_gb; GPU memory fit not checked")
     elif not d.fits:
         out.append(f"does not fit: peak {d.peak / GiB:.1f} GiB > {d.budget / GiB:.1f} GiB per {unit}")
+    elif d.kind == "gpu" and d.budget - d.peak < HEADROOM * d.budget:
+        out.append(
+            f"GPU headroom {(d.budget - d.peak) / GiB:.1f} GiB ({(d.budget - d.peak) / d.budget:.1%}) is under "
+            f"{HEADROOM:.0%} of {d.budget / GiB:.1f} GiB: allocator variance or NCCL buffers can OOM it; torch sees "
+            "less than the nominal size (an 80 GB card ~79.2 GiB, a 141 GB H200 ~139.5 GiB)"
+        )
     if not h.fits:
         out.append(f"host RAM per node: {h.peak / GiB:.0f} GiB needed > {h.budget / GiB:.0f} GiB ({profile.name!r})")
     if not plan.fits and not fixes:

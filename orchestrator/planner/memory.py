@@ -11,13 +11,15 @@ and both AdamW moments in model.dtype m; the loss code keeps the logits and upca
 optimizer is fused (``AdamW(fused=True)``, on GPUs and CPUs alike): it updates in place and holds no temporaries
 (torch's default foreach AdamW on CUDA would add one more m-byte copy of the shard during the step).
 
-Per-rank peak = sharded params + AdamW state + the largest of four moments of a (steady-state) step:
+Per-rank peak = sharded params + AdamW state + the largest of five moments of a (steady-state) step:
   * forward end: saved activations + the loss ((12 + c) bytes x tokens x vocab: logits, fp32 log-softmax and
     its two fp32 gradients) + the root gathered [+ all layers when reshard_after_forward is false];
   * backward, last layer: saved activations + the root gathered again, the lm_head gradient (unsharded until
     the root's reduce-scatter at the very end), the held logits, the layer's gathered params (+ the prefetched
     next layer when sharded over > 1 rank), its unsharded gradients, the previous layer's fp32 reduce-scatter
     input and the layer's gradient working set (3 c x tokens x intermediate, or the eager attention scores);
+  * backward, first layer: every layer's sharded gradients (the others are reduce-scattered by then) + the root
+    gathered, the lm_head gradient, the held logits, the first layer's saved activations and its transients;
   * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
   * optimizer step: sharded gradients.
 Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a fixed
@@ -34,6 +36,9 @@ With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as s
 AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
 gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
 adapted layer keeps r values per token (plus its dropped input with dropout).
+Host RAM per node while training on GPUs: each worker process (CUDA libraries, CUDA_PROCESS_BYTES), the
+offloaded state with fsdp.cpu_offload, and with checkpoint.async_save the stager's pinned copy of the rank's
+params + both AdamW moments, which it keeps between saves.
 Measured on CPU (bench/plan_accuracy.py, the worker's load_model + train_step, glibc's default allocator as the
 shipped profiles run it): the three quick cases land at +9 %, +1 % and -5 % of peak RSS.
 """
@@ -55,6 +60,9 @@ REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute 
 
 CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context (~0.5-0.8 GiB) + NCCL communicator buffers
 CPU_RUNTIME_BYTES = int(0.4 * GiB)  # python + torch + transformers per worker process (measured: 335 MiB)
+# A CUDA torch worker's own RSS: the CUDA runtime, cuBLAS/cuDNN and NCCL libraries and their host buffers. Not
+# measured here (no GPU lent yet): 1.5-3 GiB is the range CUDA torch processes show; the high end is planned.
+CUDA_PROCESS_BYTES = 3 * GiB
 CUDA_FRAGMENTATION = 0.05  # caching-allocator blocks freed but not reusable for the next size
 # glibc's default allocator keeps freed blocks (activations, gathered layers) in its heap for reuse: peak RSS
 # runs 19-37 % above what the frozen-threshold measurement saw (bench/plan_accuracy.py --frozen). Modelled as
@@ -103,6 +111,7 @@ class Setup:
     # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
     defer_grad_sync: bool = False
     lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
+    async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
 
     @property
     def world(self) -> int:
@@ -148,6 +157,9 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
         early_grads = Item("accumulated gradients", tr.trained * REDUCE_BYTES,
                            "unsharded fp32, held across micro-batches (reduce-scatter on the last only)")
     root = Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype")
+    # The first layer's own shard of gradients comes only from its reduce-scatter, after its backward.
+    other_grads = replace(grads, bytes=on_device * (trained_shard - math.ceil(tr.layer_trained / w)) * m,
+                          note=f"sharded, {m} B, every layer's but the first")
     kept = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
                 "fsdp.reshard_after_forward: false")
     head = [
@@ -164,15 +176,32 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
                                       kernels)),
         Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
                                         *_layer_transients(s, p, u), kernels)),
+        # With one micro-batch the first layer's backward runs with every other layer's gradients already
+        # reduce-scattered: all sharded gradients, the root and its head gradient, the first layer's saved
+        # activations and its transients are alive together.
+        Moment("backward, first layer", (other_grads, _one_layer_activations(s, u), root, *head,
+                                         *_layer_transients(s, p, u), kernels)),
         Moment("backward end", (grads, root_grads, kernels)),
         Moment("optimizer step", (grads, kernels)),
     ]
     return state, moments
 
 
+def _kept_per_layer(s: ModelShape, u: Setup) -> int:
+    """Bytes one layer keeps for its backward: its input with activation checkpointing, else its activations."""
+    return u.micro_batch * u.seq_len * s.hidden * u.compute_bytes if u.activation_checkpointing \
+        else _layer_activations(s, u)[0]
+
+
+def _one_layer_activations(s: ModelShape, u: Setup) -> Item:
+    per_layer = _kept_per_layer(s, u)
+    return Item("first layer's activations", per_layer, "saved for its backward" + (" (input, AC)" if
+                                                                                   u.activation_checkpointing else ""))
+
+
 def _saved_activations(s: ModelShape, u: Setup) -> Item:
     c, t = u.compute_bytes, u.micro_batch * u.seq_len
-    per_layer = t * s.hidden * c if u.activation_checkpointing else _layer_activations(s, u)[0]
+    per_layer = _kept_per_layer(s, u)
     final_norm = (4 + 3 * c) * t * s.hidden
     unit = unit_for(per_layer)
     note = f"{s.layers} layers x {size_text(per_layer, unit)} {unit[0]}"
@@ -242,6 +271,8 @@ class HostMemory:
     training: int
     offloaded_per_rank: int  # params + grads + AdamW moved off the GPU by fsdp.cpu_offload
     own_shards: bool = False  # each rank reads only its own shards (load_rank0 then holds no full copy)
+    staged_per_rank: int = 0  # checkpoint.async_save: the stager's pinned copy of params + both AdamW moments
+    process_per_rank: int = CPU_RUNTIME_BYTES  # the worker process itself (CUDA libraries on GPUs)
 
     @property
     def peak(self) -> int:
@@ -269,11 +300,17 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     or with CPU offload (on GPUs they are materialized on the device)."""
     tr = trainable(s, p, u.lora)
     shard_bytes = math.ceil(tr.weights / u.shard_degree) * u.model_bytes
-    process = u.tasks_per_node * CPU_RUNTIME_BYTES
+    process_per_rank = CUDA_PROCESS_BYTES if u.on_gpu else CPU_RUNTIME_BYTES
+    process = u.tasks_per_node * process_per_rank
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
+    trained_bytes = math.ceil(tr.trained / u.shard_degree) * u.model_bytes
     # params + grads + 2 AdamW moments (of what trains)
-    offloaded = (shard_bytes + 3 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes) * u.cpu_offload
-    training = process + u.tasks_per_node * offloaded if u.on_gpu else u.tasks_per_node * dev.peak
+    offloaded = (shard_bytes + 3 * trained_bytes) * u.cpu_offload
+    # DefaultStager keeps its (pinned) buffers between saves: the saved tensors, params + exp_avg + exp_avg_sq. On
+    # CPU workers the device model (dev.peak, which is host RAM) does not hold it either, but the CPU plan is
+    # left as measured (bench/plan_accuracy.py) until a staged CPU run is measured too.
+    staged = (shard_bytes + 2 * trained_bytes) * (u.async_save and u.on_gpu)
+    training = process + u.tasks_per_node * (offloaded + staged) if u.on_gpu else u.tasks_per_node * dev.peak
     return HostMemory(
         budget=int(profile.host_ram_gb * GiB),
         load_rank0=_load_read_bytes(s, p, u) + host_shards + process,
@@ -281,6 +318,8 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
         training=training,
         offloaded_per_rank=offloaded,
         own_shards=reads_own_shards(s, u),
+        staged_per_rank=staged,
+        process_per_rank=process_per_rank,
     )
 
 

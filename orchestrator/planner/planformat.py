@@ -29,7 +29,10 @@ def _memory_lines(d: DeviceMemory) -> list[str]:
 
 def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
     unit = unit_for(max(h.load_rank0, h.load_every_rank, h.training))
-    offload = f"{u.tasks_per_node} x {size_text(h.offloaded_per_rank, unit)} {unit[0]} offloaded + processes"
+    parts = [f"{size_text(h.offloaded_per_rank, unit)} offloaded"] if u.cpu_offload else []
+    parts += [f"{size_text(h.staged_per_rank, unit)} async-save staging"] if h.staged_per_rank else []
+    per_rank = f"{u.tasks_per_node} x ({' + '.join(parts)}) {unit[0]} + " if parts else ""
+    training_note = f"{per_rank}{u.tasks_per_node} x {size_text(h.process_per_rank, unit)} {unit[0]} process" if u.on_gpu else ""
     return [
         f"host RAM per node ({unit[0]}):",
         _row("load, own shards" if h.own_shards else "load, rank-0 loading",
@@ -37,7 +40,7 @@ def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
              ("each rank reads its own" if h.own_shards else f"full {s.checkpoint_dtype} copy on rank 0")
              + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
         _row("load, every rank loading", size_text(h.load_every_rank, unit), "not used: whole model on every rank"),
-        _row("training", size_text(h.training, unit), offload if u.cpu_offload else ""),
+        _row("training", size_text(h.training, unit), training_note),
     ]
 
 

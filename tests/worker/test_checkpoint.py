@@ -424,3 +424,32 @@ def test_a_checkpoint_written_before_a_train_field_was_added_still_loads(tmp_pat
         ckpt.load(tmp_path / step_dir_name(7), {"train": DictState(TrainState())})
     assert "Missing key in checkpoint state_dict: train.loss" in repr(info.value.failures)
     ckpt.close()
+
+
+def test_async_save_is_refused_at_set_up_on_a_torch_without_default_stager() -> None:
+    from fsdpjob.jobs.ckpt_staging import check_async_save_torch
+
+    for version in ("2.9.0", "2.13.0+cpu", "3.0.0a0"):
+        check_async_save_torch(version)
+    with pytest.raises(RuntimeError, match=r"async_save needs torch >= 2\.9 .* has torch 2\.8\.1\+cu128"):
+        check_async_save_torch("2.8.1+cu128")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_async_stager_thread_is_on_this_ranks_device_and_copies_on_its_own_stream() -> None:
+    from fsdpjob.jobs.ckpt_staging import stage_in_background
+
+    device = torch.cuda.device_count() - 1  # the last GPU: a thread left on GPU 0 would show
+    torch.cuda.set_device(device)
+    stager = stage_in_background(True)
+    try:
+        if stager._staging_executor is None:
+            pytest.skip("FSDPJOB_CHECKPOINT_IO=stock stages in save()")
+        assert stager._staging_executor.submit(torch.cuda.current_device).result() == device
+        assert stager._staging_stream != torch.cuda.current_stream()
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        x.mul_(2)  # queued on the compute stream: the copy must wait for it
+        staged = stager.stage({"x": x}).result()
+        assert staged["x"].device.type == "cpu" and torch.equal(staged["x"], x.cpu())
+    finally:
+        stager.close()

@@ -103,3 +103,22 @@ def test_a_resumed_window_starts_at_the_resumed_step(tmp_path, monkeypatch):
     (line,) = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # One step in 2 s: 5 tok/s, and 5 steps left at 2 s each.
     assert line["step"] == 5 and line["tokens_per_s"] == 5.0 and line["eta_s"] == 10.0
+
+
+def test_cpu_memory_figure_is_the_peak_rss_only():
+    figures = metrics.memory_figures(torch.device("cpu"))
+    assert list(figures) == ["peak_mem_mb"] and figures["peak_mem_mb"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peaks_start_at_the_loop_and_reserved_and_device_used_are_logged(tmp_path):
+    device = torch.device("cuda", torch.cuda.current_device())
+    spike = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # set-up's spike: 256 MiB
+    del spike
+    reporter = Reporter(tmp_path, enabled=True, max_steps=1)
+    reporter.begin_training(0, flops_per_token=1.0, device=device, world_size=1)
+    reporter.on_step(1, Values(10, 1.0), lr=1e-3, tokens_seen=10)
+    reporter.close()
+    line = strict_json((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["peak_mem_mb"] < 256
+    assert line["peak_reserved_mb"] >= line["peak_mem_mb"] and line["device_used_mb"] >= line["peak_reserved_mb"]

@@ -294,13 +294,14 @@ def test_flash_attention_without_the_package_is_a_clear_error(tmp_path, clean_en
         )  # fmt: skip
 
 
-def test_model_flops_per_token_is_six_n_plus_the_attention_term():
+def test_model_flops_per_token_is_six_n_plus_causal_attention_and_four_n_for_frozen_weights():
     cfg = _config(tie_word_embeddings=True)
     h, f, v, layers, kv_dim = 64, 128, 256, 2, 2 * 16
     per_layer = h * h * 2 + h * kv_dim * 2 + 3 * h * f + 2 * h  # q,o + k,v + mlp + 2 norms
     n = layers * per_layer + h + v * h  # + final norm + output projection (tied, still a matmul)
-    assert model_flops_per_token(cfg, seq_len=32) == 6 * n + 12 * layers * 4 * 16 * 32
+    assert model_flops_per_token(cfg, seq_len=32) == 6 * n + 6 * layers * 4 * 16 * 32  # half of PaLM's 12 L H Dh S
     assert model_flops_per_token(cfg) == 6 * n
+    assert model_flops_per_token(cfg, trained_params=100) == 6 * n - 2 * (n - 100)  # LoRA: the base ~4N
 
 
 @pytest.mark.parametrize(
@@ -349,6 +350,26 @@ def test_plain_env_without_master_addr_is_a_clear_error(clean_env):
 def test_no_env_is_one_process(clean_env):
     env = detect_env()
     assert (env.rank, env.world_size, env.is_main, env.master_port) == (0, 1, True, 0)
+
+
+def test_device_index_comes_from_what_is_visible():
+    from fsdpjob.jobs.dist import cuda_index
+
+    assert cuda_index(5, 8, {}) == 5  # every GPU of the node visible: the local rank
+    assert cuda_index(5, 1, {"CUDA_VISIBLE_DEVICES": "5"}) == 0  # a per-task binding left this task its own GPU
+    with pytest.raises(RuntimeError, match=r"local rank 5 has no GPU: 4 visible \(CUDA_VISIBLE_DEVICES=4,5,6,7\)"):
+        cuda_index(5, 4, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_gpus_granted_but_none_seen_is_a_clear_error_not_cpu_training(clean_env):
+    from fsdpjob.jobs.dist import granted_gpus
+
+    assert granted_gpus({"SLURM_GPUS_ON_NODE": "0", "CUDA_VISIBLE_DEVICES": ""}) is None
+    assert granted_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) is None
+    clean_env.setenv("SLURM_GPUS_ON_NODE", "8")
+    with pytest.raises(RuntimeError, match=r"given GPUs \(SLURM_GPUS_ON_NODE=8\) but torch .* sees none"):
+        detect_env()
 
 
 def _fake_slurm_job(env, job_id: str, nodelist: str) -> None:
@@ -418,6 +439,21 @@ def _single_process_group(rank: int, world_size: int) -> tuple[int, float]:
 
 def test_one_process_still_gets_a_process_group(tmp_path):
     assert run_ranks(_single_process_group, 1) == [(1, 1.0)]
+
+
+def _host_barrier_then_abort(rank: int, world_size: int) -> tuple[bool, bool]:
+    from fsdpjob.jobs.dist import control_group, host_barrier
+
+    env = init_distributed(60)
+    host_barrier(control_group(env))  # the wait for rank 0's export: a CPU all-reduce, gloo on every backend
+    close_distributed(abort=True)  # a crashing rank: gloo has no abort, so this destroys
+    import torch.distributed as dist
+
+    return dist.is_initialized(), True
+
+
+def test_the_export_wait_is_on_gloo_and_a_crash_closes_the_group(tmp_path):
+    assert run_ranks(_host_barrier_then_abort, 2) == [(False, True), (False, True)]
 
 
 def _unreachable_rendezvous(rank: int, world_size: int, port: int) -> tuple[str, float]:
