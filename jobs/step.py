@@ -22,8 +22,9 @@ class StepValues:
     """A trained step's loss and gradient norm, read lazily: the first read costs one all-reduce of the loss
     (and a host sync on GPUs), so every rank must read at the same steps; later reads are free."""
 
-    def __init__(self, loss_sum: torch.Tensor, tokens: int, grad_norm: torch.Tensor):
+    def __init__(self, loss_sum: torch.Tensor, tokens: int, grad_norm: torch.Tensor, processed: int = 0):
         self.tokens = tokens  # real target tokens of the global batch
+        self.processed = processed or tokens  # its non-pad positions (tokens/s, MFU); unknown: the targets
         self._loss_sum, self._grad_norm = loss_sum, grad_norm
         self._read: tuple[float, float] | None = None
 
@@ -46,8 +47,15 @@ class StepValues:
         return self._values()[1]
 
 
+def packed_positions(mb, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's position_ids for boundary-aware packing (none otherwise): with no attention mask given,
+    transformers reads the example boundaries from where they restart, and attends within each example only
+    (a block-diagonal causal mask for sdpa and eager, varlen for flash_attention_2)."""
+    return {"position_ids": mb.position_ids.to(device)} if mb.position_ids is not None else {}
+
+
 def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
-               defer_grad_sync: bool = False) -> StepValues:
+               defer_grad_sync: bool = False, processed: int = 0) -> StepValues:
     """One optimizer step over this rank's micro-batches.
 
     The loss is the mean over real (unmasked) target tokens of the whole global batch, across
@@ -63,7 +71,7 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
         input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = model(input_ids=input_ids, use_cache=False, **packed_positions(mb, device)).logits
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
@@ -74,7 +82,7 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepValues(loss_sum, tokens, norm)
+    return StepValues(loss_sum, tokens, norm, processed)
 
 
 def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
@@ -90,7 +98,7 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
         with torch.no_grad():
             for mb in micro_batches:
                 input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
-                logits = model(input_ids=input_ids, use_cache=False).logits
+                logits = model(input_ids=input_ids, use_cache=False, **packed_positions(mb, device)).logits
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,
