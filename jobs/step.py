@@ -47,11 +47,25 @@ class StepValues:
         return self._values()[1]
 
 
-def packed_positions(mb, device: torch.device) -> dict[str, torch.Tensor]:
-    """The model's position_ids for boundary-aware packing (none otherwise): with no attention mask given,
-    transformers reads the example boundaries from where they restart, and attends within each example only
-    (a block-diagonal causal mask for sdpa and eager, varlen for flash_attention_2)."""
-    return {"position_ids": mb.position_ids.to(device)} if mb.position_ids is not None else {}
+def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device,
+                   *, flatten: bool | None = None) -> torch.Tensor:
+    """The model's logits [B, L, V] for ``input_ids`` on ``device``.
+
+    With boundary-aware packing (``position_ids`` given, no attention mask), transformers reads the example
+    boundaries from where the positions restart and attends within each example only: a block-diagonal causal
+    mask for sdpa and eager, per row. Its flash_attention_2 varlen path reads them from a batch of one row only,
+    so there the rows go in as one flattened row (every row's first example starts at position 0, so rows stay
+    apart too) and the logits come back in rows; ``flatten`` overrides that choice (tests).
+    """
+    if position_ids is None:
+        return model(input_ids=input_ids, use_cache=False).logits
+    position_ids = position_ids.to(device)
+    if flatten is None:
+        flatten = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    if not flatten:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False).logits
+    return logits.view(*input_ids.shape, logits.size(-1))
 
 
 def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
@@ -71,7 +85,7 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
         input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
-        logits = model(input_ids=input_ids, use_cache=False, **packed_positions(mb, device)).logits
+        logits = forward_logits(model, input_ids, mb.position_ids, device)
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
@@ -98,7 +112,7 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
         with torch.no_grad():
             for mb in micro_batches:
                 input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
-                logits = model(input_ids=input_ids, use_cache=False, **packed_positions(mb, device)).logits
+                logits = forward_logits(model, input_ids, mb.position_ids, device)
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,
