@@ -68,6 +68,9 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     per_token = 3 * forward - 2 * max(matmul_params - tr.trained, 0)
     if u.activation_checkpointing:
         per_token += forward  # forward runs twice
+    # Every position of every row: the step's time. The worker's tokens_per_s and mfu count the non-pad positions
+    # of the same rows (metrics.py), which boundary-aware packing keeps within its padding share (the data event's
+    # packing_efficiency) of these; unpacked rows of short examples fall further below.
     tokens = u.micro_batch * u.grad_accum * u.seq_len
     rate, note = _throughput(u, profile, cpus)
     ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
