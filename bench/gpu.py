@@ -75,7 +75,7 @@ def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, com
     spec = JobSpec.model_validate({
         "name": name,
         "model": {"path": model, "activation_checkpointing": True, "compile": compile_layers},
-        "data": {"path": data, "seq_len": args.seq, "shuffle": False},
+        "data": {"path": data, "seq_len": args.seq, "shuffle": False, "packing": "naive"},  # the bare loop's rows
         "train": {"max_steps": args.steps, "micro_batch_size": args.micro_batch, "lr": LR, "lr_schedule": "constant",
                   "log_every": 1},  # the bare loop reads its loss every step too
         "fsdp": {"mixed_precision": "bf16"},

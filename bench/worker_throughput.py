@@ -133,11 +133,12 @@ def make_assets(root: Path, size: ModelSize, *, lines: int = 3000, max_positions
 def job_spec(
     name: str, model: Path, data: Path, *, seq_len: int, micro_batch: int, max_steps: int, **sections: dict
 ) -> dict:
-    """A JobSpec dict: packed text, constant LR (so any step costs the same), time-based saves off."""
+    """A JobSpec dict: naively packed text (the rows bare_fsdp2.py and hf_trainer.py read), constant LR (so any
+    step costs the same), time-based saves off."""
     spec: dict[str, Any] = {
         "name": name,
         "model": {"path": str(model)},
-        "data": {"path": str(data), "seq_len": seq_len, "packing": True},
+        "data": {"path": str(data), "seq_len": seq_len, "packing": "naive"},
         "train": {"max_steps": max_steps, "micro_batch_size": micro_batch, "lr": 1e-3, "lr_schedule": "constant",
                   "log_every": 1},
         "checkpoint": {"interval_minutes": 0},
