@@ -14,7 +14,7 @@ decay, constant LR; torch's default implementation on CPU, fused with ``--fused`
 backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``, ``loss.item()``.
 
 The data: the JSONL's ``text`` field tokenized with the model folder's tokenizer, each line as
-bos + tokens + eos, concatenated and cut into rows of ``seq_len`` (fsdpjob's packing), read in order
+bos + tokens + eos, concatenated and cut into rows of ``seq_len`` (fsdpjob's ``packing: naive``), read in order
 (fsdpjob with ``data.shuffle: false`` reads the same rows): step s gives rank r the rows
 s*G + r*B ... s*G + r*B + B - 1 (B micro batch, G = B * world). So both see the same token ids per
 step, and step 1's loss (same weights) must agree.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 def packed_rows(model_dir: str, data: str, seq_len: int, rows_needed: int):
-    """The first ``rows_needed`` full rows of fsdpjob's packing of ``data`` ([rows, seq_len] int64 tensor)."""
+    """The first ``rows_needed`` full rows of fsdpjob's naive packing of ``data`` ([rows, seq_len] int64 tensor)."""
     import torch
     from transformers import AutoTokenizer
 

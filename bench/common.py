@@ -70,7 +70,7 @@ def job_spec(
     spec: dict[str, Any] = {
         "name": name,
         "model": {"path": str(model)},
-        "data": {"path": str(data), "seq_len": seq_len, "packing": True},
+        "data": {"path": str(data), "seq_len": seq_len, "packing": "naive"},  # the rows bare_fsdp2.py reads
         "train": {"max_steps": max_steps, "micro_batch_size": micro_batch, "lr": 1e-3, "lr_schedule": "constant",
                   "log_every": 1},
         "checkpoint": {"interval_minutes": 0},

@@ -15,8 +15,8 @@ A failing case is recorded (its JSON says why) and the others still run. No case
   then the root, a plain loop that reads its loss every step;
 - ``fsdpjob``: the worker (`fsdpjob.jobs.train.run`) as a world-size-1 FSDP2 job, data read in order;
 - ``fsdpjob-compile``: the same with ``model.compile: true`` (torch.compile of each decoder block);
-- ``fsdpjob-packing``: PLACEHOLDER for boundary-aware packing (the packing issue's work); until that lands
-  it is skipped and says so;
+- ``fsdpjob-packing``: the worker with boundary-aware packing (``data.packing: true``: whole examples per row,
+  each attending to itself only), against the naive rows of the other cases;
 - ``save-sync`` / ``save-async``: one checkpoint mid-run, written synchronously / with checkpoint.async_save;
 - ``offload``: fsdp.cpu_offload (a few steps: the host-side AdamW is slow).
 
@@ -48,8 +48,9 @@ WORKER_CASES = {
     "save-sync": {"checkpoint": {"async_save": False}},
     "save-async": {"checkpoint": {"async_save": True}},
     "offload": {"fsdp": {"cpu_offload": True}},
+    "fsdpjob-packing": {"data": {"packing": True}},  # boundary-aware: whole examples, per-example attention
 }
-PLACEHOLDERS = {"fsdpjob-packing": "boundary-aware packing is not in this branch (the packing issue enables it)"}
+PLACEHOLDERS: dict[str, str] = {}
 LR = 1e-4  # constant in every case
 
 
@@ -94,7 +95,7 @@ def worker_spec(case: str, model: str, data: str, args: argparse.Namespace, step
     base = {
         "name": case,
         "model": {"path": model, "activation_checkpointing": True},
-        "data": {"path": data, "seq_len": args.seq, "shuffle": False},
+        "data": {"path": data, "seq_len": args.seq, "shuffle": False, "packing": "naive"},  # the bare loop's rows
         "train": {"max_steps": steps, "micro_batch_size": args.micro_batch, "lr": LR, "lr_schedule": "constant",
                   "log_every": 1},  # the bare loop reads its loss every step too
         "fsdp": {"mixed_precision": "bf16"},

@@ -164,7 +164,7 @@ class Reporter:
     def on_step(self, step: int, values: StepValues, *, lr: float, tokens_seen: int) -> None:
         """Count a trained step into the window; log it when it closes one. Every rank calls this: reading the
         step's values is a collective, and only logged steps read them."""
-        self._window_tokens += values.tokens
+        self._window_tokens += values.processed  # non-pad positions: what the device computed for real
         if step % self.log_every and step not in (1, self.max_steps):
             return
         now = time.time()

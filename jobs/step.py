@@ -24,8 +24,9 @@ class StepValues:
     """A trained step's loss and gradient norm, read lazily: the first read costs one all-reduce of the loss
     (and a host sync on GPUs), so every rank must read at the same steps; later reads are free."""
 
-    def __init__(self, loss_sum: torch.Tensor, tokens: int, grad_norm: torch.Tensor):
+    def __init__(self, loss_sum: torch.Tensor, tokens: int, grad_norm: torch.Tensor, processed: int = 0):
         self.tokens = tokens  # real target tokens of the global batch
+        self.processed = processed or tokens  # its non-pad positions (tokens/s, MFU); unknown: the targets
         self._loss_sum, self._grad_norm = loss_sum, grad_norm
         self._read: tuple[float, float] | None = None
 
@@ -73,8 +74,29 @@ def _prefetched(micro_batches, device: torch.device):
         yield current
 
 
+def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device,
+                   *, flatten: bool | None = None) -> torch.Tensor:
+    """The model's logits [B, L, V] for ``input_ids`` on ``device``.
+
+    With boundary-aware packing (``position_ids`` given, no attention mask), transformers reads the example
+    boundaries from where the positions restart and attends within each example only: a block-diagonal causal
+    mask for sdpa and eager, per row. Its flash_attention_2 varlen path reads them from a batch of one row only,
+    so there the rows go in as one flattened row (every row's first example starts at position 0, so rows stay
+    apart too) and the logits come back in rows; ``flatten`` overrides that choice (tests).
+    """
+    if position_ids is None:
+        return model(input_ids=input_ids, use_cache=False).logits
+    position_ids = position_ids.to(device)
+    if flatten is None:
+        flatten = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    if not flatten:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False).logits
+    return logits.view(*input_ids.shape, logits.size(-1))
+
+
 def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
-               defer_grad_sync: bool = False) -> StepValues:
+               defer_grad_sync: bool = False, processed: int = 0) -> StepValues:
     """One optimizer step over this rank's micro-batches.
 
     The loss is the mean over real (unmasked) target tokens of the whole global batch, across
@@ -86,10 +108,10 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
-    for i, (input_ids, labels) in enumerate(_prefetched(micro_batches, device)):
+    for i, (mb, (input_ids, labels)) in enumerate(zip(micro_batches, _prefetched(micro_batches, device))):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = forward_logits(model, input_ids, mb.position_ids, device)
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
@@ -100,7 +122,7 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepValues(loss_sum, tokens, norm)
+    return StepValues(loss_sum, tokens, norm, processed)
 
 
 def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
@@ -116,7 +138,7 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
         with torch.no_grad():
             for mb in micro_batches:
                 input_ids, labels = to_device(mb, device)
-                logits = model(input_ids=input_ids, use_cache=False).logits
+                logits = forward_logits(model, input_ids, mb.position_ids, device)
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,

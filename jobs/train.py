@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import gcpolicy, preemption
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import DictState, ModelOptimState, RNGState
-from .data.packing import BatchStream, SequenceTable, split_eval
+from .data.packing import BatchStream, SequenceTable, packing_mode, split_eval
 from .data.cache import load_or_build
 from .data.sources import build_table, eval_spec
 from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed
@@ -130,7 +130,8 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             heartbeat.enter(heartbeat.STEP)
             saver.before_step(state.step + 1)  # every few steps, the stop/save flags travel while the step trains
             state.last = train_step(model, parts.optimizer, batch.micro_batches, env.device, tokens=batch.tokens,
-                                    max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync)
+                                    max_grad_norm=train.max_grad_norm, defer_grad_sync=defer_grad_sync,
+                                    processed=batch.processed)
             if hooks.log_samples:
                 _log_samples(paths, state.step + 1, batch.micro_batches, env, parts.train_rows)
             lr = scheduler.get_last_lr()[0]
@@ -230,6 +231,7 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
     if eval_table is not None:
         extra = {"eval_sequences": len(eval_table)}
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
+                 split=table.split, dropped=table.dropped, packing_efficiency=round(table.efficiency, 4),
                  cached=cached, seconds=round(time.time() - t_data, 2), **extra)
     return table, eval_table, train_rows
 
@@ -273,10 +275,10 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
     stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                          micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
-                         dp_rank=env.rank, dp_world=env.world_size)
+                         dp_rank=env.rank, dp_world=env.world_size, packing=packing_mode(spec.data.packing))
     model_state = ModelOptimState(parts.model, parts.optimizer, trainable_only=spec.model.lora is not None)
     app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
-                 "train": train_state, "data": DictState(stream),
+                 "train": train_state, "data": DictState(stream, optional=BatchStream.ADDED),
                  "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
     if resume_dir is not None:
         ckpt.load(resume_dir, app_state)

@@ -64,6 +64,11 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
             failed.append(exc)
             continue
         click.echo(f"{path}: ok (profile {job.profile.name}, world size {job.eff.world_size}, sha256:{job.spec.spec_hash()})")
+        if not no_file_checks:
+            from fsdpjob.orchestrator.core.dataformats import long_example_warnings
+
+            for warning in long_example_warnings(job.spec.data, Path(job.spec.model.path)):
+                click.echo(f"warning: {path}: {warning}", err=True)
     if failed:
         errors = [e for exc in failed for e in (exc.errors if isinstance(exc, SpecErrors) else [exc])]
         raise SpecErrors(errors) if len(errors) > 1 else failed[0]

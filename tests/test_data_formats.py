@@ -241,3 +241,20 @@ logging:
     run_info = client.get_run(trackers["mlflow"]["run_id"]).info
     assert run_info.status == "FINISHED" and run_info.run_name == run_dir.name
     assert [m.step for m in client.get_metric_history(run_info.run_id, "eval/loss")] == [15, 30]
+
+
+def test_validate_warns_when_many_examples_are_longer_than_seq_len(tmp_path):
+    from fsdpjob.jobs.assets import build_tokenizer
+    from fsdpjob.orchestrator.core.dataformats import long_example_warnings
+
+    rows = [{"text": "short one"}] * 18 + [{"text": " ".join(["word"] * 200)}] * 2  # 10 % long
+    parquet(tmp_path / "d.parquet", rows)
+    spec, _ = load(tmp_path, "  path: d.parquet\n  seq_len: 64\n  long_examples: split\n")
+    build_tokenizer(tmp_path / "model", ["short one", "word word"], vocab_size=300)
+    warnings = long_example_warnings(spec.data, tmp_path / "model")
+    assert len(warnings) == 1 and "2 of the first 20 examples" in warnings[0] and "split into seq_len" in warnings[0]
+    few, _ = load(tmp_path / "few", "  path: ../d.parquet\n  seq_len: 512\n")
+    assert long_example_warnings(few.data, tmp_path / "model") == []  # none longer: no warning
+    done = subprocess.run([str(Path(sys.executable).with_name("fsdpjob")), "validate", str(tmp_path / "job.yaml")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "are longer than data.seq_len 64" in done.stderr, done.stderr

@@ -102,3 +102,21 @@ def test_status_json_keys_are_the_documented_ones_and_name_the_last_stop(tmp_pat
     assert tuple(report) == STATUS_KEYS
     assert report["last_stop"] == {"reason": "requeue", "step": 9, "requeued": True}
     assert (report["restarts"], report["steps_lost"], report["phase"]) == (1, 0, "RUNNING")
+
+
+def test_status_shows_what_the_packing_did_with_the_data(tmp_path):
+    import json
+
+    from fsdpjob.orchestrator.backend import SchedView
+    from fsdpjob.orchestrator.views.display import status_text
+    from fsdpjob.orchestrator.views.status import build_report
+
+    data = {"event": "data", "sequences": 120, "examples": 400, "truncated": 0, "split": 3, "dropped": 0,
+            "packing_efficiency": 0.9731, "cached": False, "seconds": 1.5, "time": 2}
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "start", "restart": 0, "time": 1}, data, {"event": "ready", "step": 0, "time": 3}]))
+    report = build_report(slurm_record(tmp_path), SchedView(state="RUNNING"))
+    assert report.to_json()["data"] == {k: data[k] for k in ("sequences", "examples", "truncated", "split",
+                                                             "dropped", "packing_efficiency")}
+    assert "data       400 examples in 120 sequences, 97.3% real tokens; longer than seq_len: 3 split" in (
+        status_text(report))

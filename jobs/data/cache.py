@@ -5,7 +5,7 @@ of each requeue. The first start still does (ranks work in parallel, so nobody w
 collective timeout), and rank 0 saves the packed table in the run folder as safetensors. Every later
 start (requeue after preemption or time limit, resume) reads it back, on every rank, when its key
 matches: the names and bytes of every data file (each source's), the tokenizer's files, the data settings
-(sources and weights included) and the pad id. A cache that is missing, stale or unreadable is rebuilt,
+(sources and weights, packing mode and long_examples included) and the pad id. A cache that is missing, stale or unreadable is rebuilt,
 never trusted; a half-written one never exists (write, fsync, rename). Without a shared run folder the
 other nodes simply keep tokenizing themselves.
 """
@@ -31,8 +31,10 @@ from .sources import data_files
 
 log = logging.getLogger("fsdpjob.data")
 
-FORMAT = 1  # bump when build_sequences or read_examples change what they produce
+FORMAT = 2  # bump when build_sequences or read_examples change what they produce
 _CHUNK = 1 << 20
+# Tensors only some tables have: a mixture's row sources, boundary-aware packing's positions, the rows' lengths.
+_OPTIONAL = ("source", "position_ids", "lengths")
 
 
 def _hash_file(h: "hashlib._Hash", path: Path) -> None:
@@ -67,11 +69,12 @@ def _read(path: Path, key: str) -> SequenceTable | None:
             if meta.get("key") != key:
                 return None
             ids, labels = f.get_tensor("input_ids"), f.get_tensor("labels")
-            source = f.get_tensor("source") if "source" in f.keys() else None  # a mixture's
+            optional = {name: f.get_tensor(name) if name in f.keys() else None for name in _OPTIONAL}
         if ids.shape != labels.shape or ids.dim() != 2 or ids.dtype != torch.long:
             return None
-        weights = tuple(json.loads(meta["weights"])) if source is not None else None
-        return SequenceTable(ids, labels, int(meta["num_examples"]), int(meta["truncated"]), source, weights)
+        weights = tuple(json.loads(meta["weights"])) if optional["source"] is not None else None
+        return SequenceTable(ids, labels, int(meta["num_examples"]), int(meta["truncated"]), weights=weights,
+                             split=int(meta["split"]), dropped=int(meta["dropped"]), **optional)
     except (OSError, KeyError, ValueError, SafetensorError) as exc:
         log.warning("data cache %s unreadable (%s); tokenizing again", path, exc)
         return None
@@ -82,9 +85,11 @@ def _write(cache_dir: Path, key: str, table: SequenceTable) -> Path:
     path = _cache_file(cache_dir, key)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tensors = {"input_ids": table.input_ids.contiguous(), "labels": table.labels.contiguous()}
-    meta = {"key": key, "num_examples": str(table.num_examples), "truncated": str(table.truncated)}
+    tensors |= {name: getattr(table, name).contiguous() for name in _OPTIONAL if getattr(table, name) is not None}
+    meta = {"key": key, "num_examples": str(table.num_examples), "truncated": str(table.truncated),
+            "split": str(table.split), "dropped": str(table.dropped)}
     if table.source is not None:
-        tensors["source"], meta["weights"] = table.source.contiguous(), json.dumps(list(table.weights))
+        meta["weights"] = json.dumps(list(table.weights))
     save_file(tensors, tmp, metadata=meta)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())

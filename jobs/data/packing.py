@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jinja2
 import torch
@@ -43,13 +45,30 @@ class SequenceTable:
     input_ids: torch.Tensor  # [N, L] long
     labels: torch.Tensor  # [N, L] long, IGNORE on padding and masked tokens
     num_examples: int
-    truncated: int  # examples cut short to fit seq_len (packing=False only)
+    truncated: int  # examples cut short to fit seq_len (packing true or false, long_examples truncate)
     # A mixture (data.sources): each row's source, and the sources' weights (mixture.py draws epochs from them).
     source: torch.Tensor | None = None  # [N] long
     weights: tuple[float, ...] | None = None
+    # Boundary-aware packing: each position's place in its own example, restarting at 0 at every example (and
+    # at the padding tail); the model reads example boundaries from these. None: positions 0..L-1 as today.
+    position_ids: torch.Tensor | None = None  # [N, L] long
+    lengths: torch.Tensor | None = None  # [N] long: each row's non-pad positions (rows are padded at the tail)
+    split: int = 0  # examples cut into seq_len chunks (long_examples split)
+    dropped: int = 0  # examples left out for being longer than seq_len (long_examples drop)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def row_lengths(self) -> torch.Tensor:
+        """Non-pad positions of each row ([N] long): what the device processes for real."""
+        if self.lengths is not None:
+            return self.lengths
+        return torch.full((len(self),), self.input_ids.shape[1], dtype=torch.long)
+
+    @property
+    def efficiency(self) -> float:
+        """Packing efficiency: real tokens over row tokens."""
+        return float(self.row_lengths().sum()) / max(self.input_ids.numel(), 1)
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,7 @@ class MicroBatch:
     labels: torch.Tensor  # [mbs, L]
     sample_ids: torch.Tensor  # [mbs] global positions in the stream: unique over the whole run
     sequence_ids: torch.Tensor  # [mbs] rows of the SequenceTable
+    position_ids: torch.Tensor | None = None  # [mbs, L] with boundary-aware packing: passed to the model
 
 
 class StepBatch(NamedTuple):
@@ -65,6 +85,7 @@ class StepBatch(NamedTuple):
 
     micro_batches: list[MicroBatch]  # this rank's
     tokens: int  # real target tokens of the whole global batch (every rank's rows): the loss's denominator
+    processed: int = 0  # non-pad positions of the whole global batch: what tokens/s and MFU count
 
 
 # ---------------------------------------------------------------- reading
@@ -212,27 +233,138 @@ def examples_from_records(records: list[tuple[int, dict]], data: FieldOptions, t
 # ---------------------------------------------------------------- sequences
 
 
-def build_sequences(examples: list[Example], seq_len: int, packing: bool, pad_id: int) -> SequenceTable:
-    """Fixed-length rows: packed (examples concatenated, then cut) or one example per row (cut or padded)."""
+PackingMode = Literal["boundary", "naive", "none"]
+PACKING_SPEC = {"boundary": "true (boundary-aware)", "naive": "naive (concatenated and cut)",
+                "none": "false (one example per row)"}  # each mode as data.packing spells it
+
+
+def packing_mode(packing: bool | str) -> PackingMode:
+    """data.packing as the mode a checkpoint records: true is boundary-aware, naive, false is one example a row."""
+    if packing == "naive":
+        return "naive"
+    return "boundary" if packing else "none"
+
+
+class _Pieces(NamedTuple):
+    pieces: list[tuple[list[int], list[int]]]  # (input_ids, labels), each at most seq_len long
+    truncated: int
+    split: int
+    dropped: int
+
+
+def _fit(examples: list[Example], seq_len: int, long_examples: str) -> _Pieces:
+    """Each example as pieces of at most ``seq_len`` tokens, by data.long_examples: truncate (its first
+    seq_len tokens), split (seq_len chunks, each packed as an example of its own) or drop."""
+    pieces, counts = [], {"truncate": 0, "split": 0, "drop": 0}
+    for e in examples:
+        n = len(e.input_ids)
+        if n > seq_len:
+            counts[long_examples] += 1
+            if long_examples == "drop":
+                continue
+            if long_examples == "split":
+                pieces += [(e.input_ids[i : i + seq_len], e.labels[i : i + seq_len]) for i in range(0, n, seq_len)]
+                continue
+        pieces.append((e.input_ids[:seq_len], e.labels[:seq_len]))
+    if not pieces:
+        raise ValueError(f"every example is longer than data.seq_len {seq_len} and data.long_examples is drop: "
+                         "no data left; raise seq_len or use truncate or split")
+    return _Pieces(pieces, counts["truncate"], counts["split"], counts["drop"])
+
+
+def best_fit_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Best-fit decreasing: the indices of ``lengths`` (each <= seq_len) grouped into rows of at most seq_len.
+
+    Longest first (ties in index order), each into the open row it leaves least room in, else a new row; each
+    row keeps its examples in the order placed. Deterministic from the lengths alone, so every rank, start and
+    world size builds the same table. Stays within a few percent of the optimum on spread-out lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free positions, row) of the open rows, sorted
+    for i in order:
+        at = bisect.bisect_left(room, (lengths[i], -1))
+        if at < len(room):
+            free, row = room.pop(at)
+        else:
+            free, row = seq_len, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if free - lengths[i] > 0:
+            bisect.insort(room, (free - lengths[i], row))
+    return rows
+
+
+def _boundary_table(fitted: _Pieces, num_examples: int, seq_len: int, pad_id: int) -> SequenceTable:
+    pieces = [piece for piece in fitted.pieces if piece[0]]  # an empty example takes no place
+    rows = best_fit_rows([len(ids) for ids, _ in pieces], seq_len)
+    ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            piece_ids, piece_labels = pieces[i]
+            n = len(piece_ids)
+            ids[r, at : at + n] = torch.tensor(piece_ids, dtype=torch.long)
+            labels[r, at : at + n] = torch.tensor(piece_labels, dtype=torch.long)
+            # Its first token would be predicted from the previous example's last: never a target.
+            labels[r, at] = IGNORE
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        lengths[r] = at
+        # The padding tail is a block of its own, so no real token attends to it (nor it to them).
+        positions[r, at:] = torch.arange(seq_len - at)
+    return SequenceTable(ids, labels, num_examples, fitted.truncated, position_ids=positions, lengths=lengths,
+                         split=fitted.split, dropped=fitted.dropped)
+
+
+def build_sequences(examples: list[Example], seq_len: int, packing: bool | str, pad_id: int,
+                    long_examples: str = "truncate") -> SequenceTable:
+    """Fixed-length rows by data.packing: true packs whole examples along their boundaries (best_fit_rows, each
+    example's positions from 0), naive concatenates every example and cuts the stream at seq_len, false puts
+    one example per row. Longer examples follow ``long_examples`` (not naive: it cuts anywhere)."""
     if not examples:
         raise ValueError("no examples to build sequences from")
-    if packing:
+    mode = packing_mode(packing)
+    if mode == "naive":
         ids = torch.tensor(list(chain.from_iterable(e.input_ids for e in examples)), dtype=torch.long)
         labels = torch.tensor(list(chain.from_iterable(e.labels for e in examples)), dtype=torch.long)
         rows = -(-ids.numel() // seq_len)
         pad = rows * seq_len - ids.numel()  # the last row is padded rather than dropped: no data lost
         ids = torch.cat([ids, torch.full((pad,), pad_id, dtype=torch.long)]).view(rows, seq_len)
         labels = torch.cat([labels, torch.full((pad,), IGNORE, dtype=torch.long)]).view(rows, seq_len)
-        return SequenceTable(ids, labels, len(examples), 0)
-    ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.long)
-    truncated = 0
-    for row, example in enumerate(examples):
-        n = min(len(example.input_ids), seq_len)
-        truncated += n < len(example.input_ids)
-        ids[row, :n] = torch.tensor(example.input_ids[:n], dtype=torch.long)
-        labels[row, :n] = torch.tensor(example.labels[:n], dtype=torch.long)
-    return SequenceTable(ids, labels, len(examples), truncated)
+        lengths = torch.full((rows,), seq_len, dtype=torch.long)
+        lengths[-1] = seq_len - pad
+        return SequenceTable(ids, labels, len(examples), 0, lengths=lengths)
+    fitted = _fit(examples, seq_len, long_examples)
+    if mode == "boundary":
+        return _boundary_table(fitted, len(examples), seq_len, pad_id)
+    ids = torch.full((len(fitted.pieces), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(fitted.pieces), seq_len), IGNORE, dtype=torch.long)
+    lengths = torch.zeros(len(fitted.pieces), dtype=torch.long)
+    for row, (piece_ids, piece_labels) in enumerate(fitted.pieces):
+        n = lengths[row] = len(piece_ids)
+        ids[row, :n] = torch.tensor(piece_ids, dtype=torch.long)
+        labels[row, :n] = torch.tensor(piece_labels, dtype=torch.long)
+    return SequenceTable(ids, labels, len(examples), fitted.truncated, lengths=lengths, split=fitted.split,
+                         dropped=fitted.dropped)
+
+
+def table_rows(table: SequenceTable, rows: torch.Tensor) -> SequenceTable:
+    """The table's ``rows`` (in that order), with their sources and positions; the counts stay the table's."""
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[rows] if t is not None else None
+
+    return dataclasses.replace(table, input_ids=table.input_ids[rows], labels=table.labels[rows],
+                               source=pick(table.source), position_ids=pick(table.position_ids),
+                               lengths=pick(table.lengths))
+
+
+def micro_batch(table: SequenceTable, rows: torch.Tensor, sample_ids: torch.Tensor) -> MicroBatch:
+    position_ids = table.position_ids[rows] if table.position_ids is not None else None
+    return MicroBatch(table.input_ids[rows], table.labels[rows], sample_ids, rows, position_ids)
 
 
 def count_tokens(labels: torch.Tensor) -> int:
@@ -274,6 +406,7 @@ class BatchStream:
         grad_accum_steps: int,
         dp_rank: int,
         dp_world: int,
+        packing: PackingMode = "boundary",
     ):
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_world})")
@@ -286,6 +419,7 @@ class BatchStream:
         self.grad_accum_steps = grad_accum_steps
         self.dp_rank = dp_rank
         self.dp_world = dp_world
+        self.packing = packing  # recorded in the checkpoint: a resume must pack the way the run started
         self.samples_consumed = 0
         self._perms: dict[int, torch.Tensor] = {}
         # Rows an epoch takes: the table's, or with a mixture the sources' shares of it (mixture.py).
@@ -293,6 +427,7 @@ class BatchStream:
         # Every rank holds the whole table, so each counts the global batch's target tokens itself (the loss's
         # denominator) instead of summing the ranks' counts in a collective every step.
         self._row_tokens = row_tokens(table.labels)
+        self._row_lengths = table.row_lengths()
 
     @property
     def global_batch_size(self) -> int:
@@ -340,19 +475,32 @@ class BatchStream:
         per_rank, first = self.micro_batch_size * self.grad_accum_steps, self.samples_consumed
         positions = torch.arange(first, first + self.global_batch_size, dtype=torch.long)  # every rank's
         rows = self._rows(positions)
-        tokens = int(self._row_tokens[rows].sum())
+        tokens, processed = int(self._row_tokens[rows].sum()), int(self._row_lengths[rows].sum())
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         positions, rows = positions[mine], rows[mine]
         self.samples_consumed += self.global_batch_size
         batches = []
         for pos, row in zip(positions.split(self.micro_batch_size), rows.split(self.micro_batch_size)):
-            batches.append(MicroBatch(self.table.input_ids[row], self.table.labels[row], pos, row))
-        return StepBatch(batches, tokens)
+            batches.append(micro_batch(self.table, row, pos))
+        return StepBatch(batches, tokens, processed)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_sequences": len(self.table)}
+    # Keys added after checkpoints were already written (absent from older ones; see ckpt_state.DictState).
+    ADDED = ("packing",)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_sequences": len(self.table),
+                "packing": self.packing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A checkpoint from before the record packed the naive way when it packed at all (data.packing true then
+        # meant naive); one example per row is the same table as today.
+        saved = state.get("packing", "none" if self.packing == "none" else "naive")
+        if saved != self.packing:
+            raise ValueError(
+                f"the checkpoint's run packed its data as {PACKING_SPEC[saved]}, this run packs as "
+                f"{PACKING_SPEC[self.packing]}: resuming would train on other sequences from the next step on. "
+                f"Set data.packing back to {PACKING_SPEC[saved].split()[0]} to resume, or start a new run"
+            )
         n = len(self.table)
         if state["num_sequences"] != n:
             raise ValueError(
@@ -394,9 +542,7 @@ def split_eval(table: SequenceTable, fraction: float, seed: int) -> EvalSplit:
     eval_rows, train_rows = perm[:n_eval].sort().values, perm[n_eval:].sort().values
 
     def take(rows: torch.Tensor) -> SequenceTable:
-        source = table.source[rows] if table.source is not None else None
-        return SequenceTable(table.input_ids[rows], table.labels[rows], table.num_examples, table.truncated, source,
-                             table.weights)
+        return table_rows(table, rows)
 
     return EvalSplit(take(train_rows), take(eval_rows), train_rows, eval_rows)
 
@@ -416,8 +562,9 @@ def eval_batches(table: SequenceTable, *, micro_batch_size: int, max_batches: in
     rows = torch.arange(start, stop, dtype=torch.long)
     batches = []
     for chunk in rows.split(micro_batch_size):
-        batches.append(MicroBatch(table.input_ids[chunk], table.labels[chunk], chunk, chunk))
+        batches.append(micro_batch(table, chunk, chunk))
     while len(batches) < count:
         none = torch.zeros(1, dtype=torch.long)
-        batches.append(MicroBatch(table.input_ids[none], torch.full_like(table.labels[none], IGNORE), none, none))
+        batch = micro_batch(table, none, none)
+        batches.append(dataclasses.replace(batch, labels=torch.full_like(batch.labels, IGNORE)))
     return batches

@@ -106,14 +106,21 @@ def read_source(source: DataSource, tokenizer: Any) -> list[Example]:
 def build_table(data: DataSpec, tokenizer: Any, pad_id: int) -> SequenceTable:
     """The packed table of ``data``: one source's, or a mixture's rows with their sources and weights."""
     sources = data.inputs()
-    tables = [build_sequences(read_source(s, tokenizer), data.seq_len, data.packing, pad_id) for s in sources]
+    tables = [build_sequences(read_source(s, tokenizer), data.seq_len, data.packing, pad_id, data.long_examples)
+              for s in sources]
     if data.sources is None:
         return tables[0]
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(t, name) for t in tables]
+        return torch.cat(parts) if all(p is not None for p in parts) else None
+
     return SequenceTable(
         torch.cat([t.input_ids for t in tables]), torch.cat([t.labels for t in tables]),
         sum(t.num_examples for t in tables), sum(t.truncated for t in tables),
         torch.cat([torch.full((len(t),), i, dtype=torch.long) for i, t in enumerate(tables)]),
-        tuple(s.weight for s in sources),
+        tuple(s.weight for s in sources), cat("position_ids"), cat("lengths"),
+        sum(t.split for t in tables), sum(t.dropped for t in tables),
     )
 
 

@@ -297,3 +297,47 @@ def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
         _check_source(evaluation, evaluation.inputs()[0], None, ("data", "eval_path"), doc)
 
 
+
+
+LONG_SHARE = 0.05  # validate warns when more of the examples than this are longer than data.seq_len
+
+
+def _record_text(fields: dict[str, Any]) -> str:
+    if "messages" in fields:  # the chat template's own tokens are left out: the count is a lower bound
+        return "\n".join(str(m.get("content") or "") for m in fields["messages"])
+    return "".join(str(fields.get(role) or "") for role in ("text", "prompt", "completion"))
+
+
+def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
+    """A warning for each JSONL or parquet source whose first rows hold more than LONG_SHARE of examples longer
+    than data.seq_len, by the model folder's tokenizer.json (the tokenizers package, no transformers); none
+    when either is missing. The rows are those the other checks read (SCAN_LINES)."""
+    tokenizer_file = Path(model_folder) / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception:  # noqa: BLE001 - no tokenizer.json or package: the worker still counts them (data event)
+        return []
+    warnings = []
+    for source in data.inputs():
+        try:
+            located = locate(source)
+            if located.format == "save_to_disk":
+                continue
+            texts = [_record_text(fields) for _, _, fields in source_records(located, source, limit=SCAN_LINES)]
+        except (SourceProblem, RowError):
+            continue  # check_data reports these
+        if not texts:
+            continue
+        # +2: the bos and eos the worker adds around each example.
+        long = sum(len(e.ids) + 2 > data.seq_len for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+        if long > LONG_SHARE * len(texts):
+            what = {"truncate": "are cut to their first seq_len tokens", "split": "are split into seq_len chunks",
+                    "drop": "are left out"}[data.long_examples]
+            if data.packing == "naive":
+                what = "are cut wherever a sequence ends (naive packing)"
+            warnings.append(f"{long} of the first {len(texts)} examples of {source.path} ({long / len(texts):.0%}) "
+                            f"are longer than data.seq_len {data.seq_len} and {what}; raise data.seq_len or set "
+                            "data.long_examples (truncate, split, drop)")
+    return warnings

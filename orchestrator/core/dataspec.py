@@ -136,8 +136,10 @@ class DataSpec(FieldOptions, Strict):
     """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
     seq_len: Annotated[int, Field(gt=0)] = 512
     """Tokens per sequence."""
-    packing: bool = True
-    """Pack several examples into each sequence (no padding waste). False pads each example to seq_len."""
+    packing: bool | Literal["naive"] = True
+    """true: pack whole examples into each sequence along their boundaries (best-fit decreasing), each example with its own positions and attention to itself only. naive: concatenate every example and cut at seq_len (examples attend to the ones before them and may lose their start; the behaviour before boundary-aware packing). false: one example per sequence, padded to seq_len."""
+    long_examples: Literal["truncate", "split", "drop"] = "truncate"
+    """Examples longer than seq_len (packing true or false): truncate keeps their first seq_len tokens, split cuts them into seq_len chunks (each its own example, positions from 0), drop leaves them out."""
     shuffle: bool = True
     """Shuffle examples deterministically from train.seed."""
     eval_path: str | None = None
@@ -159,6 +161,9 @@ class DataSpec(FieldOptions, Strict):
             raise field_error("sources", problem)
         if self.eval_path is not None and self.eval_fraction:
             raise field_error("eval_fraction", "give eval_path or eval_fraction, not both; drop one of them")
+        if self.packing == "naive" and self.long_examples != "truncate":
+            raise field_error("long_examples", "naive packing cuts the stream of examples wherever a sequence ends; "
+                              "long_examples applies to packing true or false")
         if self.eval_split is not None and self.eval_path is None:
             raise field_error("eval_split", "eval_split names a split of eval_path; set eval_path or drop eval_split")
         return self

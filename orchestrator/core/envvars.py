@@ -17,8 +17,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
     # -- the workers, from the spec's env
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
-                           "reads its own shards (jobs/weightload.py)",
-    "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/ckpt_io.py)",
+                           "reads its own shards (jobs/model/weightload.py)",
+    "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
     "FSDPJOB_LOG_SAMPLES": "append each step's global sample ids to samples.jsonl",
@@ -27,4 +27,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_FAULT_SAVE_STEP": "limits the save pause to this step",
     "FSDPJOB_FAULT_DATA_HANG_STEP": "before training step n+1, one rank hangs where it fetches its batch",
     "FSDPJOB_FAULT_DATA_HANG_RANK": "the rank that hangs in the data path (default 0)",
+    "FSDPJOB_FAULT_STOP_STEP": "after training step n, before that step's save, one rank sends itself SIGSTOP",
+    "FSDPJOB_FAULT_STOP_RANK": "the rank that freezes itself (default 0)",
+    "FSDPJOB_SKIP_FINAL_SAVE": "'1': no checkpoint at the end of training (bench/gpu.py)",
+    "FSDPJOB_FAKE_GPUS": "'1': GPUs the scheduler granted are fakes (the dev cluster's /dev/null GPUs): train on CPU",
 }  # fmt: skip

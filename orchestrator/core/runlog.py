@@ -19,7 +19,7 @@ from .paths import RunPaths
 # Lifecycle events, in the order a run meets them. README.md ("Run folder") lists the same names with
 # their fields; tests/test_runlog.py keeps the two in step.
 START = "start"  # an attempt's workers started: restart, world_size, job_id, host
-DATA = "data"  # data ready: sequences, examples, truncated, cached, seconds
+DATA = "data"  # data ready: sequences, examples, truncated, split, dropped, packing_efficiency, cached, seconds
 RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_size, grad_accum_steps
 READY = "ready"  # setup over, training starts at step: step, setup_s
 CHECKPOINT = "checkpoint"  # a checkpoint committed (or handed to the background writer): step, reason, save_s

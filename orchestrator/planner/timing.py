@@ -70,6 +70,9 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
     per_token = train_flops_per_token(matmul_params=matmul_params, trained_params=tr.trained, layers=s.layers,
                                       q_dim=s.q_dim, seq_len=u.seq_len, recompute=u.activation_checkpointing)
+    # Every position of every row: the step's time. The worker's tokens_per_s and mfu count the non-pad positions
+    # of the same rows (metrics.py), which boundary-aware packing keeps within its padding share (the data event's
+    # packing_efficiency) of these; unpacked rows of short examples fall further below.
     tokens = u.micro_batch * u.grad_accum * u.seq_len
     rate, note = _throughput(u, profile, cpus)
     ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)

@@ -40,12 +40,24 @@ def status_text(r) -> str:
         + (f"  last stop: {r.last_stop['reason']} at step {r.last_stop['step']}" if r.last_stop else ""),
         goodput_line(r.goodput, r.run_id),
         *recovery_lines(r.recovery, r.run_id),
+        *data_lines(r.data),
         f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
         f"folder     {r.run_dir}",
     ]
     if r.failure_reason:
         lines.append(f"failure    {r.failure_reason}")
     return "\n".join(lines)
+
+
+def data_lines(data: dict | None) -> list[str]:
+    """The training data as packed: examples, sequences, packing efficiency and what the long examples became."""
+    if not data:
+        return []
+    long = ", ".join(f"{data[k]} {k}" for k in ("truncated", "split", "dropped") if data.get(k))
+    efficiency = data.get("packing_efficiency")
+    return [f"data       {data.get('examples')} examples in {data.get('sequences')} sequences"
+            + (f", {efficiency:.1%} real tokens" if efficiency is not None else "")
+            + (f"; longer than seq_len: {long}" if long else "")]
 
 
 def recovery_lines(rec: dict | None, run_id: str) -> list[str]:

@@ -24,6 +24,7 @@ class Progress:
     done: bool = False
     failure: str | None = None
     last_stop: dict | None = None
+    data: dict | None = None  # the newest data event (the worker's table: examples, long-example policy counts)
     cancelled: bool = False  # `fsdpjob cancel` asked for it (its cancel event)
     faults: list[dict] = field(default_factory=list)  # the supervisor's fault events (crashes, hangs)
     events: list[dict] = field(default_factory=list)
@@ -87,6 +88,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.failure = ev.get("reason") or ev.get("error")
         elif kind == runlog.STOP:
             prog.last_stop = ev
+        elif kind == runlog.DATA:
+            prog.data = ev
         elif kind == runlog.CANCEL:
             prog.cancelled = True
         elif kind == runlog.FAULT:

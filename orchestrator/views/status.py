@@ -39,10 +39,11 @@ PHASES = {
     "TIMEOUT": "TIMEOUT",
 }
 
+DATA_KEYS = ("sequences", "examples", "truncated", "split", "dropped", "packing_efficiency")
 STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
-    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery",
+    "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery", "data",
 )
 
 
@@ -81,6 +82,8 @@ class StatusReport:
     # the requeues), faults, last_fault {kind: crash|hang|straggler, reason, ranks, hosts, top_frames, stacks,
     # decision}, excluded_nodes. None when it never had to act.
     recovery: dict | None = None
+    # The training data as the worker packed it (its newest data event): DATA_KEYS; None before it was ready.
+    data: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -136,6 +139,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         last_stop={k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")} if progress.last_stop else None,
         goodput=_goodput(record, view, progress, phase),
         recovery=progress.recovery(),
+        data={k: progress.data.get(k) for k in DATA_KEYS} if progress.data else None,
     )
 
 

@@ -260,9 +260,9 @@ def examples(n: int, length: int = 5) -> list[Example]:
     return out
 
 
-def test_packing_concatenates_and_pads_only_the_tail():
+def test_naive_packing_concatenates_and_pads_only_the_tail():
     exs = examples(7)
-    table = build_sequences(exs, 8, True, pad_id=0)
+    table = build_sequences(exs, 8, "naive", pad_id=0)
     flat_ids = [t for e in exs for t in e.input_ids]
     flat_labels = [t for e in exs for t in e.labels]
     rows = -(-len(flat_ids) // 8)
@@ -270,7 +270,7 @@ def test_packing_concatenates_and_pads_only_the_tail():
     assert table.input_ids.flatten()[: len(flat_ids)].tolist() == flat_ids
     assert table.labels.flatten()[: len(flat_labels)].tolist() == flat_labels
     assert set(table.labels.flatten()[len(flat_labels):].tolist()) <= {IGNORE}
-    again = build_sequences(exs, 8, True, pad_id=0)
+    again = build_sequences(exs, 8, "naive", pad_id=0)
     assert torch.equal(table.input_ids, again.input_ids) and torch.equal(table.labels, again.labels)
 
 
@@ -369,7 +369,7 @@ def test_resume_mid_run_continues_exactly():
         for s in first:
             s.next_step()
     states = [s.state_dict() for s in first]
-    assert states[0] == states[1] == {"samples_consumed": 36, "seed": 7, "num_sequences": 23}
+    assert states[0] == states[1] == {"samples_consumed": 36, "seed": 7, "num_sequences": 23, "packing": "boundary"}
     resumed = [stream(table, 2, r) for r in range(2)]
     for s, state in zip(resumed, states):
         s.load_state_dict(json.loads(json.dumps(state)))
@@ -398,8 +398,8 @@ def test_refuses_state_from_other_data_or_seed():
     table = table_of(10)
     s = stream(table, 1, 0)
     with pytest.raises(ValueError, match="had 11 sequences, this run has 10"):
-        s.load_state_dict({"samples_consumed": 12, "seed": 7, "num_sequences": 11})
+        s.load_state_dict({"samples_consumed": 12, "seed": 7, "num_sequences": 11, "packing": "boundary"})
     with pytest.raises(ValueError, match="seed 3"):
-        s.load_state_dict({"samples_consumed": 12, "seed": 3, "num_sequences": 10})
+        s.load_state_dict({"samples_consumed": 12, "seed": 3, "num_sequences": 10, "packing": "boundary"})
     with pytest.raises(ValueError, match="dp_rank 2"):
         BatchStream(table, seed=0, shuffle=True, micro_batch_size=1, grad_accum_steps=1, dp_rank=2, dp_world=2)

@@ -163,7 +163,8 @@ def test_mixture_epochs_follow_the_weights(tmp_path, tokenizer):
     table = table_of(mixture(tmp_path), tokenizer)
     n_big = int((table.source == 0).sum())
     counts = epoch_counts([n_big, len(table) - n_big], (0.75, 0.25))
-    assert sum(counts) == len(table) and counts[0] == round(0.75 * len(table))
+    # Largest remainder: each count within half a row of its share (46 rows: 34.5 and 11.5, the tie to source 0).
+    assert sum(counts) == len(table) and abs(counts[0] - 0.75 * len(table)) <= 0.5
     s = stream(table, 1, 0, gbs=1, mbs=1)
     assert s.epoch_size == len(table)
     rows = [step_rows([s])[0] for _ in range(3 * s.epoch_size)]

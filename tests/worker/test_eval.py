@@ -67,11 +67,14 @@ def packed(assets: dict, path: str):
     return build_sequences(read_examples(data, tokenizer), data.seq_len, data.packing, pad_id)
 
 
-def reference_loss(run_dir: Path, assets: dict, input_ids, labels) -> tuple[float, int]:
-    """Mean token loss of the newest committed weights in a plain fp32 HF model, one process, no FSDP."""
+def reference_loss(run_dir: Path, assets: dict, table, rows: int | None = None) -> tuple[float, int]:
+    """Mean token loss of the newest committed weights in a plain fp32 HF model, one process, no FSDP, over the
+    table's first ``rows`` sequences (all by default), each with its examples' positions."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
+
+    from fsdpjob.jobs.step import forward_logits
 
     model = AutoModelForCausalLM.from_pretrained(assets["model_path"], torch_dtype=torch.float32)
     weights = committed_model_state(run_dir)
@@ -80,8 +83,10 @@ def reference_loss(run_dir: Path, assets: dict, input_ids, labels) -> tuple[floa
     model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for ids, lab in zip(input_ids.split(1), labels.split(1)):
-            logits = model(input_ids=ids, use_cache=False).logits
+        for row in range(len(table) if rows is None else rows):
+            ids, lab = table.input_ids[row : row + 1], table.labels[row : row + 1]
+            positions = table.position_ids[row : row + 1] if table.position_ids is not None else None
+            logits = forward_logits(model, ids, positions, torch.device("cpu"))
             targets = F.pad(lab[:, 1:], (0, 1), value=-100)
             total += F.cross_entropy(logits.reshape(-1, logits.size(-1)).double(), targets.reshape(-1),
                                      ignore_index=-100, reduction="sum").item()
@@ -111,13 +116,13 @@ def test_eval_loss_equals_one_process_fp32_loss_with_the_same_weights(runs, asse
 
     # eval_fraction, whole eval set; the last evaluation (step 6, 1 rank after the resume) saw the final weights.
     table = split_eval(packed(assets, assets["data_path"]), 0.05, seed=0).eval
-    expected, tokens = reference_loss(runs["fraction"], assets, table.input_ids, table.labels)
+    expected, tokens = reference_loss(runs["fraction"], assets, table)
     last = evals(runs["fraction"])[-1]
     assert last["step"] == MAX_STEPS and last["eval_tokens"] == tokens
     assert abs(last["eval_loss"] - expected) <= 1e-5 * expected, (last, expected)
     # eval_path with eval_batches 1 on 2 ranks: the eval file's first 2 sequences, each rank one.
     table = packed(assets, assets["eval_path"])
-    expected, tokens = reference_loss(runs["file"], assets, table.input_ids[:2], table.labels[:2])
+    expected, tokens = reference_loss(runs["file"], assets, table, 2)
     last = evals(runs["file"])[-1]
     assert last["step"] == MAX_STEPS and last["eval_tokens"] == tokens
     assert abs(last["eval_loss"] - expected) <= 1e-5 * expected, (last, expected)

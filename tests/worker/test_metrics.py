@@ -74,6 +74,7 @@ class Values:
 
     def __init__(self, tokens: int, loss: float, grad_norm: float = 0.5):
         self.tokens, self._loss, self.grad_norm = tokens, loss, grad_norm
+        self.processed = tokens  # non-pad positions, what tokens_per_s counts: all of them here
 
     @property
     def loss(self) -> float:
