@@ -31,8 +31,9 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,8 +126,8 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    from fsdpjob.jobs.checkpoint import io as ckpt_io
     from fsdpjob.jobs.checkpoint import CheckpointManager
+    from fsdpjob.jobs.checkpoint import io as ckpt_io
     from fsdpjob.jobs.checkpoint.state import ModelOptimState
 
     def use(mode: str) -> None:  # "fast": the worker's writer and reader; "stock": DCP's own, same files
@@ -198,7 +199,7 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
         )
         blocked, finish, computed = [], [], []
         for step in (1, 2, 3):  # the first one also pays for fresh staging memory
-            in_save = _timed(lambda: background.save(step, state, reason="bench"))
+            in_save = _timed(lambda: background.save(step, state, reason="bench"))  # noqa: B023 - called at once
             # The next training step: its forward and backward overlap the background copy, and its optimizer
             # step waits for what is left of it (jobs/checkpoint/staging.py); the loop is blocked for both parts.
             computed.append(_timed(lambda: _forward_backward(model, args["vocab"], args["step_tokens"])))

@@ -59,7 +59,7 @@ class Plan:
     async_save: bool
 
     @classmethod
-    def draw(cls, seed: int, steps: int) -> "Plan":
+    def draw(cls, seed: int, steps: int) -> Plan:
         rng = random.Random(seed)
         mode = rng.choice(["pause", "timer"])
         return cls(seed=seed, mode=mode, victims=rng.choice(["one", "all"]), rank=rng.randrange(WORLD),
@@ -106,7 +106,6 @@ def rank_main(root: Path, steps: int, async_save: bool) -> None:
     """One rank: train and save every step; rank 0 records what each save is about to write."""
     import torch
     import torch.distributed as dist
-
     from ckpt_driver import Trainer, manager
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(message)s", force=True)

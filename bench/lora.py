@@ -31,7 +31,15 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from distributed import run_ranks  # noqa: E402
 from plan_accuracy import (  # noqa: E402
-    FROZEN_MMAP_THRESHOLD, SIZES, Case, _load, _reset_peak, _status_kib, _train, _warmup, write_model,
+    FROZEN_MMAP_THRESHOLD,
+    SIZES,
+    Case,
+    _load,
+    _reset_peak,
+    _status_kib,
+    _train,
+    _warmup,
+    write_model,
 )
 
 MiB = 1024**2
@@ -64,11 +72,12 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
     """This rank's training peak above its baseline, its save times, and (rank 0) the checkpoint's bytes."""
     import torch
     import torch.distributed as dist
+
     from fsdpjob.jobs.checkpoint import CheckpointManager
     from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
     from fsdpjob.orchestrator.core.spec import LoraSpec

@@ -100,7 +100,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, args: dict) -> dic
                     start = time.perf_counter()
                     values = train_step(model, optimizer, batch.micro_batches, env.device, tokens=batch.tokens,
                                         max_grad_norm=1.0, processed=batch.processed)
-                    values.loss  # the step's collective read, as a logged step does
+                    _ = values.loss  # the step's collective read, as a logged step does
                     dist.barrier()
                     if i:
                         times[name].append(time.perf_counter() - start)

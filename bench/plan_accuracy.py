@@ -128,10 +128,10 @@ def write_model(case: Case, folder: Path) -> Path:
 
 
 def plan_for(case: Case, model_dir: Path):
-    from fsdpjob.orchestrator.planner.fit import make_plan
-    from fsdpjob.orchestrator.planner.resolve import resolve
     from fsdpjob.orchestrator.core.profiles import load_profile
     from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.resolve import resolve
 
     spec = JobSpec.model_validate(
         {
@@ -167,6 +167,7 @@ def _reset_peak() -> None:
 
 def _load(model_dir: str, case: Case, env, mesh):
     import torch
+
     from fsdpjob.jobs.model import load_model
 
     return load_model(
@@ -179,6 +180,7 @@ def _load(model_dir: str, case: Case, env, mesh):
 def _train(model, case: Case, env, steps: int) -> float:
     """``steps`` optimizer steps exactly as the worker runs them; the seconds of the last one."""
     import torch
+
     from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.step import train_step
 
@@ -202,6 +204,7 @@ def _train(model, case: Case, env, steps: int) -> float:
 def measure_rank(rank: int, world_size: int, *, model_dir: str, case: dict, steps: int = 2) -> dict:
     """This rank's peak RSS above its baseline: at load and over ``steps`` training steps (bytes)."""
     import torch.distributed as dist
+
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model.parallelize import build_mesh
 

@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdpjob.orchestrator.devcluster.manage import lift_requeue_hold
-
 import yaml
-
 from devjobs import cli, poll, status  # bench/devjobs.py (this folder is on sys.path)
+
+from fsdpjob.orchestrator.devcluster.manage import lift_requeue_hold
 
 
 def main() -> None:
@@ -56,7 +55,7 @@ def main() -> None:
         preempted_at: list[float] = []
         for i in range(args.preemptions):
             base = status(run["run_id"])["step"] or 0
-            poll(lambda: status(run["run_id"])["phase"] == "RUNNING" and (status(run["run_id"])["step"] or 0) >= base + 10,
+            poll(lambda: status(run["run_id"])["phase"] == "RUNNING" and (status(run["run_id"])["step"] or 0) >= base + 10,  # noqa: B023 - polled here
                  300, f"10 more steps before preemption {i + 1}")
             preempted_at.append(time.time())
             subprocess.run(["sbatch", "--output=/dev/null", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 2"],

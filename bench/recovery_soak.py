@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from devjobs import cli, poll  # bench/devjobs.py (this folder is on sys.path)
 
 CHECKPOINT_EVERY = 10

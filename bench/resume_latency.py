@@ -33,8 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from common import ModelSize, job_spec, launch_ranks, load_note, make_assets, read_jsonl, write_run_folder
 
@@ -95,8 +96,8 @@ def rank_main(run_dir: Path, entered: float) -> None:
     from transformers import LlamaForCausalLM  # noqa: F401
 
     marks["model_class"] = time.time()
-    from fsdpjob.jobs.model import build as model
     from fsdpjob.jobs import train
+    from fsdpjob.jobs.model import build as model
 
     marks["worker"] = time.time()
     torch.set_num_threads(1)

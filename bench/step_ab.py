@@ -66,15 +66,16 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
+    import bare_fsdp2
     import torch
     import torch.distributed as dist
-    import bare_fsdp2
+    from torch.distributed.device_mesh import init_device_mesh
+
     from fsdpjob.jobs.agreement import FlagAgreement
     from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.dist import DistEnv
     from fsdpjob.jobs.model import load_model
     from fsdpjob.jobs.step import train_step
-    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -79,7 +79,6 @@ sys.path.insert(0, str(BENCH))
 
 from common import ModelSize, free_port, job_spec, load_note, make_assets, read_jsonl  # noqa: E402
 
-
 # ------------------------------------------------------------------------------------------------
 # Side by side: the cases, each one launch of 2 ranks.
 

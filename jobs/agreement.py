@@ -10,10 +10,11 @@ group (gloo), so agreeing never waits for the device.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
 from fsdpjob.orchestrator.core.stopping import steps_between
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per call site); older torch has

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from fsdpjob.orchestrator.core import heartbeat
 
 from .data.packing import SequenceTable, eval_batches

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+
 from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.spec import JobSpec
 

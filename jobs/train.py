@@ -15,25 +15,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.core.spec import JobSpec
-from torch.distributed.device_mesh import DeviceMesh
 
 from . import gcpolicy, preemption
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import DictState, ModelOptimState, RNGState
-from .data.packing import BatchStream, SequenceTable, packing_mode, split_eval
 from .data.cache import load_or_build
+from .data.packing import BatchStream, SequenceTable, packing_mode, split_eval
 from .data.sources import build_table, eval_spec
 from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter, model_flops_per_token
-from .model.lora import checkpoint_fingerprint, trainable_parameters
 from .model.build import load_model
+from .model.lora import checkpoint_fingerprint, trainable_parameters
 from .model.parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor

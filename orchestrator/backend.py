@@ -5,9 +5,10 @@ orchestrator/slurm/backend.py and orchestrator/local/backend.py; nothing else br
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fsdpjob.orchestrator.core.paths import RunPaths
 

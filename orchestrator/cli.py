@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 
@@ -312,8 +313,8 @@ def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
 @click.argument("run")
 def cancel(run: str) -> None:
     """Cancel a run (scancel, or stop the local workers)."""
-    from fsdpjob.orchestrator.submit import cancel as cancel_run
     from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.submit import cancel as cancel_run
 
     record = registry.find(run)
     how = cancel_run(record)

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.backend import Request, backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import SubmissionError
@@ -17,7 +18,6 @@ from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
 from fsdpjob.orchestrator.planner.jobload import LoadedJob
-from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.registry import JobRecord
 
 

@@ -6,7 +6,8 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:

@@ -8,9 +8,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

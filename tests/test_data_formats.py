@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_inputs import make_model
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.inputs import check_inputs
 from fsdpjob.orchestrator.core.spec import load_spec
 from fsdpjob.orchestrator.core.validation import SpecErrors
-from test_inputs import make_model
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -184,6 +184,7 @@ def test_parquet_training_with_save_to_disk_eval_and_trackers_on_the_local_profi
     from functools import partial
 
     import helpers
+
     from fsdpjob.jobs.quickstart import addition_examples, make_quickstart
 
     assets = make_quickstart(tmp_path / "assets")

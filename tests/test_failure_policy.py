@@ -53,9 +53,8 @@ def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path
 
     from fsdpjob.orchestrator.core.paths import RunPaths
     from fsdpjob.orchestrator.core.runmeta import RunMeta
-    from fsdpjob.orchestrator.slurm import failure
-
     from fsdpjob.orchestrator.slurm import commands as slurm_cli
+    from fsdpjob.orchestrator.slurm import failure
 
     RunMeta(spec={"preemption": {"max_requeues": 5}}).write(RunPaths(tmp_path))
     events = attempt(0, *TRAINED, t0=0) + attempt(1, {"event": "ready", "step": 5},

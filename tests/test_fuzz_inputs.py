@@ -22,14 +22,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-
-from fsdpjob.orchestrator.cli import main
-from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.slurm.render import build_plan
-from fsdpjob.orchestrator.core.spec import JobSpec
-from test_hostile import check_rejection as hostile_rejection
 from test_hostile import (
     CONTROL,
     FIELDS,
@@ -44,6 +36,14 @@ from test_hostile import (
     script_for,
     write_inputs,
 )
+from test_hostile import check_rejection as hostile_rejection
+
+from fsdpjob.orchestrator.cli import main
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
+from fsdpjob.orchestrator.slurm.render import build_plan
 
 EXAMPLES = int(os.environ.get("FSDPJOB_FUZZ_EXAMPLES", "70"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -12,10 +12,10 @@ import pytest
 
 from fsdpjob.orchestrator.backend import AttemptTimes
 from fsdpjob.orchestrator.planner.interval import advise, current_interval, lost_per_hour
+from fsdpjob.orchestrator.registry import JobRecord
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm.backend import attempts_from_sacct, views_from_sacct
 from fsdpjob.orchestrator.views.goodput import CATEGORIES, goodput
-from fsdpjob.orchestrator.registry import JobRecord
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
 

@@ -23,7 +23,7 @@ except SystemExit as exc:
 else:
     code = 0
 print(json.dumps({"code": code, "heavy": sorted(m for m in %r if m in sys.modules)}), file=sys.stderr)
-""" % (HEAVY,)
+""" % (HEAVY,)  # noqa: UP031 - the probe's braces would need doubling
 
 
 def probe(*args: str, cwd: Path = REPO, env: dict | None = None) -> dict:

@@ -133,9 +133,9 @@ DENSE = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi", "phi3",
 def test_planned_adapter_count_is_what_peft_injects(tmp_path, family, targets):
     """The planner's count (config.json only) against the worker's injection on the meta device."""
     import torch
+    from families import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from families import tiny_config
     from fsdpjob.jobs.model.lora import attach_lora
 
     config = tiny_config(family)

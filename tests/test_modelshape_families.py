@@ -8,10 +8,10 @@ import json
 import struct
 from pathlib import Path
 
+import helpers
 import pytest
 from families import FAMILIES, PLANNED_FAMILIES, save_tiny_family, tiny_config
 
-import helpers
 from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
 from fsdpjob.orchestrator.planner.modelshape import (
     EXACT_FROM_CONFIG,

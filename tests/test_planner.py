@@ -11,15 +11,15 @@ import pytest
 from specs import build, job_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
-from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
-from fsdpjob.orchestrator.planner.planformat import format_plan
-from fsdpjob.orchestrator.planner.fit import make_plan
-from fsdpjob.orchestrator.planner.resolve import resolve
-from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.core.profiles import load_profile
 from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.core.yamlio import apply_overrides
+from fsdpjob.orchestrator.planner.fit import make_plan
+from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
+from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
+from fsdpjob.orchestrator.planner.planformat import format_plan
+from fsdpjob.orchestrator.planner.resolve import resolve
 
 # Public config.json values of meta-llama/Llama-2-70b-hf.
 LLAMA2_70B = {

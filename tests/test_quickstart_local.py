@@ -9,9 +9,8 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import ONE_THREAD, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,10 +11,9 @@ import signal
 from functools import partial
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from distributed import committed_model_state
 from helpers import ONE_THREAD, wait_for
 

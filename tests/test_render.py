@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.slurm.render import build_plan, render_script
 from fsdpjob.orchestrator.core.spec import json_schema
+from fsdpjob.orchestrator.planner.jobload import load_job
+from fsdpjob.orchestrator.slurm.render import build_plan, render_script
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

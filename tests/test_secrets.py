@@ -16,12 +16,11 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 from helpers import ONE_THREAD, wait_for
-from specs import write_spec
 from slurm.conftest import slurm_cluster, slurm_cluster_session  # noqa: F401 - fixtures for the Slurm case
+from specs import write_spec as write_yaml
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -59,7 +58,7 @@ def write_spec(folder: Path, assets: dict, profile: str) -> Path:
         # The trackers hold the run's config and run with WANDB_API_KEY in their environment: their files too.
         "logging": {"wandb": {"project": "secrets", "mode": "offline"}, "mlflow": {}},
     }
-    return write_spec(folder / "secrets.yaml", spec)
+    return write_yaml(folder / "secrets.yaml", spec)
 
 
 def worker_environments(run_dir: str, ranks: int, timeout_s: float = 180) -> list[dict[str, str]]:

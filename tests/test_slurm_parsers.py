@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from fsdpjob.orchestrator.views.progress import Progress
 from fsdpjob.orchestrator.slurm.backend import view_from_scontrol, views_from_sacct, views_from_squeue
+from fsdpjob.orchestrator.views.progress import Progress
 from fsdpjob.orchestrator.views.status import phase_of
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.core.errors import InputError, SpecError
-from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.core.profiles import load_profile
-from fsdpjob.orchestrator.planner.resolve import check
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time, parse_slurm_time
 from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
 from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import apply_overrides
+from fsdpjob.orchestrator.planner.jobload import load_job
+from fsdpjob.orchestrator.planner.resolve import check
 
 REPO = Path(__file__).resolve().parents[1]
 VALID = REPO / "tests" / "data" / "specs" / "valid"
@@ -324,7 +324,7 @@ def test_secret_env_is_redacted_and_outside_the_hash(tmp_path):
 
 def test_spec_is_frozen(tmp_path):
     spec, _ = load_spec(write(tmp_path, BASE))
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises its ValidationError for a frozen model
         spec.train.max_steps = 5  # type: ignore[misc]
 
 

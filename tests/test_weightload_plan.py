@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from test_planner import A100, LLAMA2_70B, make_spec, write_config
 
-from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
 from fsdpjob.orchestrator.planner.fit import make_plan
+from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
 from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
 

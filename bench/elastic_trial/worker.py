@@ -1,6 +1,12 @@
 """The issue-12 trial worker for torchrun (bench/elastic_trial/job.sh): a gloo all-reduce every 0.1 s, logged."""
-import os, sys, time, datetime
-import torch, torch.distributed as dist
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
 out = sys.argv[1]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank = dist.get_rank()
@@ -11,5 +17,6 @@ with open(f"{out}/log-{rank}", "a") as f:
     for step in range(100000):
         t = torch.ones(1)
         dist.all_reduce(t)
-        f.write(f"{time.time():.2f} step {step} restart={restart}\n"); f.flush()
+        f.write(f"{time.time():.2f} step {step} restart={restart}\n")
+        f.flush()
         time.sleep(0.1)

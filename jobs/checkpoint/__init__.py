@@ -1,8 +1,14 @@
 """Sharded DCP checkpoints: the manager (save, resume, purge), its file I/O, background staging, the Stateful
 wrappers and the resume checks. Depends on nothing else in jobs/: the storage writer is passed in."""
 
-from fsdpjob.orchestrator.core.ckptlayout import (MARKER, SIDECAR, committed_steps, read_sidecar, step_dir_name,
-                                                 uncommitted_steps)
+from fsdpjob.orchestrator.core.ckptlayout import (
+                                                 MARKER,
+                                                 SIDECAR,
+                                                 committed_steps,
+                                                 read_sidecar,
+                                                 step_dir_name,
+                                                 uncommitted_steps,
+)
 
 from .manager import FORMAT_VERSION, CheckpointManager, single_process_dcp
 from .state import DictState, ModelOptimState, RNGState

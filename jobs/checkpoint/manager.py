@@ -21,10 +21,11 @@ import shutil
 import threading
 import time
 import warnings
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

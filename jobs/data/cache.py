@@ -16,8 +16,8 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,7 +37,7 @@ _CHUNK = 1 << 20
 _OPTIONAL = ("source", "position_ids", "lengths")
 
 
-def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+def _hash_file(h: hashlib._Hash, path: Path) -> None:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)

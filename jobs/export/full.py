@@ -11,8 +11,16 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint.manager import read_sidecar, select_checkpoint
-from .hfdir import (DTYPE_NAMES, DTYPES, ExportError, copy_side_files, load_group, model_entries, write_config,
-                    write_shards)
+from .hfdir import (
+    DTYPE_NAMES,
+    DTYPES,
+    ExportError,
+    copy_side_files,
+    load_group,
+    model_entries,
+    write_config,
+    write_shards,
+)
 from .lora import lora_writer
 
 log = logging.getLogger("fsdpjob.export")

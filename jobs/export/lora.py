@@ -12,9 +12,10 @@ import json
 import logging
 import math
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,8 +26,7 @@ from fsdpjob.orchestrator.core.spec import LoraSpec
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
 from ..checkpoint.manager import read_sidecar
-from ..model.lora import (ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config,
-                          swap_parameter)
+from ..model.lora import ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config, swap_parameter
 from .hfdir import ExportError, copy_side_files, load_group, model_entries, write_config, write_shards
 
 log = logging.getLogger("fsdpjob.export")

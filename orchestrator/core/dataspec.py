@@ -82,7 +82,7 @@ class DataSource(FieldOptions, Strict):
     _path = field_validator("path")(path_value)
 
     @model_validator(mode="after")
-    def _one_shape(self) -> "DataSource":
+    def _one_shape(self) -> DataSource:
         if problem := self.shape_problem():
             raise ValueError(problem)
         return self
@@ -152,7 +152,7 @@ class DataSpec(FieldOptions, Strict):
     _path = field_validator("path", "eval_path")(path_value)
 
     @model_validator(mode="after")
-    def _one_shape(self) -> "DataSpec":
+    def _one_shape(self) -> DataSpec:
         if problem := self.shape_problem():
             raise ValueError(problem)
         if (self.path is None) == (self.sources is None):

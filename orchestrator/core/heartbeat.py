@@ -55,7 +55,7 @@ class Beat:
     longest: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Beat":
+    def from_json(cls, data: dict) -> Beat:
         # A missing required key raises TypeError (the reader skips the file); ``longest`` may be absent.
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 

@@ -4,8 +4,9 @@ the first SCAN_LINES of each source, the worker every record it reads)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .dataspec import FieldOptions

@@ -49,7 +49,7 @@ class Resources(Strict):
     """Fewest nodes the run may go on with inside its allocation after a node fails or is blamed twice (global batch kept). Default: nodes (never shrink)."""
 
     @model_validator(mode="after")
-    def _min_nodes(self) -> "Resources":
+    def _min_nodes(self) -> Resources:
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise field_error("min_nodes", f"min_nodes ({self.min_nodes}) is more than nodes ({self.nodes}); "
                                                      "set it to at most nodes, or drop it")
@@ -79,7 +79,7 @@ class Resources(Strict):
         return single_line(value)
 
     @model_validator(mode="after")
-    def _tasks_match_gpus(self) -> "Resources":
+    def _tasks_match_gpus(self) -> Resources:
         g, t = self.gpus_per_node, self.tasks_per_node
         if g and t is not None and t != g:
             raise ValueError(
@@ -174,7 +174,7 @@ class TrainSpec(Strict):
     """Micro-batches per worker per evaluation; 0: the whole eval set."""
 
     @model_validator(mode="after")
-    def _warmup(self) -> "TrainSpec":
+    def _warmup(self) -> TrainSpec:
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
         if self.eval_batches and not self.eval_every:
@@ -268,7 +268,7 @@ class JobSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _eval_settings(self) -> "JobSpec":
+    def _eval_settings(self) -> JobSpec:
         """Evaluation takes eval data and train.eval_every together; keep_best needs evaluations."""
         if self.train.eval_every and not self.data.has_eval:
             raise field_error("train.eval_every", "evaluation needs eval data; set data.eval_path or "
@@ -283,7 +283,7 @@ class JobSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _gpu_combinations(self) -> "JobSpec":
+    def _gpu_combinations(self) -> JobSpec:
         """Combinations that fail on GPUs only, refused before they reach one."""
         if self.model.attn_implementation == "flash_attention_2" and self.fsdp.mixed_precision != "bf16":
             raise field_error("model.attn_implementation", "flash_attention_2 computes in bf16/fp16 only and errors "
@@ -317,7 +317,7 @@ class JobSpec(Strict):
         secret = self.secret_names()
         return {k: v for k, v in self.env.items() if k not in secret}
 
-    def redacted(self) -> "JobSpec":
+    def redacted(self) -> JobSpec:
         """A copy safe to write to disk: secret env values replaced by a marker."""
         secret = self.secret_names()
         env = {k: ("<secret>" if k in secret else v) for k, v in self.env.items()}

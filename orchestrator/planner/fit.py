@@ -28,11 +28,11 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
 from fsdpjob.orchestrator.core.units import GiB
 
+from .interval import IntervalAdvice, advise, current_interval
+from .lora import Trainable, trainable
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
-from .interval import IntervalAdvice, advise, current_interval
-from .lora import Trainable, trainable
 from .timing import Timing, plan_timing
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
-from typing import Callable
 
 import jinja2
+
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
@@ -34,7 +35,7 @@ class SbatchPlan:
     python: str
     world_size: int
 
-    def with_command(self, command: str) -> "SbatchPlan":
+    def with_command(self, command: str) -> SbatchPlan:
         return replace(self, command=command)
 
 

@@ -7,9 +7,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.slurm import commands as slurm_cli

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import click
+
 from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError

@@ -3,7 +3,6 @@ whole run log and spec.json), its text, and checkpoint interval advice from the 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 

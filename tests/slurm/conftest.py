@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-
-from fsdpjob.orchestrator.devcluster import manage
-from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
-from fsdpjob.orchestrator.core.errors import FsdpjobError
 from helpers import wait_for
 from slurm.slurm_helpers import final_weights, submit, wait_phase
 from specs import build, write_spec
+
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.devcluster import manage
+from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 
 HERE = Path(__file__).resolve().parent
 STATE_DIR = os.environ.get("FSDPJOB_DEVCLUSTER_DIR", "/tmp/fsdpjob-devcluster")

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from helpers import wait_for
 
 pytestmark = [pytest.mark.slow]
 

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import fsdpjob, wait_for
 from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
 from slurm.test_fsdp_slurm import assert_same_weights, preempt_now, status_of, worker_pids
@@ -96,7 +95,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     last_step = 0
     for _ in range(count):
         while True:  # a random moment: mid-step, mid-save or mid-setup, of a job that Slurm still runs
-            wait_for(lambda: running_with_progress(run, last_step), timeout_s=300, interval_s=1.0,
+            wait_for(lambda: running_with_progress(run, last_step), timeout_s=300, interval_s=1.0,  # noqa: B023
                      what="run back and training")
             time.sleep(rng.uniform(2, 8))
             if status_of(run["job_id"]) in ("RUNNING", "COMPLETED", ""):

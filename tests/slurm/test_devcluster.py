@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from fsdpjob.orchestrator.devcluster import manage
-from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
-from fsdpjob.orchestrator.core.errors import FsdpjobError
 from helpers import wait_for
 from slurm.slurm_helpers import release_held, slurm_env
+
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.devcluster import manage
+from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY"}
 

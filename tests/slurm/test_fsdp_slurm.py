@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import fsdpjob, wait_for
 from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
 

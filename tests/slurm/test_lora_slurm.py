@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import wait_for
 from slurm.slurm_helpers import final_weights, status, submit, wait_phase
 from slurm.test_fsdp_slurm import preempt_now, release_when_held

@@ -11,7 +11,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from helpers import fsdpjob, wait_for
 from slurm.slurm_helpers import status, submit, wait_phase
 from slurm.test_fsdp_slurm import assert_same_weights
@@ -85,9 +84,9 @@ def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference):
     """slurmd and the tasks of node 2 killed; with resources.min_nodes 1 the supervisor goes on with node 1
     alone (2 ranks, the global batch kept by gradient accumulation), in the same allocation."""
     import torch
+    from slurm.slurm_helpers import final_weights
 
     from fsdpjob.orchestrator.devcluster import manage
-    from slurm.slurm_helpers import final_weights
 
     run = submit(reference["spec"], *FAST, "--set", "resources.min_nodes=1")
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 12, timeout_s=240, interval_s=1.0, what="step 12")

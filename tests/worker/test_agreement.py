@@ -6,8 +6,8 @@ import math
 import time
 
 import pytest
-
 from distributed import run_ranks
+
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, MAX_STEPS_BETWEEN, steps_between, stop_wait_s
 
 STEP_S = 0.05  # a step's time in the test: ten steps per agreement

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from ckpt_driver import FINGERPRINT, SEED, Trainer, manager, rng_snapshot, tiny_config
 from distributed import free_port, run_ranks
+
 from fsdpjob.jobs.checkpoint import MARKER, CheckpointError, committed_steps, select_checkpoint, step_dir_name
-from fsdpjob.jobs.checkpoint.verify import ResumeRefused
 from fsdpjob.jobs.checkpoint.state import derived_seed
+from fsdpjob.jobs.checkpoint.verify import ResumeRefused
 from fsdpjob.jobs.export import export_from_path, export_hf
 
 pytestmark = pytest.mark.distributed

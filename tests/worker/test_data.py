@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpjob.jobs.quickstart import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
 from fsdpjob.jobs.data import (
     IGNORE,
     BatchStream,
@@ -20,6 +19,7 @@ from fsdpjob.jobs.data import (
     count_tokens,
     read_examples,
 )
+from fsdpjob.jobs.quickstart import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
 from fsdpjob.orchestrator.core.inputs import check_inputs
 from fsdpjob.orchestrator.core.spec import DataSpec, load_spec
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpjob.jobs.quickstart import make_quickstart
 from fsdpjob.jobs.data import build_sequences, read_examples
 from fsdpjob.jobs.data.cache import load_or_build
+from fsdpjob.jobs.quickstart import make_quickstart
 from fsdpjob.orchestrator.core.spec import DataSpec
 
 

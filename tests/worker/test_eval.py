@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from distributed import committed_model_state, run_ranks, train_worker
 
 MAX_STEPS = 6

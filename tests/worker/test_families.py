@@ -3,7 +3,6 @@ whatever its block layout (model.layers, transformer.h, gpt_neox.layers): one pr
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from distributed import run_ranks
@@ -75,10 +74,10 @@ def test_family_trains_on_two_ranks_with_falling_loss(trained, family):
 
 
 def test_blocks_are_found_through_no_split_modules_outside_model_layers():
+    from families import tiny_config
     from transformers import AutoModelForCausalLM
 
     from fsdpjob.jobs.model import find_decoder_layers
-    from families import tiny_config
 
     for family, where in (("gpt2", "transformer.h"), ("gpt_neox", "gpt_neox.layers"), ("falcon", "transformer.h")):
         with torch.device("meta"):

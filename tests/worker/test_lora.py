@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from distributed import committed_model_state, logged_losses, run_ranks, train_worker, write_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -117,8 +116,8 @@ def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> obje
     from fsdpjob.jobs.checkpoint import CheckpointManager
     from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.orchestrator.core.spec import JobSpec
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import free_port
 from families import VOCAB, save_tiny_family
+
 from fsdpjob.jobs.data import (
     IGNORE,
     BatchStream,
@@ -226,6 +226,7 @@ def stream_of(packing: str) -> BatchStream:
 
 def test_a_resume_with_another_packing_mode_is_refused(tmp_path):
     from ckpt_driver import manager
+
     from fsdpjob.jobs.checkpoint import step_dir_name
     from fsdpjob.jobs.ckpt_state import DictState
 
@@ -246,6 +247,7 @@ def test_a_resume_with_another_packing_mode_is_refused(tmp_path):
 
 def test_a_checkpoint_from_before_the_record_resumes_as_naive(tmp_path):
     from ckpt_driver import manager
+
     from fsdpjob.jobs.checkpoint import step_dir_name
     from fsdpjob.jobs.ckpt_state import DictState
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from distributed import committed_model_state, logged_losses, run_ranks, train_worker as _worker, write_run
+from distributed import committed_model_state, logged_losses, run_ranks, write_run
+from distributed import train_worker as _worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

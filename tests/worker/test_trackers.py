@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks, train_worker
 from specs import job_spec
 

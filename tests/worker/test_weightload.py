@@ -37,9 +37,8 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
 
     import torch.distributed as dist
 
-    from fsdpjob.jobs.model import weightload
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import load_model, weightload
     from fsdpjob.jobs.model.parallelize import build_mesh
 
     env = init_distributed(120)
@@ -76,9 +75,8 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
 
 def _save_bare_llama(path: Path) -> None:
     """The bare LlamaModel of a tied Llama: its file names lack the ``model.`` prefix (and it has no lm_head)."""
-    from transformers import AutoModel
-
     from families import tiny_config
+    from transformers import AutoModel
 
     torch.manual_seed(3)
     AutoModel.from_config(tiny_config("llama", tie_word_embeddings=True)).save_pretrained(path)
