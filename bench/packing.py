@@ -69,7 +69,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, args: dict) -> dic
     from fsdpjob.jobs.data import BatchStream, build_sequences, packing_mode
     from fsdpjob.jobs.dist import close_distributed, init_distributed
     from fsdpjob.jobs.model import load_model
-    from fsdpjob.jobs.parallelize import build_mesh
+    from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
 
     a = argparse.Namespace(**args)

@@ -118,7 +118,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     print(f"seed {seed}, {args.trials} trials", flush=True)
     rng = random.Random(seed)
-    from fsdpjob.jobs.assets import make_quickstart
+    from fsdpjob.jobs.quickstart import make_quickstart
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fsdpjob-soak-", ignore_cleanup_errors=True) as tmp:

@@ -245,7 +245,7 @@ logging:
 
 
 def test_validate_warns_when_many_examples_are_longer_than_seq_len(tmp_path):
-    from fsdpjob.jobs.assets import build_tokenizer
+    from fsdpjob.jobs.quickstart import build_tokenizer
     from fsdpjob.orchestrator.core.dataformats import long_example_warnings
 
     rows = [{"text": "short one"}] * 18 + [{"text": " ".join(["word"] * 200)}] * 2  # 10 % long

@@ -8,12 +8,16 @@ from .packing import (
                       EvalSplit,
                       Example,
                       MicroBatch,
+                      PackingMode,
                       SequenceTable,
                       StepBatch,
+                      best_fit_rows,
                       build_sequences,
                       count_tokens,
                       eval_batches,
                       examples_from_records,
+                      micro_batch,
+                      packing_mode,
                       read_examples,
                       row_tokens,
                       split_eval,
@@ -21,6 +25,6 @@ from .packing import (
 
 __all__ = [
     "IGNORE", "BatchStream", "DataError", "EvalSplit", "Example", "MicroBatch", "SequenceTable", "StepBatch",
-    "build_sequences", "count_tokens", "eval_batches", "examples_from_records", "read_examples", "row_tokens",
+    "PackingMode", "best_fit_rows", "micro_batch", "packing_mode", "build_sequences", "count_tokens", "eval_batches", "examples_from_records", "read_examples", "row_tokens",
     "split_eval",
 ]

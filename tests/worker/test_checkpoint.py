@@ -427,7 +427,7 @@ def test_a_checkpoint_written_before_a_train_field_was_added_still_loads(tmp_pat
 
 
 def test_async_save_is_refused_at_set_up_on_a_torch_without_default_stager() -> None:
-    from fsdpjob.jobs.ckpt_staging import check_async_save_torch
+    from fsdpjob.jobs.checkpoint.staging import check_async_save_torch
 
     for version in ("2.9.0", "2.13.0+cpu", "3.0.0a0"):
         check_async_save_torch(version)
@@ -437,7 +437,7 @@ def test_async_save_is_refused_at_set_up_on_a_torch_without_default_stager() -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_async_stager_thread_is_on_this_ranks_device_and_copies_on_its_own_stream() -> None:
-    from fsdpjob.jobs.ckpt_staging import stage_in_background
+    from fsdpjob.jobs.checkpoint.staging import stage_in_background
 
     device = torch.cuda.device_count() - 1  # the last GPU: a thread left on GPU 0 would show
     torch.cuda.set_device(device)

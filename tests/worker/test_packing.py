@@ -228,7 +228,7 @@ def test_a_resume_with_another_packing_mode_is_refused(tmp_path):
     from ckpt_driver import manager
 
     from fsdpjob.jobs.checkpoint import step_dir_name
-    from fsdpjob.jobs.ckpt_state import DictState
+    from fsdpjob.jobs.checkpoint.state import DictState
 
     ckpt = manager(tmp_path, 0, 1)
     saved = stream_of("boundary")
@@ -249,7 +249,7 @@ def test_a_checkpoint_from_before_the_record_resumes_as_naive(tmp_path):
     from ckpt_driver import manager
 
     from fsdpjob.jobs.checkpoint import step_dir_name
-    from fsdpjob.jobs.ckpt_state import DictState
+    from fsdpjob.jobs.checkpoint.state import DictState
 
     naive = stream_of("naive")
 
