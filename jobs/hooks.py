@@ -12,6 +12,9 @@
 - ``FSDPJOB_FAULT_STOP_STEP=<n>``: after training step n, before that step's checkpoint, rank
   ``FSDPJOB_FAULT_STOP_RANK`` (default 0) sends itself SIGSTOP (a frozen process, heartbeat thread included)
   while the others go on into the save.
+- ``FSDPJOB_MIN_STEP_S=<s>``: every rank makes each training step last at least this long (it sleeps out the
+  rest), so a test's step rate does not depend on how fast the machine is (a time-limit test needs a run
+  that cannot finish inside one allocation, and should not need five on a slow machine).
 - ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
   that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
@@ -55,6 +58,7 @@ class TestHooks:
     stop_step: int | None = None
     stop_rank: int = 0
     skip_final_save: bool = False
+    min_step_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -71,7 +75,13 @@ class TestHooks:
             stop_step=_int_or_none(env.get("FSDPJOB_FAULT_STOP_STEP")) if faults else None,
             stop_rank=int(env.get("FSDPJOB_FAULT_STOP_RANK") or 0),
             skip_final_save=env.get("FSDPJOB_SKIP_FINAL_SAVE") == "1",
+            min_step_s=float(env.get("FSDPJOB_MIN_STEP_S") or 0),
         )
+
+    def pace(self, started: float) -> None:
+        """Sleep out the rest of ``min_step_s`` of a step that began at ``started`` (time.monotonic())."""
+        if (left := self.min_step_s - (time.monotonic() - started)) > 0:
+            time.sleep(left)
 
     def maybe_hang_in_data(self, step: int, rank: int) -> None:
         if self.data_hang_step == step and self.data_hang_rank == rank:

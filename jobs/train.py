@@ -125,6 +125,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         report.begin_training(state.step, flops_per_token=flops_per_token, device=env.device, world_size=env.world_size)
         gcpolicy.start()  # the collector runs between steps, not inside them
         while state.step < train.max_steps:
+            step_started = time.monotonic()
             heartbeat.at_step(state.step, heartbeat.NEXT_BATCH)
             hooks.maybe_hang_in_data(state.step, env.rank)
             batch = stream.next_step()
@@ -140,6 +141,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             state.step += 1
             state.tokens_seen += state.last.tokens
             report.on_step(state.step, state.last, lr=lr, tokens_seen=state.tokens_seen)
+            hooks.pace(step_started)
             hooks.maybe_freeze(state.step, env.rank)
             gcpolicy.after_step(state.step)
             if evaluator:

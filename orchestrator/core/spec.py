@@ -235,7 +235,7 @@ class RecoverySpec(Strict):
 
 
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
-_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split"),
+_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples"),
                  "train": ("eval_every", "eval_batches"),
                  "checkpoint": ("keep_best",), "model": ("lora", "compile"), "resources": ("min_nodes",)}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults

@@ -145,11 +145,12 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
 
 
 def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
-    # The warning signal comes 60-90 s before the end (Slurm checks on a 30 s tick): a 2-minute limit
-    # stops the first allocation mid-training.
-    # 400 steps: 3-4 allocations on the 2-core CI machine (it trains 130-160 steps in one), and more than a fast
-    # machine trains in its first (15-50 s of training), so at least one time-limit stop.
-    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=400)
+    # The warning signal comes 60-90 s into the job (Slurm checks on a 30 s tick): a 2-minute limit with a 60 s
+    # lead leaves at most ~85 s of training in an allocation. Steps paced to >= 0.5 s (FSDPJOB_MIN_STEP_S) make
+    # that at most ~170 steps on any machine, so 180 steps always need a time-limit stop, and a slow machine (the
+    # 2-core CI: 0.5-0.8 s a step, ~30 s of training per allocation) needs 3-4 allocations, not 5-6 as unpaced.
+    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=180,
+                     env={"FSDPJOB_MIN_STEP_S": "0.5"})
     run = submit(spec)
 
     def finished_releasing_holds():
@@ -167,7 +168,7 @@ def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_
     assert stops and all(e["reason"] == "time_limit" for e in stops), stops
     # A warning signal that lands after "done" (the last allocation's teardown) is no crash to restart.
     assert not [e for e in events if e["event"] == "fault"], events
-    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 400
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 180
 
 
 def _lines(run_dir: str, name: str) -> list[str]:

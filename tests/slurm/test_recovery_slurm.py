@@ -137,7 +137,9 @@ def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(s
     _finished(run)
     hang, other_node, same_node = _one_allocation(run, launches=4)
     assert hang["kind"] == "hang" and hang["ranks"] == [3] and hang["hosts"] == ["n2"], hang
-    assert "frozen in 'training step'" in hang["reason"] and hang["detected_after_s"] <= 5 + 10, hang
+    # The frozen rank's last heartbeat names whatever phase its 1 s sample caught (a step, or the batch fetch
+    # before it: seen in CI); what matters is that the frozen-process rule fired, not the save's bound.
+    assert " frozen in '" in hang["reason"] and hang["detected_after_s"] <= 5 + 10, hang
     assert other_node["kind"] == "crash" and other_node["ranks"] == [1] and other_node["hosts"] == ["n1"], other_node
     assert 1 not in other_node["casualties"] and other_node["restart"] is True, other_node
     assert same_node["ranks"] == [2] and same_node["hosts"] == ["n2"] and same_node["restart"] is True, same_node
