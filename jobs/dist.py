@@ -224,6 +224,13 @@ def host_barrier(control: dist.ProcessGroup | None) -> None:
     dist.all_reduce(torch.zeros(1), group=control)
 
 
+def share_from_rank0(value: int, control: dist.ProcessGroup | None) -> int:
+    """Rank 0's ``value`` on every rank, broadcast on the host-side group (``control``, as host_barrier)."""
+    flag = torch.tensor([value], dtype=torch.int32)
+    dist.broadcast(flag, src=0, group=control)
+    return int(flag.item())
+
+
 def close_distributed(*, abort: bool = False) -> None:
     """Destroy the default process group if there is one; safe to call twice. ``abort`` (a crashing rank): abort
     NCCL's communicators instead, since a destroy can block on peers still inside a collective and delay the

@@ -8,7 +8,8 @@ import torch
 
 from fsdpjob.orchestrator.core import heartbeat
 
-from .data.packing import SequenceTable, eval_batches
+from .data.packing import SequenceTable
+from .data.stream import eval_batches
 from .metrics import Reporter
 from .step import eval_loss
 

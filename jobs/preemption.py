@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.attempts import cap_reached
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
@@ -101,6 +103,24 @@ def _job_state(job_id: str) -> str | None:
         return slurm_cli.job_state(job_id)
     except Exception:  # noqa: BLE001
         return None
+
+
+def stop_and_requeue(signum: int, step: int, *, is_main: bool, stop: StopFlag, worker: WorkerEnv, max_requeues: int,
+                     save_started: float, event: Callable[..., Any], share: Callable[[int], int]) -> NoReturn:
+    """After the stop checkpoint committed on every rank: rank 0 classifies the stop, requeues once (unless the
+    job was cancelled or the cap is reached) and writes the stop event; ``share`` hands rank 0's outcome to
+    every rank (a broadcast on the host-side group), and every rank leaves the same way."""
+    outcome = REQUEUED
+    if is_main:
+        kind = classify_stop(worker)
+        signal_to_commit = time.time() - (stop.received_at or save_started)
+        outcome, detail = requeue(max_requeues, worker)
+        kind = "cancelled" if outcome == CANCELLED else kind
+        event(runlog.STOP, reason=kind, signal=signum, step=step, requeued=outcome == REQUEUED, detail=detail,
+              save_s=round(time.time() - save_started, 3), signal_to_commit_s=round(signal_to_commit, 3))
+        if outcome == NOT_REQUEUED:
+            event(runlog.FAILED, reason=detail, step=step, retryable=False)
+    exit_after_stop(share(outcome), worker)
 
 
 def exit_after_stop(outcome: int, worker: WorkerEnv) -> NoReturn:

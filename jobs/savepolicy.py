@@ -1,4 +1,5 @@
-"""When the training loop saves and stops: intervals, stop signals, the last-step rule, and the stop path."""
+"""When the training loop saves: intervals, the stop signal's save, the last-step rule. What happens after a
+stop's checkpoint (classify, requeue, exit) is preemption.py's."""
 
 from __future__ import annotations
 
@@ -6,20 +7,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import heartbeat, runlog
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.spec import CheckpointSpec
 
 from . import preemption
 from .agreement import FlagAgreement
 from .checkpoint.manager import CheckpointManager
 from .hooks import TestHooks
 from .metrics import Reporter
-from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.train")
 
@@ -47,18 +46,16 @@ class SavePolicy:
 
 
 class Checkpointer:
-    """Saves when the policy says so and leads a stop to its requeue; every method runs on all ranks."""
+    """Saves when the policy says so, the stop's checkpoint included; every method runs on all ranks."""
 
-    def __init__(self, ckpt: CheckpointManager, spec: JobSpec, *, stop: preemption.StopFlag,
-                 control: dist.ProcessGroup | None, report: Reporter, worker: WorkerEnv, hooks: TestHooks,
+    def __init__(self, ckpt: CheckpointManager, checkpoint: CheckpointSpec, *, max_steps: int,
+                 stop: preemption.StopFlag, control: dist.ProcessGroup | None, report: Reporter, hooks: TestHooks,
                  eval_loss_at: Callable[[int], float | None] | None = None) -> None:
-        self.ckpt, self.stop, self.control, self.report = ckpt, stop, control, report
-        self.worker, self.hooks = worker, hooks
+        self.ckpt, self.stop, self.control, self.report, self.hooks = ckpt, stop, control, report, hooks
         self.eval_loss_at = eval_loss_at  # a step's eval loss, recorded in its checkpoint's sidecar (keep_best)
-        self.policy = SavePolicy(spec.checkpoint.interval_steps, spec.checkpoint.interval_minutes, spec.train.max_steps)
-        self.max_requeues = spec.preemption.max_requeues
+        self.policy = SavePolicy(checkpoint.interval_steps, checkpoint.interval_minutes, max_steps)
         self._last_save = time.time()  # the interval in minutes counts from the start of training
-        self._save_started = self._last_save
+        self.save_started = self._last_save  # when the newest save began (the stop event's save_s)
         # The stop signal and rank 0's "a time-based save is due" reach every rank in an all-gather that
         # travels while a step trains, every few steps (jobs/agreement.py); the stop-at-step test hook's step
         # always carries one, so its stop lands on that step.
@@ -99,25 +96,6 @@ class Checkpointer:
         self._last_save = time.time()
         if reason != "interval":
             self.ckpt.wait()  # committed on every rank before anyone requeues or reports done
-        self._save_started = started
+        self.save_started = started
         if saved:
             self.report.event(runlog.CHECKPOINT, step=step, reason=reason, save_s=round(time.time() - started, 3))
-
-    def stop_and_requeue(self, signum: int, step: int) -> NoReturn:
-        """After the stop checkpoint committed: rank 0 requeues (unless the job was cancelled) and reports; every
-        rank then leaves without a result, the same way."""
-        outcome = preemption.REQUEUED
-        if dist.get_rank() == 0:
-            kind = preemption.classify_stop(self.worker)
-            signal_to_commit = time.time() - (self.stop.received_at or self._save_started)
-            outcome, detail = preemption.requeue(self.max_requeues, self.worker)
-            kind = "cancelled" if outcome == preemption.CANCELLED else kind
-            self.report.event(runlog.STOP, reason=kind, signal=signum, step=step,
-                              requeued=outcome == preemption.REQUEUED, detail=detail,
-                              save_s=round(time.time() - self._save_started, 3),
-                              signal_to_commit_s=round(signal_to_commit, 3))
-            if outcome == preemption.NOT_REQUEUED:
-                self.report.event(runlog.FAILED, reason=detail, step=step, retryable=False)
-        flag = torch.tensor([outcome], dtype=torch.int32)
-        dist.broadcast(flag, src=0, group=self.control)  # every rank exits the same way
-        preemption.exit_after_stop(int(flag.item()), self.worker)

@@ -4,7 +4,7 @@ Nothing here makes the host wait for the device or for the other ranks beyond FS
 gradient clip's norm. On CUDA a micro-batch goes to the device from pinned host memory with non_blocking copies
 (to_device), and the next one's copy is queued before the current one's forward, so the host never waits for
 the stream to drain before it issues the next kernels. The loss's denominator (the global batch's target tokens) comes with the step's data,
-counted by every rank from the whole table it holds (jobs/data/packing.py BatchStream), and the loss and gradient
+counted by every rank from the whole table it holds (jobs/data/stream.py BatchStream), and the loss and gradient
 norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
 at the same steps.
 """
@@ -12,6 +12,7 @@ at the same steps.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,13 +57,23 @@ def copy_is_async(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def to_device(mb, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch's input ids and labels on ``device``. On CUDA, pinned and copied non-blocking: the copy is
-    queued on the current stream (ordered before the forward that reads it) and the pinned buffer is kept by the
-    caching host allocator until the copy has run."""
+class OnDevice(NamedTuple):
+    """A micro-batch's tensors on the step's device."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None  # boundary-aware packing's per-example positions; None otherwise
+
+
+def to_device(mb, device: torch.device) -> OnDevice:
+    """A micro-batch's input ids, labels and position ids on ``device``. On CUDA, pinned and copied non-blocking:
+    the copy is queued on the current stream (ordered before the forward that reads it) and the pinned buffer is
+    kept by the caching host allocator until the copy has run. The position ids (boundary-aware packing, the
+    default) go the same way: a pageable copy of them alone would sync the host once per micro-batch."""
+    tensors = (mb.input_ids, mb.labels, mb.position_ids)
     if not copy_is_async(device):
-        return mb.input_ids.to(device), mb.labels.to(device)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in (mb.input_ids, mb.labels))
+        return OnDevice(*(t if t is None else t.to(device) for t in tensors))
+    return OnDevice(*(t if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors))
 
 
 def _prefetched(micro_batches, device: torch.device):
@@ -108,10 +119,10 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
-    for i, (mb, (input_ids, labels)) in enumerate(zip(micro_batches, _prefetched(micro_batches, device))):
+    for i, (input_ids, labels, position_ids) in enumerate(_prefetched(micro_batches, device)):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
-        logits = forward_logits(model, input_ids, mb.position_ids, device)
+        logits = forward_logits(model, input_ids, position_ids, device)
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
@@ -130,15 +141,15 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
 
     The same reduction as train_step's loss (summed token losses over the global token count), with the
     model in eval mode and no autograd; the model is put back in train mode. Collective: every rank calls it
-    with the same number of micro-batches (jobs/data/packing.py eval_batches).
+    with the same number of micro-batches (jobs/data/stream.py eval_batches).
     """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token loss, target tokens]
     try:
         with torch.no_grad():
             for mb in micro_batches:
-                input_ids, labels = to_device(mb, device)
-                logits = forward_logits(model, input_ids, mb.position_ids, device)
+                input_ids, labels, position_ids = to_device(mb, device)
+                logits = forward_logits(model, input_ids, position_ids, device)
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,

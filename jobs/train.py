@@ -17,19 +17,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core import heartbeat, runlog
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.sidecar import RunFacts
 from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import gcpolicy, preemption
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .data.cache import load_or_build
-from .data.packing import BatchStream, SequenceTable, packing_mode, split_eval
+from .data.packing import SequenceTable, packing_mode
 from .data.sources import build_table, eval_spec
-from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed
+from .data.stream import BatchStream, split_eval
+from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed, share_from_rank0
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter, model_flops_per_token
@@ -116,7 +117,8 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         control = control_group(env)  # host-side agreements, off the GPU stream
         defer_grad_sync = bool(meta.worker_facts.get("defer_grad_sync"))  # the planner's memory verdict
         evaluator = _evaluator(spec, parts, env, report)
-        saver = Checkpointer(ckpt, spec, stop=stop, control=control, report=report, worker=worker, hooks=hooks,
+        saver = Checkpointer(ckpt, spec.checkpoint, max_steps=train.max_steps, stop=stop, control=control,
+                             report=report, hooks=hooks,
                              eval_loss_at=evaluator.loss_at if evaluator else None)
         start_step = state.step
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global sizes (DTensor numel)
@@ -147,7 +149,11 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             if evaluator:
                 evaluator.maybe_run(state.step)
             if signum := saver.after_step(state.step, app_state):
-                saver.stop_and_requeue(signum, state.step)  # every rank leaves here (SystemExit)
+                # Every rank leaves here (SystemExit), the way rank 0's requeue decided.
+                preemption.stop_and_requeue(signum, state.step, is_main=env.is_main, stop=stop, worker=worker,
+                                            max_requeues=spec.preemption.max_requeues,
+                                            save_started=saver.save_started, event=report.event,
+                                            share=lambda outcome: share_from_rank0(outcome, control))
 
         heartbeat.at_step(state.step, heartbeat.FINISH)
         if evaluator:
@@ -254,9 +260,8 @@ def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
         rank=env.rank, world_size=env.world_size, keep_last=spec.checkpoint.keep_last,
         keep_best=spec.checkpoint.keep_best,
         async_save=spec.checkpoint.async_save, storage_writer=hooks.storage_writer,
-        sidecar={"spec_hash": spec.spec_hash(), "fingerprint": checkpoint_fingerprint(spec),
-                 "world_size": env.world_size, "mesh_shape": list(mesh.shape), "fsdpjob_version": __version__,
-                 "model_path": spec.model.path},
+        sidecar=RunFacts(spec_hash=spec.spec_hash(), fingerprint=checkpoint_fingerprint(spec),
+                         mesh_shape=tuple(mesh.shape), model_path=spec.model.path),
     )
 
 

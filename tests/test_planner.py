@@ -278,6 +278,9 @@ def test_hsdp_shards_over_the_group_only(seed_70b: JobSpec) -> None:
     assert hsdp.setup.shard_degree == 8
     params = {p.name: p.bytes for p in hsdp.device.state}
     assert params["parameters"] == 2 * {p.name: p.bytes for p in full.device.state}["parameters"]
+    # HSDP that does not fit is never told to offload: the spec refuses fsdp.cpu_offload with replicate_degree.
+    tight = make_plan(resolve(with_changes(seed_70b, "fsdp.replicate_degree=2"), A100))
+    assert not tight.fits and tight.fixes and all("cpu_offload" not in f.change for f in tight.fixes), tight.fixes
 
 
 def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None:

@@ -21,9 +21,10 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,12 @@ from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.ckptlayout import (
     LATEST,
     MARKER,
-    SIDECAR,
     committed_steps,
-    read_sidecar,
     step_dir_name,
     uncommitted_steps,
 )
 from fsdpjob.orchestrator.core.fileio import write_atomic
+from fsdpjob.orchestrator.core.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar
 
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
@@ -51,13 +51,9 @@ from .verify import CheckpointError, newest_valid_step, select_checkpoint
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
-FORMAT_VERSION = 1
 # Builds one rank's DCP storage writer for a save: (step folder, rank=, step=) -> writer. Production passes
 # io.plain_writer; train passes the test hooks' writer, which can pause mid-save (jobs/hooks.py).
 WriterFactory = Callable[..., FileSystemWriter]
-# Sidecar fields the manager writes itself; state entries with these names are not copied into it.
-_MANAGER_FIELDS = {"format", "fsdpjob_version", "torch_version", "world_size", "step", "wall_time", "save_seconds",
-                   "reason", "model_key", "eval_loss"}
 
 
 @contextmanager
@@ -81,12 +77,12 @@ def _best_step(committed: list[tuple[int, Path]]) -> Path | None:
     best: tuple[float, int, Path] | None = None
     for step, step_dir in committed:
         try:
-            loss = read_sidecar(step_dir).get("eval_loss")
+            loss = Sidecar.read(step_dir).eval_loss
         except Exception as exc:  # noqa: BLE001 - a damaged sidecar just is no candidate
             log.warning("keep_best: cannot read the sidecar of %s (%s); it is no candidate", step_dir, exc)
             continue
-        if isinstance(loss, (int, float)) and math.isfinite(loss) and (best is None or loss < best[0]):
-            best = (float(loss), step, step_dir)
+        if loss is not None and math.isfinite(loss) and (best is None or loss < best[0]):
+            best = (loss, step, step_dir)
     return best[2] if best else None
 
 
@@ -99,20 +95,22 @@ class CheckpointManager:
 
     With torch.distributed initialized, the constructor is collective: it creates the gloo group
     that DCP and the checkpoint barriers use (DCP's async save deadlocks on the training group).
-    ``sidecar`` holds the run's static facts (train passes spec_hash, fingerprint, world_size, mesh_shape,
-    fsdpjob_version and model_path); the manager adds world_size, step, reason, wall time and versions.
+    ``sidecar`` holds the run's facts for every step's sidecar (train passes spec_hash, fingerprint, mesh_shape and
+    model_path; a dict of them is taken too, as benches pass one); the manager adds world size, step, reason, wall
+    time and versions (core/sidecar.py).
     """
 
     def __init__(
-        self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool, sidecar: dict[str, Any],
-        storage_writer: WriterFactory = plain_writer, keep_best: bool = False,
+        self, root: Path, *, rank: int, world_size: int, keep_last: int, async_save: bool,
+        sidecar: RunFacts | Mapping[str, Any] | None = None, storage_writer: WriterFactory = plain_writer,
+        keep_best: bool = False,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be at least 1 (got {keep_last})")
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.async_save, self.keep_best = keep_last, async_save, keep_best
-        self.sidecar = dict(sidecar)
+        self.run = sidecar if isinstance(sidecar, RunFacts) else RunFacts.of(sidecar or {})
         self.storage_writer = storage_writer
         self._distributed = dist.is_available() and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if self._distributed else None
@@ -120,7 +118,7 @@ class CheckpointManager:
         # step waits for the copy (jobs/checkpoint/staging.py).
         self._stager = stage_in_background(torch.cuda.is_available()) if async_save else None
         self._gate: StagingGate | None = None
-        self._pending: tuple[int, dict[str, Any], Future, float] | None = None
+        self._pending: tuple[int, Sidecar, Future, float] | None = None
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
         self._last_step: int | None = None
@@ -148,9 +146,7 @@ class CheckpointManager:
             _remove_step(step_dir)
         self._barrier()
         writer = self.storage_writer(step_dir, rank=self.rank, step=step)
-        facts = self._save_facts(state, reason)
-        if eval_loss is not None and math.isfinite(eval_loss):
-            facts["eval_loss"] = eval_loss
+        facts = self._save_facts(step, state, reason, eval_loss)
         started = time.monotonic()
         if not self.async_save:
             with single_process_dcp():
@@ -199,46 +195,41 @@ class CheckpointManager:
             self.purge()
         self._barrier()
 
-    def _save_facts(self, state: dict[str, Any], reason: str) -> dict[str, Any]:
-        """Per-save sidecar fields, taken when the save starts (the state may move on during an async write).
+    def _save_facts(self, step: int, state: dict[str, Any], reason: str, eval_loss: float | None) -> Sidecar:
+        """The step's sidecar but for its timings, taken when the save starts (the state may move on during an
+        async write).
 
-        Besides the reason: ``model_key``, where export finds the weights ("<model_key>.model.<hf
+        Besides the reason and the eval loss: ``model_key``, where export finds the weights ("<model_key>.model.<hf
         name>"), and every entry of flat scalars (train counters, data position) under its own key,
         so a resume can read them before the objects that load them exist.
         """
-        facts: dict[str, Any] = {"reason": reason}
-        facts["model_key"] = next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None)
+        entries: dict[str, dict[str, Any]] = {}
         for key, value in state.items():
             flat = value.state_dict() if isinstance(value, DictState) else value
             scalars = isinstance(flat, dict) and all(isinstance(x, (int, float, str, bool)) for x in flat.values())
-            if scalars and key not in self.sidecar and key not in _MANAGER_FIELDS:
+            if scalars and key not in FIELD_KEYS:
                 # Strict JSON readers (jq, other languages) reject NaN/Infinity: leave those out.
-                facts[key] = {k: v for k, v in flat.items() if not (isinstance(v, float) and not math.isfinite(v))}
-        return facts
+                entries[key] = {k: v for k, v in flat.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        return Sidecar(
+            step=step, world_size=self.world_size, run=self.run, format=FORMAT_VERSION, fsdpjob_version=__version__,
+            torch_version=torch.__version__, reason=reason,
+            model_key=next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None),
+            eval_loss=eval_loss if eval_loss is not None and math.isfinite(eval_loss) else None, state=entries,
+        )
 
-    def _commit_if_done(self, future: Future, step: int, facts: dict[str, Any], started: float) -> None:
+    def _commit_if_done(self, future: Future, step: int, facts: Sidecar, started: float) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         with self._commit_lock:
             if step not in self._committed_steps:
                 self._commit(step, facts, started)
 
-    def _commit(self, step: int, facts: dict[str, Any], started: float) -> None:
+    def _commit(self, step: int, facts: Sidecar, started: float) -> None:
         step_dir = self.root / step_dir_name(step)
         seconds = time.monotonic() - started
-        sidecar = {
-            **self.sidecar,
-            "format": FORMAT_VERSION,
-            "fsdpjob_version": __version__,
-            "torch_version": torch.__version__,
-            "world_size": self.world_size,
-            "step": step,
-            "wall_time": time.time(),
-            "save_seconds": round(seconds, 3),
-            **facts,
-        }
-        write_atomic(step_dir / SIDECAR, json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar["wall_time"]}) + "\n")
+        sidecar = replace(facts, wall_time=time.time(), save_seconds=round(seconds, 3))
+        sidecar.write(step_dir)
+        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar.wall_time}) + "\n")
         write_atomic(self.root / LATEST, step_dir.name + "\n")
         self._committed_steps.add(step)
         size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
@@ -255,9 +246,10 @@ class CheckpointManager:
         committed = committed_steps(self.root)
         return committed[-1][1] if committed else None
 
-    @staticmethod
-    def read_sidecar(step_dir: Path) -> dict[str, Any]:
-        return read_sidecar(Path(step_dir))
+    @property
+    def sidecar(self) -> dict[str, Any]:
+        """The run facts as a dict, for readers from before ``run`` (train.resume reads its fingerprint here)."""
+        return self.run.to_json()
 
     def find_resume(self, fingerprint: dict[str, Any] | None) -> Path | None:
         """Newest committed step that verifies (older ones when newer are damaged); None on a fresh run."""
@@ -267,31 +259,33 @@ class CheckpointManager:
         """Verified step folder from an explicit step folder, checkpoint root or run folder."""
         return self._decide(lambda: select_checkpoint(Path(path), fingerprint))
 
-    def load(self, step_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, step_dir: Path, state: dict[str, Any]) -> Sidecar:
         """Load ``state`` in place from ``step_dir`` (collective, any world size); return its sidecar."""
         step_dir = Path(step_dir)
-        sidecar = read_sidecar(step_dir)
+        sidecar = Sidecar.read(step_dir)
+        if sidecar.step is None or sidecar.world_size is None:
+            raise CheckpointError(f"{step_dir}: its sidecar records no step or world size (no manager wrote it)")
         saved = set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
         for name, value in state.items():
             if isinstance(value, RNGState):
-                value.expect_load(saved_world_size=sidecar["world_size"], step=sidecar["step"])
+                value.expect_load(saved_world_size=sidecar.world_size, step=sidecar.step)
             elif isinstance(value, DictState):
                 value.expect_keys(name, saved)
         started = time.monotonic()
         with single_process_dcp():
             reader = CheckpointReader(str(step_dir))  # plain DCP files, read straight into the state
             dcp.load(state, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
-        self._last_step = sidecar["step"]
+        self._last_step = sidecar.step
         log.info(
             "resumed from %s (step %d, written by %d ranks, this run has %d) in %.2f s",
             step_dir,
-            sidecar["step"],
-            sidecar["world_size"],
+            sidecar.step,
+            sidecar.world_size,
             self.world_size,
             time.monotonic() - started,
         )
         if self.rank == 0 and step_dir.parent.resolve() == self.root.resolve():
-            self._uncommit_newer(sidecar["step"])
+            self._uncommit_newer(sidecar.step)
         self._barrier()
         return sidecar
 

@@ -17,10 +17,10 @@ from fsdpjob.orchestrator.core.ckptlayout import (
     SIDECAR,
     committed_steps,
     parse_step,
-    read_sidecar,
     run_checkpoint_root,
     step_dirs,
 )
+from fsdpjob.orchestrator.core.sidecar import Sidecar
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -44,7 +44,7 @@ def damage(step_dir: Path) -> str | None:
     if not (step_dir / MARKER).is_file():
         return f"no {MARKER} marker (the save did not finish)"
     try:
-        read_sidecar(step_dir)
+        Sidecar.read(step_dir)
     except (OSError, ValueError) as exc:
         return f"sidecar {SIDECAR} is unreadable ({exc})"
     try:
@@ -76,7 +76,7 @@ def fingerprint_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> li
 def check_fingerprint(step_dir: Path, fingerprint: dict[str, Any] | None) -> None:
     if fingerprint is None:
         return
-    saved = read_sidecar(step_dir).get("fingerprint", {})
+    saved = Sidecar.read(step_dir).run.fingerprint or {}
     diffs = fingerprint_differences(saved, fingerprint)
     if diffs:
         raise ResumeRefused(

@@ -29,7 +29,8 @@ from fsdpjob.orchestrator.core.dataspec import DataSource
 from fsdpjob.orchestrator.core.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.spec import DataSpec
 
-from .packing import DataError, Example, SequenceTable, build_sequences, examples_from_records
+from .examples import DataError, Example, examples_from_records
+from .packing import SequenceTable, build_sequences
 
 _BATCH_ROWS = 1024
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..checkpoint.manager import read_sidecar, select_checkpoint
+from fsdpjob.orchestrator.core.sidecar import Sidecar
+
+from ..checkpoint.manager import select_checkpoint
 from .hfdir import (
     DTYPE_NAMES,
     DTYPES,
@@ -38,7 +40,7 @@ def export_hf(
     (jobs/export/lora.py).
     """
     step_dir, model_dir, out_dir = Path(step_dir), Path(model_dir), Path(out_dir)
-    lora = read_sidecar(step_dir).get("fingerprint", {}).get("model.lora")
+    lora = Sidecar.read(step_dir).run.lora
     if merge and lora is None:
         raise ExportError(f"{step_dir}: --merge applies to LoRA checkpoints and this one holds every weight; "
                           "export it without --merge")
@@ -91,7 +93,7 @@ def export_from_path(path: Path, out_dir: Path, dtype: str = "bf16", model_dir: 
     """
     step_dir = select_checkpoint(Path(path))
     if model_dir is None:
-        recorded = read_sidecar(step_dir).get("model_path")
+        recorded = Sidecar.read(step_dir).run.model_path
         if not recorded:
             raise ExportError(f"{step_dir}: the checkpoint does not record the model folder; pass it with --model-dir")
         model_dir = Path(recorded)

@@ -16,9 +16,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdpjob.orchestrator.core.ckptlayout import SIDECAR
+from fsdpjob.orchestrator.core.sidecar import Sidecar
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
-from ..checkpoint.manager import SIDECAR, CheckpointError, read_sidecar, single_process_dcp
+from ..checkpoint.manager import CheckpointError, single_process_dcp
 
 log = logging.getLogger("fsdpjob.export")
 
@@ -32,7 +34,7 @@ class ExportError(CheckpointError):
 
 def _model_prefix(step_dir: Path, fqns: list[str]) -> str:
     """'<key>.model.' where the ModelOptimState sits: from the sidecar, else the one key with .model and .optim."""
-    key = read_sidecar(step_dir).get("model_key")
+    key = Sidecar.read(step_dir).model_key
     if key is None:
         tops = {f.split(".", 2)[0] for f in fqns if f.count(".") >= 2 and f.split(".", 2)[1] == "model"}
         with_optim = sorted(t for t in tops if any(f.startswith(f"{t}.optim.") for f in fqns))

@@ -22,10 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from fsdpjob.orchestrator.core.sidecar import Sidecar
 from fsdpjob.orchestrator.core.spec import LoraSpec
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
-from ..checkpoint.manager import read_sidecar
 from ..model.lora import ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config, swap_parameter
 from .hfdir import ExportError, copy_side_files, load_group, model_entries, write_config, write_shards
 
@@ -50,7 +50,7 @@ def lora_writer(lora: dict[str, Any], merge: bool) -> Callable[..., int]:
 def _trained(step_dir: Path, model_dir: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's trained tensors (small: adapters and modules_to_save), by the injected model's names,
     once ``model_dir`` is known to hold the base they were trained on."""
-    recorded = read_sidecar(step_dir).get("fingerprint", {}).get("model.path contents")
+    recorded = Sidecar.read(step_dir).run.base_contents
     if recorded is not None and base_fingerprint(model_dir) != recorded:
         raise ExportError(f"{model_dir}: not the base model these adapters were trained on (its weights differ "
                           f"from the ones {step_dir} recorded); pass the run's model folder")

@@ -1,5 +1,5 @@
 """The on-disk layout of a checkpoint root, shared by the worker (jobs/checkpoint/manager.py writes it) and the
-login node (status reads it): plain file reads, no torch.
+login node (status reads it): plain file reads, no torch. The sidecar's contents are core/sidecar.py's.
 
     <root>/step-00000120/      DCP shards (__<rank>_0.distcp), .metadata, fsdpjob.json, COMMITTED
     <root>/latest              name of the newest committed step folder (informational)
@@ -9,10 +9,8 @@ A step counts only once ``COMMITTED`` exists; it is written last (see jobs/check
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 # The rule lives with spec.json (core/runmeta.py); jobs/ckpt_verify.py reads it under this name.
 from .runmeta import checkpoint_root as run_checkpoint_root  # noqa: F401
@@ -48,7 +46,3 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
 
 def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_dirs(root) if not (p / MARKER).is_file()]
-
-
-def read_sidecar(step_dir: Path) -> dict[str, Any]:
-    return json.loads((step_dir / SIDECAR).read_text())

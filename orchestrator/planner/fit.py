@@ -180,7 +180,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             change = f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={accum}"
             if consider(change, replace(base, micro_batch=mb, grad_accum=accum), "same global batch, more micro-steps"):
                 break
-    if u.on_gpu and not u.cpu_offload:
+    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1:  # the spec refuses offload with HSDP
         consider("fsdp.cpu_offload=true", replace(u, cpu_offload=True), "state on the host: steps much slower")
     if profile.max_nodes is None or profile.max_nodes > u.nodes:
         most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)

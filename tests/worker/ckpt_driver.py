@@ -119,7 +119,7 @@ def rng_snapshot() -> tuple:
 def manager(root: Path, rank: int, world_size: int, **kwargs: Any) -> CheckpointManager:
     """A manager with the fault-injection hooks of this process's environment (FSDPJOB_FAULT_SAVE_*)."""
     options = {"keep_last": 3, "async_save": False, "storage_writer": TestHooks.from_env().storage_writer} | kwargs
-    sidecar = {"fingerprint": FINGERPRINT, "spec_hash": "test", "mesh_shape": [world_size], "global_batch_size": 2}
+    sidecar = {"fingerprint": FINGERPRINT, "spec_hash": "test", "mesh_shape": [world_size]}
     sidecar |= options.pop("sidecar", {})
     return CheckpointManager(root, rank=rank, world_size=world_size, sidecar=sidecar, **options)
 

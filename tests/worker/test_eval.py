@@ -157,13 +157,14 @@ def test_eval_fraction_is_never_trained_on(runs, assets):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_keep_best_keeps_the_lowest_eval_loss_and_records_it(runs):
-    from fsdpjob.orchestrator.core.ckptlayout import committed_steps, read_sidecar
+    from fsdpjob.orchestrator.core.ckptlayout import committed_steps
+    from fsdpjob.orchestrator.core.sidecar import Sidecar
 
     losses = {m["step"]: m["eval_loss"] for m in evals(runs["file"])}
-    kept = {step: read_sidecar(path) for step, path in committed_steps(runs["file"] / "checkpoints")}
+    kept = {step: Sidecar.read(path) for step, path in committed_steps(runs["file"] / "checkpoints")}
     best = min(losses, key=losses.get)
     assert set(kept) == {best, MAX_STEPS}  # keep_last 1: the newest, and the best
-    assert all(side["eval_loss"] == losses[step] for step, side in kept.items())
+    assert all(side.eval_loss == losses[step] for step, side in kept.items())
 
 
 def test_purge_keeps_the_best_step_over_keep_last(tmp_path):
