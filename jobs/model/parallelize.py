@@ -46,14 +46,11 @@ def apply_fsdp(
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if compile_layers:
-        # Each block's forward is compiled, not the module (nn.Module.compile compiles _call_impl, which runs
-        # the module's hooks: FSDP2's all-gather and reshard hooks would land inside the compiled frame). As
-        # torchtitan does (compile the block, then fully_shard): the hooks run eagerly around the compiled
-        # forward, the module and its state-dict names stay as they are (checkpoints and weight loading do not
-        # see the compilation), and one graph serves every block. After the AC wrapper, so the recomputation
-        # region is what gets compiled.
+        # In place (nn.Module.compile), not torch.compile(layer): the module and its state-dict names stay
+        # as they are, so checkpoints and weight loading do not see the compilation. Per block, as torchtitan
+        # does: FSDP2's hooks stay outside the compiled graphs, and one graph serves every block.
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.compile()
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned memory needs an accelerator; on a CPU-only host it raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
