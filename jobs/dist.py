@@ -13,13 +13,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fsdpjob.orchestrator.core import slurmenv
+
 from .workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
 
 # Same range as submitit's TorchDistributedEnvironment, so a port is what submitit would have picked.
 _PORT_RANGE = (20000, 60000)
-_SCONTROL_TIMEOUT_S = 15
 
 
 @dataclass(frozen=True)
@@ -86,31 +87,21 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
     return backend, torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), os.environ))
 
 
-def _node_addr_from_scontrol(node: str) -> str:
-    from fsdpjob.orchestrator.core.errors import FsdpjobError
-    from fsdpjob.orchestrator.slurm.commands import node_addr
-
-    try:
-        addr = node_addr(node, timeout=_SCONTROL_TIMEOUT_S)
-    except FsdpjobError as e:  # SlurmCommandError included: its text carries argv and stderr
-        raise RuntimeError(
-            f"the job's first node {node!r} does not resolve and scontrol could not tell its address ({e}); "
-            "make node names resolvable (DNS or /etc/hosts) on every node"
-        ) from e
-    if addr is None:
-        raise RuntimeError(f"the job's first node {node!r} does not resolve and `scontrol show node` shows no NodeAddr=")
-    return addr
-
-
-def resolve_master_addr(node: str) -> str:
-    """``node`` if it resolves, else its Slurm NodeAddr (Slurm node names need not be host names)."""
+def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> str:
+    """``node``'s address as the supervisor resolved it on the batch side (FSDPJOB_NODE_ADDRS: Slurm node names
+    need not be host names, and a worker in a container cannot ask scontrol), else ``node`` itself."""
+    addr = slurmenv.node_addrs(environ.get("FSDPJOB_NODE_ADDRS")).get(node)
+    if addr is not None:
+        return addr
     try:
         socket.getaddrinfo(node, None)
-        return node
     except socket.gaierror:
-        addr = _node_addr_from_scontrol(node)
-        log.info("MASTER_ADDR rewritten %s -> %s (scontrol show node NodeAddr)", node, addr)
-        return addr
+        raise RuntimeError(
+            f"the job's first node {node!r} does not resolve and the supervisor passed no address for it "
+            f"(FSDPJOB_NODE_ADDRS={environ.get('FSDPJOB_NODE_ADDRS', '(unset)')}); make node names resolvable "
+            "(DNS or /etc/hosts) on every node, or set NodeAddr in slurm.conf"
+        ) from None
+    return node
 
 
 def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:

@@ -155,6 +155,11 @@ class Reporter:
                 self._trackers.on_event(name)
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
 
+    def ending(self, name: str) -> None:
+        """Tell the trackers how the run ends (a stop event someone else records: core/stophandoff.py)."""
+        if self.enabled and self._trackers is not None:
+            self._trackers.on_event(name)
+
     def begin_training(self, step: int, *, flops_per_token: float, device: torch.device, world_size: int) -> None:
         """Open the first log window at ``step``, where this start trains from."""
         self._flops_per_token, self._device, self._world_size = flops_per_token, device, world_size

@@ -149,11 +149,12 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             if evaluator:
                 evaluator.maybe_run(state.step)
             if signum := saver.after_step(state.step, app_state):
-                # Every rank leaves here (SystemExit), the way rank 0's requeue decided.
-                preemption.stop_and_requeue(signum, state.step, is_main=env.is_main, stop=stop, worker=worker,
-                                            max_requeues=spec.preemption.max_requeues,
-                                            save_started=saver.save_started, event=report.event,
-                                            share=lambda outcome: share_from_rank0(outcome, control))
+                # Every rank leaves here (SystemExit), the way rank 0 decided; the supervisor requeues.
+                preemption.stop_and_hand_off(signum, state.step, is_main=env.is_main, stop=stop, worker=worker,
+                                             max_requeues=spec.preemption.max_requeues,
+                                             save_started=saver.save_started, run_dir=paths.run_dir,
+                                             ending=report.ending,
+                                             share=lambda outcome: share_from_rank0(outcome, control))
 
         heartbeat.at_step(state.step, heartbeat.FINISH)
         if evaluator:

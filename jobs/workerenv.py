@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.core import slurmenv
 
 # No torch here: preemption.py uses this before the worker's heavy imports.
 
@@ -30,9 +30,9 @@ class WorkerEnv:
         env = os.environ
         return cls(
             scheduler=env.get("SUBMITIT_EXECUTOR") or None,
-            slurm_job_id=slurm_cli.job_id_from_env(),
+            slurm_job_id=slurmenv.job_id_from_env(),
             local_job_id=env.get("SUBMITIT_LOCAL_JOB_ID") or None,
-            restart_count=slurm_cli.restart_count(),
+            restart_count=slurmenv.restart_count(),
             log_rank=env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or env.get("RANK", "0"),
             host=os.uname().nodename,
             launch=int(env.get("FSDPJOB_LAUNCH") or 0),

@@ -26,6 +26,7 @@ class Request:
     script: str | None  # the batch script to keep in the run folder, if the scheduler takes one
     env: dict[str, str]  # environment of the submission call (secrets travel here, never through a file)
     payload: object = None  # backend-specific (the Slurm backend's SbatchPlan)
+    files: tuple[tuple[str, str], ...] = ()  # (path in the run folder, text) written beside the script
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
 
 
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,
-                      worker_facts: dict) -> None:
+                      worker_facts: dict, files: tuple[tuple[str, str], ...] = ()) -> None:
     paths.submitit_dir.mkdir(mode=0o700)
     eff = job.eff
     RunMeta.of(
@@ -92,6 +92,9 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
     ).write(paths)
     if script is not None:
         write_atomic(paths.sbatch_file, script, mode=0o700)
+    for name, text in files:
+        (paths.run_dir / name).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(paths.run_dir / name, text)
 
 
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None,
@@ -103,7 +106,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
         paths = _claim_run_folder(job.spec.name, run_dir)
         try:
             request = backend.dry_run(job, paths)
-            _write_run_folder(job, paths, request.script, resume_from, worker_facts or {})
+            _write_run_folder(job, paths, request.script, resume_from, worker_facts or {}, request.files)
         except BaseException:
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise

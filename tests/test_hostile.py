@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from fsdpjob.orchestrator.core.errors import InputError, SpecError
 from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.profiles import shell_operator
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script, sbatch_word
 
@@ -197,6 +198,10 @@ def expected_outcome(field: str, value: str) -> str:
         try:
             shlex.split(value)
         except ValueError:
+            return "reject"
+        # No shell reads a setup line: an operator or a substitution would end up quoted into an argument and
+        # fail on the node, so validate refuses it (issue 23).
+        if shell_operator(f"module load {value}"):
             return "reject"
     if field == "profile.srun_extra" and not re.fullmatch(r"\S.*", value):
         return "reject"

@@ -11,10 +11,13 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_RUNS": "where new run folders go (default $FSDPJOB_HOME/runs; core/paths.py)",
     "FSDPJOB_PROFILES": "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)",
     "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
+    "FSDPJOB_TEST_IMAGE": "printed (not read) by `dev-cluster up --containers`: the test image's OCI bundle folder",
     # -- set by fsdpjob for the job
     "FSDPJOB_RUN_DIR": "the run folder, exported to the batch script and the local workers (slurm/, local/)",
     "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",
     "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
+    "FSDPJOB_NODE_ADDRS": "'node=addr,...': the supervisor's NodeAddr of each node whose name does not resolve, "
+                          "so that workers find their rendezvous host without scontrol (jobs/dist.py)",
     # -- the workers, from the spec's env
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
                            "reads its own shards (jobs/model/weightload.py)",

@@ -58,6 +58,11 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
+    def stop_file(self) -> Path:
+        """The workers' stop hand-off to the supervisor (core/stophandoff.py), present between the two."""
+        return self.run_dir / "stop.json"
+
+    @property
     def events_file(self) -> Path:
         """One JSON line per lifecycle event (start, resume, checkpoint, stop, requeue, done, failed)."""
         return self.run_dir / "events.jsonl"

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from .container import ContainerSpec, Runtime
 from .errors import ProfileError
 from .slurmtime import parse_slurm_time
 from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
@@ -75,6 +76,11 @@ class ClusterProfile(Strict):
     """Python interpreter on the compute nodes. Default: the interpreter running fsdpjob."""
     default_signal_lead_s: PositiveInt = 120
     """Signal lead used when the spec says signal_lead_s: auto."""
+    container_runtimes: list[Runtime] = []
+    """Container runtimes this cluster's Slurm can launch per task (pyxis, apptainer, oci); a spec or profile
+    container of another runtime is refused at validate time."""
+    container: ContainerSpec | None = None
+    """Run every job's workers in this container (a spec's own container section overrides fields of it)."""
     expected_interruptions_per_day: Annotated[float, Field(gt=0)] | None = None
     """Interruptions per node and day that come without a warning (node failures, crashes, hangs); a job on N
     nodes sees N times as many. With it, `fsdpjob plan` prints the Young/Daly checkpoint interval and what the
@@ -123,6 +129,13 @@ class ClusterProfile(Strict):
                     f"setup line {i + 1} ({line!r}) starts with {words[0]!r}; each line must be one simple command "
                     "(put loops, conditions or comments in a script and source it)"
                 )
+            # No shell reads the line: '&&' or '>' would be quoted into an argument and fail on the node.
+            if operator := shell_operator(line):
+                raise ValueError(
+                    f"setup line {i + 1} ({line!r}) has {operator!r}; each line is one simple command and nothing "
+                    "else is run by a shell: put each command on its own line (they run in order and stop at the "
+                    "first failure), or put them in a script and `source` it"
+                )
         return value
 
     @field_validator("env")
@@ -167,7 +180,7 @@ def available_profiles() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for d in profile_dirs():
         if d.is_dir():
-            for f in sorted(d.glob("*.yaml")):
+            for f in sorted(d.glob("*.yaml"), key=lambda p: p.stem):
                 found.setdefault(f.stem, f)
     return found
 
@@ -207,3 +220,14 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             "(or give a path to a profile YAML; add folders with $FSDPJOB_PROFILES)"
         )
     return load_profile_file(profiles[name_or_path])
+
+
+def shell_operator(line: str) -> str | None:
+    """The first unquoted shell operator (;, &&, ||, |, &, <, >, parentheses) or substitution ($(, `) in
+    ``line``, or None."""
+    for mark in ("$(", "`"):
+        if mark in line:
+            return mark
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    return next((token for token in lexer if token and set(token) <= set("();<>|&")), None)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .container import ContainerSpec
 from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
 from .slurmtime import FORMATS_HELP, parse_slurm_time
@@ -259,6 +260,8 @@ class JobSpec(Strict):
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    container: ContainerSpec | None = None
+    """Run the workers in a container: overrides fields of the profile's container (mounts and env add to it)."""
 
     @field_validator("name")
     @classmethod
@@ -335,6 +338,8 @@ class JobSpec(Strict):
         for section in _ADDED_SECTIONS:
             if getattr(self, section) == type(self).model_fields[section].default_factory():
                 del dumped[section]
+        if self.container is None:
+            del dumped["container"]  # added later too: a spec without one keeps its hash
         blob = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

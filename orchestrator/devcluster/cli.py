@@ -23,11 +23,17 @@ def dev_cluster() -> None:
 @click.option("--no-accounting", is_flag=True, help="Skip MariaDB + slurmdbd (faster, lighter; no sacct).")
 @click.option("--port-base", type=click.IntRange(1024, 65000), default=None,
               help="First of 5 private ports (default 16810); give a second cluster another base.")
+@click.option("--containers", is_flag=True,
+              help="Also Slurm's OCI container support (runc, oci.conf) and a test image without Slurm; prints "
+                   "`export FSDPJOB_TEST_IMAGE=...` too (profile test-cluster-container).")
 @_STATE_DIR
-def up(no_accounting: bool, port_base: int | None, state_dir: str | None) -> None:
+def up(no_accounting: bool, port_base: int | None, containers: bool, state_dir: str | None) -> None:
     """Start the cluster (a no-op if it runs) and print `export SLURM_CONF=...` for `eval`."""
-    info = manage.up(accounting=not no_accounting, state_dir=state_dir, port_base=port_base, echo=True)
+    info = manage.up(accounting=not no_accounting, state_dir=state_dir, port_base=port_base, containers=containers,
+                     echo=True)
     click.echo(f"export SLURM_CONF={info.slurm_conf}")
+    if info.image is not None:
+        click.echo(f"export FSDPJOB_TEST_IMAGE={info.image}")
 
 
 @dev_cluster.command()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdpjob.orchestrator.core.errors import InputError, ProfileError
-from fsdpjob.orchestrator.core.profiles import load_profile
-from fsdpjob.orchestrator.core.spec import load_spec
+from fsdpjob.orchestrator.core import envrefs
+from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
+from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
 from .resolve import Resolved, resolve
@@ -48,6 +51,7 @@ def load_job(
         raise ProfileError.at(doc, ("profile",), exc.message) from None
     resolved = resolve(spec, prof, doc)
     if check_files:
+        check_environment(spec, prof, doc)
         from fsdpjob.orchestrator.core.inputs import check_inputs
 
         try:
@@ -55,3 +59,20 @@ def load_job(
         except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
             raise InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file) from None
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))
+
+
+def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> None:
+    """Every $VAR the script would expand under `set -u` is set here (sbatch exports this environment) or on the
+    node by Slurm or fsdpjob (core/envrefs.py); with the file checks, since both are about this machine now."""
+    found = []
+    for where, values in ((("env",), spec.env), (("container", "env"), (spec.container.env if spec.container else {}))):
+        for key, value in values.items():
+            found += [SpecError.at(doc, (*where, key), envrefs.fix(name)) for name in envrefs.unset(value, os.environ)]
+    container_env = profile.container.env if profile.container else {}
+    lines = [*(f"env.{k}" for k in profile.env), *(f"container.env.{k}" for k in container_env),
+             *(f"setup line {i + 1}" for i in range(len(profile.setup)))]
+    for what, value in zip(lines, [*profile.env.values(), *container_env.values(), *profile.setup]):
+        found += [SpecError.at(doc, ("profile",), f"profile {profile.name!r} {what}: {envrefs.fix(name)}")
+                  for name in envrefs.unset(value, os.environ)]
+    if found:
+        raise SpecErrors(found)

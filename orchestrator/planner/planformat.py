@@ -73,7 +73,7 @@ def format_plan(plan: FitPlan) -> str:
         f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB ({'adapters' if u.lora else 'params'} + AdamW), "
         f"save ~{t.save_s:,.0f} s",
         f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
-        f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: 2 steps + agreement + save + margin)",
+        f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: 2 steps + agreement + save + requeue + margin)",
     ]
     if u.grad_accum > 1:
         lines.append(

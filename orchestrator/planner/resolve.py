@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import SpecError
+from fsdpjob.orchestrator.core.paths import runs_root
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import YamlDoc
+
+from .containers import container_problems
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
                 f"{profile.max_nodes}, got {eff.nodes}",
             )
         )
+    out += container_problems(spec, profile, str(runs_root()))
     return out
 
 

@@ -26,6 +26,10 @@ CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
 # give no fabric bandwidth, so no communication term is added. Said with every GPU step time.
 COMMUNICATION = "communication assumed hidden behind compute (no fabric bandwidth modelled)"
 SIGNAL_MARGIN_S = 10  # the lead must cover the wait for the ranks' agreement + a save + this (or 25 %)
+# After the stop checkpoint: the workers exit, srun's step ends, and the supervisor asks scontrol what the stop
+# was and requeues (slurm/stop.py); about a second on the dev cluster (the stop event's handoff_s), a few where
+# slurmctld is busy. The requeue must land before the time limit.
+STOP_HANDOFF_S = 5
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,9 @@ class Timing:
     @property
     def needed_lead_s(self) -> int:
         """Seconds of warning that cover the wait before a stop (core/stopping.py: up to two steps and the
-        ranks' agreement interval), one save and a margin (rounded up to 10 s)."""
-        work = stop_wait_s(self.step_s or 0.0) + self.save_s
+        ranks' agreement interval), one save, the hand-off to the supervisor's requeue and a margin (rounded up
+        to 10 s)."""
+        work = stop_wait_s(self.step_s or 0.0) + self.save_s + STOP_HANDOFF_S
         return int(math.ceil((work + max(SIGNAL_MARGIN_S, 0.25 * work)) / 10) * 10)
 
 

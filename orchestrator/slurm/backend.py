@@ -4,7 +4,6 @@ without accounting), cancel with requeue turned off first."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
@@ -23,7 +22,7 @@ class SlurmBackend:
         # Only secrets travel through the submission environment (sbatch exports it); the rest is in the script.
         env = {k: job.spec.env[k] for k in job.spec.secret_names()}
         env["FSDPJOB_RUN_DIR"] = str(paths.run_dir)
-        return Request(paths=paths, text=script, script=script, env=env, payload=plan)
+        return Request(paths=paths, text=script, script=script, env=env, payload=plan, files=plan.files)
 
     def submit(self, job, request: Request) -> Submitted:
         from fsdpjob.jobs.entry import TrainJob
@@ -31,7 +30,7 @@ class SlurmBackend:
         from .executor import FsdpjobSlurmExecutor
 
         paths = request.paths
-        executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=request.payload, python=job.profile.python or sys.executable)
+        executor = FsdpjobSlurmExecutor(paths.submitit_dir, plan=request.payload, python=request.payload.worker_python)
         executor.update_parameters(time=max(1, job.eff.time_limit_s // 60), signal_delay_s=job.eff.signal_lead_s)
         handle = executor.submit(TrainJob(str(paths.run_dir)))
         return Submitted(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -186,19 +185,6 @@ def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30) -> str
     """Run ``argv`` on one node of a running job, beside its steps (``srun --overlap``: no new resources)."""
     return run(["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
                 "--quiet", *argv], timeout=timeout)
-
-
-def job_id_from_env() -> str | None:
-    """The running job's id as scontrol takes it: <array job>_<task> for an array task, else SLURM_JOB_ID."""
-    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return os.environ.get("SLURM_JOB_ID") or None
-
-
-def restart_count() -> int:
-    """How often Slurm has restarted the running job (0 on its first run)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def job_state(job_id: str) -> str | None:

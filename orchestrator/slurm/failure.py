@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, runlog
+from fsdpjob.orchestrator.core import attempts, runlog, slurmenv
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, exit_code = (argv or sys.argv[1:])[:2]
     paths = RunPaths(Path(run_dir))
     preemption = RunMeta.read(paths.run_dir).section("preemption")
-    restarts = slurm_cli.restart_count()
-    job_id = slurm_cli.job_id_from_env() or ""
+    restarts = slurmenv.restart_count()
+    job_id = slurmenv.job_id_from_env() or ""
     timeline = runlog.timeline(paths.run_dir)
     requeue, why = requeue_after_crash(timeline, restarts=restarts, max_requeues=preemption["max_requeues"])
     # The step this attempt reached: what the next resume loses beyond its checkpoint (fsdpjob status).

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 import shlex
 
+from fsdpjob.orchestrator.core.envrefs import VAR_REFERENCE
+
 # A leading "=" is safe for bash but reads like a typo ("export A==x") to shellcheck (SC1097): quote it.
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_./:@%+,-][A-Za-z0-9_./:=@%+,-]*")
 _ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-_VAR = re.compile(r"\$(?:\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+_VAR = VAR_REFERENCE
 
 
 def literal(value: str) -> str:
@@ -21,7 +23,7 @@ def literal(value: str) -> str:
 
 
 def with_vars(value: str) -> str:
-    """A single shell word in which only $NAME and ${NAME} expand (and a leading ~/ means $HOME/).
+    """A single shell word in which only $NAME, ${NAME} and ${NAME:-default} expand (and a leading ~/ means $HOME/).
 
     Command substitution, backticks, globbing, operators and every other shell syntax stay literal:
     the result is a double-quoted string with ``\\ " ` $`` escaped except in variable references.

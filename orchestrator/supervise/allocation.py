@@ -1,18 +1,25 @@
 """What the supervisor knows and can do about the allocation it runs in, one class per backend: its node
-count and job id, whether a node can be left out, which nodes are lost, and the hard end of a step."""
+count and job id, whether a node can be left out, which nodes are lost, the hard end of a step, what the
+workers need to know of the nodes, and the end of a stop. Everything that asks Slurm something runs here, on
+the batch side: the workers may run in a container without Slurm's binaries or munge."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+from fsdpjob.orchestrator.core import slurmenv, stophandoff
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.slurm import stop as slurm_stop
 
 PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes well under a second
 
@@ -28,7 +35,7 @@ class SlurmAllocation:
 
     @classmethod
     def from_env(cls) -> SlurmAllocation:
-        return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurm_cli.job_id_from_env())
+        return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurmenv.job_id_from_env())
 
     def lost(self, excluded: tuple[str, ...]) -> tuple[str, ...]:
         """Nodes of the allocation that no longer run a trivial command in this job (a dead slurmd, a node
@@ -61,6 +68,30 @@ class SlurmAllocation:
         except FsdpjobError:
             return None
 
+    def worker_env(self) -> dict[str, str]:
+        """FSDPJOB_NODE_ADDRS: the Slurm NodeAddr of each node whose name does not resolve here (Slurm node names
+        need not be host names), so that the workers find their rendezvous host without scontrol."""
+        try:
+            nodes = slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+        except FsdpjobError:
+            return {}
+        addrs = {}
+        for node in nodes:
+            try:
+                socket.getaddrinfo(node, None)
+            except socket.gaierror:
+                try:
+                    if addr := slurm_cli.node_addr(node, timeout=PROBE_TIMEOUT_S):
+                        addrs[node] = addr
+                except FsdpjobError:
+                    pass  # the worker then says that the node does not resolve
+        return {"FSDPJOB_NODE_ADDRS": slurmenv.format_node_addrs(addrs)} if addrs else {}
+
+    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
+        """The workers committed a stop checkpoint: what it was, the requeue, the record (slurm/stop.py)."""
+        return slurm_stop.finish_stop(run_dir, handoff, job_id=self.job_id or "", restart_count=slurmenv.restart_count(),
+                                      max_requeues=max_requeues)
+
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""
         proc.send_signal(signal.SIGINT)
@@ -82,6 +113,15 @@ class LocalAllocation:
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         return None  # no requeue path to compare with: a local run restarts or gives up
+
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
+    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
+        """Local workers record their stops themselves (jobs/preemption.py): a hand-off here has nobody to requeue."""
+        stophandoff.record_stop(run_dir, handoff, reason="signal", outcome=NOT_REQUEUED,
+                                detail="no scheduler to requeue the run")
+        return 1
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """A local tree (controller and ranks) gets SIGKILL."""

@@ -6,10 +6,11 @@ On Slurm, COMMAND is the batch script's ``srun ...`` line and this runs in the b
 locally it is submitit's controller. No torch here: it must start in milliseconds and survive what it watches.
 
 One launch at a time: clear the heartbeats, start COMMAND (env FSDPJOB_LAUNCH=<n>), then once a second read
-the heartbeats (watch.py). The launch ends by itself (exit 0: done, or the workers requeued after a stop
-checkpoint; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped (stacks.py), then
-the step gets SIGTERM, a short grace, and a hard kill. A crash or a stall is a ``fault`` event; policy.py
-then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
+the heartbeats (watch.py). The launch ends by itself (exit 0: done, or a stop checkpoint the workers handed
+over, core/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
+(stacks.py), then the step gets SIGTERM, a short grace, and a hard kill. A hand-off ends the loop: the
+allocation asks Slurm what the stop was and requeues the job (slurm/stop.py); the workers run no Slurm
+command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
 (this exits non-zero and the batch script's failure policy requeues or fails the job as before).
 A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` locally) is passed on and ends it.
 """
@@ -26,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, heartbeat, runlog
+from fsdpjob.orchestrator.core import attempts, heartbeat, runlog, stophandoff
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -48,9 +49,11 @@ class Supervisor:
         self.run_dir, self.command, self.world_size = run_dir, command, world_size
         spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
+        self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
         self.nodes = self.allocation.nodes
+        self.worker_env = self.allocation.worker_env()  # resolved once: the nodes stay those of the allocation
         self.min_nodes = min(self.nodes, spec.resources.min_nodes or self.nodes)
         self.tasks_per_node = max(1, world_size // self.nodes)
         self.excluded: tuple[str, ...] = ()
@@ -67,6 +70,10 @@ class Supervisor:
         while True:
             started = time.time()
             rc, verdict = self._launch(launch, started)
+            if (handoff := stophandoff.take(self.run_dir, launch)) is not None:
+                # The workers committed a stop checkpoint and left (preemption, time limit, a requeue or a
+                # cancel): this side asks Slurm which, and requeues; whatever rc srun's teardown gave.
+                return self.allocation.finish_stop(self.run_dir, handoff, self.max_requeues)
             if self.signalled or (rc == 0 and verdict is None):
                 return rc
             if verdict is None and self._finished_since(started):
@@ -84,7 +91,7 @@ class Supervisor:
         self._gone: tuple[int, ...] = ()
         self._crash_seen_at: float | None = None
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
-        env = {**os.environ, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
+        env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
         # srun's stderr passes through here: its task reports name the rank that failed first (blame.py).
         srun = self.allocation.srun_reports

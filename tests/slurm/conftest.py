@@ -64,13 +64,13 @@ def _stop_quietly(state_dir: str) -> None:
         pass
 
 
-def _cluster(accounting: bool, state_dir: str, port_base: int) -> Iterator[ClusterInfo]:
+def _cluster(accounting: bool, state_dir: str, port_base: int, containers: bool = False) -> Iterator[ClusterInfo]:
     if os.geteuid() != 0:
         _unavailable("needs root (the daemons run with SlurmUser=root)")
     info, failure, was_up = None, "", True
     try:
         was_up = manage.status(state_dir).startswith("cluster: up")
-        info = manage.up(accounting=accounting, state_dir=state_dir, port_base=port_base)
+        info = manage.up(accounting=accounting, state_dir=state_dir, port_base=port_base, containers=containers)
     except FsdpjobError as error:
         failure = str(error)
     if info is None:  # reported outside the except block, so pytest shows no chained traceback
@@ -93,7 +93,7 @@ def _cluster(accounting: bool, state_dir: str, port_base: int) -> Iterator[Clust
 @pytest.fixture(scope="session")
 def slurm_cluster_session() -> Iterator[ClusterInfo]:
     """The accounting cluster for the whole session; does not touch SLURM_CONF (see slurm_env)."""
-    yield from _cluster(True, STATE_DIR, PORT_BASE)
+    yield from _cluster(True, STATE_DIR, PORT_BASE, containers=True)
 
 
 @pytest.fixture(scope="session")
@@ -186,3 +186,12 @@ def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
     return {"spec": spec, "weights": final_weights(ref["run_dir"])}
 
 
+
+
+
+@pytest.fixture
+def in_container(slurm_cluster: ClusterInfo) -> tuple[str, ...]:
+    """`fsdpjob submit` options that run the workers in the dev cluster's test image (issue 23): Slurm's own OCI
+    support through runc; the image holds Python, torch and fsdpjob, no Slurm binary and no munge."""
+    assert slurm_cluster.image is not None
+    return ("--set", "profile=test-cluster-container", "--set", f"container.image={slurm_cluster.image}")

@@ -49,3 +49,15 @@ def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = N
         return report if report["phase"] in phases else None
 
     return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
+
+
+def in_its_own_container(pid: int) -> bool:
+    """The process runs in another mount namespace than this one, and its root has no Slurm command and no
+    munge socket (read through /proc/PID/root: what the process itself sees)."""
+    root = Path(f"/proc/{pid}/root")
+    other_ns = os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    hidden = ["usr/bin/scontrol", "usr/bin/srun", "usr/bin/sbatch", "bin/scontrol", "run/munge"]
+    if conf := os.environ.get("SLURM_CONF"):  # the dev cluster's config and munge socket are in its state dir
+        hidden.append(conf.lstrip("/"))
+    seen = [p for p in hidden if (root / p).exists()]
+    return other_ns and not seen

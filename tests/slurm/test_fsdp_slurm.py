@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import fsdpjob, wait_for
-from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
+from slurm.slurm_helpers import final_weights, in_its_own_container, release_held, status, submit, wait_phase
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -42,11 +42,14 @@ def assert_same_weights(reference: dict, run_dir: str) -> None:
     assert not mismatched, f"weights differ from the uninterrupted run: {mismatched}"
 
 
-def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, reference):
+def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, reference, in_container):
+    # The workers run in the test image (issue 23): no Slurm inside; the supervisor outside classifies and requeues.
     spec = reference["spec"]
-    run = submit(spec)
+    run = submit(spec, *in_container)
     seen: list[str] = []
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout_s=180, interval_s=1.0, what="step 10")
+    pids = worker_pids(run["run_dir"])
+    assert len(pids) == 4 and all(in_its_own_container(pid) for pid in pids), pids
     seen.append(status(run["run_id"])["phase"])
     preempt_now()
     interrupted = wait_phase(run["run_id"], {"REQUEUED", "PENDING"}, timeout=120, seen=seen)
@@ -90,11 +93,15 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
     assert status(run["run_id"])["goodput"]["productive_s"] > 0
 
 
-def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec):
-    # An admin's (or a user's) `scontrol requeue`: Slurm counts the restart, then sends SIGTERM. The
-    # workers checkpoint, see that the job is already requeued, and do not requeue it a second time.
-    run = submit(make_spec("extrequeue", train__max_steps=40))
+def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec, in_container):
+    # An admin's (or a user's) `scontrol requeue`: Slurm counts the restart, then sends SIGTERM. The workers
+    # checkpoint and hand the stop over; the supervisor sees that the job is already requeued and does not
+    # requeue it a second time. The workers run in the test image, which has no Slurm: telling a requeue from a
+    # time limit takes scontrol, so the record shows that the batch side asked.
+    run = submit(make_spec("extrequeue", train__max_steps=40), *in_container)
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 3, timeout_s=180, interval_s=1.0, what="step 3")
+    pids = worker_pids(run["run_dir"])
+    assert len(pids) == 4 and all(in_its_own_container(pid) for pid in pids), pids
     subprocess.run(["scontrol", "requeue", run["job_id"]], check=True)
     release_when_held(run["job_id"])
     done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
@@ -104,6 +111,7 @@ def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_c
     stops = [e for e in events if e["event"] == "stop"]
     assert [(e["reason"], e["requeued"]) for e in stops] == [("requeue", True)], stops
     assert next(e for e in events if e["event"] == "resume")["step"] == stops[0]["step"]
+    assert stops[0]["handoff_s"] < 5 and not Path(run["run_dir"], "stop.json").exists(), stops
 
 
 def worker_pids(run_dir: str) -> list[int]:
@@ -113,12 +121,14 @@ def worker_pids(run_dir: str) -> list[int]:
     return sorted(int(p) for p in out.stdout.split())
 
 
-def test_killed_rank_restarts_in_the_allocation_and_still_matches_uninterrupted_run(slurm_cluster, reference):
+def test_killed_rank_restarts_in_the_allocation_and_still_matches_uninterrupted_run(slurm_cluster, reference,
+                                                                                   in_container):
     """Issue 12: a SIGKILLed rank costs a restart inside the allocation (same job id, no requeue, no BeginTime
-    hold), from the newest committed checkpoint; the final weights equal the uninterrupted run's."""
+    hold), from the newest committed checkpoint; the final weights equal the uninterrupted run's. In the test
+    image (issue 23): the supervisor outside sees the rank's death by its host pid."""
     import signal
 
-    run = submit(reference["spec"], "--set", "checkpoint.interval_steps=5")
+    run = submit(reference["spec"], "--set", "checkpoint.interval_steps=5", *in_container)
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout_s=180, interval_s=1.0, what="step 10")
     pids = wait_for(lambda: worker_pids(run["run_dir"]), timeout_s=10, what="worker pids")
     os.kill(pids[-1], signal.SIGKILL)  # a hard crash of one rank: no signal handler, no checkpoint
@@ -144,14 +154,15 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
     assert "not requeued" in (done["failure_reason"] or "") or "line 10501" in (done["failure_reason"] or ""), done
 
 
-def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec):
+def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec, in_container):
     # The warning signal comes 60-90 s into the job (Slurm checks on a 30 s tick): a 2-minute limit with a 60 s
     # lead leaves at most ~85 s of training in an allocation. Steps paced to >= 0.5 s (FSDPJOB_MIN_STEP_S) make
     # that at most ~170 steps on any machine, so 180 steps always need a time-limit stop, and a slow machine (the
     # 2-core CI: 0.5-0.8 s a step, ~30 s of training per allocation) needs 3-4 allocations, not 5-6 as unpaced.
+    # The workers run in the test image, without Slurm (the supervisor classifies the stop and requeues).
     spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=180,
                      env={"FSDPJOB_MIN_STEP_S": "0.5"})
-    run = submit(spec)
+    run = submit(spec, *in_container)
 
     def finished_releasing_holds():
         # Each allocation ends with a requeue; skip each 120 s BeginTime hold (tests only).

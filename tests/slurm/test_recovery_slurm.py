@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import fsdpjob, wait_for
-from slurm.slurm_helpers import status, submit, wait_phase
+from slurm.slurm_helpers import in_its_own_container, status, submit, wait_phase
 from slurm.test_fsdp_slurm import assert_same_weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -41,16 +41,18 @@ def _one_allocation(run: dict, launches: int) -> list[dict]:
     return [e for e in events if e["event"] == "fault"]
 
 
-def test_rank_stuck_in_data_then_a_frozen_rank(slurm_cluster, reference):
+def test_rank_stuck_in_data_then_a_frozen_rank(slurm_cluster, reference, in_container):
+    # In the test image (issue 23): the stacks of the stuck and the frozen rank are taken from outside, by the
+    # host pid their heartbeats name (the image shares the host's PID namespace, as enroot and Apptainer do).
     run = submit(reference["spec"], *FAST, "--set", "env.FSDPJOB_FAULT_DATA_HANG_STEP='12'",
-                 "--set", "env.FSDPJOB_FAULT_DATA_HANG_RANK='1'")
+                 "--set", "env.FSDPJOB_FAULT_DATA_HANG_RANK='1'", *in_container)
     # Launch 0: rank 1 (node 1) never gets its batch for step 13; the supervisor ends the step, restarts.
     wait_for(lambda: (status(run["run_id"])["recovery"] or {}).get("restarts") == 1, timeout_s=240, interval_s=1.0,
              what="the first restart")
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 25, timeout_s=240, interval_s=1.0, what="step 25")
     # Launch 1: rank 2 (node 2) frozen by SIGSTOP.
     beat = json.loads(Path(run["run_dir"], "heartbeat", "rank-2.json").read_text())
-    assert beat["launch"] == 1, beat
+    assert beat["launch"] == 1 and in_its_own_container(beat["pid"]), beat
     os.kill(beat["pid"], signal.SIGSTOP)
     done = _finished(run)
     straggler, hang = _one_allocation(run, launches=3)

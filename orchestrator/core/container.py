@@ -1,0 +1,140 @@
+"""The `container` setting (profile, overridable in the spec) and the pure rules around it: which runtimes,
+what is mounted, what is refused. Rendering the srun line per runtime is slurm/containerline.py's.
+
+Every Slurm command stays outside the container (the supervisor runs on the batch side; workers run none):
+an image needs no Slurm binaries, config or munge. What the workers read and write is mounted at the same
+path inside: the run folder (heartbeats, events, the stop hand-off, logs), the checkpoint folder, the model
+folder and the data files; a mount of the user's that would hide one of them is refused.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Literal
+
+from pydantic import field_validator
+
+from .validation import Strict, check_env, single_line
+
+Runtime = Literal["pyxis", "apptainer", "oci"]
+RUNTIMES: tuple[str, ...] = ("pyxis", "apptainer", "oci")
+# What each runtime's `image` is (said in errors and the docs).
+IMAGE_KINDS = {
+    "pyxis": "an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
+    "apptainer": "a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
+    "oci": "an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
+}
+
+
+class Mount(Strict):
+    source: str
+    destination: str
+    read_only: bool = False
+
+    def spec(self) -> str:
+        """SRC:DST[:ro], the form pyxis and Apptainer take."""
+        return f"{self.source}:{self.destination}" + (":ro" if self.read_only else "")
+
+
+def parse_mount(text: str) -> Mount:
+    """``SRC[:DST][:ro|rw]`` with absolute paths (no ',' or ':' inside a path: every runtime splits on them)."""
+    parts = text.strip().split(":")
+    mode = parts.pop() if len(parts) > 1 and parts[-1] in ("ro", "rw") else "rw"
+    if not 1 <= len(parts) <= 2 or not all(parts) or "," in text:
+        raise ValueError(f"mount {text!r} is not SRC[:DST][:ro]; paths may not contain ',' or ':'")
+    src, dst = parts[0], parts[-1]
+    for path in (src, dst):
+        if not path.startswith("/"):
+            raise ValueError(f"mount {text!r}: {path!r} is relative; give absolute paths (the container's working "
+                             "folder is not the submit folder)")
+    return Mount(source=posixpath.normpath(src), destination=posixpath.normpath(dst), read_only=mode == "ro")
+
+
+class ContainerSpec(Strict):
+    """Run the workers in a container. Only the workers: the batch script and the supervisor stay on the host."""
+
+    runtime: Runtime | None = None
+    """pyxis (srun --container-image, enroot), apptainer (apptainer exec in every task) or oci (Slurm's own
+    srun --container with oci.conf); must be one of the profile's container_runtimes."""
+    image: str | None = None
+    """pyxis: a squashfs path or a registry URI (nvcr.io#nvidia/pytorch:24.12-py3); apptainer: a SIF path or a
+    docker:// URI; oci: an OCI bundle folder (config.json + rootfs/)."""
+    mounts: list[str] = []
+    """Extra bind mounts SRC[:DST][:ro], absolute paths. The run folder, checkpoint folder, model folder and data
+    files are mounted at the same paths without being listed; a mount that would hide one of them is refused."""
+    workdir: str | None = None
+    """Working folder inside the container (absolute); default: the image's."""
+    env: dict[str, str] = {}
+    """Variables set inside the container (besides the job's own, which pass through)."""
+    python: str | None = None
+    """The interpreter inside the image that runs the workers; default: the profile's python (or fsdpjob's own)."""
+    remap_root: bool | None = None
+    """pyxis: --container-remap-root (true) or --no-container-remap-root (false); default: the site's."""
+    gpu: bool | None = None
+    """apptainer: --nv (the host's NVIDIA driver in the container); default: on when the nodes have GPUs."""
+
+    @field_validator("image", "workdir", "python")
+    @classmethod
+    def _one_line(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("empty; give a value or leave the key out")
+        return single_line(value)
+
+    @field_validator("workdir", "python")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"{value!r} is relative; give an absolute path inside the container")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, value: list[str]) -> list[str]:
+        for item in value:
+            single_line(item)
+            parse_mount(item)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.runtime is not None
+
+    def merged(self, override: ContainerSpec | None) -> ContainerSpec:
+        """This (a profile's) with the fields a spec sets on top; mounts and env add to the profile's."""
+        if override is None:
+            return self
+        fields = override.model_dump(exclude_unset=True)
+        fields["mounts"] = [*self.mounts, *override.mounts]
+        fields["env"] = {**self.env, **override.env}
+        return self.model_copy(update=fields)
+
+
+def auto_mounts(run_dir: str, checkpoint_dir: str | None, read_only: list[str]) -> list[Mount]:
+    """What the workers need at the same paths: the run and checkpoint folders (written) and the model folder
+    and data files' folders (read). A folder inside another that is mounted already is left out."""
+    wanted = [(run_dir, False)]
+    if checkpoint_dir:
+        wanted.append((checkpoint_dir, False))
+    wanted += [(path, True) for path in read_only]
+    out: list[Mount] = []
+    for path, ro in sorted(((posixpath.normpath(p), ro) for p, ro in wanted), key=lambda item: (len(item[0]), item[1])):
+        if any(_under(path, m.destination) and (ro or not m.read_only) for m in out):
+            continue
+        out.append(Mount(source=path, destination=path, read_only=ro))
+    return out
+
+
+def shadowing(user: list[Mount], needed: list[Mount]) -> list[tuple[Mount, Mount]]:
+    """(user mount, needed mount) pairs where the user's destination is the needed path or above it, and not
+    the same source: inside the container the workers would see the user's folder instead of theirs."""
+    return [(u, n) for u in user for n in needed
+            if _under(n.destination, u.destination) and not _under(n.source, u.source)]
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")

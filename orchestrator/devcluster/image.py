@@ -1,0 +1,118 @@
+"""The dev cluster's container image (tests only): an OCI bundle whose rootfs holds this Python, the project's
+virtual environment (torch, transformers, ...) and the project, with Debian's shared libraries, and no Slurm
+binary, Slurm library, Slurm config or munge (like a site or NGC image). Slurm 22.05's own OCI support launches
+it per task through runc (`srun --container`, oci.conf), so the workers run in their own mount namespace.
+
+Built by hard links (one file system, no copy: seconds, no extra space); rebuilt only when what it holds
+changed (a stamp of the interpreter, the installed distributions and the project's files). Hard links share
+the files' contents with the host: the bundle's root is mounted read-only, and /tmp is a tmpfs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.fileio import write_atomic
+
+IMAGE_NAME = "fsdpjob-test"
+_LIBS = Path("/usr/lib/x86_64-linux-gnu") if Path("/usr/lib/x86_64-linux-gnu").is_dir() else Path(sysconfig.get_config_var("LIBDIR") or "/usr/lib")
+_LOADERS = (Path("/lib64"), Path("/usr/lib64"))
+_ETC = ("passwd", "group", "hosts", "nsswitch.conf", "resolv.conf", "ld.so.cache", "localtime")
+_LEFT_OUT = ("slurm", "munge")  # in library file or folder names: nothing of Slurm's or munge's goes in
+# A /bin/sh for libraries that shell out (ctypes.util, platform): dash, Debian's sh. Nothing else from /usr/bin.
+_SH = Path("/usr/bin/dash")
+PROJECT_DIRS = ("orchestrator", "jobs", "templates", "cluster_profiles")
+
+
+def project_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def stamp() -> str:
+    """What the image holds, as a hash: the interpreter, the venv's distributions and the project's files."""
+    h = hashlib.sha256()
+    h.update(f"{sys.base_prefix}|{sys.prefix}|{sys.version}|{project_root()}".encode())
+    for dist in sorted(Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")):
+        h.update(dist.name.encode())
+    root = project_root()
+    for folder in PROJECT_DIRS:
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(images_dir: Path, *, echo: bool = False) -> Path:
+    """The image's bundle folder (config.json + rootfs/), built or reused."""
+    bundle = images_dir / IMAGE_NAME
+    wanted = stamp()
+    stamp_file = bundle / "stamp"
+    if stamp_file.exists() and stamp_file.read_text().strip() == wanted:
+        if echo:
+            print(f"test image {bundle} is up to date (stamp {wanted})", file=sys.stderr)
+        return bundle
+    staging = images_dir / f".{IMAGE_NAME}.building"
+    shutil.rmtree(staging, ignore_errors=True)
+    rootfs = staging / "rootfs"
+    rootfs.mkdir(parents=True)
+    for empty in ("proc", "dev", "sys", "tmp", "run", "root", "usr/bin", "etc"):
+        (rootfs / empty).mkdir(parents=True, exist_ok=True)
+    _link_tree(_LIBS, rootfs / _LIBS.relative_to("/"), libraries=True)
+    for loader in _LOADERS:
+        if loader.is_dir() and not loader.is_symlink():
+            _link_tree(loader, rootfs / loader.relative_to("/"), libraries=True)
+    for name in ("lib", "lib64", "bin", "sbin"):
+        if not (rootfs / name).exists():
+            (rootfs / name).symlink_to(f"usr/{name}")
+    if _SH.exists():
+        os.link(_SH, rootfs / "usr/bin/sh") if _same_fs(_SH, rootfs) else shutil.copy2(_SH, rootfs / "usr/bin/sh")
+    for name in _ETC:
+        if (Path("/etc") / name).is_file():
+            shutil.copy2(Path("/etc") / name, rootfs / "etc" / name)
+    # The interpreter (a pyenv or Debian Python), the virtual environment, and the project at the same paths
+    # as on the host: the venv's scripts and the editable install name them.
+    for tree in dict.fromkeys([Path(sys.base_prefix), Path(sys.prefix)]):
+        _link_tree(tree, rootfs / tree.relative_to("/"))
+    root = project_root()
+    for folder in PROJECT_DIRS:
+        _link_tree(root / folder, rootfs / root.relative_to("/") / folder)
+    (staging / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}) + "\n")
+    write_atomic(staging / "stamp", wanted + "\n", mode=0o644)
+    shutil.rmtree(bundle, ignore_errors=True)
+    staging.rename(bundle)
+    if echo:
+        print(f"built test image {bundle} (stamp {wanted})", file=sys.stderr)
+    return bundle
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    return a.stat().st_dev == b.stat().st_dev
+
+
+def _link_tree(src: Path, dst: Path, *, libraries: bool = False) -> None:
+    """Hard-link ``src`` into ``dst`` (copy across file systems); from the ``libraries``, nothing of Slurm's or
+    munge's (Python packages keep their names: submitit.slurm is a module, not Slurm)."""
+    if not src.is_dir():
+        raise FsdpjobError(f"test image: {src} is not a folder; cannot build the image")
+    link = os.link if _same_fs(src, dst.parent if dst.parent.exists() else _existing(dst)) else shutil.copy2
+
+    def skip(folder: str, names: list[str]) -> list[str]:
+        # __pycache__ goes in too: the bytecode matches the linked sources (same files), and the read-only root
+        # could not take a new one, so every rank would compile every module at every start.
+        return [n for n in names if libraries and any(word in n.lower() for word in _LEFT_OUT)]
+
+    shutil.copytree(src, dst, symlinks=True, copy_function=link, ignore=skip, dirs_exist_ok=True)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path

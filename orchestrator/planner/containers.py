@@ -1,0 +1,85 @@
+"""Spec + profile -> the workers' container (or none), what it must mount, and what is refused (pure)."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from fsdpjob.orchestrator.core.container import (
+    IMAGE_KINDS,
+    RUNTIMES,
+    ContainerSpec,
+    Mount,
+    auto_mounts,
+    parse_mount,
+    shadowing,
+)
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.spec import JobSpec
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def container_of(spec: JobSpec, profile: ClusterProfile) -> ContainerSpec | None:
+    """The profile's container with the spec's fields on top; None when neither asks for one."""
+    if profile.container is None and spec.container is None:
+        return None
+    return (profile.container or ContainerSpec()).merged(spec.container)
+
+
+def input_folders(spec: JobSpec) -> list[str]:
+    """Folders the workers read: the model folder, and each data path's folder (a glob's fixed part)."""
+    paths = [spec.data.path, spec.data.eval_path, *(s.path for s in spec.data.sources or ())]
+    return [spec.model.path, *(_folder(p) for p in paths if p)]
+
+
+def _folder(path: str) -> str:
+    if _GLOB.search(path):
+        fixed = _GLOB.split(path, 1)[0]
+        return posixpath.dirname(fixed) or "/"
+    # A data path may be a file or a folder (save_to_disk, parquet): its parent holds either.
+    return posixpath.dirname(posixpath.normpath(path)) or "/"
+
+
+def needed_mounts(spec: JobSpec, run_dir: str) -> list[Mount]:
+    return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec))
+
+
+def all_mounts(container: ContainerSpec, spec: JobSpec, run_dir: str) -> list[Mount]:
+    """What the container gets: the automatic mounts, then the user's (which never hide the former)."""
+    return [*needed_mounts(spec, run_dir), *(parse_mount(m) for m in container.mounts)]
+
+
+def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -> list[tuple[tuple, str]]:
+    """(loc, message) for a container that would fail on the node. ``runs_root``: where run folders go."""
+    container = container_of(spec, profile)
+    if container is None:
+        return []
+    where = ("container",) if spec.container is not None else ("profile",)
+    out: list[tuple[tuple, str]] = []
+    if profile.scheduler != "slurm":
+        out.append((where, f"profile {profile.name!r} is a {profile.scheduler} profile: containers run on Slurm only "
+                           "(drop the container section, or use a Slurm profile)"))
+        return out
+    if container.runtime is None:
+        out.append(((*where, "runtime") if spec.container is not None else where,
+                    f"a container needs a runtime: one of {', '.join(RUNTIMES)}"))
+    elif container.runtime not in profile.container_runtimes:
+        have = ", ".join(profile.container_runtimes) or "none"
+        out.append(((*where, "runtime") if spec.container is not None else where,
+                    f"profile {profile.name!r} lists container_runtimes: [{have}]; {container.runtime!r} cannot launch "
+                    "tasks there (use one it lists, or add it to the profile once the cluster has it)"))
+    if container.image is None and container.runtime is not None:
+        out.append(((*where, "image") if spec.container is not None else where,
+                    f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"))
+    elif container.runtime == "oci" and container.image is not None and not container.image.startswith("/"):
+        out.append(((*where, "image") if spec.container is not None else where,
+                    f"image {container.image!r}: the oci runtime takes {IMAGE_KINDS['oci']}, as an absolute path"))
+    user = [parse_mount(m) for m in container.mounts]
+    needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
+    for mount, hidden in shadowing(user, needed):
+        what = "the run folders" if hidden.destination.startswith(runs_root) else hidden.destination
+        out.append(((*where, "mounts") if spec.container is not None else where,
+                    f"mount {mount.spec()} would hide {what} inside the container (fsdpjob mounts it at the same "
+                    "path); mount somewhere else, or mount the same folder at the same path"))
+    return out

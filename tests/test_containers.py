@@ -1,0 +1,123 @@
+"""The container setting (issue 23): mounts, refusals at validate time, the srun line per runtime (the goldens
+pyxis-container, apptainer-container and oci-container hold the whole scripts), the oci bundle. The runs in a
+real container are in tests/slurm/test_container_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import fsdpjob
+
+from fsdpjob.orchestrator.core.container import ContainerSpec, Mount, auto_mounts, parse_mount, shadowing
+from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.planner.containers import container_of, input_folders
+from fsdpjob.orchestrator.planner.jobload import load_job
+from fsdpjob.orchestrator.slurm.containerline import oci_bundle_config
+from fsdpjob.orchestrator.slurm.render import build_plan
+
+VALID = Path(__file__).resolve().parent / "data" / "specs" / "valid"
+
+
+@pytest.mark.parametrize("text, mount", [
+    ("/a", Mount(source="/a", destination="/a")),
+    ("/a/:/b//c:ro", Mount(source="/a", destination="/b/c", read_only=True)),
+    ("/a:rw", Mount(source="/a", destination="/a")),
+])
+def test_mounts_parse(text, mount):
+    assert parse_mount(text) == mount
+
+
+@pytest.mark.parametrize("text, words", [
+    ("a:/b", "relative"), ("/a:b", "relative"), ("/a:/b:rx", "not SRC"), ("/a,/b", "not SRC"), ("", "not SRC"),
+])
+def test_bad_mounts_say_why(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_mount(text)
+
+
+def test_automatic_mounts_cover_what_the_workers_touch_once():
+    mounts = auto_mounts("/runs/r1", "/ckpt/r1", ["/models/m", "/runs/r1/data", "/data", "/data/sub"])
+    # Shorter paths first (a folder before what is mounted inside it); a folder inside a mounted one is left out.
+    assert [(m.destination, m.read_only) for m in mounts] == [("/data", True), ("/runs/r1", False),
+                                                              ("/ckpt/r1", False), ("/models/m", True)]
+
+
+def test_a_mount_that_hides_a_needed_folder_is_found():
+    needed = auto_mounts("/runs/r1", None, ["/data"])
+    assert shadowing([parse_mount("/elsewhere:/data")], needed) == [(parse_mount("/elsewhere:/data"), needed[0])]
+    assert shadowing([parse_mount("/other:/")], needed)  # above everything
+    assert not shadowing([parse_mount("/data")], needed)  # the same folder at the same path is fine
+    assert not shadowing([parse_mount("/x:/cache")], needed)
+
+
+def test_the_spec_overrides_the_profile_and_adds_mounts_and_env(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    job = load_job(str(VALID / "pyxis-container.yaml"), check_files=False,
+                   overrides=("container.image=/images/other.sqsh",))
+    container = container_of(job.spec, job.profile)
+    assert (container.runtime, container.image, container.mounts) == ("pyxis", "/images/other.sqsh",
+                                                                     ["/scratch/hf-cache:/cache"])
+    assert input_folders(job.spec) == ["/data/models/llama-3-8b", "/data/sets"]
+    assert ContainerSpec(mounts=["/a"], env={"A": "1"}).merged(ContainerSpec(mounts=["/b"], env={"B": "2"})) == \
+        ContainerSpec(mounts=["/a", "/b"], env={"A": "1", "B": "2"})
+
+
+def test_the_workers_python_is_the_images_and_the_supervisors_the_hosts(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    job = load_job(str(VALID / "pyxis-container.yaml"), check_files=False)
+    plan = build_plan(job, RunPaths(Path("/runs/x")))
+    assert plan.python == "/opt/venv/bin/python" and plan.worker_python == "/usr/bin/python"
+    assert plan.with_command("/usr/bin/python -u -m submitit.core._submit /runs/x/submitit").command.startswith(
+        "/usr/bin/python")
+    apptainer = build_plan(load_job(str(VALID / "apptainer-container.yaml"), check_files=False), RunPaths(Path("/r")))
+    assert apptainer.with_command("PY -u -m submitit").command.startswith("apptainer exec --nv --bind ")
+    assert apptainer.with_command("PY -u -m submitit").command.endswith("/proj/images/pytorch-24.12.sif PY -u -m submitit")
+
+
+def test_the_oci_bundle_keeps_the_hosts_network_pid_and_ipc_and_mounts_the_run():
+    container = ContainerSpec(runtime="oci", image="/images/b", env={"HOME": "/tmp"}, workdir="/w")
+    config = json.loads(oci_bundle_config(container, auto_mounts("/tmp/runs/r", None, ["/models/m"])))
+    assert config["linux"]["namespaces"] == [{"type": "mount"}]
+    assert config["root"] == {"path": "/images/b/rootfs", "readonly": True}
+    dests = [m["destination"] for m in config["mounts"]]
+    assert dests.index("/tmp") < dests.index("/tmp/runs/r")  # the tmpfs first, the run folder on top of it
+    run = next(m for m in config["mounts"] if m["destination"] == "/tmp/runs/r")
+    model = next(m for m in config["mounts"] if m["destination"] == "/models/m")
+    assert "rw" in run["options"] and "ro" in model["options"]
+    assert config["process"]["env"] == ["HOME=/tmp"] and config["process"]["cwd"] == "/w"
+
+
+def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch):
+    job = load_job(str(VALID / "oci-container.yaml"), check_files=False)
+    plan = build_plan(job, RunPaths(tmp_path / "run"))
+    [(name, text)] = plan.files
+    assert name == "container/config.json" and json.loads(text)["root"]["path"].endswith("fsdpjob-test/rootfs")
+    assert f"--container={tmp_path / 'run' / 'container'}" in plan.srun
+
+
+@pytest.mark.parametrize("change, says", [
+    ("container.runtime=apptainer", "container.runtime: profile 'h100' lists container_runtimes: [pyxis]"),
+    ("container.mounts=[/x:/data/sets]", "container.mounts: mount /x:/data/sets would hide /data/sets"),
+    ("container.mounts=[rel:/x]", "container.mounts: mount 'rel:/x': 'rel' is relative"),
+    ("container.workdir=cache", "container.workdir: 'cache' is relative"),
+    ("container.env={1A: x}", "container.env"),
+    ("profile=local", "container: profile 'local' is a local profile: containers run on Slurm only"),
+    ("profile=test-cluster", "profile 'test-cluster' lists container_runtimes: [none]"),
+])
+def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, says):
+    done = fsdpjob("validate", str(VALID / "pyxis-container.yaml"), "--no-file-checks", "--set", change)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert done.stderr.startswith(str(VALID / "pyxis-container.yaml") + ":"), done.stderr  # FILE:LINE
+
+
+def test_an_image_is_required_and_an_oci_image_is_a_folder(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text((VALID / "oci-container.yaml").read_text() + "container:\n  image: bundle\n")
+    done = fsdpjob("validate", str(spec), "--no-file-checks")
+    assert done.returncode == 2 and "an OCI bundle folder" in done.stderr, done.stderr
+    spec.write_text((VALID / "pyxis-container.yaml").read_text().replace('  image: "nvcr.io#nvidia/pytorch:24.12-py3"\n', ""))
+    done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "profile=h100")
+    assert done.returncode == 2 and "a pyxis container needs an image" in done.stderr, done.stderr

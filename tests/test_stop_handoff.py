@@ -1,0 +1,172 @@
+"""The stop hand-off (issue 23): workers commit a stop checkpoint and hand the stop over; the batch side asks
+Slurm what it was and requeues. Workers run no Slurm command, so they can run in a container without Slurm's
+binaries or munge. The end-to-end path is in tests/slurm (preemption, external requeue, time limit, cap, with
+workers whose PATH holds no Slurm binary); here: the record, the classification, the requeue outcomes, the
+rendezvous address, and a scan of jobs/ for Slurm commands."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from fsdpjob.orchestrator.core import slurmenv, stophandoff
+from fsdpjob.orchestrator.core.errors import SlurmCommandError
+from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
+from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.slurm import stop
+
+RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+SLURM_BINARIES = {"sacct", "sacctmgr", "salloc", "sattach", "sbatch", "sbcast", "scancel", "scontrol", "sinfo",
+                  "sprio", "squeue", "sreport", "srun", "sshare", "sstat", "strigger", "munge", "unmunge"}
+
+
+def handoff(launch: int = 0, step: int = 12) -> StopHandoff:
+    return StopHandoff(launch=launch, step=step, signal=12, save_s=1.25, signal_to_commit_s=3.5, committed_at=100.0)
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_handoff_is_taken_once_and_only_by_its_own_launch(tmp_path):
+    stophandoff.write(tmp_path, handoff(launch=2))
+    assert stophandoff.take(tmp_path, 1) is None  # an older file is never taken for a newer stop
+    assert not (tmp_path / "stop.json").exists()
+    stophandoff.write(tmp_path, handoff(launch=2))
+    assert stophandoff.take(tmp_path, 2) == handoff(launch=2)
+    assert stophandoff.take(tmp_path, 2) is None
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"launch": 0}', '{"launch": "0", "step": 1, "signal": 12, "save_s": 1.0, '
+                                  '"signal_to_commit_s": 1.0, "committed_at": 1.0}'])
+def test_a_damaged_handoff_is_no_stop(tmp_path, text):
+    (tmp_path / "stop.json").write_text(text)
+    assert stophandoff.take(tmp_path, 0) is None
+
+
+def test_a_stop_record_is_what_status_and_report_read(tmp_path):
+    stophandoff.record_stop(tmp_path, handoff(), reason="time_limit", outcome=REQUEUED, detail="requeued Slurm job 7",
+                            handoff_s=0.4)
+    [ev] = events(tmp_path)
+    assert {k: ev[k] for k in ("event", "reason", "step", "requeued", "signal", "save_s", "signal_to_commit_s",
+                               "handoff_s")} == {
+        "event": "stop", "reason": "time_limit", "step": 12, "requeued": True, "signal": 12, "save_s": 1.25,
+        "signal_to_commit_s": 3.5, "handoff_s": 0.4}
+    stophandoff.record_stop(tmp_path, handoff(), reason="preemption", outcome=NOT_REQUEUED, detail="cap reached")
+    stop_ev, failed = events(tmp_path)[1:]
+    assert stop_ev["requeued"] is False and failed["event"] == "failed" and failed["retryable"] is False
+
+
+@pytest.mark.parametrize("info, restarts, kind", [
+    ({"JobState": "RUNNING", "PreemptTime": "2026-12-03T06:00:00", "Restarts": "0"}, 0, "preemption"),
+    ({"JobState": "RUNNING", "PreemptTime": "None", "Restarts": "1"}, 0, "requeue"),
+    ({"JobState": "RUNNING", "PreemptTime": "None", "Restarts": "1"}, 1, "time_limit"),
+    ({}, 0, "signal"),
+])
+def test_classify_reads_what_scontrol_shows(info, restarts, kind):
+    assert stop.classify(info, restarts) == kind
+
+
+def test_classify_on_a_recorded_scontrol_job():
+    info = slurm_cli.parse_scontrol((RECORDED / "scontrol-show-job-pending.txt").read_text())
+    assert stop.classify(info, 1) == "requeue" and stop.classify(info, 2) == "time_limit"
+
+
+def finish(tmp_path, monkeypatch, *, requeue, state="RUNNING", info=None, restarts=0, cap=5) -> tuple[int, list[dict]]:
+    monkeypatch.setattr(slurm_cli, "scontrol_job", lambda job_id: info if info is not None else {"Restarts": "0"})
+    monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", requeue)
+    monkeypatch.setattr(slurm_cli, "job_state", lambda job_id: state)
+    rc = stop.finish_stop(tmp_path, handoff(), job_id="7", restart_count=restarts, max_requeues=cap)
+    return rc, events(tmp_path)
+
+
+def test_finish_stop_requeues_once_and_records(tmp_path, monkeypatch):
+    asked = []
+    rc, evs = finish(tmp_path, monkeypatch, requeue=lambda job_id: asked.append(job_id))
+    assert rc == 0 and asked == ["7"]
+    assert [(e["event"], e["reason"], e["requeued"]) for e in evs] == [("stop", "time_limit", True)]
+    assert evs[0]["handoff_s"] >= 0
+
+
+def test_finish_stop_of_a_cancelled_job_records_a_cancel(tmp_path, monkeypatch):
+    rc, evs = finish(tmp_path, monkeypatch, requeue=lambda job_id: "job 7 was cancelled; not requeueing it")
+    assert rc == 0 and [(e["reason"], e["requeued"]) for e in evs] == [("cancelled", False)]
+
+
+def test_finish_stop_when_slurm_is_already_requeueing(tmp_path, monkeypatch):
+    def refuse(job_id):
+        raise SlurmCommandError(["scontrol", "requeue", job_id], 1, "Job is pending execution")
+
+    rc, evs = finish(tmp_path, monkeypatch, requeue=refuse, state="COMPLETING",
+                     info={"PreemptTime": "2026-12-03T06:00:00", "Restarts": "0"})
+    assert rc == 0 and (evs[0]["reason"], evs[0]["requeued"]) == ("preemption", True)
+    assert "already being requeued (COMPLETING)" in evs[0]["detail"]
+
+
+def test_finish_stop_past_the_cap_fails_the_job(tmp_path, monkeypatch):
+    asked = []
+    rc, evs = finish(tmp_path, monkeypatch, requeue=lambda job_id: asked.append(job_id), restarts=2, cap=2)
+    assert rc == 1 and asked == []
+    assert [e["event"] for e in evs] == ["stop", "failed"] and "requeue cap reached" in evs[0]["detail"]
+
+
+def test_finish_stop_without_scontrol_still_requeues(tmp_path, monkeypatch):
+    def broken(job_id):
+        raise SlurmCommandError(["scontrol", "show", "job", job_id], 1, "slurm_load_jobs error")
+
+    monkeypatch.setattr(slurm_cli, "scontrol_job", broken)
+    monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", lambda job_id: None)
+    assert stop.finish_stop(tmp_path, handoff(), job_id="7", restart_count=0, max_requeues=5) == 0
+    assert [(e["reason"], e["requeued"]) for e in events(tmp_path)] == [("signal", True)]
+
+
+def test_node_addresses_travel_in_one_variable():
+    text = slurmenv.format_node_addrs({"n2": "10.0.0.2", "n1": "10.0.0.1"})
+    assert text == "n1=10.0.0.1,n2=10.0.0.2"
+    assert slurmenv.node_addrs(text) == {"n1": "10.0.0.1", "n2": "10.0.0.2"}
+    assert slurmenv.node_addrs(None) == {} and slurmenv.node_addrs("junk,=x,n3=") == {}
+
+
+def test_the_worker_takes_the_rendezvous_address_from_the_supervisor():
+    pytest.importorskip("torch")
+    from fsdpjob.jobs.dist import resolve_master_addr
+
+    assert resolve_master_addr("n1", {"FSDPJOB_NODE_ADDRS": "n1=127.0.0.1"}) == "127.0.0.1"
+    assert resolve_master_addr("localhost", {}) == "localhost"  # a name that resolves stays a name
+    with pytest.raises(RuntimeError, match="does not resolve and the supervisor passed no address"):
+        resolve_master_addr("no-such-node.invalid", {})
+
+
+def test_the_supervisor_resolves_only_names_that_do_not_resolve(monkeypatch):
+    from fsdpjob.orchestrator.supervise.allocation import SlurmAllocation
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "x")
+    monkeypatch.setattr(slurm_cli, "hostnames", lambda nodelist: ["localhost", "n9.invalid"])
+    asked = []
+    monkeypatch.setattr(slurm_cli, "node_addr", lambda node, timeout: asked.append(node) or "10.9.9.9")
+    assert socket.getaddrinfo("localhost", None)
+    assert SlurmAllocation(nodes=2, job_id="7").worker_env() == {"FSDPJOB_NODE_ADDRS": "n9.invalid=10.9.9.9"}
+    assert asked == ["n9.invalid"]
+
+
+def _called_binaries(tree: ast.AST) -> set[str]:
+    """String constants that name a Slurm or munge binary (as an argv's first item or a command string)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            first = node.value.strip().split(" ", 1)[0]
+            if first in SLURM_BINARIES:
+                found.add(first)
+    return found
+
+
+def test_no_worker_module_names_a_slurm_command():
+    assert _called_binaries(ast.parse('run(["scontrol", "requeue", j]); f"srun -w {n} true"')) == {"scontrol", "srun"}
+    offenders = {str(p.relative_to(JOBS)): sorted(found) for p in sorted(JOBS.rglob("*.py"))
+                 if (found := _called_binaries(ast.parse(p.read_text())))}
+    assert offenders == {}
