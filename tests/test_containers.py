@@ -90,11 +90,21 @@ def test_the_oci_bundle_keeps_the_hosts_network_pid_and_ipc_and_mounts_the_run()
     assert config["process"]["env"] == ["HOME=/tmp"] and config["process"]["cwd"] == "/w"
 
 
+def test_the_bubblewrap_line_mounts_the_image_read_only_and_the_run_on_a_tmpfs(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    plan = build_plan(load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False), RunPaths(Path("/tmp/r")))
+    assert plan.launcher.startswith("sh -c \"trap '' TERM USR2; exec \\\"\\$@\\\"\" bwrap-task bwrap --die-with-parent ")
+    words = plan.launcher.split()
+    assert words[11:14] == ["--ro-bind", "/tmp/fsdpjob-devcluster/images/fsdpjob-test", "/"], words
+    assert words.index("--tmpfs") < words.index("/tmp/r") and words[-1] == "--"
+    assert "--bind /tmp/r /tmp/r" in plan.launcher and "--ro-bind /tmp/models/tiny /tmp/models/tiny" in plan.launcher
+
+
 def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch):
     job = load_job(str(VALID / "oci-container.yaml"), check_files=False)
     plan = build_plan(job, RunPaths(tmp_path / "run"))
     [(name, text)] = plan.files
-    assert name == "container/config.json" and json.loads(text)["root"]["path"].endswith("fsdpjob-test/rootfs")
+    assert name == "container/config.json" and json.loads(text)["root"]["path"] == "/lustre/images/pytorch-24.12/rootfs"
     assert f"--container={tmp_path / 'run' / 'container'}" in plan.srun
 
 
@@ -113,10 +123,12 @@ def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, 
     assert done.stderr.startswith(str(VALID / "pyxis-container.yaml") + ":"), done.stderr  # FILE:LINE
 
 
-def test_an_image_is_required_and_an_oci_image_is_a_folder(tmp_path):
+def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_path):
     spec = tmp_path / "s.yaml"
-    spec.write_text((VALID / "oci-container.yaml").read_text() + "container:\n  image: bundle\n")
+    spec.write_text((VALID / "bubblewrap-container.yaml").read_text() + "container:\n  image: rootfs\n")
     done = fsdpjob("validate", str(spec), "--no-file-checks")
+    assert done.returncode == 2 and "a root file system folder" in done.stderr, done.stderr
+    done = fsdpjob("validate", str(VALID / "oci-container.yaml"), "--no-file-checks", "--set", "container.image=b")
     assert done.returncode == 2 and "an OCI bundle folder" in done.stderr, done.stderr
     spec.write_text((VALID / "pyxis-container.yaml").read_text().replace('  image: "nvcr.io#nvidia/pytorch:24.12-py3"\n', ""))
     done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "profile=h100")

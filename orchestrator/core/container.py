@@ -16,14 +16,16 @@ from pydantic import field_validator
 
 from .validation import Strict, check_env, single_line
 
-Runtime = Literal["pyxis", "apptainer", "oci"]
-RUNTIMES: tuple[str, ...] = ("pyxis", "apptainer", "oci")
+Runtime = Literal["pyxis", "apptainer", "oci", "bubblewrap"]
+RUNTIMES: tuple[str, ...] = ("pyxis", "apptainer", "oci", "bubblewrap")
 # What each runtime's `image` is (said in errors and the docs).
 IMAGE_KINDS = {
     "pyxis": "an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
     "apptainer": "a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
     "oci": "an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
+    "bubblewrap": "a root file system folder (an unpacked image, such as an OCI bundle's rootfs/)",
 }
+FOLDER_IMAGES = ("oci", "bubblewrap")  # runtimes whose image is a folder on the nodes: an absolute path
 
 
 class Mount(Strict):
@@ -54,11 +56,12 @@ class ContainerSpec(Strict):
     """Run the workers in a container. Only the workers: the batch script and the supervisor stay on the host."""
 
     runtime: Runtime | None = None
-    """pyxis (srun --container-image, enroot), apptainer (apptainer exec in every task) or oci (Slurm's own
-    srun --container with oci.conf); must be one of the profile's container_runtimes."""
+    """pyxis (srun --container-image, enroot), apptainer (apptainer exec in every task), oci (Slurm's own srun
+    --container with oci.conf) or bubblewrap (bwrap in every task, over an unpacked image); must be one of the
+    profile's container_runtimes."""
     image: str | None = None
     """pyxis: a squashfs path or a registry URI (nvcr.io#nvidia/pytorch:24.12-py3); apptainer: a SIF path or a
-    docker:// URI; oci: an OCI bundle folder (config.json + rootfs/)."""
+    docker:// URI; oci: an OCI bundle folder (config.json + rootfs/); bubblewrap: a root file system folder."""
     mounts: list[str] = []
     """Extra bind mounts SRC[:DST][:ro], absolute paths. The run folder, checkpoint folder, model folder and data
     files are mounted at the same paths without being listed; a mount that would hide one of them is refused."""

@@ -24,8 +24,8 @@ def dev_cluster() -> None:
 @click.option("--port-base", type=click.IntRange(1024, 65000), default=None,
               help="First of 5 private ports (default 16810); give a second cluster another base.")
 @click.option("--containers", is_flag=True,
-              help="Also Slurm's OCI container support (runc, oci.conf) and a test image without Slurm; prints "
-                   "`export FSDPJOB_TEST_IMAGE=...` too (profile test-cluster-container).")
+              help="Also a test image without Slurm (run by bubblewrap in each task, profile "
+                   "test-cluster-container); prints `export FSDPJOB_TEST_IMAGE=...` too.")
 @_STATE_DIR
 def up(no_accounting: bool, port_base: int | None, containers: bool, state_dir: str | None) -> None:
     """Start the cluster (a no-op if it runs) and print `export SLURM_CONF=...` for `eval`."""

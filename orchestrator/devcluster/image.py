@@ -1,17 +1,16 @@
-"""The dev cluster's container image (tests only): an OCI bundle whose rootfs holds this Python, the project's
+"""The dev cluster's container image (tests only): a root file system that holds this Python, the project's
 virtual environment (torch, transformers, ...) and the project, with Debian's shared libraries, and no Slurm
-binary, Slurm library, Slurm config or munge (like a site or NGC image). Slurm 22.05's own OCI support launches
-it per task through runc (`srun --container`, oci.conf), so the workers run in their own mount namespace.
+binary, Slurm library, Slurm config or munge (like a site or NGC image). Debian's bubblewrap runs it in each
+task (runtime `bubblewrap`, profile test-cluster-container): the workers get their own mount namespace.
 
 Built by hard links (one file system, no copy: seconds, no extra space); rebuilt only when what it holds
 changed (a stamp of the interpreter, the installed distributions and the project's files). Hard links share
-the files' contents with the host: the bundle's root is mounted read-only, and /tmp is a tmpfs.
+the files' contents with the host: the runtime mounts the root read-only, with a tmpfs /tmp.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -51,17 +50,16 @@ def stamp() -> str:
 
 
 def build(images_dir: Path, *, echo: bool = False) -> Path:
-    """The image's bundle folder (config.json + rootfs/), built or reused."""
-    bundle = images_dir / IMAGE_NAME
+    """The image's root file system folder, built or reused."""
+    image = images_dir / IMAGE_NAME
     wanted = stamp()
-    stamp_file = bundle / "stamp"
-    if stamp_file.exists() and stamp_file.read_text().strip() == wanted:
+    stamp_file = images_dir / f"{IMAGE_NAME}.stamp"
+    if image.is_dir() and stamp_file.exists() and stamp_file.read_text().strip() == wanted:
         if echo:
-            print(f"test image {bundle} is up to date (stamp {wanted})", file=sys.stderr)
-        return bundle
-    staging = images_dir / f".{IMAGE_NAME}.building"
-    shutil.rmtree(staging, ignore_errors=True)
-    rootfs = staging / "rootfs"
+            print(f"test image {image} is up to date (stamp {wanted})", file=sys.stderr)
+        return image
+    rootfs = images_dir / f".{IMAGE_NAME}.building"
+    shutil.rmtree(rootfs, ignore_errors=True)
     rootfs.mkdir(parents=True)
     for empty in ("proc", "dev", "sys", "tmp", "run", "root", "usr/bin", "etc"):
         (rootfs / empty).mkdir(parents=True, exist_ok=True)
@@ -73,7 +71,7 @@ def build(images_dir: Path, *, echo: bool = False) -> Path:
         if not (rootfs / name).exists():
             (rootfs / name).symlink_to(f"usr/{name}")
     if _SH.exists():
-        os.link(_SH, rootfs / "usr/bin/sh") if _same_fs(_SH, rootfs) else shutil.copy2(_SH, rootfs / "usr/bin/sh")
+        shutil.copy2(_SH, rootfs / "usr/bin/sh")
     for name in _ETC:
         if (Path("/etc") / name).is_file():
             shutil.copy2(Path("/etc") / name, rootfs / "etc" / name)
@@ -84,13 +82,12 @@ def build(images_dir: Path, *, echo: bool = False) -> Path:
     root = project_root()
     for folder in PROJECT_DIRS:
         _link_tree(root / folder, rootfs / root.relative_to("/") / folder)
-    (staging / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}) + "\n")
-    write_atomic(staging / "stamp", wanted + "\n", mode=0o644)
-    shutil.rmtree(bundle, ignore_errors=True)
-    staging.rename(bundle)
+    shutil.rmtree(image, ignore_errors=True)
+    rootfs.rename(image)
+    write_atomic(stamp_file, wanted + "\n", mode=0o644)
     if echo:
-        print(f"built test image {bundle} (stamp {wanted})", file=sys.stderr)
-    return bundle
+        print(f"built test image {image} (stamp {wanted})", file=sys.stderr)
+    return image
 
 
 def _same_fs(a: Path, b: Path) -> bool:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import IO
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.fileio import write_atomic
 
 from . import image
 
@@ -29,14 +28,15 @@ class ClusterInfo:
     slurm_conf: Path
     state_dir: Path
     accounting: bool
-    image: Path | None = None  # with containers: the test image (an OCI bundle) for srun --container
+    image: Path | None = None  # with containers: the test image (a root file system folder)
 
 
 def up(accounting: bool = True, state_dir: str | None = None, port_base: int | None = None,
        *, containers: bool = False, echo: bool = False) -> ClusterInfo:
     """Bring the cluster up (a no-op when it already runs) and wait until both nodes take jobs.
 
-    containers: also Slurm's own OCI container support through runc (oci.conf) and the test image.
+    containers: also the test image, for the workers of profile test-cluster-container (bubblewrap in each task;
+    Slurm 22.05's own OCI support runs one task per node only: "_modify_config: unexpected number of tasks").
     echo: copy the script's progress lines to our stderr as they come (the CLI does).
     """
     args = ["up"]
@@ -49,28 +49,9 @@ def up(accounting: bool = True, state_dir: str | None = None, port_base: int | N
     info = ClusterInfo(slurm_conf=conf, state_dir=conf.parent.parent, accounting=accounting)
     if not containers:
         return info
-    write_oci_conf(info)
+    if shutil.which("bwrap") is None:
+        raise FsdpjobError("bwrap not found: install Debian's bubblewrap package (the dev cluster's container runtime)")
     return replace(info, image=image.build(info.state_dir / "images", echo=echo))
-
-
-def write_oci_conf(info: ClusterInfo) -> Path:
-    """Slurm 22.05's OCI container support with runc (Debian's package): slurmstepd runs each task of an
-    ``srun --container=BUNDLE`` step in that bundle; it reads oci.conf beside slurm.conf at each such step.
-    runc, not crun: Debian 12's crun refuses this machine's hybrid cgroup layout."""
-    runc = shutil.which("runc")
-    if runc is None:
-        raise FsdpjobError("runc not found: install Debian's runc package (the dev cluster's container runtime)")
-    state = info.state_dir / "run" / "runc"
-    state.mkdir(parents=True, exist_ok=True)
-    name = "%n.%u.%j.%s.%t"
-    conf = info.slurm_conf.parent / "oci.conf"
-    write_atomic(conf, "\n".join([
-        f'RunTimeQuery="{runc} --root={state} state {name}"',
-        f'RunTimeKill="{runc} --root={state} kill -a {name} SIGTERM"',
-        f'RunTimeDelete="{runc} --root={state} delete --force {name}"',
-        f'RunTimeRun="{runc} --root={state} run --bundle %b {name}"',
-    ]) + "\n", mode=0o644)
-    return conf
 
 
 def down(state_dir: str | None = None, purge: bool = False, *, echo: bool = False) -> None:

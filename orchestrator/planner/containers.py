@@ -6,6 +6,7 @@ import posixpath
 import re
 
 from fsdpjob.orchestrator.core.container import (
+    FOLDER_IMAGES,
     IMAGE_KINDS,
     RUNTIMES,
     ContainerSpec,
@@ -72,9 +73,10 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
     if container.image is None and container.runtime is not None:
         out.append(((*where, "image") if spec.container is not None else where,
                     f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"))
-    elif container.runtime == "oci" and container.image is not None and not container.image.startswith("/"):
+    elif container.runtime in FOLDER_IMAGES and container.image is not None and not container.image.startswith("/"):
         out.append(((*where, "image") if spec.container is not None else where,
-                    f"image {container.image!r}: the oci runtime takes {IMAGE_KINDS['oci']}, as an absolute path"))
+                    f"image {container.image!r}: the {container.runtime} runtime takes "
+                    f"{IMAGE_KINDS[container.runtime]}, as an absolute path"))
     user = [parse_mount(m) for m in container.mounts]
     needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
     for mount, hidden in shadowing(user, needed):

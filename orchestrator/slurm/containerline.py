@@ -4,9 +4,11 @@ script and the supervisor (which run every Slurm command) stay on the host.
 - pyxis (enroot): srun --container-image=IMAGE --container-mounts=... [--container-workdir] [--container-env]
 - apptainer: srun ... apptainer exec [--nv] --bind ... [--pwd] [--env K=V] IMAGE <worker command>
 - oci (Slurm's own, oci.conf): srun --container=<run>/container, a bundle fsdpjob writes: its root is the
-  image's rootfs/, its mounts the run's, and it keeps the host's network (gloo and NCCL reach the other
-  nodes), PID (the supervisor finds a hung rank's process by its heartbeat's pid) and IPC namespaces
-  (/dev/shm between the ranks of a node), as enroot and Apptainer do by default.
+  image's rootfs/, its mounts the run's;
+- bubblewrap (Debian's bwrap): srun ... bwrap --ro-bind IMAGE / ... -- <worker command>, in every task.
+Every runtime keeps the host's network (gloo and NCCL reach the other nodes), PID (the supervisor finds a hung
+rank's process by its heartbeat's pid) and IPC namespaces and /dev (/dev/shm between the ranks of a node), as
+enroot and Apptainer do by default.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ class ContainerLaunch:
     bundle: str | None  # oci: <run>/container/config.json
 
 
-def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool,
+def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool, stop_signal: str,
                      literal: Callable[[str], str], with_vars: Callable[[str], str]) -> ContainerLaunch:
-    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR."""
+    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR;
+    ``stop_signal`` is the preemption signal's name (USR2)."""
     runtime, image = container.runtime, container.image or ""
     env = tuple(sorted((k, with_vars(v)) for k, v in container.env.items()))
     binds = ",".join(m.spec() for m in mounts)
@@ -54,6 +57,22 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
         # --env: the image's %environment would otherwise win over the job's value
         words += [f"--env={k}={v}" for k, v in env]
         words.append(literal(image))
+        return ContainerLaunch((), tuple(words), (), None)
+    if runtime == "bubblewrap":
+        # Slurm signals every process of the step: bwrap itself must outlive the stop signal and SIGTERM (it
+        # ignores them, and so does the worker until its own handlers are set) while the worker saves, and
+        # --die-with-parent ends the worker when Slurm's SIGKILL ends bwrap. The read-only image gets a tmpfs
+        # /tmp, mounted before the binds so that a run folder under /tmp lands on top of it.
+        words = ["sh", "-c", literal(f"trap '' TERM {stop_signal}; exec \"$@\""), "bwrap-task",
+                 "bwrap", "--die-with-parent", "--ro-bind", literal(image), "/", "--dev-bind", "/dev", "/dev",
+                 "--proc", "/proc", "--ro-bind", "/sys", "/sys", "--tmpfs", "/tmp"]
+        for m in mounts:
+            words += ["--ro-bind" if m.read_only else "--bind", literal(m.source), literal(m.destination)]
+        if container.workdir:
+            words += ["--chdir", literal(container.workdir)]
+        for k, v in env:
+            words += ["--setenv", k, v]
+        words.append("--")
         return ContainerLaunch((), tuple(words), (), None)
     if runtime == "oci":
         bundle = posixpath.join(run_dir, BUNDLE_DIR)

@@ -153,7 +153,8 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> Sbat
     worker_python, launcher, files, container_line = python, "", (), ()
     if (container := container_of(spec, profile)) is not None:
         launch = container_launch(container, all_mounts(container, spec, str(paths.run_dir)), run_dir=str(paths.run_dir),
-                                  gpus=bool(eff.gpus_per_node), literal=literal, with_vars=with_vars)
+                                  gpus=bool(eff.gpus_per_node), stop_signal=eff.signal, literal=literal,
+                                  with_vars=with_vars)
         srun_opts += launch.srun_options
         env.update(launch.env)
         worker_python, launcher = container.python or python, " ".join(launch.launcher)

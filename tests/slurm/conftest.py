@@ -191,7 +191,7 @@ def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
 
 @pytest.fixture
 def in_container(slurm_cluster: ClusterInfo) -> tuple[str, ...]:
-    """`fsdpjob submit` options that run the workers in the dev cluster's test image (issue 23): Slurm's own OCI
-    support through runc; the image holds Python, torch and fsdpjob, no Slurm binary and no munge."""
+    """`fsdpjob submit` options that run the workers in the dev cluster's test image (issue 23), bubblewrap in each
+    task; the image holds Python, torch and fsdpjob, no Slurm binary and no munge."""
     assert slurm_cluster.image is not None
     return ("--set", "profile=test-cluster-container", "--set", f"container.image={slurm_cluster.image}")
