@@ -87,9 +87,10 @@ HANDED_OFF, RESTART_HERE, FAILED_HERE = 0, 1, 2
 
 def exit_after_stop(outcome: int, worker: WorkerEnv) -> NoReturn:
     """Leave without a result on every rank: submitit writes no result pickle (a normal return would be recorded
-    as the job's result), the supervisor reads the hand-off, and the local controller restarts on 144."""
+    as the job's result), the supervisor reads the hand-off, and submitit's local controller restarts on 144
+    (outside submitit, e.g. torchrun or the tests, whoever started the ranks starts them again)."""
     if outcome == FAILED_HERE:
         raise SystemExit(1)
-    if outcome == RESTART_HERE:
+    if outcome == RESTART_HERE and worker.scheduler == "local":
         raise SystemExit(LOCAL_REQUEUE_EXIT_CODE)
     raise SystemExit(0)

@@ -40,7 +40,7 @@ from .model.parallelize import build_mesh
 from .savepolicy import Checkpointer
 from .schedule import lr_factor
 from .step import StepValues, train_step
-from .workerenv import WorkerEnv
+from .workerenv import WorkerEnv, process_started_at
 
 log = logging.getLogger("fsdpjob.train")
 
@@ -106,12 +106,17 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         t_start = time.time()
         torch.manual_seed(train.seed)
         report.event(runlog.START, restart=worker.restart_count, world_size=env.world_size, job_id=worker.job_id,
-                     host=worker.host, launch=worker.launch)
+                     host=worker.host, launch=worker.launch, process_started_at=process_started_at())
         report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
-        parts = build(spec, paths, env, report)
+        mesh = build_mesh(env, spec.fsdp.replicate_degree)
+        ckpt = open_checkpoints(spec, meta.checkpoint_root(paths), env, mesh, hooks)
+        resume_dir = find_resume(ckpt, meta.resume_from)
+        parts = build(spec, paths, env, report, mesh,
+                      # A full fine-tune's checkpoint holds every weight: a resume reads no base weights (at 70B,
+                      # minutes of every restart); LoRA's holds the adapters only.
+                      read_weights=resume_dir is None or spec.model.lora is not None)
         state, model, scheduler = parts.state, parts.model, parts.scheduler
-        ckpt = open_checkpoints(spec, meta.checkpoint_root(paths), env, parts.mesh, hooks)
-        stream, app_state = resume(ckpt, parts, spec, env, meta.resume_from, report)
+        stream, app_state = resume(ckpt, parts, spec, env, resume_dir, report)
         report.event(runlog.READY, step=state.step, setup_s=round(time.time() - t_start, 2))
 
         control = control_group(env)  # host-side agreements, off the GPU stream
@@ -184,12 +189,12 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         close_distributed(abort=crashed)
 
 
-def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> TrainParts:
+def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: DeviceMesh, *,
+          read_weights: bool = True) -> TrainParts:
     """The model (meta init on every rank, FSDP2 wrap, each rank reading its own shards of the weights, or rank 0
-    reading and broadcasting where that cannot be done: model/weightload.py), its optimizer and LR schedule, the
-    packed data, and counters for a fresh start."""
+    reading and broadcasting where that cannot be done: model/weightload.py; none read when a checkpoint will
+    overwrite them all), its optimizer and LR schedule, the packed data, and counters for a fresh start."""
     heartbeat.enter(heartbeat.MODEL_LOAD)
-    mesh = build_mesh(env, spec.fsdp.replicate_degree)
     model = load_model(
         spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
@@ -197,6 +202,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter) -> Tra
         activation_checkpointing=spec.model.activation_checkpointing, cpu_offload=spec.fsdp.cpu_offload,
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
+        read_weights=read_weights,
     )
     model.train()
     train = spec.train
@@ -266,18 +272,25 @@ def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
     )
 
 
-def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistEnv, resume_from: str | None,
+def find_resume(ckpt: CheckpointManager, resume_from: str | None) -> Path | None:
+    """The newest committed, verified checkpoint of the run (or --resume-from before the run has one); None on a
+    fresh start. The same answer on every rank."""
+    heartbeat.enter(heartbeat.CHECKPOINT_LOAD)
+    if resume_from and not ckpt.has_committed():
+        return ckpt.resume_from(resume_from)
+    return ckpt.find_resume(ckpt.sidecar["fingerprint"])
+
+
+def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistEnv, resume_dir: Path | None,
            report: Reporter) -> tuple[BatchStream, dict[str, Any]]:
-    """Load the newest committed, verified checkpoint (or --resume-from) if there is one; return the data
-    stream and the state every save writes.
+    """Load ``resume_dir`` (find_resume's) if there is one; return the data stream and the state every save
+    writes.
 
     Two loads: the counters first, because the checkpoint's global batch (kept on any world size) sizes the
     data stream, which must exist before the second load restores its position.
     """
     heartbeat.enter(heartbeat.CHECKPOINT_LOAD)
     state = parts.state
-    resume_dir = (ckpt.resume_from(resume_from) if resume_from and not ckpt.has_committed()
-                  else ckpt.find_resume(ckpt.sidecar["fingerprint"]))
     train_state = DictState(state, optional=TrainState.ADDED)
     if resume_dir is not None:
         ckpt.load(resume_dir, {"train": train_state})

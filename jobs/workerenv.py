@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from fsdpjob.orchestrator.core import slurmenv
 
@@ -47,3 +48,16 @@ class WorkerEnv:
     def job_id(self) -> str | None:
         """The job id the run log records: Slurm's, else the local executor's."""
         return self.slurm_job_id or self.local_job_id
+
+
+def process_started_at() -> float | None:
+    """When this process started (Unix seconds), from /proc: the goodput report splits a start into the launch
+    (batch script, supervisor, srun, a container runtime's start) and the worker's own set-up. None off Linux."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

@@ -59,13 +59,25 @@ CRASH_METRICS = [metric(10, 1040), metric(20, 1050), metric(30, 1062), metric(40
 CRASH_ROWS = [AttemptTimes(1000, 1000, 1010, 1082, "REQUEUED"), AttemptTimes(1082, 1202, 1205, 1260, "COMPLETED")]
 
 
+def test_the_launch_before_the_workers_process_is_its_own_part():
+    # Issue 23: the workers' start event says when rank 0's process started; from the allocation's start to
+    # there is the launch (batch script, supervisor, srun, a container's start), the rest of set-up start-up.
+    events = [dict(e, process_started_at=1012.5) if e["event"] == "start" and e["restart"] == 0 else e
+              for e in CRASH_EVENTS]
+    rep = goodput(record(1000), CRASH_ROWS, events, CRASH_METRICS)
+    assert_adds_up(rep)
+    first, second = rep.attempts
+    assert (first.seconds["launch"], first.seconds["startup"]) == pytest.approx((2.5, 17.5))
+    assert (second.seconds["launch"], second.seconds["startup"]) == (0, 11)  # no process start recorded
+
+
 def test_crash_loses_the_steps_beyond_the_checkpoint_the_next_attempt_resumed_from():
     rep = goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS)
     assert_adds_up(rep)
     first, second = rep.attempts
-    assert first.seconds == pytest.approx({"startup": 20, "productive": 20, "checkpoint": 2, "lost": 23, "hang": 0,
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 20, "productive": 20, "checkpoint": 2, "lost": 23, "hang": 0,
                                            "teardown": 7, "unexplained": 0})
-    assert second.seconds == pytest.approx({"startup": 11, "productive": 31, "checkpoint": 3, "lost": 0, "hang": 0,
+    assert second.seconds == pytest.approx({"launch": 0, "startup": 11, "productive": 31, "checkpoint": 3, "lost": 0, "hang": 0,
                                             "teardown": 10, "unexplained": 0})
     assert (first.queue_wait_s, first.held_s, second.queue_wait_s, second.held_s) == (10, 0, 123, 120)
     assert (first.start_step, first.reached_step, second.start_step, second.reached_step) == (0, 43, 20, 50)
@@ -95,7 +107,7 @@ def test_preemption_with_a_stop_checkpoint_loses_nothing_from_events_alone():
     first, second = rep.attempts
     # Without the scheduler's times an attempt spans its first to its last entry.
     assert (first.start, first.end, second.start, second.end) == (5, 36, 160, 185)
-    assert first.seconds == pytest.approx({"startup": 5, "productive": 24, "checkpoint": 2, "lost": 0, "hang": 0,
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 5, "productive": 24, "checkpoint": 2, "lost": 0, "hang": 0,
                                            "teardown": 0, "unexplained": 0})
     assert second.seconds["productive"] == pytest.approx(17) and second.seconds["checkpoint"] == pytest.approx(1)
     assert (first.queue_wait_s, second.queue_wait_s) == (5, 124)

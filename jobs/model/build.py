@@ -210,8 +210,10 @@ def load_model(
     cpu_offload: bool,
     lora: Any = None,
     compile_layers: bool = False,
+    read_weights: bool = True,
 ) -> nn.Module:
-    """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``.
+    """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False
+    uninitialized (the caller loads a checkpoint that holds every weight).
 
     No rank builds the full model: it is created on the meta device, sharded, then materialized shard by
     shard; each rank reads its own shards of safetensors weights, or (stored names that need transformers'
@@ -241,6 +243,9 @@ def load_model(
         compile_layers=compile_layers,
     )
     _materialize(model, env.device, cpu_offload)
+    if not read_weights:
+        log.info("built %s (%s) on rank %d; its weights come from the checkpoint", path, type(model).__name__, env.rank)
+        return model
     # Safetensors: each rank reads only its own shards (jobs/model/weightload.py); otherwise rank 0 reads and broadcasts.
     if adapters is None and load_sharded(model, path, expected, tie_groups):
         log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)

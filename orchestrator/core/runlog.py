@@ -18,7 +18,7 @@ from .paths import RunPaths
 
 # Lifecycle events, in the order a run meets them. README.md ("Run folder") lists the same names with
 # their fields; tests/test_runlog.py keeps the two in step.
-START = "start"  # an attempt's workers started: restart, world_size, job_id, host
+START = "start"  # an attempt's workers started: restart, world_size, job_id, host, launch, process_started_at
 DATA = "data"  # data ready: sequences, examples, truncated, split, dropped, packing_efficiency, cached, seconds
 RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_size, grad_accum_steps
 READY = "ready"  # setup over, training starts at step: step, setup_s

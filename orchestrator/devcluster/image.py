@@ -1,7 +1,9 @@
 """The dev cluster's container image (tests only): a root file system that holds this Python, the project's
-virtual environment (torch, transformers, ...) and the project, with Debian's shared libraries, and no Slurm
-binary, Slurm library, Slurm config or munge (like a site or NGC image). Debian's bubblewrap runs it in each
-task (runtime `bubblewrap`, profile test-cluster-container): the workers get their own mount namespace.
+virtual environment (torch, transformers, ...) at /opt/venv with fsdpjob installed in it (a plain
+package, not the editable install), Debian's shared libraries, and no Slurm binary, Slurm library, Slurm config
+or munge (like a site or NGC image). Nothing in it depends on where the project is checked out (a checkout under
+/tmp would be hidden by the runtime's tmpfs /tmp). Debian's bubblewrap runs it in each task (runtime
+`bubblewrap`, profile test-cluster-container): the workers get their own mount namespace.
 
 Built by hard links (one file system, no copy: seconds, no extra space); rebuilt only when what it holds
 changed (a stamp of the interpreter, the installed distributions and the project's files). Hard links share
@@ -28,6 +30,9 @@ _LEFT_OUT = ("slurm", "munge")  # in library file or folder names: nothing of Sl
 # A /bin/sh for libraries that shell out (ctypes.util, platform): dash, Debian's sh. Nothing else from /usr/bin.
 _SH = Path("/usr/bin/dash")
 PROJECT_DIRS = ("orchestrator", "jobs", "templates", "cluster_profiles")
+VENV = Path("/opt/venv")  # in the image; the test profile's container.python is VENV/bin/python
+_EDITABLE = "__editable__"  # the editable install's .pth and finder: they point into the checkout
+_LAYOUT = 3  # counts in the stamp: a change of what build() puts where rebuilds a cached image
 
 
 def project_root() -> Path:
@@ -37,7 +42,7 @@ def project_root() -> Path:
 def stamp() -> str:
     """What the image holds, as a hash: the interpreter, the venv's distributions and the project's files."""
     h = hashlib.sha256()
-    h.update(f"{sys.base_prefix}|{sys.prefix}|{sys.version}|{project_root()}".encode())
+    h.update(f"{_LAYOUT}|{sys.base_prefix}|{sys.prefix}|{sys.version}|{project_root()}".encode())
     for dist in sorted(Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info")):
         h.update(dist.name.encode())
     root = project_root()
@@ -75,13 +80,14 @@ def build(images_dir: Path, *, echo: bool = False) -> Path:
     for name in _ETC:
         if (Path("/etc") / name).is_file():
             shutil.copy2(Path("/etc") / name, rootfs / "etc" / name)
-    # The interpreter (a pyenv or Debian Python), the virtual environment, and the project at the same paths
-    # as on the host: the venv's scripts and the editable install name them.
-    for tree in dict.fromkeys([Path(sys.base_prefix), Path(sys.prefix)]):
-        _link_tree(tree, rootfs / tree.relative_to("/"))
+    # The interpreter at its own path (the venv's pyvenv.cfg and bin/python name it), the virtual environment
+    # at VENV (a venv finds its packages from where its python is), fsdpjob as a package in it.
+    _link_python(Path(sys.base_prefix), rootfs)
+    _link_tree(Path(sys.prefix), rootfs / VENV.relative_to("/"), skip_names=(_EDITABLE,))
+    packages = rootfs / VENV.relative_to("/") / Path(sysconfig.get_paths()["purelib"]).relative_to(sys.prefix)
     root = project_root()
     for folder in PROJECT_DIRS:
-        _link_tree(root / folder, rootfs / root.relative_to("/") / folder)
+        _link_tree(root / folder, packages / "fsdpjob" / folder)
     shutil.rmtree(image, ignore_errors=True)
     rootfs.rename(image)
     write_atomic(stamp_file, wanted + "\n", mode=0o644)
@@ -94,9 +100,23 @@ def _same_fs(a: Path, b: Path) -> bool:
     return a.stat().st_dev == b.stat().st_dev
 
 
-def _link_tree(src: Path, dst: Path, *, libraries: bool = False) -> None:
+def _link_python(base: Path, rootfs: Path) -> None:
+    """The base interpreter: a self-contained prefix (pyenv, /opt/python) whole; Debian's (prefix /usr) only its
+    binary and standard library, never /usr/bin's other programs (Slurm's among them)."""
+    if base != Path("/usr"):
+        _link_tree(base, rootfs / base.relative_to("/"))
+        return
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    shutil.copy2(Path("/usr/bin") / version, rootfs / "usr/bin" / version)
+    for lib in (Path("/usr/lib") / version, Path("/usr/lib/python3")):
+        if lib.is_dir():
+            _link_tree(lib, rootfs / lib.relative_to("/"))
+
+
+def _link_tree(src: Path, dst: Path, *, libraries: bool = False, skip_names: tuple[str, ...] = ()) -> None:
     """Hard-link ``src`` into ``dst`` (copy across file systems); from the ``libraries``, nothing of Slurm's or
-    munge's (Python packages keep their names: submitit.slurm is a module, not Slurm)."""
+    munge's (Python packages keep their names: submitit.slurm is a module, not Slurm); no name that starts with
+    one of ``skip_names``."""
     if not src.is_dir():
         raise FsdpjobError(f"test image: {src} is not a folder; cannot build the image")
     link = os.link if _same_fs(src, dst.parent if dst.parent.exists() else _existing(dst)) else shutil.copy2
@@ -104,7 +124,8 @@ def _link_tree(src: Path, dst: Path, *, libraries: bool = False) -> None:
     def skip(folder: str, names: list[str]) -> list[str]:
         # __pycache__ goes in too: the bytecode matches the linked sources (same files), and the read-only root
         # could not take a new one, so every rank would compile every module at every start.
-        return [n for n in names if libraries and any(word in n.lower() for word in _LEFT_OUT)]
+        return [n for n in names if (libraries and any(word in n.lower() for word in _LEFT_OUT))
+                or n.startswith(skip_names or ("\0",))]
 
     shutil.copytree(src, dst, symlinks=True, copy_function=link, ignore=skip, dirs_exist_ok=True)
 

@@ -3,11 +3,13 @@
 None: the run's own events stand in) and the run log to a :class:`GoodputReport`.
 
 Each attempt's allocation is cut into labelled stretches; where two overlap the more specific wins
-(checkpoint > hang > lost > productive > start-up > teardown), and what no stretch covers is
+(checkpoint > hang > lost > productive > launch > start-up > teardown), and what no stretch covers is
 ``unexplained``, so the parts always add up to the allocated time:
 
-- start-up: allocation start (or the attempt's start event) to ``ready``: imports, process group, model,
-  data, checkpoint load;
+- launch: allocation start (or, after an in-allocation restart, the fault) to the workers' process start
+  (the ``start`` event's ``process_started_at``): the batch script, the supervisor, srun, and a container
+  runtime's start (image pull or import included);
+- start-up: from there to ``ready``: imports, process group, model, data, checkpoint load;
 - productive: training of steps that were kept; lost: training of steps a later attempt redid (beyond the
   step it resumed from), and a crash's unfinished step;
 - checkpoint: saves that blocked training (``checkpoint`` events' ``save_s``; a stop save from ``stop``);
@@ -27,8 +29,8 @@ from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.attempts import later_starts
 from fsdpjob.orchestrator.registry import JobRecord
 
-CATEGORIES = ("startup", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
-_PRIORITY = ("checkpoint", "hang", "lost", "productive", "startup", "teardown")  # who wins an overlap
+CATEGORIES = ("launch", "startup", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
+_PRIORITY = ("checkpoint", "hang", "lost", "productive", "launch", "startup", "teardown")  # who wins an overlap
 _SLACK_S = 1.0  # sacct times are whole seconds; an event may carry a time just before its row's Start
 _STOP_KINDS = {"cancelled": "cancel"}  # a stop event's reason -> interruption kind (others as they are)
 _STATE_KINDS = {"PREEMPTED": "preemption", "TIMEOUT": "time_limit", "NODE_FAIL": "node_fail", "CANCELLED": "cancel",
@@ -297,14 +299,17 @@ def _stretches(s: _Segment) -> list[tuple[str, float, float]]:
     """The segment's labelled stretches (label, from, to); they may overlap (see _PRIORITY)."""
     if not s.events and not s.metrics:
         return []  # the allocation ran without a sign from the workers: unexplained
+    start = _first(s.events, runlog.START)
+    launched = start.get("process_started_at") if start else None
+    launch = [("launch", s.begin, float(launched))] if isinstance(launched, (int, float)) else []
     if s.ready is None:
         last = max([e["time"] for e in s.events] + [m["time"] for m in s.metrics])
-        return [("startup", s.begin, last), ("teardown", last, s.end)]
+        return [*launch, ("startup", s.begin, last), ("teardown", last, s.end)]
     t_ready, start_step = s.ready["time"], int(s.ready.get("step", 0) or 0)
     kept = s.kept_until if s.kept_until is not None else s.reached
     t_kept = s.work_end if kept >= s.reached else t_ready if kept <= start_step else _time_of_step(s, kept)
     out = [("startup", s.begin, t_ready), ("productive", t_ready, t_kept), ("lost", t_kept, s.work_end),
-           ("teardown", s.work_end, s.end)]
+           ("teardown", s.work_end, s.end), *launch]
     stop = _first(s.events, runlog.STOP)
     for e in s.events:
         if e.get("event") == runlog.CHECKPOINT and not (stop is not None and e.get("reason") == "stop"):

@@ -10,7 +10,7 @@ from pathlib import Path
 from .goodput import CATEGORIES
 
 INSTALL_HINT = "pip install 'fsdpjob[plot]'"
-COLORS = {"startup": "#9ecae1", "productive": "#31a354", "checkpoint": "#3182bd", "lost": "#de2d26",
+COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "productive": "#31a354", "checkpoint": "#3182bd", "lost": "#de2d26",
           "hang": "#8c510a", "teardown": "#bdbdbd", "unexplained": "#fdae6b"}
 MARKERS = {"preemption": ("v", "#e6550d"), "time_limit": ("s", "#756bb1"), "requeue": ("o", "#3182bd"),
            "crash": ("X", "#de2d26"), "hang": ("D", "#8c510a"), "node_fail": ("P", "#000000"),

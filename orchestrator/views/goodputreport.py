@@ -19,7 +19,7 @@ from .status import build_report
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.
 SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal")
-LABELS = {"startup": "start-up", "productive": "productive", "checkpoint": "checkpoint saves", "lost": "lost work",
+LABELS = {"launch": "launch (srun, container)", "startup": "start-up", "productive": "productive", "checkpoint": "checkpoint saves", "lost": "lost work",
           "hang": "hang", "teardown": "stop and teardown", "unexplained": "unexplained"}
 
 

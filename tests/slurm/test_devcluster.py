@@ -133,7 +133,7 @@ def test_up_is_idempotent(slurm_cluster: ClusterInfo) -> None:
     state_dir = str(slurm_cluster.state_dir)
     before = _daemon_pids(manage.status(state_dir))
     # Same daemons, nothing restarted (how long it takes belongs to a benchmark, not to a test).
-    assert manage.up(state_dir=state_dir) == slurm_cluster
+    assert manage.up(state_dir=state_dir, containers=True) == slurm_cluster  # the test image reused too
     assert _daemon_pids(manage.status(state_dir)) == before
     assert len(before) == 6  # munged, mariadbd, slurmdbd, slurmctld, two slurmd
 

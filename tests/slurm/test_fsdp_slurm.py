@@ -111,7 +111,7 @@ def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_c
     stops = [e for e in events if e["event"] == "stop"]
     assert [(e["reason"], e["requeued"]) for e in stops] == [("requeue", True)], stops
     assert next(e for e in events if e["event"] == "resume")["step"] == stops[0]["step"]
-    assert stops[0]["handoff_s"] < 5 and not Path(run["run_dir"], "stop.json").exists(), stops
+    assert stops[0]["handoff_s"] < 10 and not Path(run["run_dir"], "stop.json").exists(), stops  # planned: 10 s
 
 
 def worker_pids(run_dir: str) -> list[int]:
