@@ -10,14 +10,14 @@ folder and the data files; a mount of the user's that would hide one of them is 
 from __future__ import annotations
 
 import posixpath
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import field_validator
 
 from .validation import Strict, check_env, single_line
 
 Runtime = Literal["pyxis", "apptainer", "oci", "bubblewrap"]
-RUNTIMES: tuple[str, ...] = ("pyxis", "apptainer", "oci", "bubblewrap")
+RUNTIMES: tuple[str, ...] = get_args(Runtime)
 # What each runtime's `image` is (said in errors and the docs).
 IMAGE_KINDS = {
     "pyxis": "an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
@@ -102,10 +102,6 @@ class ContainerSpec(Strict):
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         return check_env(value)
-
-    @property
-    def enabled(self) -> bool:
-        return self.runtime is not None
 
     def merged(self, override: ContainerSpec | None) -> ContainerSpec:
         """This (a profile's) with the fields a spec sets on top; mounts and env add to the profile's."""

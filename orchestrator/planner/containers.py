@@ -57,31 +57,36 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
     if container is None:
         return []
     where = ("container",) if spec.container is not None else ("profile",)
+
+    def at(field: str) -> tuple:
+        """The spec's container field's line, or the spec's profile line when the container is the profile's."""
+        return (*where, field) if spec.container is not None else where
+
     out: list[tuple[tuple, str]] = []
     if profile.scheduler != "slurm":
         out.append((where, f"profile {profile.name!r} is a {profile.scheduler} profile: containers run on Slurm only "
                            "(drop the container section, or use a Slurm profile)"))
         return out
     if container.runtime is None:
-        out.append(((*where, "runtime") if spec.container is not None else where,
+        out.append((at("runtime"),
                     f"a container needs a runtime: one of {', '.join(RUNTIMES)}"))
     elif container.runtime not in profile.container_runtimes:
         have = ", ".join(profile.container_runtimes) or "none"
-        out.append(((*where, "runtime") if spec.container is not None else where,
+        out.append((at("runtime"),
                     f"profile {profile.name!r} lists container_runtimes: [{have}]; {container.runtime!r} cannot launch "
                     "tasks there (use one it lists, or add it to the profile once the cluster has it)"))
     if container.image is None and container.runtime is not None:
-        out.append(((*where, "image") if spec.container is not None else where,
+        out.append((at("image"),
                     f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"))
     elif container.runtime in FOLDER_IMAGES and container.image is not None and not container.image.startswith("/"):
-        out.append(((*where, "image") if spec.container is not None else where,
+        out.append((at("image"),
                     f"image {container.image!r}: the {container.runtime} runtime takes "
                     f"{IMAGE_KINDS[container.runtime]}, as an absolute path"))
     user = [parse_mount(m) for m in container.mounts]
     needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
     for mount, hidden in shadowing(user, needed):
         what = "the run folders" if hidden.destination.startswith(runs_root) else hidden.destination
-        out.append(((*where, "mounts") if spec.container is not None else where,
+        out.append((at("mounts"),
                     f"mount {mount.spec()} would hide {what} inside the container (fsdpjob mounts it at the same "
                     "path); mount somewhere else, or mount the same folder at the same path"))
     return out
