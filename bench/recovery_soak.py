@@ -98,6 +98,13 @@ def trial(run: Run, n: int, rng: random.Random) -> dict:
     killed_at, crash_rank, crash_step = inject(run, launch + 1, rng, signal.SIGKILL)
     crash = fault_after(run, killed_at)
     crash_next = poll(lambda: run.first_step_after(crash["time"]), 300, "a step after the crash's restart")
+    # Where the crash's seconds went: the events of the launch that followed it.
+    start = min((e for e in run.events("start") if e["time"] > crash["time"]), key=lambda e: e["time"])
+    ready = next(e for e in run.events("ready") if e["time"] > crash["time"])
+    spawned = start.get("process_started_at") or start["time"]
+    phases = {"kill->fault": crash["time"] - killed_at, "fault->process": spawned - crash["time"],
+              "process->start": start["time"] - spawned, "start->ready": ready["time"] - start["time"],
+              "ready->step": crash_next - ready["time"]}
     starts = run.events("start")
     requeues = len(run.events("requeue")) + sum(1 for e in starts if e["restart"] != 0 or e["job_id"] != run.info["job_id"])
     lost = sum(run.step_before(f["time"]) - run.resumed_at(launch + i + 1) for i, f in enumerate((hang, crash)))
@@ -105,7 +112,8 @@ def trial(run: Run, n: int, rng: random.Random) -> dict:
             "crash_step": crash_step, "detect_s": round(hang["detected_at"] - frozen_at, 1),
             "hang_to_step_s": round(hang_next - frozen_at, 1), "crash_to_step_s": round(crash_next - killed_at, 1),
             "requeues": requeues, "steps_lost": lost, "restarted": bool(hang["restart"] and crash["restart"]),
-            "blamed": [hang["hosts"], crash["hosts"]], "decisions": [hang["decision"], crash["decision"]]}
+            "blamed": [hang["hosts"], crash["hosts"]], "decisions": [hang["decision"], crash["decision"]],
+            "crash_phases_s": {k: round(v, 1) for k, v in phases.items()}}
 
 
 def main() -> int:
@@ -154,6 +162,8 @@ def main() -> int:
     for key in ("detect_s", "hang_to_step_s", "crash_to_step_s", "steps_lost"):
         values = [r[key] for r in rows]
         print(f"{key}: median {statistics.median(values):.1f}, worst {max(values):.1f}")
+    print("crash -> next step, medians: " + ", ".join(
+        f"{k} {statistics.median(r['crash_phases_s'][k] for r in rows):.1f} s" for k in rows[0]["crash_phases_s"]))
     ok = [r for r in rows if r["restarted"] and r["requeues"] == 0 and r["detect_s"] <= 60 and r["crash_to_step_s"] <= 30]
     print(f"{len(ok)}/{args.trials} trials recovered in the allocation within the targets (seed {seed})")
     return 0 if len(ok) == args.trials else 1

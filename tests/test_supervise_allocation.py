@@ -14,13 +14,13 @@ def test_slurm_allocation_reads_the_batch_jobs_environment(monkeypatch):
 
 
 def test_slurm_allocation_without_a_job_id_probes_nothing():
-    assert SlurmAllocation(nodes=2, job_id=None).lost(()) == ()
+    assert SlurmAllocation(nodes=2, job_id=None).node_facts(()).lost == ()
 
 
 def test_local_allocation_is_one_machine_with_nothing_to_exclude_or_probe():
     alloc = allocation_for("local")
     assert alloc == LocalAllocation() and alloc.nodes == 1 and alloc.job_id is None
-    assert not alloc.can_exclude and alloc.lost(()) == ()
+    assert not alloc.can_exclude and alloc.node_facts(()).lost == ()
     killed = []
     alloc.kill_step(None, killed.append)
     assert killed == [9]

@@ -159,17 +159,25 @@ def exclude_nodes(job_id: str, nodes: list[str], wait_s: float = 20) -> str:
             time.sleep(1)
 
 
-def exclusion_refusal(job_id: str, nodes: list[str], info: dict | None = None) -> str | None:
+def exclusion_refusal(job_id: str, nodes: list[str], info: dict | None = None,
+                      members: list[str] | None = None) -> str | None:
     """Why the job cannot be kept off ``nodes``: its partition would keep too few other nodes for it (it
-    would pend forever); None when it can."""
+    would pend forever); None when it can. ``info`` (scontrol's job record) and ``members`` (its partition's
+    nodes, ``partition_nodes``) may be passed when already read."""
     info = info if info is not None else scontrol_job(job_id) or {}
+    members = members if members is not None else partition_nodes(info)
     wanted = {*_excluded(info), *nodes}
     partition, needed = info.get("Partition", ""), int((info.get("NumNodes") or "1").split("-")[0])
-    members = hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
     left = [n for n in members if n not in wanted]
     if members and len(left) < needed:
         return f"{', '.join(nodes)}: partition {partition} would keep {len(left)} node(s) for a {needed}-node job"
     return None
+
+
+def partition_nodes(info: dict) -> list[str]:
+    """The nodes of the partition a job (scontrol's record of it) runs in."""
+    partition = info.get("Partition", "")
+    return hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
 
 
 def _excluded(info: dict) -> list[str]:

@@ -25,6 +25,19 @@ PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes 
 
 
 @dataclass(frozen=True)
+class NodeFacts:
+    """What the restart decision needs to know of the nodes after a crash (supervise/policy.py), read in one go,
+    while the crashed step is still being torn down: that gather was seconds of every crash's recovery."""
+
+    lost: tuple[str, ...]  # nodes that no longer run a probe
+    requeue_refuses: Callable[[tuple[str, ...]], str | None]  # why a requeue could not keep the job off nodes
+
+
+def _never_refused(nodes: tuple[str, ...]) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
 class SlurmAllocation:
     """The batch job's allocation: its nodes (the step may go on without some), probed with srun --overlap."""
 
@@ -37,26 +50,40 @@ class SlurmAllocation:
     def from_env(cls) -> SlurmAllocation:
         return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurmenv.job_id_from_env())
 
-    def lost(self, excluded: tuple[str, ...]) -> tuple[str, ...]:
-        """Nodes of the allocation that no longer run a trivial command in this job (a dead slurmd, a node
-        gone), probed in parallel after a crash: srun's --kill-on-bad-exit ends every rank within a second,
-        so the heartbeats alone cannot always tell which node went first."""
+    def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
+        """After a crash: the nodes of the allocation that no longer run a trivial command in this job (a dead
+        slurmd, a node gone), probed in parallel (srun's --kill-on-bad-exit ends every rank within a second, so
+        the heartbeats alone cannot always tell which node went first), and the job's partition, read once."""
         if self.job_id is None:
-            return ()
+            return NodeFacts((), _never_refused)
         try:
             nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in excluded]
         except FsdpjobError:
-            return ()
+            nodes = []
+        job_id = self.job_id
 
         def gone(node: str) -> bool:
             try:
-                slurm_cli.on_node(self.job_id, node, ["true"], timeout=PROBE_TIMEOUT_S)
+                slurm_cli.on_node(job_id, node, ["true"], timeout=PROBE_TIMEOUT_S)
                 return False
             except FsdpjobError:
                 return True
 
-        with ThreadPoolExecutor(max_workers=min(16, max(1, len(nodes)))) as pool:
-            return tuple(n for n, dead in zip(nodes, pool.map(gone, nodes)) if dead)
+        def partition() -> tuple[dict, list[str]] | None:
+            try:
+                info = slurm_cli.scontrol_job(job_id) or {}
+                return info, slurm_cli.partition_nodes(info)
+            except FsdpjobError:
+                return None
+
+        with ThreadPoolExecutor(max_workers=min(16, len(nodes) + 1)) as pool:
+            known = pool.submit(partition)
+            lost = tuple(n for n, dead in zip(nodes, pool.map(gone, nodes)) if dead)
+            facts = known.result()
+        if facts is None:
+            return NodeFacts(lost, _never_refused)
+        info, members = facts
+        return NodeFacts(lost, lambda wanted: slurm_cli.exclusion_refusal(job_id, list(wanted), info, members))
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         """Why a requeue could not keep the job off ``nodes`` (its partition would keep too few others), or
@@ -108,8 +135,8 @@ class LocalAllocation:
     can_exclude = False
     srun_reports = False
 
-    def lost(self, excluded: tuple[str, ...]) -> tuple[str, ...]:
-        return ()
+    def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
+        return NodeFacts((), _never_refused)
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         return None  # no requeue path to compare with: a local run restarts or gives up

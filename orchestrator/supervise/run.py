@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import attempts, heartbeat, runlog, stophandoff
@@ -33,13 +34,16 @@ from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import stacks
-from .allocation import allocation_for
+from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
 from .policy import Fault, restart_in_allocation
 from .watch import Bounds, Verdict, Watch
 
 POLL_S = 1.0
 TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, a save cannot happen anyway
+# After a rank died its peers fail at once (their sockets close with it) and can save nothing: their error
+# events are written within this; ranks that still linger (a destroy blocked on a peer) are killed.
+CRASH_GRACE_S = 1.0
 KILL_WAIT_S = 15.0
 FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with
 
@@ -61,6 +65,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.signalled: int = 0
         self.faults: list[Fault] = []
+        self._gather = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-facts")
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -90,6 +95,7 @@ class Supervisor:
     def _launch(self, launch: int, started: float) -> tuple[int, Verdict | None]:
         self._gone: tuple[int, ...] = ()
         self._crash_seen_at: float | None = None
+        self._node_facts: Future[NodeFacts] | None = None
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
         env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
@@ -113,7 +119,9 @@ class Supervisor:
                 self._crash_seen_at = time.time()
                 print(f"fsdpjob supervisor: rank(s) {[b.rank for b in dead]} exited; ending the step",
                       file=sys.stderr, flush=True)
-                return self._end_step() or 1, None
+                # The node probes and the partition query run while the step is torn down, not after it.
+                self._node_facts = self._gather.submit(self.allocation.node_facts, self.excluded)
+                return self._end_step(CRASH_GRACE_S) or 1, None
             verdict = watch.observe(beats, time.time())
             if verdict is not None and self.proc.poll() is None:
                 self._stall(verdict, beats, launch)
@@ -148,12 +156,12 @@ class Supervisor:
         self._stall_hosts = tuple(sorted({b.host for b in beats if b.rank in verdict.ranks}))
         print(f"fsdpjob supervisor: {verdict.kind}: {verdict.reason}; stacks in {out}", file=sys.stderr, flush=True)
 
-    def _end_step(self) -> int:
+    def _end_step(self, grace_s: float = TERM_GRACE_S) -> int:
         """SIGTERM, a grace, then the allocation's hard kill (allocation.py)."""
         proc = self.proc
         self._signal_group(signal.SIGTERM)
         try:
-            return proc.wait(TERM_GRACE_S)
+            return proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             pass
         self.allocation.kill_step(proc, self._signal_group)
@@ -195,14 +203,17 @@ class Supervisor:
                     "casualties": list(found.casualties), "exits": {str(r): w for r, w in found.exits.items()}}
         else:
             kind, info, hosts = verdict.kind, self._stall_info, self._stall_hosts
+        # A crash probes the nodes (a lost one is left out); a stall named its node already.
+        facts = (self._node_facts or self._gather.submit(self.allocation.node_facts, self.excluded)).result() \
+            if kind == "crash" else None
         self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts,
                                  trained=_trained(beats, since)))
         decision = restart_in_allocation(self.faults, since, max_restarts=self.recovery.max_restarts,
                                          ever_trained=attempts.ever_trained(timeline),
                                          can_exclude=self.allocation.can_exclude,
-                                         dead=self.allocation.lost(self.excluded) if kind == "crash" else (),
+                                         dead=facts.lost if facts else (),
                                          excluded=self.excluded, nodes=self.nodes, min_nodes=self.min_nodes,
-                                         requeue_refuses=self.allocation.requeue_refuses)
+                                         requeue_refuses=facts.requeue_refuses if facts else self.allocation.requeue_refuses)
         if decision.restart and decision.exclude:
             self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
         runlog.append(self.run_dir, runlog.FAULT, kind=kind, launch=launch, exit_code=rc, hosts=list(hosts),
