@@ -102,7 +102,7 @@ def trial(run: Run, n: int, rng: random.Random) -> dict:
     start = min((e for e in run.events("start") if e["time"] > crash["time"]), key=lambda e: e["time"])
     ready = next(e for e in run.events("ready") if e["time"] > crash["time"])
     spawned = start.get("process_started_at") or start["time"]
-    phases = {"kill->fault": crash["time"] - killed_at, "fault->process": spawned - crash["time"],
+    phases = {"kill->fault": crash["time"] - killed_at, "fault->process": spawned - crash["time"],  # btime-based starts read up to 1 s early before this commit
               "process->start": start["time"] - spawned, "start->ready": ready["time"] - start["time"],
               "ready->step": crash_next - ready["time"]}
     starts = run.events("start")

@@ -5,6 +5,7 @@ supervisor's launch), read once: the one place the worker reads the scheduler's 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def process_started_at() -> float | None:
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 2)
+        # The process's age against the uptime now (10 ms steps): /proc/stat's btime is whole seconds, which put
+        # the start up to a second early.
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 2)
     except (OSError, ValueError, IndexError, StopIteration):
         return None

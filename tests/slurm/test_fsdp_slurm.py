@@ -121,27 +121,6 @@ def worker_pids(run_dir: str) -> list[int]:
     return sorted(int(p) for p in out.stdout.split())
 
 
-def test_killed_rank_restarts_in_the_allocation_and_still_matches_uninterrupted_run(slurm_cluster, reference,
-                                                                                   in_container):
-    """Issue 12: a SIGKILLed rank costs a restart inside the allocation (same job id, no requeue, no BeginTime
-    hold), from the newest committed checkpoint; the final weights equal the uninterrupted run's. In the test
-    image (issue 23): the supervisor outside sees the rank's death by its host pid."""
-    import signal
-
-    run = submit(reference["spec"], "--set", "checkpoint.interval_steps=5", *in_container)
-    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout_s=180, interval_s=1.0, what="step 10")
-    pids = wait_for(lambda: worker_pids(run["run_dir"]), timeout_s=10, what="worker pids")
-    os.kill(pids[-1], signal.SIGKILL)  # a hard crash of one rank: no signal handler, no checkpoint
-    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED"}, timeout=300)
-    assert done["phase"] == "COMPLETED" and done["restarts"] == 0, done
-    assert done["recovery"]["restarts"] == 1 and done["recovery"]["last_fault"]["kind"] == "crash", done["recovery"]
-    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
-    assert not [e for e in events if e["event"] == "requeue"], events
-    starts = [e for e in events if e["event"] == "start"]
-    assert [(e["job_id"], e["restart"], e["launch"]) for e in starts] == [(run["job_id"], 0, 0), (run["job_id"], 0, 1)]
-    assert_same_weights(reference, run["run_dir"])
-
-
 def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, assets, tmp_path):
     # A malformed line past what the login node scans (10000 lines): only the worker finds it, at setup.
     data = tmp_path / "bad.jsonl"

@@ -1,7 +1,7 @@
 """Issue 12 on the real dev cluster (2 nodes x 2 tasks): hangs are detected by the in-allocation supervisor, every
 rank's stacks are dumped, and the workers restart in the same allocation (same Slurm job id, no requeue); the
-run ends COMPLETED with the final weights of the uninterrupted run. (The SIGKILL case is
-test_fsdp_slurm.py::test_killed_rank_restarts_in_the_allocation_and_still_matches_uninterrupted_run.)"""
+run ends COMPLETED with the final weights of the uninterrupted run. SIGKILLed ranks (issue 12's crash case) are
+in test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation."""
 
 from __future__ import annotations
 
@@ -126,17 +126,20 @@ def _kill_at(run: dict, launch: int, step: int, rank: int) -> None:
     os.kill(_beat(run["run_dir"], rank)["pid"], signal.SIGKILL)
 
 
-def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(slurm_cluster, reference):
-    """Issue 29. Launch 0: rank 3 (n2) freezes itself (SIGSTOP) after step 10, while the others go into step
-    10's save: a hang detected within the stall floor + 10 s, not after the save's bound. Launch 1: rank 1 (n1)
-    is killed; its peers fail with connection errors, and only n1 is blamed. Launch 2: rank 2 (n2) is
+def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(slurm_cluster, reference,
+                                                                               in_container):
+    """Issues 12 and 29, in the test image (issue 23: the supervisor outside sees a rank's death by its host pid).
+    Launch 0: rank 3 (n2) freezes itself (SIGSTOP) after step 10, while the others go into step 10's save: a
+    hang detected within the stall floor + 10 s, not after the save's bound. Launch 1: rank 1 (n1) is killed
+    (no handler, no checkpoint); its peers fail with connection errors, and only n1 is blamed. Launch 2: rank 2 (n2) is
     killed; n2 is now blamed twice, but the partition has no node to requeue onto without it, so the workers
     restart here again. One allocation, no requeue, the uninterrupted run's bits."""
     run = submit(reference["spec"], *FAST, "--set", "env.FSDPJOB_FAULT_STOP_STEP='10'",
-                 "--set", "env.FSDPJOB_FAULT_STOP_RANK='3'")
+                 "--set", "env.FSDPJOB_FAULT_STOP_RANK='3'", *in_container)
     _kill_at(run, launch=1, step=17, rank=1)  # checkpoint 15 committed: every restart made progress
     _kill_at(run, launch=2, step=22, rank=2)
-    _finished(run)
+    done = _finished(run)
+    assert done["recovery"]["restarts"] == 3 and done["recovery"]["last_fault"]["kind"] == "crash", done["recovery"]
     hang, other_node, same_node = _one_allocation(run, launches=4)
     assert hang["kind"] == "hang" and hang["ranks"] == [3] and hang["hosts"] == ["n2"], hang
     # The frozen rank's last heartbeat names whatever phase its 1 s sample caught (a step, or the batch fetch
