@@ -5,6 +5,7 @@ lists it keeps by hand match the code."""
 from __future__ import annotations
 
 import html
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
@@ -26,10 +28,12 @@ DOCS = REPO / "docs"
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
+    # No --quiet: it hides the warnings that --strict counts, and a broken link would pass.
     built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file", str(REPO / "mkdocs.yml"),
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
          "--site-dir", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner about its successor, not about the guide
     )
     assert built.returncode == 0, built.stdout + built.stderr
     return out
@@ -104,3 +108,18 @@ def test_stable_status_keys_are_the_ones_status_json_has():
         if token.startswith("`") and depth == 0:
             top.append(token.strip("`"))
     assert tuple(top) == STATUS_KEYS
+
+
+def test_a_broken_link_fails_the_build(tmp_path: Path):
+    """The guide's own settings (theme, extensions, link validation) refuse a missing page and a missing anchor;
+    strict mode counts only the warnings it is shown (--quiet would hide them and pass)."""
+    ours = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))
+    settings = {key: ours[key] for key in ("theme", "markdown_extensions", "validation")}
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump({"site_name": "broken", **settings}))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# x\n\n[gone](nope.md) [no anchor](index.md#nope)\n")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode != 0
+    assert "'nope.md'" in built.stderr and "index.md#nope" in built.stderr

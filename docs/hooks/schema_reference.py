@@ -52,7 +52,7 @@ def reference(schema: dict) -> str:
                 sub = path + ("[]" if many else "")
                 pending.append((sub, sub + ".", target))
             required = name in obj.get("required", ())
-            rows.append(f"| `{path}` | {_type(prop, defs)} | {_default(prop, required)} | {_describe(prop, nested)} |")
+            rows.append(f"| `{path}` | {_type(prop, defs)} | {_default(prop, required)} | {_describe(prop, path, nested)} |")
         head = [f"### `{title}` {{#{_anchor(title)}}}", ""] if title else []
         intro = [_text(obj["description"]), ""] if title and obj.get("description") else []
         blocks.append("\n".join([*head, *intro, "| field | type | default | meaning |", "|---|---|---|---|", *rows]))
@@ -114,10 +114,11 @@ def _default(prop: dict, required: bool) -> str:
     return "**required**" if required else ""
 
 
-def _describe(prop: dict, nested: tuple[dict, bool] | None) -> str:
-    text = _text(prop.get("description", ""))
-    if nested is not None and not text:  # a section: its own table says what it holds
-        text = _text(nested[0].get("description", "")) or "see its table below"
+def _describe(prop: dict, path: str, nested: tuple[dict, bool] | None) -> str:
+    text = _text(prop.get("description", "") or (nested[0].get("description", "") if nested else ""))
+    if nested is not None:  # its fields are in a table of their own
+        anchor = _anchor(path + ("[]" if nested[1] else ""))
+        text = f"{text} [Its fields](#{anchor})." if text else f"[Its fields](#{anchor})."
     return text
 
 
