@@ -66,3 +66,10 @@ def test_links_lead_to_pages_of_the_guide():
         assert (REPO / link).is_file(), f"README links to {link}, which does not exist"
         assert link.startswith("docs/") and f": {link.removeprefix('docs/')}" in nav, f"{link} is not in the guide's nav"
     assert "FSDPJOB_HOME" in README and "~/.fsdpjob" in README
+
+
+def test_the_guide_shows_the_quickstart_spec_as_it_is():
+    guide = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    shown = re.search(r"`examples/quickstart.yaml` trains it:\n\n```yaml\n(.*?)```", guide, re.S)
+    assert shown, "the guide's quickstart spec is gone"
+    assert yaml.safe_load(shown.group(1)) == yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
