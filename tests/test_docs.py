@@ -81,6 +81,9 @@ def test_spec_reference_lists_every_field_of_the_job_spec(site: Path):
     fields = field_paths(JobSpec)
     assert {"resources.nodes", "model.lora.r", "data.sources[].weight", "container.image"} <= fields
     assert listed == fields, f"missing: {sorted(fields - listed)}; not fields: {sorted(listed - fields)}"
+    page = (site / "reference" / "spec" / "index.html").read_text()
+    # Descriptions are text, not markup: <run> and a pipe inside a table cell come out as written.
+    assert "to &lt;run&gt;/export" in page and "a100|h100" in page and "number &gt; 0, ≤ 1" in page
 
 
 def test_profile_page_lists_every_field_of_a_cluster_profile(site: Path):

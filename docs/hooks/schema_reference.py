@@ -84,7 +84,8 @@ def _nested(prop: dict, defs: dict) -> tuple[dict, bool] | None:
 
 def _bounds(prop: dict) -> str:
     marks = (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<"))
-    return "".join(f" {sign} {prop[key]:g}" for key, sign in marks if key in prop)
+    bounds = [f"{sign} {prop[key]:g}" for key, sign in marks if key in prop]
+    return " " + ", ".join(bounds) if bounds else ""
 
 
 def _one_type(prop: dict, defs: dict) -> str:
