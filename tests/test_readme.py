@@ -1,14 +1,15 @@
-"""The README stays true: its set-up commands are what CI and the quickstart test run, and its spec
-reference names exactly the fields JobSpec has."""
+"""The README stays true: its set-up commands are what CI and the quickstart test run, its first job is a spec
+that validates and fits, and its links lead into the guide (docs/; tests/test_docs.py checks the guide)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from pydantic import BaseModel
+import yaml
+from click.testing import CliRunner
 
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.cli import cli
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -35,38 +36,40 @@ def test_setup_runs_the_quickstart_that_the_local_test_runs():
     assert '"submit", "examples/quickstart.yaml", "--wait"' in test
 
 
-def leaf_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
-    out = set()
-    for name, info in model.model_fields.items():
-        sub = info.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            out |= leaf_fields(sub, f"{prefix}{name}.")
-        else:
-            out.add(prefix + name)
-    return out
+def test_the_guide_shows_the_same_setup_commands():
+    guide = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    for command in setup_commands():
+        assert f"```bash\n{command}\n```" in guide
 
 
-def test_spec_reference_names_every_field_and_no_other():
-    section = README.split("## Job spec reference", 1)[1].split("\n## ", 1)[0]
-    documented: set[str] = set()
-    for cell in re.findall(r"^\| (`[^|]+) \|", section, re.M):  # first cell; it may name several fields
-        names = [n for group in re.findall(r"`([a-z_./]+)`", cell) for n in group.split("/")]
-        section_of = names[0].rpartition(".")[0]  # `train.lr`, `lr_schedule`: later names share the section
-        documented |= {n if "." in n or not section_of else f"{section_of}.{n}" for n in names}
-    assert documented == leaf_fields(JobSpec), (
-        f"missing from README: {sorted(leaf_fields(JobSpec) - documented)}; "
-        f"not in JobSpec: {sorted(documented - leaf_fields(JobSpec))}"
-    )
+def test_the_first_job_validates_and_fits_on_the_models_shipped_config(tmp_path):
+    block = re.search(r"## A first job\n\n```yaml\n(.*?)```", README, re.S)
+    assert block and len(block.group(1).splitlines()) <= 12, "the first job is a short spec"
+    spec = yaml.safe_load(block.group(1))
+    # The README names a folder on the user's cluster; the shipped config.json of the same model stands in.
+    assert spec["model"]["path"].endswith("Meta-Llama-3-8B")
+    spec["model"]["path"] = str(REPO / "examples" / "configs" / "meta-llama-3-8b-instruct")
+    path = tmp_path / "my-job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    runner = CliRunner()
+    validated = runner.invoke(cli, ["validate", "--no-file-checks", str(path)])
+    assert validated.exit_code == 0, validated.output
+    planned = runner.invoke(cli, ["plan", str(path)])
+    assert planned.exit_code == 0 and "verdict: FITS" in planned.output, planned.output
 
 
-def test_stable_status_keys_are_the_ones_status_json_has():
-    from fsdpjob.orchestrator.views.status import STATUS_KEYS
+def test_links_lead_to_pages_of_the_guide():
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    assert "docs/index.md" in links and "docs/reference/spec.md" in links
+    nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    for link in links:
+        assert (REPO / link).is_file(), f"README links to {link}, which does not exist"
+        assert link.startswith("docs/") and f": {link.removeprefix('docs/')}" in nav, f"{link} is not in the guide's nav"
+    assert "FSDPJOB_HOME" in README and "~/.fsdpjob" in README
 
-    paragraph = README.split("`status --json` and `list --json` keys (stable): ", 1)[1].split("\n\n", 1)[0]
-    # Top-level keys only: a key's sub-keys sit in parentheses after it.
-    depth, top = 0, []
-    for token in re.findall(r"\(|\)|`[a-z_]+`", paragraph):
-        depth += {"(": 1, ")": -1}.get(token, 0)
-        if token.startswith("`") and depth == 0:
-            top.append(token.strip("`"))
-    assert tuple(top) == STATUS_KEYS
+
+def test_the_guide_shows_the_quickstart_spec_as_it_is():
+    guide = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    shown = re.search(r"`examples/quickstart.yaml` trains it:\n\n```yaml\n(.*?)```", guide, re.S)
+    assert shown, "the guide's quickstart spec is gone"
+    assert yaml.safe_load(shown.group(1)) == yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())

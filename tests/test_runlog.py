@@ -1,4 +1,4 @@
-"""The run log (core/runlog.py): one append, one timeline reader, and the README's list of events."""
+"""The run log (core/runlog.py): one append, one timeline reader, and the guide's list of events."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 
 from fsdpjob.orchestrator.core import runlog
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+RUN_FOLDER_PAGE = Path(__file__).resolve().parents[1] / "docs" / "run-folder.md"
 
 
-def test_readme_lists_exactly_the_events_runlog_knows():
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Run log events", 1)[1].split("\n## ", 1)[0]
+def test_the_guide_lists_exactly_the_events_runlog_knows():
+    text = RUN_FOLDER_PAGE.read_text(encoding="utf-8")
+    section = text.split("## Run log events", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
     assert listed == list(runlog.EVENTS)
 

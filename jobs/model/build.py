@@ -54,8 +54,8 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
         raise ValueError(
             f"cannot find the decoder blocks of {type(model).__name__}: it has no model.layers, no ModuleList of the "
             f"blocks its _no_split_modules names ({sorted(blocks) or 'none declared'}) and no ModuleList of identical "
-            "blocks; fsdpjob trains decoder-only transformer models: use a supported family (README, Job spec "
-            "reference: model.path)"
+            "blocks; fsdpjob trains decoder-only transformer models: use a supported family (docs/reference/"
+            "families.md)"
         )
     return max(candidates, key=len)
 

@@ -1,7 +1,7 @@
 """Every FSDPJOB_* environment variable fsdpjob reads (orchestrator/, jobs/, templates/), with who reads it
 and what it does. tests/test_envvars.py fails when the code reads a name this list lacks, or lists one the
 code no longer reads. The test suite's own switches (FSDPJOB_KEEP_CLUSTER, FSDPJOB_REQUIRE_SLURM, ...) are
-in README.md ("Tests and benchmarks")."""
+in docs/development.md."""
 
 from __future__ import annotations
 

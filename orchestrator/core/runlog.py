@@ -16,7 +16,7 @@ from pathlib import Path
 from .fileio import Tail
 from .paths import RunPaths
 
-# Lifecycle events, in the order a run meets them. README.md ("Run folder") lists the same names with
+# Lifecycle events, in the order a run meets them. docs/run-folder.md ("Run log events") lists the same names with
 # their fields; tests/test_runlog.py keeps the two in step.
 START = "start"  # an attempt's workers started: restart, world_size, job_id, host, launch, process_started_at
 DATA = "data"  # data ready: sequences, examples, truncated, split, dropped, packing_efficiency, cached, seconds

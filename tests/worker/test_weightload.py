@@ -15,7 +15,7 @@ from test_model import _train
 
 pytestmark = pytest.mark.distributed
 
-# transformers renames or fuses these checkpoints' tensors on load (README, Model families): rank-0 path.
+# transformers renames or fuses these checkpoints' tensors on load (docs/reference/families.md): rank-0 path.
 CONVERTED = {"mixtral", "gpt_neox"}
 FAMILIES = ("llama", "qwen2", "gemma", "phi", "gpt2", "falcon", "olmo2", *sorted(CONVERTED))
 
