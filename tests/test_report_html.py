@@ -117,18 +117,17 @@ def test_the_page_opens_in_a_headless_browser_without_errors_and_shows_the_pictu
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # root: no user namespace
         try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
             seen = {}
             for name, path in (("good", good), ("broken", broken)):
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                errors: list[str] = []
-                page.on("console", lambda m, errors=errors: errors.append(m.text) if m.type == "error" else None)
-                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                errors.clear()
                 page.goto(path.as_uri(), wait_until="load")
                 img = page.locator("#picture-img")
                 width = img.evaluate("i => i.complete ? i.naturalWidth : 0")
-                shot = img.screenshot() if width else b""
-                seen[name] = (errors, width, img.is_visible(), shot)
-                page.close()
+                seen[name] = (list(errors), width, img.is_visible(), img.screenshot() if width else b"")
         finally:
             browser.close()
     errors, width, visible, shot = seen["good"]

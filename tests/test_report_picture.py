@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from fsdpjob.orchestrator.backend import AttemptTimes
 from fsdpjob.orchestrator.registry import JobRecord
 from fsdpjob.orchestrator.views import goodputplot
 from fsdpjob.orchestrator.views.goodput import goodput
@@ -58,10 +59,17 @@ def test_time_units_fit_the_run_length():
     assert time_unit(5 * 3600) == ("h", 3600.0)
 
 
-def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_evaluations():
-    assert goodputplot.available()  # matplotlib comes with the test extra
+@pytest.fixture(scope="module")
+def short_run() -> tuple[dict, dict, bytes, dict]:
+    """The 16 s run's report JSON, picture data, PNG and what was drawn (drawing takes a second or more)."""
     data = report_json()
     pic = picture(data, EVENTS, METRICS)
+    return data, pic, *goodputplot.png_bytes(pic)
+
+
+def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_evaluations(short_run):
+    assert goodputplot.available()  # matplotlib comes with the test extra
+    data, pic, png, drawn = short_run
     assert (pic["unit"], pic["unit_s"]) == ("s", 1.0)
     # Each start of the workers: its own loss curve, and its start-up from the allocation start to ready.
     assert [(c["label"], c["step"]) for c in pic["training"]] == [("attempt 0", [2, 4, 6, 8]), ("attempt 1", [9, 11, 12])]
@@ -72,7 +80,6 @@ def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_ev
     assert [(s["kind"], s["label"], s["step"]) for s in pic["stops"]] == [("preemption", "preempted", 8),
                                                                          ("cancel", "cancelled", 12)]
 
-    png, drawn = goodputplot.png_bytes(pic)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(png) < 2_000_000
     assert drawn["unit"] == "s" and drawn["curves"] == {"attempt 0": 4, "attempt 1": 3}
     assert (drawn["checkpoints"], drawn["evaluations"]) == ([5, 10], [5, 10])
@@ -86,9 +93,8 @@ def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_ev
     assert sum(drawn["bar"].values()) == pytest.approx(1.0)
 
 
-def test_a_cancel_is_never_drawn_as_a_crash_and_each_kind_of_stop_has_its_own_mark():
-    pic = picture(report_json(), EVENTS, METRICS)
-    _, drawn = goodputplot.png_bytes(pic)
+def test_a_cancel_is_never_drawn_as_a_crash_and_each_kind_of_stop_has_its_own_mark(short_run):
+    drawn = short_run[3]
     crash_color = goodputplot.MARKERS["crash"][1]
     assert [(kind, color) for _, kind, color in drawn["stops"]] == [
         ("preemption", goodputplot.MARKERS["preemption"][1]), ("cancel", goodputplot.MARKERS["cancel"][1])]
@@ -106,6 +112,26 @@ def test_a_cancel_is_never_drawn_as_a_crash_and_each_kind_of_stop_has_its_own_ma
     _, drawn = goodputplot.png_bytes(crashed)
     assert [color for *_, color in drawn["stops"]] == [crash_color, goodputplot.MARKERS["time_limit"][1]]
     assert "crash" in drawn["texts"] and "time limit" in drawn["texts"]
+
+
+def test_a_restart_in_the_allocation_keeps_the_mark_of_what_stopped_the_workers():
+    # A local run: one allocation (the controller's life) in which the workers started twice.
+    rows = [AttemptTimes(queued_at=0.0, eligible_at=0.0, start=0.0, end=16.0, state="CANCELLED")]
+    data = json.loads(json.dumps(goodput(record(), rows, EVENTS, METRICS).to_json()))
+    pic = picture(data, EVENTS, METRICS)
+    assert [(s["label"], s["begin"], s["end"]) for s in pic["starts"]] == [("attempt 0", 0.0, 4.0),
+                                                                          ("attempt 0, restart 1", 10.0, 11.0)]
+    assert [c["label"] for c in pic["training"]] == ["attempt 0", "attempt 0, restart 1"]
+    assert [(s["kind"], s["label"]) for s in pic["stops"]] == [("preemption", "preempted, restarted in the allocation"),
+                                                               ("cancel", "cancelled")]
+
+
+def test_a_start_that_is_not_ready_yet_is_start_up_up_to_now():
+    events = [ev("start", 1.0, restart=0)]
+    pic = picture(json.loads(json.dumps(goodput(record(), None, events, [], now=30.0).to_json())), events, [])
+    assert [(s["begin"], s["end"], s["ready"]) for s in pic["starts"]] == [(1.0, 30.0, None)]
+    assert pic["training"] == [{"label": "attempt 0", "attempt": 0, "time": [], "step": [], "loss": [],
+                                "tokens_per_s": []}]
 
 
 def test_a_long_run_reads_in_hours_and_a_run_name_is_drawn_as_text():

@@ -20,7 +20,7 @@ COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "productive": "#31a354", "c
 # One shape and colour per kind of stop; red is the crash's alone, so a cancel or a preemption never looks like one.
 MARKERS = {"preemption": ("v", "#e6550d"), "time_limit": ("s", "#756bb1"), "requeue": ("o", "#3182bd"),
            "crash": ("X", "#de2d26"), "hang": ("D", "#8c510a"), "node_fail": ("P", "#000000"),
-           "cancel": ("x", "#636363"), "signal": ("^", "#636363"), "restart": ("*", "#e7298a")}
+           "cancel": ("x", "#636363"), "signal": ("^", "#636363")}
 # The starts of the workers, one colour each (no red: see MARKERS).
 STARTS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f")
 CHECKPOINT, EVALUATION = "#3182bd", "#ff7f00"
@@ -112,7 +112,7 @@ def _time_panel(ax, pic: dict) -> None:
         ax.text(x(a["start"]), 0.98, f" {a['label']}", transform=top, va="top", fontsize=9, parse_math=False)
     for st in pic["starts"]:
         ax.axvspan(x(st["begin"]), x(st["end"]), facecolor="none", edgecolor="#969696", hatch="//", lw=0)
-        ax.text((x(st["begin"]) + x(st["end"])) / 2, 0.04, "start-up" if st["ready"] else "start-up (never ready)",
+        ax.text((x(st["begin"]) + x(st["end"])) / 2, 0.04, "start-up" if st["ready"] else "start-up (not ready)",
                 transform=top, ha="center", va="bottom", fontsize=8, rotation=90, color="#525252")
     handles: dict = {}
     rate_ax = ax.twinx()
@@ -151,5 +151,6 @@ def _bar(ax, pic: dict) -> dict[str, float]:
     ax.set_xlim(0, 1)
     ax.set_yticks([])
     ax.set_xlabel(f"share of {pic['allocated_s']:,.0f} allocated {pic['unit_name']}-seconds")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
+    if left > 0:  # nothing allocated yet: no parts to name
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
     return shares

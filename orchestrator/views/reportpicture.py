@@ -13,7 +13,7 @@ TIME_UNITS = (("s", 1.0, 120.0), ("min", 60.0, 2 * 3600.0), ("h", 3600.0, float(
 # How each kind of stop reads in the legend; the run's events said which it was (goodput.py).
 STOP_LABELS = {"preemption": "preempted", "time_limit": "time limit", "requeue": "requeued", "cancel": "cancelled",
                "signal": "signalled", "crash": "crash", "hang": "hang", "node_fail": "node failure",
-               "restart": "restarted in the allocation", "unknown": "unknown stop"}
+               "unknown": "unknown stop"}
 _SLACK_S = 1.0  # as goodput.py: an event may carry a time just before its allocation's start
 
 
@@ -22,9 +22,10 @@ def time_unit(span_s: float) -> tuple[str, float]:
     return next((name, size) for name, size, longest in TIME_UNITS if span_s <= longest)
 
 
-def stop_kind(cut: dict) -> str:
-    # An in-allocation restart is its own mark whatever stopped the workers.
-    return "restart" if "same allocation" in cut["recovered"] else cut["kind"]
+def stop_label(cut: dict) -> str:
+    # The mark is what stopped the workers; a restart in the same allocation is said beside it.
+    label = STOP_LABELS.get(cut["kind"], cut["kind"])
+    return f"{label}, restarted in the allocation" if "same allocation" in cut["recovered"] else label
 
 
 def picture(report: dict, events: list[dict], metrics: list[dict]) -> dict:
@@ -44,8 +45,8 @@ def picture(report: dict, events: list[dict], metrics: list[dict]) -> dict:
         "evaluations": [{"time": m["time"], "step": m["step"], "loss": m["eval_loss"]} for m in metrics
                         if isinstance(m.get("time"), (int, float)) and isinstance(m.get("step"), int)
                         and isinstance(m.get("eval_loss"), (int, float))],
-        "stops": [{"time": c["time"], "step": c["step"], "kind": stop_kind(c), "label": STOP_LABELS.get(stop_kind(c), c["kind"]),
-                   "attempt": c["attempt"]} for c in report["interruptions"]],
+        "stops": [{"time": c["time"], "step": c["step"], "kind": c["kind"], "label": stop_label(c), "attempt": c["attempt"]}
+                  for c in report["interruptions"]],
         "allocated_s": report["allocated_s"], "unit_name": report["unit"], "seconds": report["seconds"],
         "goodput": report["goodput"], "ettr": report["ettr"],
     }
@@ -53,8 +54,8 @@ def picture(report: dict, events: list[dict], metrics: list[dict]) -> dict:
 
 def _starts(attempts: list[dict], events: list[dict]) -> list[dict]:
     """Each start of the workers (several in one allocation after in-allocation restarts) and its start-up: from
-    the allocation's start (or, for a restart, the start event) to ``ready``, or to its last event if it never
-    got there. Without start events, each allocation counts as one start."""
+    the allocation's start (or, for a restart, the start event) to ``ready``. Without start events, each
+    allocation counts as one start."""
     allocs = [a for a in attempts if a["start"] is not None and a["end"] is not None]
     times = [e["time"] for e in events if e.get("event") == runlog.START] or [a["start"] for a in allocs]
     out: list[dict] = []
@@ -66,11 +67,12 @@ def _starts(attempts: list[dict], events: list[dict]) -> list[dict]:
         begin = min(t, alloc["start"]) if first and alloc else t
         mine = [e for e in events if t <= e["time"] < upto]
         ready = runlog.first(mine, runlog.READY)
+        # Never ready: start-up until the next start or the allocation's end (now, while it runs).
+        end = ready["time"] if ready else min(upto, alloc["end"]) if alloc else max([begin, *(e["time"] for e in mine)])
         restart = 0 if first else out[-1]["restart"] + 1
-        out.append({"attempt": index, "restart": restart, "begin": begin, "upto": upto,
+        out.append({"attempt": index, "restart": restart, "begin": begin, "end": end,
                     "ready": ready["time"] if ready else None,
                     "ready_step": int(ready.get("step") or 0) if ready else None,
-                    "end": ready["time"] if ready else max([begin, *(e["time"] for e in mine)]),
                     "label": f"attempt {index}" + (f", restart {restart}" if restart else "")})
     return out
 
