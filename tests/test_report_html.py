@@ -98,15 +98,19 @@ def test_an_output_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, 
     assert (code, out, err) == (2, "", f"{option}: {tmp_path} is a folder; name a file to write\n")
 
 
-CHROMIUM = shutil.which("chromium")
-
-
-def test_the_page_opens_in_a_headless_browser_without_errors_and_shows_the_picture(tmp_path, written):
-    if CHROMIUM is None:
+@pytest.fixture
+def chromium() -> str:
+    """Debian's chromium: the test skips without it, or fails under FSDPJOB_REQUIRE_BROWSER=1 (.ci/run)."""
+    path = shutil.which("chromium")
+    if path is None:
         reason = "Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)"
         if os.environ.get("FSDPJOB_REQUIRE_BROWSER") == "1":
             pytest.fail(f"FSDPJOB_REQUIRE_BROWSER=1 but {reason}")
         pytest.skip(reason)
+    return path
+
+
+def test_the_page_opens_in_a_headless_browser_without_errors_and_shows_the_picture(chromium, tmp_path, written):
     from matplotlib.image import imread
     from playwright.sync_api import sync_playwright
 
@@ -115,7 +119,7 @@ def test_the_page_opens_in_a_headless_browser_without_errors_and_shows_the_pictu
     broken = tmp_path / "broken.html"
     broken.write_text(re.sub(r'src="data:[^"]+"', 'src="missing.png"', good.read_text()))
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # root: no user namespace
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])  # root: no user namespace
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
