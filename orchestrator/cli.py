@@ -265,6 +265,14 @@ def _output_file(option: str, path: Path) -> None:
                          "in a folder that exists", loc=option)
 
 
+def _write_output(option: str, path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:  # no permission, a full disk: the user's to fix, not an internal error
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}", loc=option) from None
+    click.echo(f"{option.lstrip('-')}: {path}", err=True)
+
+
 @cli.command()
 @click.argument("run")
 @JSON_OPT
@@ -291,13 +299,11 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
     data = result.to_json()
     png = goodputplot.run_png(data, record.run_dir) if plot_file or html_file else b""
     if plot_file is not None:
-        plot_file.write_bytes(png)
-        click.echo(f"plot: {plot_file}", err=True)
+        _write_output("--plot", plot_file, png)
     if html_file is not None:
         from fsdpjob.orchestrator.views.reporthtml import page
 
-        html_file.write_text(page(result, png, record.scheduler), encoding="utf-8")
-        click.echo(f"html: {html_file}", err=True)
+        _write_output("--html", html_file, page(result, png, record.scheduler).encode("utf-8"))
     if as_json:
         _echo_json(data)
     else:

@@ -96,6 +96,9 @@ def test_an_output_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, 
                                 f"{tmp_path / 'nodir'}; create it first or name a file in a folder that exists"]
     code, out, err = fsdpjob(capsys, "report", rec.run_id, option, str(tmp_path))
     assert (code, out, err) == (2, "", f"{option}: {tmp_path} is a folder; name a file to write\n")
+    # A write that fails (here a full disk: /dev/full, which refuses root too) is the user's to fix, in one line.
+    code, out, err = fsdpjob(capsys, "report", rec.run_id, option, "/dev/full")
+    assert (code, out, err) == (2, "", f"{option}: cannot write /dev/full: No space left on device\n")
 
 
 @pytest.fixture
