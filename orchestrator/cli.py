@@ -256,27 +256,54 @@ def list_runs(as_json: bool) -> None:
     )
 
 
+def _output_file(option: str, path: Path) -> None:
+    """A file the command will write: refused before any work if it cannot be (one line, exit 2)."""
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; name a file to write", loc=option)
+    if not path.parent.is_dir():
+        raise InputError(f"cannot write {path}: there is no folder {path.parent}; create it first or name a file "
+                         "in a folder that exists", loc=option)
+
+
+def _write_output(option: str, path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:  # no permission, a full disk: the user's to fix, not an internal error
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}", loc=option) from None
+    click.echo(f"{option.lstrip('-')}: {path}", err=True)
+
+
 @cli.command()
 @click.argument("run")
 @JSON_OPT
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also draw loss, tokens/s, attempts, interruptions and the breakdown into this PNG.")
-def report(run: str, as_json: bool, plot_file: Path | None) -> None:
+@click.option("--plot", "plot_file", type=click.Path(path_type=Path),
+              help="Also draw the picture (loss against step, progress against wall time, the breakdown) into this PNG.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path),
+              help="Also write the whole report, picture included, as one self-contained HTML page to this file.")
+def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | None) -> None:
     """Goodput: where every allocated GPU-second of a run went, across all its attempts."""
     from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.views import goodputplot
     from fsdpjob.orchestrator.views.goodputreport import format_report, run_report
 
-    if plot_file is not None and not goodputplot.available():
-        click.echo(f"fsdpjob: --plot needs matplotlib: {goodputplot.INSTALL_HINT}", err=True)
-        raise SystemExit(2)
-    result = run_report(registry.find(run))
+    for option, path in (("--plot", plot_file), ("--html", html_file)):
+        if path is not None:
+            _output_file(option, path)
+            if not goodputplot.available():
+                click.echo(f"fsdpjob: {option} needs matplotlib: {goodputplot.INSTALL_HINT}", err=True)
+                raise SystemExit(2)
+    record = registry.find(run)
+    result = run_report(record)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     data = result.to_json()
+    png = goodputplot.run_png(data, record.run_dir) if plot_file or html_file else b""
     if plot_file is not None:
-        goodputplot.render(data, plot_file)
-        click.echo(f"plot: {plot_file}", err=True)
+        _write_output("--plot", plot_file, png)
+    if html_file is not None:
+        from fsdpjob.orchestrator.views.reporthtml import page
+
+        _write_output("--html", html_file, page(result, png, record.scheduler).encode("utf-8"))
     if as_json:
         _echo_json(data)
     else:

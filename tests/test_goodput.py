@@ -203,22 +203,6 @@ def test_young_daly_interval_and_what_a_setting_costs():
     assert current_interval(0, 0, None, 3600)[0] == 3600
 
 
-def test_the_picture_shows_the_numbers_of_the_report_json(tmp_path):
-    from fsdpjob.orchestrator.views import goodputplot
-
-    assert goodputplot.available()  # matplotlib comes with the test extra
-    data = json.loads(json.dumps(goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS).to_json()))
-    png = tmp_path / "g.png"
-    drawn = goodputplot.render(data, png)
-    assert drawn["curves"] == {"loss": len(CRASH_METRICS), "tokens_per_s": len(CRASH_METRICS)}
-    assert drawn["bands"] == [(a["index"], a["start"], a["end"]) for a in data["attempts"]]
-    assert drawn["markers"] == [(c["time"], c["kind"]) for c in data["interruptions"]] == [(1075, "crash")]
-    assert drawn["bar"] == pytest.approx({k: v / data["allocated_s"] for k, v in data["seconds"].items()})
-    assert sum(drawn["bar"].values()) == pytest.approx(1.0)
-    raw = png.read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(raw) < 2_000_000
-
-
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
     import subprocess
     import sys
