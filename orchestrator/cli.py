@@ -456,7 +456,7 @@ def prune(older_than: float | None, keep_last: int | None, checkpoints_only: boo
     from fsdpjob.orchestrator.views.status import reports
 
     records = registry.all_records()
-    phases = {r.run_id: r.phase for r in reports(records)}
+    phases = {r.run_id: pruning.settled_phase(r) for r in reports(records)}
     removals = pruning.plan(records, phases, older_than_days=older_than, keep_last=keep_last,
                             checkpoints_only=checkpoints_only)
     if yes:

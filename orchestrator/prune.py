@@ -55,6 +55,14 @@ def _resume_sources(records: list[JobRecord], phases: dict[str, str]) -> list[Pa
     return sources
 
 
+def settled_phase(report) -> str:
+    """A StatusReport's phase where prune may trust it: FAILED only from the scheduler itself (without it, a
+    worker's failure event may be followed by a requeue that the unreachable scheduler would have shown)."""
+    if report.phase == "FAILED" and report.scheduler_state == "UNKNOWN":
+        return "UNKNOWN"
+    return report.phase
+
+
 def candidates(records: list[JobRecord], phases: dict[str, str], *, older_than_days: float | None,
                keep_last: int | None, now: float) -> list[JobRecord]:
     """Finished runs, oldest first, without the ``keep_last`` newest finished ones and those submitted less than

@@ -293,3 +293,14 @@ def test_render_says_how_the_script_is_really_submitted():
     assert done.exit_code == 0
     assert f"# submit with: fsdpjob submit {SPEC} (not sbatch: submitit pickles the job first)" in done.stdout
     assert "sbatch /runs" not in done.stdout
+
+
+def test_prune_trusts_a_failure_only_from_the_scheduler(tmp_path):
+    """A worker's failure event with no word from the scheduler (unreachable) may still be followed by a requeue."""
+    from fsdpjob.orchestrator.prune import settled_phase
+    from fsdpjob.orchestrator.views.status import build_report
+
+    record = make_run(tmp_path, "a-1", completed=False)
+    runlog.append(record.run_dir, runlog.FAILED, error="RuntimeError: boom", step=10)
+    report = build_report(record, None)
+    assert (report.phase, settled_phase(report)) == ("FAILED", "UNKNOWN")
