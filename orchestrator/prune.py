@@ -27,6 +27,7 @@ class Removal:
     size: int
     what: str  # "run folder" or "checkpoint step N"
     record: JobRecord | None  # set for a run folder: its registry record goes with it
+    note: str = ""  # what stays although it might be thought to go
 
 
 def tree_size(path: Path) -> int:
@@ -87,6 +88,15 @@ def _checkpoint_removals(record: JobRecord) -> list[Removal]:
             for s, p in step_dirs(root) if p != keep]
 
 
+def _run_folder_removal(record: JobRecord) -> Removal:
+    """The run folder and its record; a checkpoint.dir outside the folder stays (other runs may share it)."""
+    folder = Path(record.run_dir)
+    root = checkpoint_root(record.run_dir)
+    note = "" if is_within(root.resolve(), folder.resolve()) else f"its checkpoints in {root} stay"
+    what = "run folder" if folder.is_dir() else "run folder, already gone"
+    return Removal(record.run_id, folder, tree_size(folder), what, record, note)
+
+
 def plan(records: list[JobRecord], phases: dict[str, str], *, older_than_days: float | None = None,
          keep_last: int | None = None, checkpoints_only: bool = False, now: float | None = None) -> list[Removal]:
     """What a prune would remove; never anything of a run that is not finished, nor what one started from."""
@@ -95,12 +105,7 @@ def plan(records: list[JobRecord], phases: dict[str, str], *, older_than_days: f
     protected = _resume_sources(records, phases)
     out: list[Removal] = []
     for r in chosen:
-        if checkpoints_only:
-            found = _checkpoint_removals(r)
-        elif Path(r.run_dir).is_dir():
-            found = [Removal(r.run_id, Path(r.run_dir), tree_size(Path(r.run_dir)), "run folder", r)]
-        else:
-            found = [Removal(r.run_id, Path(r.run_dir), 0, "run folder (already gone)", r)]
+        found = _checkpoint_removals(r) if checkpoints_only else [_run_folder_removal(r)]
         out += [x for x in found if not any(is_within(src, x.path.resolve()) for src in protected)]
     return out
 
@@ -117,7 +122,8 @@ def summary(removals: list[Removal], *, removed: bool) -> list[str]:
     from rich.filesize import decimal
 
     verb = "removed" if removed else "would remove"
-    lines = [f"{verb} {x.path}  ({x.what} of {x.run_id}, {decimal(x.size)})" for x in removals]
+    lines = [f"{verb} {x.path}  ({x.run_id}: {x.what}, {decimal(x.size)}{'; ' + x.note if x.note else ''})"
+             for x in removals]
     total = decimal(sum(x.size for x in removals))
     if not removals:
         return ["nothing to remove: no finished run matches"]

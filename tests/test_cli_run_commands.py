@@ -208,7 +208,7 @@ def test_prune_is_a_dry_run_first_and_never_touches_a_running_run(tmp_path, live
     running = make_run(tmp_path, "run-3", days_ago=20, completed=False, job_id=live_pid)
     dry = invoke("prune")
     assert dry.exit_code == 0, dry.output
-    assert f"would remove {old.run_dir}  (run folder of old-1," in dry.stdout and new.run_dir in dry.stdout
+    assert f"would remove {old.run_dir}  (old-1: run folder, " in dry.stdout and new.run_dir in dry.stdout
     assert running.run_dir not in dry.stdout and "dry run, nothing removed" in dry.stdout
     assert Path(old.run_dir).is_dir() and len(registry.all_records()) == 3
     assert new.run_dir not in invoke("prune", "--keep-last", "1").stdout
@@ -226,7 +226,7 @@ def test_prune_checkpoints_only_keeps_the_newest_committed(tmp_path):
     assert done.exit_code == 0, done.output
     ckpts = Path(run.run_dir) / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [step_dir_name(20)]
-    assert "checkpoint step 10 of a-1" in done.stdout and "checkpoint step 25 of a-1" in done.stdout
+    assert "(a-1: checkpoint step 10, 1.0 kB)" in done.stdout and "(a-1: checkpoint step 25, 1.0 kB)" in done.stdout
     assert "freed 2.0 kB" in done.stdout and registry.find("a-1")
 
 
@@ -304,3 +304,14 @@ def test_prune_trusts_a_failure_only_from_the_scheduler(tmp_path):
     runlog.append(record.run_dir, runlog.FAILED, error="RuntimeError: boom", step=10)
     report = build_report(record, None)
     assert (report.phase, settled_phase(report)) == ("FAILED", "UNKNOWN")
+
+
+def test_prune_leaves_a_checkpoint_dir_outside_the_run_folder(tmp_path):
+    run = make_run(tmp_path, "a-1")
+    shared = tmp_path / "shared-ckpts"
+    (shared / step_dir_name(10)).mkdir(parents=True)
+    RunMeta(spec={"name": "r", "checkpoint": {"dir": str(shared)}}).write(RunPaths(Path(run.run_dir)))
+    assert invoke("prune", "--checkpoints-only").stdout.strip() == "nothing to remove: no finished run matches"
+    done = invoke("prune", "--yes")
+    assert re.search(rf"\(a-1: run folder, \d+ bytes; its checkpoints in {re.escape(str(shared))} stay\)", done.stdout)
+    assert not Path(run.run_dir).exists() and (shared / step_dir_name(10)).is_dir()
