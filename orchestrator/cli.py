@@ -9,22 +9,43 @@ from pathlib import Path
 import click
 
 from fsdpjob.orchestrator import __version__
+from fsdpjob.orchestrator.completion import complete_profiles, complete_runs
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False, path_type=str))
-PROFILE_OPT = click.option("--profile", "-p", help="Cluster profile name or YAML path (overrides the spec's profile).")
+PROFILE_OPT = click.option("--profile", "-p", shell_complete=complete_profiles,
+                           help="Cluster profile name or YAML path (overrides the spec's profile).")
 SET_OPT = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a spec field, e.g. --set train.lr=1e-4 (YAML value)."
 )
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+RUN_ARG = click.argument("run", shell_complete=complete_runs)
+WATCH_OPT = click.option("--watch", "-w", is_flag=True, help="Redraw in place every --interval seconds (Ctrl-C stops).")
+INTERVAL_OPT = click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
+                            metavar="SECONDS", help="Seconds between redraws with --watch.")
 
 
 def _echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
+def _watch_is_text(watch: bool, as_json: bool) -> None:
+    if watch and as_json:
+        raise InputError("redraws text for a person; drop --json, or poll `--json` from a script", file="--watch")
+
+
+class _Command(click.Command):
+    """A command whose line in `fsdpjob --help` shows its docstring's whole first sentence (click would cut it
+    at the terminal's width; the help's table wraps it instead)."""
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        return super().get_short_help_str(limit=10_000)
+
+
 class _LazyGroup(click.Group):
     """Loads the dev-cluster commands only when asked for: every other command starts faster."""
+
+    command_class = _Command
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), "dev-cluster"])
@@ -213,47 +234,56 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_j
 
 
 @cli.command()
-@click.argument("run", required=False)
+@click.argument("run", required=False, shell_complete=complete_runs)
 @JSON_OPT
-def status(run: str | None, as_json: bool) -> None:
+@WATCH_OPT
+@INTERVAL_OPT
+def status(run: str | None, as_json: bool, watch: bool, interval: float) -> None:
     """Status of a run (default: the newest): scheduler state joined with training progress."""
     from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.views.display import status_text
     from fsdpjob.orchestrator.views.status import report_for
 
+    _watch_is_text(watch, as_json)
     record = registry.find(run) if run else registry.latest()
+    if watch:
+        from fsdpjob.orchestrator.views.follow import TERMINAL
+        from fsdpjob.orchestrator.views.watch import watch as watch_view
+
+        def draw() -> tuple[str, bool]:
+            now = report_for(record)
+            return status_text(now), now.phase in TERMINAL
+
+        watch_view(draw, interval)
+        return
     report = report_for(record)
     if as_json:
         _echo_json(report.to_json())
         return
-    from fsdpjob.orchestrator.views.display import status_text
-
     click.echo(status_text(report))
 
 
 @cli.command(name="list")
 @JSON_OPT
-def list_runs(as_json: bool) -> None:
+@WATCH_OPT
+@INTERVAL_OPT
+def list_runs(as_json: bool, watch: bool, interval: float) -> None:
     """All runs in the registry, with one scheduler call."""
     from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.views.display import runs_table
     from fsdpjob.orchestrator.views.status import reports
 
+    _watch_is_text(watch, as_json)
+    if watch:
+        from fsdpjob.orchestrator.views.watch import watch as watch_view
+
+        watch_view(lambda: (runs_table(reports(registry.all_records())), False), interval)
+        return
     rows = reports(registry.all_records())
     if as_json:
         _echo_json([r.to_json() for r in rows])
         return
-    from fsdpjob.orchestrator.views.display import table
-
-    click.echo(
-        table(
-            ["run", "job", "phase", "step", "loss", "ckpt", "restarts", "profile"],
-            [
-                [r.run_id, r.job_id, r.phase, f"{r.step if r.step is not None else '-'}/{r.max_steps}",
-                 f"{r.loss:.4f}" if r.loss is not None else "-",
-                 str(r.last_checkpoint_step) if r.last_checkpoint_step is not None else "-", str(r.restarts), r.profile]
-                for r in rows
-            ],
-        )
-    )
+    click.echo(runs_table(rows))
 
 
 def _output_file(option: str, path: Path) -> None:
@@ -274,7 +304,7 @@ def _write_output(option: str, path: Path, data: bytes) -> None:
 
 
 @cli.command()
-@click.argument("run")
+@RUN_ARG
 @JSON_OPT
 @click.option("--plot", "plot_file", type=click.Path(path_type=Path),
               help="Also draw the picture (loss against step, progress against wall time, the breakdown) into this PNG.")
@@ -311,7 +341,7 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
 
 
 @cli.command()
-@click.argument("run")
+@RUN_ARG
 @click.option("--rank", type=int, default=0, show_default=True, help="Worker rank whose log to show.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--stderr", "stream", flag_value="err", default="out", help="Show stderr instead of stdout.")
@@ -337,7 +367,7 @@ def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
 
 
 @cli.command()
-@click.argument("run")
+@RUN_ARG
 def cancel(run: str) -> None:
     """Cancel a run (scancel, or stop the local workers)."""
     from fsdpjob.orchestrator import registry
@@ -368,13 +398,113 @@ def export(source: Path, out: Path, dtype: str, merge: bool) -> None:
 
 
 @cli.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default="examples/quickstart-assets")
-def quickstart(directory: Path) -> None:
-    """Create the quickstart's tiny Llama model, tokenizer and data set locally (no downloads)."""
-    from fsdpjob.jobs.quickstart import make_quickstart
+@click.argument("directory", required=False, type=click.Path(file_okay=False, path_type=Path))
+def quickstart(directory: Path | None) -> None:
+    """Create the quickstart's tiny Llama model, tokenizer and data set locally (no downloads).
 
-    made = make_quickstart(directory)
+    DIRECTORY: by default examples/quickstart-assets when run in a checkout of fsdpjob (beside
+    examples/quickstart.yaml, which reads it), else $FSDPJOB_HOME/quickstart-assets."""
+    from fsdpjob.jobs.quickstart import make_quickstart
+    from fsdpjob.orchestrator.firstjob import quickstart_place
+
+    place = quickstart_place(directory, Path.cwd())
+    made = make_quickstart(place.assets)
     click.echo(f"model: {made['model_path']}\ndata:  {made['data_path']}")
+    click.echo(f"next:  {place.next_command(made['model_path'], made['data_path'])}")
+
+
+# --- the commands around a run's life: a starter spec, the resolved spec, re-attaching, cleaning up ---------------
+
+
+@cli.command()
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--profile", "-p", default="local", show_default=True, shell_complete=complete_profiles,
+              help="Cluster profile name or YAML path the spec is for.")
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default="job.yaml", show_default=True,
+              help="Where to write the spec (an existing file is never overwritten).")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path),
+              help="The training data (JSONL) [default: data.jsonl beside the spec].")
+def init(model_dir: Path | None, profile: str, out: Path, data: Path | None) -> None:
+    """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
+    from fsdpjob.orchestrator.firstjob import write_starter
+
+    written = write_starter(out, profile, model_dir, data)
+    click.echo(f"wrote {out}; check it with: fsdpjob validate {written.quoted_out}")
+    for todo in written.todo:
+        click.echo(f"then: {todo}", err=True)
+
+
+@cli.command()
+@SPEC_ARG
+@PROFILE_OPT
+@SET_OPT
+@JSON_OPT
+def show(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+    """Print the resolved spec: every default, the profile's values filled in, paths absolute (YAML or --json).
+
+    Secrets are shown as <secret>; files are not checked (`fsdpjob validate` does that)."""
+    import yaml
+
+    from fsdpjob.orchestrator.planner.jobload import load_job
+    from fsdpjob.orchestrator.planner.resolved import resolved_spec
+
+    data = resolved_spec(load_job(spec, profile=profile, overrides=sets, check_files=False))
+    if as_json:
+        _echo_json(data)
+    else:
+        click.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), nl=False)
+
+
+@cli.command(name="wait")
+@RUN_ARG
+def wait_run(run: str) -> None:
+    """Re-attach to a run's progress stream (as submit --wait shows it); exit 0 if it completes, else 1.
+
+    Ctrl-C detaches: the run goes on."""
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.views.follow import wait_for
+
+    raise SystemExit(wait_for(registry.find(run)))
+
+
+@cli.command()
+@click.option("--older-than", type=click.FloatRange(min=0), metavar="DAYS",
+              help="Only runs submitted more than DAYS days ago.")
+@click.option("--keep-last", type=click.IntRange(min=0), metavar="N", help="Keep the N newest finished runs.")
+@click.option("--checkpoints-only", is_flag=True,
+              help="Keep the runs; remove all but each one's newest committed checkpoint.")
+@click.option("--yes", is_flag=True, help="Remove for real (without it: a dry run listing what would go).")
+def prune(older_than: float | None, keep_last: int | None, checkpoints_only: bool, yes: bool) -> None:
+    """Remove finished runs' folders (or their older checkpoints), with the bytes freed; a dry run unless --yes.
+
+    Never touches a pending, running or requeued run, nor a checkpoint such a run was submitted to resume from."""
+    from fsdpjob.orchestrator import prune as pruning
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.views.status import reports
+
+    records = registry.all_records()
+    phases = {r.run_id: pruning.settled_phase(r) for r in reports(records)}
+    removals = pruning.plan(records, phases, older_than_days=older_than, keep_last=keep_last,
+                            checkpoints_only=checkpoints_only)
+    if yes:
+        pruning.remove(removals)
+    click.echo("\n".join(pruning.summary(removals, removed=yes)))
+
+
+@cli.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell: str) -> None:
+    """Print the shell completion script: commands, options, run ids and profile names complete with TAB.
+
+    \b
+    bash, in ~/.bashrc:  eval "$(fsdpjob completion bash)"
+    zsh, in ~/.zshrc:    eval "$(fsdpjob completion zsh)"
+    fish:                fsdpjob completion fish > ~/.config/fish/completions/fsdpjob.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    # click's own completion: the script calls `fsdpjob` back with _FSDPJOB_COMPLETE set, and click answers.
+    click.echo(get_completion_class(shell)(cli, {}, "fsdpjob", "_FSDPJOB_COMPLETE").source())
 
 
 def main(argv: list[str] | None = None) -> None:

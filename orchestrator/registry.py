@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,13 +45,26 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
-def save(record: JobRecord) -> None:
-    """Add or replace a record. One file per run + a lock: concurrent submits never lose a record."""
+@contextmanager
+def _locked() -> Iterator[Path]:
+    """The registry folder, held under its lock: concurrent submits never lose a record."""
     from filelock import FileLock  # imported here: 0.1 s that list/status don't need
 
     root = _private_dir(registry_dir())
     with FileLock(str(root / ".lock"), timeout=30, mode=0o600):
+        yield root
+
+
+def save(record: JobRecord) -> None:
+    """Add or replace a record (one file per run)."""
+    with _locked() as root:
         write_atomic(root / f"{record.run_id}.json", json.dumps(asdict(record), indent=1, sort_keys=True))
+
+
+def forget(record: JobRecord) -> None:
+    """Remove a run's record (`fsdpjob prune`, after its folder)."""
+    with _locked() as root:
+        (root / f"{record.run_id}.json").unlink(missing_ok=True)
 
 
 def _read(path: Path) -> JobRecord | None:

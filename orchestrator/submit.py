@@ -87,7 +87,8 @@ def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resum
             nodes=eff.nodes, tasks_per_node=eff.tasks_per_node, world_size=eff.world_size, signal=eff.signal,
             signal_lead_s=eff.signal_lead_s, time_limit_s=eff.time_limit_s, scheduler=eff.scheduler,
         ),
-        resume_from=resume_from,
+        # Absolute: the workers and status's lineage read it from other folders than the one it was given in.
+        resume_from=str(Path(resume_from).resolve()) if resume_from else None,
         worker_facts=worker_facts,
     ).write(paths)
     if script is not None:

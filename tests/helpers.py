@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,15 @@ def wait_for(condition: Callable[[], T], timeout_s: float, *, interval_s: float 
         if left <= 0:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last value: {value!r:.1000})")
         time.sleep(min(interval_s, left))
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    """A model folder as the login node's file checks see one (config.json with 256 positions, an empty weights
+    file, tokenizer files); nothing in it can be loaded."""
+    folder.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder

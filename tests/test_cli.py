@@ -120,13 +120,7 @@ def test_profile_option_overrides_the_spec():
 
 
 def write_job_with_files(tmp_path: Path, *, data: bool = True) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256}
-    (model / "config.json").write_text(json.dumps(config))
-    (model / "model.safetensors").write_bytes(b"")
-    (model / "tokenizer.json").write_text("{}")
-    (model / "tokenizer_config.json").write_text("{}")
+    helpers.tiny_model_folder(tmp_path / "model")
     if data:
         (tmp_path / "data.jsonl").write_text('{"text": "1+1=2"}\n')
     spec = tmp_path / "job.yaml"

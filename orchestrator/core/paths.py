@@ -83,3 +83,8 @@ class RunPaths:
     @property
     def tensorboard_dir(self) -> Path:
         return self.run_dir / "tensorboard"
+
+
+def is_within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (both taken as they are: resolve them first)."""
+    return path == folder or folder in path.parents

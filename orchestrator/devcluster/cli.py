@@ -13,7 +13,7 @@ _STATE_DIR = click.option(
     show_envvar=True, help="Where the cluster keeps config, logs, spool and database [default: /tmp/fsdpjob-devcluster].")
 
 
-@click.group(name="dev-cluster")
+@click.group(name="dev-cluster", short_help="A real two-node Slurm cluster on this machine, for tests (root only).")
 def dev_cluster() -> None:
     """A real local Slurm cluster on this machine (root only): munge, slurmctld, two nodes n1/n2 with
     4 CPUs and 2 fake GPUs each, partitions debug (preemptible) and high, and sacct via slurmdbd."""

@@ -167,7 +167,8 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> Sbat
         f"profile: {profile.name} ({profile.scheduler})",
         f"world size: {eff.nodes} node(s) x {eff.tasks_per_node} task(s) = {eff.world_size}",
         *container_line,
-        f"submit with: sbatch {paths.sbatch_file}",
+        # submitit pickles the job before it submits this script: sbatch on the file alone has nothing to run.
+        f"submit with: fsdpjob submit {spec_source or 'SPEC'} (not sbatch: submitit pickles the job first)",
     )
     return SbatchPlan(
         header=tuple(_comment(h) for h in header),

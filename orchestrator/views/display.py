@@ -23,6 +23,19 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def runs_table(rows) -> str:
+    """`fsdpjob list` for a person: one StatusReport per row."""
+    return table(
+        ["run", "job", "phase", "step", "loss", "ckpt", "restarts", "profile"],
+        [
+            [r.run_id, r.job_id, r.phase, f"{r.step if r.step is not None else '-'}/{r.max_steps}",
+             f"{r.loss:.4f}" if r.loss is not None else "-",
+             str(r.last_checkpoint_step) if r.last_checkpoint_step is not None else "-", str(r.restarts), r.profile]
+            for r in rows
+        ],
+    )
+
+
 def status_text(r) -> str:
     """`fsdpjob status` for a person: one StatusReport (views/status.py) as labelled lines."""
     from .status import format_eta
@@ -41,12 +54,20 @@ def status_text(r) -> str:
         goodput_line(r.goodput, r.run_id),
         *recovery_lines(r.recovery, r.run_id),
         *data_lines(r.data),
+        *lineage_lines(r.resumed_from),
         f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
         f"folder     {r.run_dir}",
     ]
     if r.failure_reason:
         lines.append(f"failure    {r.failure_reason}")
     return "\n".join(lines)
+
+
+def lineage_lines(source: dict | None) -> list[str]:
+    """Where the run started from: its --resume-from, and the run that wrote that checkpoint."""
+    if not source:
+        return []
+    return [f"resumed    from {source['path']}" + (f"  (run {source['run_id']})" if source["run_id"] else "")]
 
 
 def data_lines(data: dict | None) -> list[str]:

@@ -12,6 +12,7 @@ from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .goodput import goodput
+from .lineage import resumed_from
 from .progress import Progress, read_progress
 
 # Slurm job states -> fsdpjob phases (a plain table; UNKNOWN when absent).
@@ -44,6 +45,7 @@ STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
     "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery", "data",
+    "resumed_from",
 )
 
 
@@ -84,6 +86,8 @@ class StatusReport:
     recovery: dict | None = None
     # The training data as the worker packed it (its newest data event): DATA_KEYS; None before it was ready.
     data: dict | None = None
+    # Lineage (views/lineage.py): {"path": the submit --resume-from, "run_id": the run that wrote it, or None}.
+    resumed_from: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -140,6 +144,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         goodput=_goodput(record, view, progress, phase),
         recovery=progress.recovery(),
         data={k: progress.data.get(k) for k in DATA_KEYS} if progress.data else None,
+        resumed_from=resumed_from(record),
     )
 
 

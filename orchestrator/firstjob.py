@@ -1,0 +1,75 @@
+"""A first job's files: where `fsdpjob quickstart` puts its model and data, and `fsdpjob init` writing a starter
+spec (the side effects of both; the spec's text is planner/starter.py's)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdpjob.orchestrator.core.errors import InputError, ProfileError
+from fsdpjob.orchestrator.core.paths import fsdpjob_home
+from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.planner.starter import starter_spec
+
+CHECKOUT_SPEC = Path("examples") / "quickstart.yaml"
+
+
+@dataclass(frozen=True)
+class QuickstartPlace:
+    assets: Path
+    spec: Path | None  # the spec that reads these assets, when there is one (a checkout's examples/quickstart.yaml)
+
+    def next_command(self, model: str, data: str) -> str:
+        if self.spec is not None:
+            return f"fsdpjob submit {shlex.quote(str(self.spec))} --wait"
+        return (f"fsdpjob init {shlex.quote(model)} --data {shlex.quote(data)} --out quickstart.yaml"
+                " && fsdpjob submit quickstart.yaml --wait")
+
+
+def quickstart_place(directory: Path | None, cwd: Path) -> QuickstartPlace:
+    """Beside examples/quickstart.yaml in a checkout (the README's two commands), else under $FSDPJOB_HOME:
+    never an examples/ folder made in whatever folder the user is in."""
+    if directory is not None:
+        beside = directory.parent / CHECKOUT_SPEC.name
+        return QuickstartPlace(directory, beside if beside.is_file() and directory.name == "quickstart-assets" else None)
+    if (cwd / CHECKOUT_SPEC).is_file():
+        return QuickstartPlace(CHECKOUT_SPEC.parent / "quickstart-assets", CHECKOUT_SPEC)
+    return QuickstartPlace(fsdpjob_home() / "quickstart-assets", None)
+
+
+@dataclass(frozen=True)
+class StarterWritten:
+    quoted_out: str
+    todo: list[str]  # what is left for the user before the spec validates
+
+
+def _profile(profile: str) -> tuple[str, ClusterProfile]:
+    """The profile as the spec names it (a path made absolute: the spec may move), and the profile."""
+    try:
+        prof = load_profile(profile)
+    except ProfileError as exc:
+        raise exc if exc.file else ProfileError(exc.message, file="--profile") from None
+    return (profile if prof.name == profile else str(Path(profile).expanduser().resolve())), prof
+
+
+def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | None) -> StarterWritten:
+    """Write the starter spec to ``out`` (never over an existing file)."""
+    if any(ord(c) < 32 for c in str(out)):
+        raise InputError("the file name has a control character (newline, tab); pick another", file="--out")
+    if model_dir is not None and not model_dir.is_dir():
+        raise InputError(f"folder {model_dir} does not exist; give a local Hugging Face model folder", file="MODEL_DIR")
+    ref, prof = _profile(profile)
+    text = starter_spec(out, ref, prof, model_dir.resolve() if model_dir else None,
+                        str(data.resolve()) if data else None)
+    try:
+        with open(out, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise InputError(f"{out} exists; pick another --out (init never overwrites a file)", file="--out") from None
+    except OSError as exc:
+        raise InputError(f"cannot write {out}: {exc.strerror}", file="--out") from None
+    todo = [] if model_dir else [f"set model.path in {out} to your model folder"]
+    if data is None and not (out.parent / "data.jsonl").exists():
+        todo.append(f"put the training data at {out.parent / 'data.jsonl'} (or set data.path)")
+    return StarterWritten(shlex.quote(str(out)), todo)

@@ -1,0 +1,51 @@
+"""The starter spec `fsdpjob init` writes: a commented YAML from templates/starter.yaml.j2, filled in from the
+profile and, when given, the model folder's config.json (pure: the CLI writes the file)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
+
+PLACEHOLDER_MODEL = "/path/to/hf-model-folder"
+DEFAULT_SEQ_LEN = 512
+
+
+def job_name(out: Path) -> str:
+    """A valid run name from the output file's name (letters, digits, '.', '_', '-')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", out.stem).lstrip("._-")[:64] or "job"
+
+
+def _seq_len(model_dir: Path | None) -> int:
+    """The default, or less where the model's positions end sooner (validate refuses a longer seq_len)."""
+    if model_dir is None:
+        return DEFAULT_SEQ_LEN
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise InputError(f"no readable config.json in {model_dir}; give a Hugging Face model folder",
+                         file="MODEL_DIR") from None
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return min(DEFAULT_SEQ_LEN, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_SEQ_LEN
+
+
+def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path | None, data: str | None) -> str:
+    """The spec text; the model path absolute, the data path as given or data.jsonl beside the spec."""
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["yaml"] = json.dumps  # a JSON string is a YAML scalar: any path or name stays one value
+    text = resources.files("fsdpjob.templates").joinpath("starter.yaml.j2").read_text(encoding="utf-8")
+    cpu = prof.gpus_per_node == 0
+    return env.from_string(text).render(
+        out=shlex.quote(str(out)), name=job_name(out), profile=profile, profile_name=prof.name, profile_description=" ".join(prof.description.split()),
+        cpu=cpu, gpus=prof.gpus_per_node, tasks=min(2, prof.cpus_per_node or 1),
+        model_path=str(model_dir) if model_dir else PLACEHOLDER_MODEL,
+        model_note="a local Hugging Face model folder" if model_dir else "CHANGE ME: a local Hugging Face model folder",
+        data_path=data or "data.jsonl", seq_len=_seq_len(model_dir),
+    )
