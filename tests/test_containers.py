@@ -116,6 +116,8 @@ def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch)
     ("container.env={1A: x}", "container.env"),
     ("profile=local", "container: profile 'local' is a local profile: containers run on Slurm only"),
     ("profile=test-cluster", "profile 'test-cluster' lists container_runtimes: [none]"),
+    ("container.name='a b'", "container.name: 'a b': a container name is letters, digits"),
+    ("container={runtime: apptainer, image: /i.sif, name: x}", "a container name is pyxis's"),
 ])
 def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, says):
     done = fsdpjob("validate", str(VALID / "pyxis-container.yaml"), "--no-file-checks", "--set", change)
@@ -130,6 +132,11 @@ def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_pat
     assert done.returncode == 2 and "a root file system folder" in done.stderr, done.stderr
     done = fsdpjob("validate", str(VALID / "oci-container.yaml"), "--no-file-checks", "--set", "container.image=b")
     assert done.returncode == 2 and "an OCI bundle folder" in done.stderr, done.stderr
-    spec.write_text((VALID / "pyxis-container.yaml").read_text().replace('  image: "nvcr.io#nvidia/pytorch:24.12-py3"\n', ""))
+    named = (VALID / "pyxis-container.yaml").read_text().replace('  image: "nvcr.io#nvidia/pytorch:24.12-py3"\n', "")
+    spec.write_text(named.replace("  name: ngc-pytorch\n", ""))
     done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "profile=h100")
     assert done.returncode == 2 and "a pyxis container needs an image" in done.stderr, done.stderr
+    # A named container already on the nodes (enroot's pyxis_NAME) needs no image.
+    spec.write_text(named)
+    done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "profile=h100")
+    assert done.returncode == 0, done.stderr

@@ -10,6 +10,7 @@ folder and the data files; a mount of the user's that would hide one of them is 
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Literal, get_args
 
 from pydantic import field_validator
@@ -62,6 +63,10 @@ class ContainerSpec(Strict):
     image: str | None = None
     """pyxis: a squashfs path or a registry URI (nvcr.io#nvidia/pytorch:24.12-py3); apptainer: a SIF path or a
     docker:// URI; oci: an OCI bundle folder (config.json + rootfs/); bubblewrap: a root file system folder."""
+    name: str | None = None
+    """pyxis: --container-name. pyxis keeps the container it made from `image` on each node under this name, so
+    a restart in the allocation starts it again without importing the image; with no `image`, a container of
+    that name must be on the nodes already (enroot's `pyxis_NAME`)."""
     mounts: list[str] = []
     """Extra bind mounts SRC[:DST][:ro], absolute paths. The run folder, checkpoint folder, model folder and data
     files are mounted at the same paths without being listed; a mount that would hide one of them is refused."""
@@ -75,6 +80,13 @@ class ContainerSpec(Strict):
     """pyxis: --container-remap-root (true) or --no-container-remap-root (false); default: the site's."""
     gpu: bool | None = None
     """apptainer: --nv (the host's NVIDIA driver in the container); default: on when the nodes have GPUs."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(f"{value!r}: a container name is letters, digits, '_', '.' and '-' (enroot's rule)")
+        return value
 
     @field_validator("image", "workdir", "python")
     @classmethod

@@ -75,9 +75,13 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         out.append((at("runtime"),
                     f"profile {profile.name!r} lists container_runtimes: [{have}]; {container.runtime!r} cannot launch "
                     "tasks there (use one it lists, or add it to the profile once the cluster has it)"))
-    if container.image is None and container.runtime is not None:
+    if container.name is not None and container.runtime not in (None, "pyxis"):
+        out.append((at("name"), f"a container name is pyxis's (--container-name); the {container.runtime} runtime "
+                                "takes none: drop it"))
+    if container.image is None and container.runtime is not None and not (container.runtime == "pyxis" and container.name):
         out.append((at("image"),
-                    f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"))
+                    f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"
+                    + (" (or a `name` of a container already on the nodes)" if container.runtime == "pyxis" else "")))
     elif container.runtime in FOLDER_IMAGES and container.image is not None and not container.image.startswith("/"):
         out.append((at("image"),
                     f"image {container.image!r}: the {container.runtime} runtime takes "

@@ -39,7 +39,10 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
     env = tuple(sorted((k, with_vars(v)) for k, v in container.env.items()))
     binds = ",".join(m.spec() for m in mounts)
     if runtime == "pyxis":
-        opts = [f"--container-image={literal(image)}", f"--container-mounts={literal(binds)}"]
+        opts = [f"--container-image={literal(image)}"] if container.image else []
+        if container.name:  # the restarts in this allocation reuse the container pyxis made on each node
+            opts.append(f"--container-name={container.name}")
+        opts.append(f"--container-mounts={literal(binds)}")
         if container.workdir:
             opts.append(f"--container-workdir={literal(container.workdir)}")
         if container.remap_root is not None:

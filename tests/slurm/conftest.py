@@ -13,6 +13,7 @@ FSDPJOB_REQUIRE_SLURM=1 (CI).
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -190,8 +191,23 @@ def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
 
 
 @pytest.fixture
-def in_container(slurm_cluster: ClusterInfo) -> tuple[str, ...]:
+def in_container(slurm_cluster: ClusterInfo, tmp_path_factory, monkeypatch) -> tuple[str, ...]:
     """`fsdpjob submit` options that run the workers in the dev cluster's test image (issue 23), bubblewrap in each
-    task; the image holds Python, torch and fsdpjob, no Slurm binary and no munge."""
+    task; the image holds Python, torch and fsdpjob, no Slurm binary and no munge.
+
+    FSDPJOB_TEST_CONTAINER_RUNTIME=pyxis runs the same tests under pyxis + enroot instead, where they were built
+    from source and set up by hand (no Debian package; CI cannot fetch them: bench/RESULTS.md says how): pyxis in
+    the dev cluster's plugstack.conf and an enroot container named pyxis_fsdpjob-test holding the test image."""
     assert slurm_cluster.image is not None
+    if os.environ.get("FSDPJOB_TEST_CONTAINER_RUNTIME", "bubblewrap") == "pyxis":
+        listed = subprocess.run(["enroot", "list"], capture_output=True, text=True).stdout.split()
+        assert "pyxis_fsdpjob-test" in listed, "no enroot container pyxis_fsdpjob-test (see bench/RESULTS.md)"
+        profiles = tmp_path_factory.mktemp("profiles")
+        text = (Path(__file__).parents[2] / "cluster_profiles" / "test-cluster-container.yaml").read_text()
+        text = text.replace("container_runtimes: [bubblewrap]", "container_runtimes: [pyxis]")
+        text = text.replace("  runtime: bubblewrap\n", "  runtime: pyxis\n  name: fsdpjob-test\n")
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("  image:"))
+        (profiles / "test-cluster-pyxis.yaml").write_text(text + "\n")
+        monkeypatch.setenv("FSDPJOB_PROFILES", str(profiles))
+        return ("--set", "profile=test-cluster-pyxis")
     return ("--set", "profile=test-cluster-container", "--set", f"container.image={slurm_cluster.image}")
