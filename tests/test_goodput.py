@@ -151,6 +151,19 @@ def test_a_live_run_counts_up_to_now_and_a_cancelled_one_keeps_only_committed_st
     assert failed.attempts[0].seconds["lost"] == pytest.approx(10)
 
 
+def test_a_cancel_is_no_crash_and_gives_no_interval_advice_even_when_it_lost_work():
+    """A cancel whose workers were killed before a stop checkpoint lost steps, but it was the user's choice."""
+    from fsdpjob.orchestrator.views.goodputreport import interval_advice
+
+    rep = goodput(record(0, gpus_per_node=0), None, [
+        ev("start", 2), ev("ready", 4, step=0), ev("checkpoint", 10, step=5, reason="interval", save_s=1),
+        ev("cancel", 20, by="fsdpjob cancel")], [metric(9, 19)])
+    [cut] = rep.interruptions
+    assert (cut.kind, cut.lost_steps, cut.recovered) == ("cancel", 4, "the run ended here, as cancelled")
+    advice, note = interval_advice(rep, None)
+    assert advice is None and note.startswith("no interruption lost work"), note
+
+
 RECORDED_EVENTS = "sacct-preempted-run.txt"
 
 

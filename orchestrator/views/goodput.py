@@ -361,11 +361,13 @@ def _interruption(s: _Segment, nxt: _Segment | None, live: bool) -> Interruption
     lost_steps = max(0, (s.reached or 0) - (s.kept_until if s.kept_until is not None else s.reached or 0))
     return Interruption(
         attempt=s.alloc.index, kind=kind, time=s.work_end or s.end, step=s.reached, lost_steps=lost_steps,
-        lost_s=seconds["lost"] + seconds["hang"], recovered=_recovery(s, nxt, live),
+        lost_s=seconds["lost"] + seconds["hang"], recovered=_recovery(s, nxt, live, kind),
     )
 
 
-def _recovery(s: _Segment, nxt: _Segment | None, live: bool) -> str:
+def _recovery(s: _Segment, nxt: _Segment | None, live: bool, kind: str) -> str:
+    if nxt is None and kind == "cancel":
+        return "the run ended here, as cancelled"  # the user's choice: nothing to recover from
     if nxt is None:
         return "waiting to restart" if live else "not recovered: the run ended here"
     if nxt.alloc is s.alloc:

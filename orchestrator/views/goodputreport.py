@@ -64,8 +64,9 @@ def _run_meta(record: JobRecord) -> RunMeta | None:
 
 def interval_advice(rep: GoodputReport, meta: RunMeta | None) -> tuple[IntervalAdvice | None, str]:
     """Young/Daly from the measured save time and the mean allocated time between the interruptions that lost
-    work (signalled stops save first and lose none)."""
-    losing = [c for c in rep.interruptions if c.kind not in SIGNALLED or c.lost_s > 0]
+    work (signalled stops save first and lose none; a cancel, the user's own, says nothing of how often the
+    cluster interrupts a run)."""
+    losing = [c for c in rep.interruptions if c.kind != "cancel" and (c.kind not in SIGNALLED or c.lost_s > 0)]
     if rep.save_s is None:
         return None, "no checkpoint save measured yet"
     if not losing:
