@@ -24,6 +24,7 @@ LOCAL_CANCEL_GRACE_S = 15
 
 class LocalBackend:
     name = "local"
+    account = "local"  # the local processes' life: from the submit to their last write (_allocation)
 
     def dry_run(self, job, paths: RunPaths) -> Request:
         text = (

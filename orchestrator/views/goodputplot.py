@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from fsdpjob.orchestrator.core.units import amount_text
+
 from .goodput import CATEGORIES
 
 INSTALL_HINT = "pip install 'fsdpjob[plot]'"
@@ -77,16 +79,16 @@ def render(report: dict, path: Path) -> dict:
     tok_ax.set_xlabel("minutes since submit (bands: attempts)")
     if handles:
         loss_ax.legend(handles.values(), handles.keys(), loc="upper right", fontsize=8)
-    total, left = report["allocated_s"] or 1.0, 0.0
+    total, left = report["allocated_unit_s"] or 1.0, 0.0
     for k in CATEGORIES:
-        share = report["seconds"][k] / total
+        share = report["unit_seconds"][k] / total
         drawn["bar"][k] = share
         if share > 0:
             bar_ax.barh([0], [share], left=left, color=COLORS[k], label=f"{k} {100 * share:.1f} %")
             left += share
     bar_ax.set_xlim(0, 1)
     bar_ax.set_yticks([])
-    bar_ax.set_xlabel(f"share of {report['allocated_s']:,.0f} allocated {report['unit']}-seconds")
+    bar_ax.set_xlabel(f"share of {amount_text(report['allocated_unit_s'])} allocated {report['unit']}-seconds")
     bar_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
     fig.suptitle(f"{report['run_id']}: goodput {_percent(report['goodput'])}, ETTR {_percent(report['ettr'])}")
     canvas.print_png(str(path))

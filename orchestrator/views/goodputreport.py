@@ -10,6 +10,7 @@ from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -93,25 +94,30 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
+# Where the attempts' times come from (GoodputReport.source), as the report's first line names it.
+SOURCES = {"sacct": "sacct", "local": "the local processes (from the submit to their last write)",
+           "events": "the run's events (no scheduler account)"}
+
+
 def format_report(r: RunReport) -> str:
     g = r.goodput
-    src = "sacct" if g.source == "sacct" else "the run's events (no scheduler account)"
     lines = [
-        f"run {g.run_id}: {r.phase}; attempt times from {src}",
+        f"run {g.run_id}: {r.phase}; attempt times from {SOURCES.get(g.source, g.source)}",
         (f"  submitted {_clock(g.submitted_at)}, {'now' if r.phase in LIVE_PHASES else 'ended'} "
          f"{_clock(g.ended_at)}: wall {_secs(g.wall_s)}"),
         "",
-        f"  {'attempt':<8}{'state':<12}{'queue wait (held)':<20}{'allocated':<12}steps",
+        f"  {'attempt':<8}{'state':<12}{'queue wait (held)':<20}{'allocated (wall)':<18}steps",
     ]
     for a in g.attempts:
         steps = "-" if a.start_step is None else f"{a.start_step} -> {a.reached_step}"
         lines.append(f"  {a.index:<8}{a.state:<12}{_secs(a.queue_wait_s) + ' (' + _secs(a.held_s) + ')':<20}"
-                     f"{_secs(a.allocated_s):<12}{steps}")
-    unit = f"{g.unit}-s"
-    lines += ["", f"allocated {g.allocated_s:,.0f} {unit} ({g.units} {g.unit}{'s' if g.units != 1 else ''}):"]
+                     f"{_secs(a.allocated_s):<18}{steps}")
+    units = f"{g.units} {g.unit}{'s' if g.units != 1 else ''}"
+    wall = g.allocated_unit_s / g.units if g.units else 0.0
+    lines += ["", f"allocated {amount_text(g.allocated_unit_s)} {g.unit}-seconds ({units} x {_secs(wall)}):"]
     for k in CATEGORIES:
-        share = g.seconds[k] / g.allocated_s if g.allocated_s else None
-        lines.append(f"  {LABELS[k]:<20}{g.seconds[k]:>12,.0f} {unit}  {_pct(share):>8}")
+        share = g.unit_seconds[k] / g.allocated_unit_s if g.allocated_unit_s else None
+        lines.append(f"  {LABELS[k]:<20}{amount_text(g.unit_seconds[k]):>12} {g.unit}-s  {_pct(share):>8}")
     lines += ["", f"goodput {_pct(g.goodput)} (productive / allocated); ETTR {_pct(g.ettr)} (productive / (end - submit))"]
     if g.step_s is not None or g.save_s is not None:
         lines.append(f"measured: step {_secs(g.step_s)}, blocking save {_secs(g.save_s)}")
