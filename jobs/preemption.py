@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from fsdpjob.orchestrator.core import runlog, stophandoff
 from fsdpjob.orchestrator.core.attempts import cap_reached
-from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
+from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, StopHandoff
 
 from .workerenv import WorkerEnv
 
@@ -73,7 +73,14 @@ def stop_and_hand_off(signum: int, step: int, *, is_main: bool, stop: StopFlag, 
 
 
 def _stop_here(run_dir: Path, handoff: StopHandoff, worker: WorkerEnv, max_requeues: int) -> int:
-    """A run without a scheduler to ask (local): the controller restarts the workers on LOCAL_REQUEUE_EXIT_CODE."""
+    """A run without a scheduler to ask (local). `fsdpjob cancel` writes its cancel event before its signal: that
+    stop is recorded as a cancel and nobody restarts the workers, as the supervisor does on Slurm when sacct says
+    cancelled (orchestrator/slurm/stop.py). Any other stop: the controller restarts them on
+    LOCAL_REQUEUE_EXIT_CODE, up to the cap."""
+    if runlog.first(runlog.read_events(run_dir), runlog.CANCEL) is not None:
+        stophandoff.record_stop(run_dir, handoff, reason="cancelled", outcome=CANCELLED,
+                                detail="fsdpjob cancel: the workers stopped for good")
+        return CANCELLED_HERE
     capped = cap_reached(worker.restart_count, max_requeues)
     detail = capped or "local: the controller restarts the workers"
     stophandoff.record_stop(run_dir, handoff, reason="signal", outcome=NOT_REQUEUED if capped else REQUEUED,
@@ -82,13 +89,14 @@ def _stop_here(run_dir: Path, handoff: StopHandoff, worker: WorkerEnv, max_reque
 
 
 # How every rank leaves a stop (rank 0 decides, the others follow its broadcast).
-HANDED_OFF, RESTART_HERE, FAILED_HERE = 0, 1, 2
+HANDED_OFF, RESTART_HERE, FAILED_HERE, CANCELLED_HERE = 0, 1, 2, 3
 
 
 def exit_after_stop(outcome: int, worker: WorkerEnv) -> NoReturn:
     """Leave without a result on every rank: submitit writes no result pickle (a normal return would be recorded
     as the job's result), the supervisor reads the hand-off, and submitit's local controller restarts on 144
-    (outside submitit, e.g. torchrun or the tests, whoever started the ranks starts them again)."""
+    (outside submitit, e.g. torchrun or the tests, whoever started the ranks starts them again); after a cancel,
+    exit 0: the controller restarts nothing."""
     if outcome == FAILED_HERE:
         raise SystemExit(1)
     if outcome == RESTART_HERE and worker.scheduler == "local":

@@ -59,6 +59,7 @@ class SchedView:
 
 class Backend(Protocol):
     name: str
+    account: str  # what its attempts' times come from, as reports name it (a goodput report's "source")
 
     def dry_run(self, job: LoadedJob, paths: RunPaths) -> Request:
         """Pure: the request a submit of ``job`` into ``paths`` would send."""

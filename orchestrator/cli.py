@@ -379,19 +379,29 @@ def cancel(run: str) -> None:
 
 
 @cli.command()
-@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.argument("source")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--merge", is_flag=True, help="LoRA runs: merge the adapters into the base model (default: the "
               "peft adapter folder).")
-def export(source: Path, out: Path, dtype: str, merge: bool) -> None:
-    """Write a Hugging Face folder (sharded safetensors) from a run or a checkpoint; for a LoRA run, a peft
-    adapter folder, or with --merge the merged model."""
+def export(source: str, out: Path, dtype: str, merge: bool) -> None:
+    """Write a Hugging Face folder (sharded safetensors) from a run (its id, or its folder: the newest committed
+    checkpoint) or a checkpoint folder; for a LoRA run, a peft adapter folder, or with --merge the merged model."""
     from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
+    path = Path(source)
+    if not path.exists():  # not a folder: a run of the registry (id, unique prefix, job id or name)
+        from fsdpjob.orchestrator import registry
+        from fsdpjob.orchestrator.core.errors import RunNotFound
+
+        try:
+            path = Path(registry.find(source).run_dir)
+        except RunNotFound:
+            raise RunNotFound(f"SOURCE: {source!r} is neither a folder nor a run in the registry; give a run id "
+                              "(`fsdpjob list`), a run folder or a checkpoint folder") from None
     try:
-        written = export_from_path(source, out, dtype, merge=merge)
+        written = export_from_path(path, out, dtype, merge=merge)
     except CheckpointError as exc:
         raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")

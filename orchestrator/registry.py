@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.errors import RunNotFound
+from fsdpjob.orchestrator.core.errors import AmbiguousRun, RunNotFound
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import fsdpjob_home
 
@@ -85,14 +85,19 @@ def all_records() -> list[JobRecord]:
 
 
 def find(ref: str) -> JobRecord:
-    """A run by run id (or unique prefix), Slurm job id, or run name (newest wins)."""
+    """A run by run id, Slurm job id, run name (newest wins: a name is meant to repeat) or unique run id prefix.
+
+    An id or prefix that fits several runs is refused with their ids: picking one would act on a run the user
+    did not mean (status, report, logs, cancel, export all come through here)."""
     records = all_records()
-    for match in (
-        [r for r in records if r.run_id == ref],
-        [r for r in records if r.job_id == ref],
-        [r for r in records if r.run_id.startswith(ref)],
-        [r for r in records if r.name == ref],
+    for what, match in (
+        ("run id", [r for r in records if r.run_id == ref]),
+        ("job id", [r for r in records if r.job_id == ref]),
+        ("name", [r for r in records if r.name == ref]),
+        ("run id prefix", [r for r in records if r.run_id.startswith(ref)]),
     ):
+        if len(match) > 1 and what != "name":
+            raise AmbiguousRun(ref, what, [r.run_id for r in reversed(match)])
         if match:
             return match[-1]
     raise RunNotFound(f"no run {ref!r} in the registry ({registry_dir()}); see `fsdpjob list`")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def assert_adds_up(rep) -> None:
         assert set(a.seconds) == set(CATEGORIES)
         assert sum(a.seconds.values()) == pytest.approx(a.allocated_s, abs=1e-6), a
         assert all(v >= 0 for v in a.seconds.values()), a
-    assert sum(rep.seconds.values()) == pytest.approx(rep.allocated_s, abs=1e-6)
+    assert sum(rep.unit_seconds.values()) == pytest.approx(rep.allocated_unit_s, abs=1e-6)
 
 
 # A crash at step 43 of attempt 0 (a rank died: its peers fail, the failure policy requeues); attempt 1
@@ -85,7 +86,7 @@ def test_crash_loses_the_steps_beyond_the_checkpoint_the_next_attempt_resumed_fr
     assert (cut.attempt, cut.kind, cut.step, cut.lost_steps, cut.lost_s) == (0, "crash", 43, 23, 23)
     assert cut.recovered == "requeued by the failure policy, resumed from step 20"
     # 2 GPUs: unit-seconds are twice the wall seconds
-    assert (rep.units, rep.unit, rep.allocated_s, rep.productive_s) == (2, "GPU", 254, 102)
+    assert (rep.units, rep.unit, rep.allocated_unit_s, rep.productive_unit_s) == (2, "GPU", 254, 102)
     assert rep.goodput == pytest.approx(51 / 127) and rep.ettr == pytest.approx(51 / 260)
     assert rep.source == "sacct" and rep.wall_s == 260 and rep.step_s == pytest.approx(1.0)
 
@@ -149,6 +150,19 @@ def test_a_live_run_counts_up_to_now_and_a_cancelled_one_keeps_only_committed_st
     [cut] = failed.interruptions
     assert (cut.kind, cut.lost_steps, cut.recovered) == ("crash", 4, "not recovered: the run ended here")
     assert failed.attempts[0].seconds["lost"] == pytest.approx(10)
+
+
+def test_a_cancel_is_no_crash_and_gives_no_interval_advice_even_when_it_lost_work():
+    """A cancel whose workers were killed before a stop checkpoint lost steps, but it was the user's choice."""
+    from fsdpjob.orchestrator.views.goodputreport import interval_advice
+
+    rep = goodput(record(0, gpus_per_node=0), None, [
+        ev("start", 2), ev("ready", 4, step=0), ev("checkpoint", 10, step=5, reason="interval", save_s=1),
+        ev("cancel", 20, by="fsdpjob cancel")], [metric(9, 19)])
+    [cut] = rep.interruptions
+    assert (cut.kind, cut.lost_steps, cut.recovered) == ("cancel", 4, "the run ended here, as cancelled")
+    advice, note = interval_advice(rep, None)
+    assert advice is None and note.startswith("no interruption lost work"), note
 
 
 RECORDED_EVENTS = "sacct-preempted-run.txt"
@@ -243,3 +257,26 @@ def test_plan_prints_the_young_daly_interval_when_the_profile_states_an_interrup
     assert "Young/Daly" in format_plan(plan)
     quiet = make_plan(resolve(spec, profile.model_copy(update={"expected_interruptions_per_day": None})))
     assert quiet.to_json()["checkpoint_interval"] is None and "Young/Daly" not in format_plan(quiet)
+
+
+def test_a_short_local_resumed_run_names_its_source_and_its_units_and_measures_its_step():
+    """A 16 s run on 2 CPU ranks, resumed from step 150 of an earlier run, logging one line: times from the local
+    processes (no sacct), rank-seconds named so and shown to a precision that fits, a measured step time."""
+    from fsdpjob.orchestrator.views.display import goodput_line
+    from fsdpjob.orchestrator.views.goodputreport import RunReport, format_report
+
+    local = record(100, gpus_per_node=0, scheduler="local", max_steps=160)
+    events = [ev("start", 101, process_started_at=100.5), ev("resume", 106, step=150), ev("ready", 106.2, step=150),
+              ev("checkpoint", 115.5, step=160, reason="final", save_s=0.3), ev("done", 115.6, step=160, loss=0.5)]
+    rep = goodput(local, [AttemptTimes(100, 100, 100, 116.2, "COMPLETED")], events, [metric(160, 115.2)])
+    assert_adds_up(rep)
+    assert (rep.source, rep.unit, rep.units, rep.allocated_unit_s) == ("local", "CPU rank", 2, pytest.approx(32.4))
+    assert rep.step_s == pytest.approx(0.9)  # ready at step 150 -> the one line at step 160
+    text = format_report(RunReport(rep, "COMPLETED", None, "no checkpoint save measured yet"))
+    assert "attempt times from the local processes (from the submit to their last write)" in text
+    assert "sacct" not in text and "allocated 32.4 CPU rank-seconds (2 CPU ranks x 16.2 s):" in text, text
+    assert re.search(r"productive\s+18 CPU rank-s\s+55\.6 %", text), text
+    assert re.search(r"checkpoint saves\s+0\.6 CPU rank-s\s+1\.9 %", text), text  # not "0 CPU rank-s 1.9 %"
+    assert "measured: step 0.9 s, blocking save 0.3 s" in text
+    headline = {"goodput": rep.goodput, "ettr": rep.ettr, "allocated_unit_s": rep.allocated_unit_s, "unit": rep.unit}
+    assert goodput_line(headline, "r-1").startswith("goodput    55.6 % of 32.4 CPU rank-seconds allocated")

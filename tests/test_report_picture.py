@@ -89,7 +89,7 @@ def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_ev
         assert shown in texts, shown
     assert any(t.startswith("wall time since submit (s)") for t in texts), texts
     # The bar is the breakdown `report --json` prints.
-    assert drawn["bar"] == pytest.approx({k: v / data["allocated_s"] for k, v in data["seconds"].items()})
+    assert drawn["bar"] == pytest.approx({k: v / data["allocated_unit_s"] for k, v in data["unit_seconds"].items()})
     assert sum(drawn["bar"].values()) == pytest.approx(1.0)
 
 

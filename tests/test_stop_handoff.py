@@ -10,6 +10,7 @@ import ast
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -170,3 +171,28 @@ def test_no_worker_module_names_a_slurm_command():
     offenders = {str(p.relative_to(JOBS)): sorted(found) for p in sorted(JOBS.rglob("*.py"))
                  if (found := _called_binaries(ast.parse(p.read_text())))}
     assert offenders == {}
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_local_stop_after_fsdpjob_cancel_is_a_cancel_and_restarts_nothing(tmp_path, cancelled):
+    """Locally rank 0 records the stop itself: `fsdpjob cancel` wrote its cancel event before its signal."""
+    from fsdpjob.jobs import preemption
+    from fsdpjob.jobs.workerenv import WorkerEnv
+    from fsdpjob.orchestrator.core import runlog
+
+    if cancelled:
+        runlog.append(tmp_path, runlog.CANCEL, by="fsdpjob cancel")
+    flag = SimpleNamespace(received_at=99.0)  # a StopFlag's record, without its handlers in this process
+    worker = WorkerEnv(scheduler="local", slurm_job_id=None, local_job_id="7", restart_count=0, log_rank="0",
+                       host="h")
+    endings: list[str] = []
+    with pytest.raises(SystemExit) as leave:
+        preemption.stop_and_hand_off(12, 40, is_main=True, stop=flag, worker=worker, max_requeues=3,
+                                     save_started=100.0, run_dir=tmp_path, ending=endings.append,
+                                     share=lambda outcome: outcome)
+    stop = runlog.first(events(tmp_path), runlog.STOP)
+    assert (stop["reason"], stop["requeued"], stop["step"]) == (("cancelled", False, 40) if cancelled
+                                                                 else ("signal", True, 40))
+    # 144 asks submitit's local controller for a restart; 0 after a cancel: nothing comes back, nothing failed.
+    assert leave.value.code == (0 if cancelled else preemption.LOCAL_REQUEUE_EXIT_CODE)
+    assert runlog.first(events(tmp_path), runlog.FAILED) is None and endings == [runlog.STOP]

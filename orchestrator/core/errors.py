@@ -89,3 +89,15 @@ class RunNotFound(FsdpjobError):
     """No run with that id or Slurm job id in the registry. Exit code 2."""
 
     exit_code = 2
+
+
+class AmbiguousRun(FsdpjobError):
+    """A run reference (a prefix, a reused job id) that fits several runs: none is picked. Exit code 2."""
+
+    exit_code = 2
+    SHOWN = 10  # ids listed; the rest are counted
+
+    def __init__(self, ref: str, what: str, run_ids: list[str]):
+        self.run_ids = run_ids
+        shown = ", ".join(run_ids[: self.SHOWN]) + (f" and {len(run_ids) - self.SHOWN} more" if len(run_ids) > self.SHOWN else "")
+        super().__init__(f"RUN: {ref!r} is the {what} of {len(run_ids)} runs ({shown}); give one whole run id")

@@ -1,4 +1,4 @@
-"""Units and the way sizes and counts are written in the planner's tables and notes."""
+"""Units and the way sizes, counts and amounts are written in the planner's and the reports' tables and notes."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def params_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {suffix}"
     return str(n)
+
+
+def amount_text(value: float) -> str:
+    """A quantity such as seconds or rank-seconds at a precision that fits it: whole from 100 up (with
+    thousands separators), three significant digits below (0.42, 7.5, 12.3): a 16 s CPU run's parts are not 0."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def count_text(n: int, noun: str) -> str:

@@ -1,5 +1,5 @@
 """The local backend: the workers as processes on this machine through submitit's local executor, which
-behave like a batch job (they outlive the CLI, ignore hangups, stop on `fsdpjob cancel`)."""
+behave like a batch job (they outlive the CLI, ignore hangups, stop with a stop checkpoint on `fsdpjob cancel`)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
+from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.paths import RunPaths
 
-# Seconds a local run gets to stop after SIGINT before fsdpjob cancel kills what is left.
+# Seconds a local run gets for its stop checkpoint after SIGTERM before fsdpjob cancel kills what is left.
 LOCAL_CANCEL_GRACE_S = 15
 
 
 class LocalBackend:
     name = "local"
+    account = "local"  # the local processes' life: from the submit to their last write (_allocation)
 
     def dry_run(self, job, paths: RunPaths) -> Request:
         text = (
@@ -62,16 +64,16 @@ class LocalBackend:
         return list(self.view(record).attempts)
 
     def cancel(self, record, *, mark) -> str:
-        """SIGINT to the supervisor (it passes it to submitit's controller, which passes SIGINT, then SIGKILL, to
-        its tasks, and restarts nothing after it); whatever of this run still
-        runs after the grace is killed: SIGINT can be ignored (a controller started from a script's
-        background job inherits that)."""
+        """The cancel Slurm's scancel makes: SIGTERM, which the supervisor passes to submitit's controller and it
+        to the ranks, whose stop flag it sets (as for a preemption); they commit a stop checkpoint and, finding
+        the cancel event that ``mark`` wrote first, record a stop with reason ``cancelled`` and restart nothing
+        (jobs/preemption.py). Whatever of this run still runs after the grace is killed, as Slurm's KillWait."""
         pid = int(record.job_id)
         if not controller_alive(record):
             raise FsdpjobError(f"local run {record.run_id} is not running (pid {pid} is gone)")
         workers = _children(pid)
-        mark()  # before the controller ends: its view reads the mark
-        os.kill(pid, signal.SIGINT)
+        mark()  # before the signal: the workers and the controller's view read it
+        os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + LOCAL_CANCEL_GRACE_S
         while controller_alive(record) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -85,8 +87,9 @@ class LocalBackend:
             except (OSError, ProcessLookupError):
                 pass
         if killed:
-            return f"SIGINT not obeyed within {LOCAL_CANCEL_GRACE_S} s; SIGKILLed {len(killed)} process(es)"
-        return "stopped by SIGINT"
+            return f"not stopped within {LOCAL_CANCEL_GRACE_S} s of SIGTERM; SIGKILLed {len(killed)} process(es)"
+        stop = runlog.first(runlog.read_events(record.run_dir), runlog.STOP, reason="cancelled")
+        return f"stopped by SIGTERM, stop checkpoint at step {stop['step']}" if stop else "stopped by SIGTERM"
 
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
@@ -149,7 +152,8 @@ def _stdio_detached():
     It inherits fds 0-2: on the caller's pipes it would make `out=$(fsdpjob submit ...)` (or any captured
     run) wait for the whole job, so it gets /dev/null (the workers write to their own log files). And it
     inherits signal dispositions across exec: SIGHUP ignored, so closing the terminal does not kill the
-    run. SIGINT keeps (or gets back) its default: `fsdpjob cancel` and Ctrl-C under --wait stop a local run with it.
+    run. (An inherited SIG_IGN of SIGINT or SIGTERM does not matter: the supervisor sets its own handlers, and
+    its children get the defaults back at exec.)
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -157,11 +161,6 @@ def _stdio_detached():
     devnull = os.open(os.devnull, os.O_RDWR)
     in_main = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN) if in_main else None
-    # An ignored SIGINT (this CLI run as a script's background job) would be inherited too, and the
-    # controller would then ignore `fsdpjob cancel`: it gets the default back.
-    old_int = signal.getsignal(signal.SIGINT)
-    if in_main and old_int == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -169,7 +168,6 @@ def _stdio_detached():
     finally:
         if in_main:
             signal.signal(signal.SIGHUP, old_hup)
-            signal.signal(signal.SIGINT, old_int)
         for fd, copy in zip((0, 1, 2), saved):
             os.dup2(copy, fd)
             os.close(copy)

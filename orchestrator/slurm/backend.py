@@ -15,6 +15,7 @@ from .render import build_plan, render_script
 
 class SlurmBackend:
     name = "slurm"
+    account = "sacct"
 
     def dry_run(self, job, paths: RunPaths) -> Request:
         plan = build_plan(job, paths, spec_source=job.source)

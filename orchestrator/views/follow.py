@@ -15,6 +15,7 @@ from fsdpjob.orchestrator.core.fileio import Tail
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .status import report_for
+from .stream import stream_line
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
@@ -52,10 +53,9 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
                 if phase:
                     break
             time.sleep(poll_s)
-        # The last lines may land between the final poll and the phase change.
+        # The last lines (the done, the stop) may land between the final poll and the phase change.
         for ev in timeline.new_entries():
-            if ev["event"] == runlog.METRIC and bar:
-                bar.update(task, completed=ev["step"])
+            _show(ev, record, bar, task if bar else None)
     finally:
         if bar:
             bar.stop()
@@ -69,24 +69,15 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     return 0 if report.phase == "COMPLETED" else 1
 
 
-def _loss(value: float | None) -> str:
-    return f"{value:.4f}" if value is not None else "nan"  # metrics.jsonl writes NaN and inf as null
-
-
 def _show(ev: dict, record: JobRecord, bar, task) -> None:
-    if ev["event"] == runlog.METRIC:
-        if "eval_loss" in ev:  # an evaluation's own line: no training figures in it
-            info = f"eval_loss {_loss(ev['eval_loss'])}"
-        else:
-            info = f"loss {_loss(ev.get('loss'))}  {ev.get('tokens_per_s') or 0:.0f} tok/s"
-        if bar:
-            bar.update(task, completed=ev["step"], info=info)
-        else:
-            eta = f"  eta {ev['eta_s']:.0f}s" if ev.get("eta_s") is not None else ""
-            click.echo(f"step {ev['step']}/{record.max_steps}  {info}{eta}")
-    elif ev["event"] in (runlog.START, runlog.RESUME, runlog.STOP, runlog.FAILED, runlog.DONE, runlog.EXPORT):
-        fields = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "pid"))
-        (bar.console.print if bar else click.echo)(f"[{ev['event']}] {fields}")
+    """One timeline entry: a training step moves the bar (a terminal) or prints its line; the rest print theirs."""
+    line = stream_line(ev, record.max_steps)
+    if line is None:
+        return
+    if bar and ev["event"] == runlog.METRIC and "eval_loss" not in ev:
+        bar.update(task, completed=ev["step"], info=line)
+    else:
+        (bar.console.print if bar else click.echo)(line, **({"markup": False, "highlight": False} if bar else {}))
 
 
 def follow_file(record: JobRecord, path: Path, poll_s: float = 0.5) -> None:

@@ -24,7 +24,7 @@ from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
-from fsdpjob.orchestrator.backend import AttemptTimes
+from fsdpjob.orchestrator.backend import AttemptTimes, backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.attempts import later_starts
 from fsdpjob.orchestrator.registry import JobRecord
@@ -71,15 +71,16 @@ class Interruption:
 @dataclass
 class GoodputReport:
     run_id: str
-    source: str  # "sacct" or "events": where the attempts' times come from
+    source: str  # where the attempts' times come from: the backend's account ("sacct", "local") or "events"
     submitted_at: float
     ended_at: float
     wall_s: float
     units: int  # GPUs (nodes x GPUs per node), or CPU ranks
     unit: str  # "GPU" or "CPU rank"
-    allocated_s: float  # unit-seconds
-    seconds: dict[str, float]  # unit-seconds per category (CATEGORIES), summing to allocated_s
-    productive_s: float
+    # Unit-seconds (GPU-seconds, or CPU rank-seconds: wall seconds x units), named so beside the wall seconds.
+    allocated_unit_s: float
+    unit_seconds: dict[str, float]  # per category (CATEGORIES), summing to allocated_unit_s
+    productive_unit_s: float
     goodput: float | None  # productive / allocated
     ettr: float | None  # productive wall time / (end - submit)
     attempts: list[Attempt]
@@ -127,7 +128,8 @@ def goodput(record: JobRecord, attempts: list[AttemptTimes] | None, events: list
         alloc.start_step = group[0].ready.get("step") if group and group[0].ready else None
         alloc.reached_step = max((s.reached for s in group if s.reached is not None), default=None)
     cuts = [_interruption(s, nxt, now is not None) for s, nxt in zip(segments, [*segments[1:], None])]
-    return _report(record, allocs, [c for c in cuts if c], events, metrics, now, "sacct" if attempts else "events")
+    source = backend_for(record.scheduler).account if attempts else "events"
+    return _report(record, allocs, [c for c in cuts if c], events, metrics, now, source)
 
 
 def _from_scheduler(attempts: list[AttemptTimes], now: float | None) -> list[Attempt]:
@@ -361,11 +363,13 @@ def _interruption(s: _Segment, nxt: _Segment | None, live: bool) -> Interruption
     lost_steps = max(0, (s.reached or 0) - (s.kept_until if s.kept_until is not None else s.reached or 0))
     return Interruption(
         attempt=s.alloc.index, kind=kind, time=s.work_end or s.end, step=s.reached, lost_steps=lost_steps,
-        lost_s=seconds["lost"] + seconds["hang"], recovered=_recovery(s, nxt, live),
+        lost_s=seconds["lost"] + seconds["hang"], recovered=_recovery(s, nxt, live, kind),
     )
 
 
-def _recovery(s: _Segment, nxt: _Segment | None, live: bool) -> str:
+def _recovery(s: _Segment, nxt: _Segment | None, live: bool, kind: str) -> str:
+    if nxt is None and kind == "cancel":
+        return "the run ended here, as cancelled"  # the user's choice: nothing to recover from
     if nxt is None:
         return "waiting to restart" if live else "not recovered: the run ended here"
     if nxt.alloc is s.alloc:
@@ -392,8 +396,8 @@ def _report(record, allocs, interruptions, events, metrics, now, source) -> Good
     saves = [float(e["save_s"]) for e in events if e.get("event") == runlog.CHECKPOINT and e.get("save_s") is not None]
     return GoodputReport(
         run_id=record.run_id, source=source, submitted_at=record.submitted_at, ended_at=ended, wall_s=wall,
-        units=units, unit=unit, allocated_s=alloc_wall * units, seconds={k: v * units for k, v in per.items()},
-        productive_s=per["productive"] * units,
+        units=units, unit=unit, allocated_unit_s=alloc_wall * units,
+        unit_seconds={k: v * units for k, v in per.items()}, productive_unit_s=per["productive"] * units,
         goodput=per["productive"] / alloc_wall if alloc_wall > 0 else None,
         ettr=per["productive"] / wall if wall > 0 else None,
         attempts=allocs, interruptions=interruptions, step_s=_step_time(events, metrics),
@@ -409,11 +413,13 @@ def _units(record: JobRecord) -> tuple[int, str]:
 
 
 def _step_time(events: list[dict], metrics: list[dict]) -> float | None:
-    """Median seconds per step between consecutive metrics lines of one start, skipping windows with a save
-    or a restart in them."""
-    breaks = sorted(e["time"] for e in events if e.get("event") in (runlog.START, runlog.CHECKPOINT, runlog.READY))
+    """Median seconds per step between consecutive progress points of one start (metrics lines, and each
+    start's ready event, where the worker opens its first window: a resumed start may log one line only),
+    skipping windows with a save or a restart in them."""
+    breaks = sorted(e["time"] for e in events if e.get("event") in (runlog.START, runlog.CHECKPOINT))
+    points = sorted([*metrics, *(e for e in events if e.get("event") == runlog.READY)], key=lambda p: p["time"])
     rates = []
-    for a, b in zip(metrics, metrics[1:]):
+    for a, b in zip(points, points[1:]):
         steps = (b.get("step") or 0) - (a.get("step") or 0)
         # any break in (a, b]: the first break after a's time comes at or before b's
         i = bisect_right(breaks, a["time"])

@@ -10,6 +10,7 @@ import io
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.units import amount_text
 
 from .goodput import CATEGORIES
 from .reportpicture import picture
@@ -142,15 +143,15 @@ def _time_panel(ax, pic: dict) -> None:
 
 
 def _bar(ax, pic: dict) -> dict[str, float]:
-    shares, total, left = {}, pic["allocated_s"] or 1.0, 0.0
+    shares, total, left = {}, pic["allocated_unit_s"] or 1.0, 0.0
     for k in CATEGORIES:
-        shares[k] = pic["seconds"][k] / total
+        shares[k] = pic["unit_seconds"][k] / total
         if shares[k] > 0:
             ax.barh([0], [shares[k]], left=left, color=COLORS[k], label=f"{k} {100 * shares[k]:.1f} %")
             left += shares[k]
     ax.set_xlim(0, 1)
     ax.set_yticks([])
-    ax.set_xlabel(f"share of {pic['allocated_s']:,.0f} allocated {pic['unit_name']}-seconds")
+    ax.set_xlabel(f"share of {amount_text(pic['allocated_unit_s'])} allocated {pic['unit_name']}-seconds")
     if left > 0:  # nothing allocated yet: no parts to name
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
     return shares

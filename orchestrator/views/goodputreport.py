@@ -10,6 +10,7 @@ from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -19,8 +20,9 @@ from .status import build_report
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.
 SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal")
-LABELS = {"launch": "launch (srun, container)", "startup": "start-up", "productive": "productive", "checkpoint": "checkpoint saves", "lost": "lost work",
+LABELS = {"launch": "launch of the workers", "startup": "start-up", "productive": "productive", "checkpoint": "checkpoint saves", "lost": "lost work",
           "hang": "hang", "teardown": "stop and teardown", "unexplained": "unexplained"}
+_LABEL_WIDTH = max(map(len, LABELS.values())) + 2
 
 
 @dataclass
@@ -64,8 +66,9 @@ def _run_meta(record: JobRecord) -> RunMeta | None:
 
 def interval_advice(rep: GoodputReport, meta: RunMeta | None) -> tuple[IntervalAdvice | None, str]:
     """Young/Daly from the measured save time and the mean allocated time between the interruptions that lost
-    work (signalled stops save first and lose none)."""
-    losing = [c for c in rep.interruptions if c.kind not in SIGNALLED or c.lost_s > 0]
+    work (signalled stops save first and lose none; a cancel, the user's own, says nothing of how often the
+    cluster interrupts a run)."""
+    losing = [c for c in rep.interruptions if c.kind != "cancel" and (c.kind not in SIGNALLED or c.lost_s > 0)]
     if rep.save_s is None:
         return None, "no checkpoint save measured yet"
     if not losing:
@@ -92,25 +95,30 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
+# Where the attempts' times come from (GoodputReport.source), as the report's first line names it.
+SOURCES = {"sacct": "sacct", "local": "the local processes (from the submit to their last write)",
+           "events": "the run's events (no scheduler account)"}
+
+
 def format_report(r: RunReport) -> str:
     g = r.goodput
-    src = "sacct" if g.source == "sacct" else "the run's events (no scheduler account)"
     lines = [
-        f"run {g.run_id}: {r.phase}; attempt times from {src}",
+        f"run {g.run_id}: {r.phase}; attempt times from {SOURCES.get(g.source, g.source)}",
         (f"  submitted {_clock(g.submitted_at)}, {'now' if r.phase in LIVE_PHASES else 'ended'} "
          f"{_clock(g.ended_at)}: wall {_secs(g.wall_s)}"),
         "",
-        f"  {'attempt':<8}{'state':<12}{'queue wait (held)':<20}{'allocated':<12}steps",
+        f"  {'attempt':<8}{'state':<12}{'queue wait (held)':<20}{'allocated (wall)':<18}steps",
     ]
     for a in g.attempts:
         steps = "-" if a.start_step is None else f"{a.start_step} -> {a.reached_step}"
         lines.append(f"  {a.index:<8}{a.state:<12}{_secs(a.queue_wait_s) + ' (' + _secs(a.held_s) + ')':<20}"
-                     f"{_secs(a.allocated_s):<12}{steps}")
-    unit = f"{g.unit}-s"
-    lines += ["", f"allocated {g.allocated_s:,.0f} {unit} ({g.units} {g.unit}{'s' if g.units != 1 else ''}):"]
+                     f"{_secs(a.allocated_s):<18}{steps}")
+    units = f"{g.units} {g.unit}{'s' if g.units != 1 else ''}"
+    wall = g.allocated_unit_s / g.units if g.units else 0.0
+    lines += ["", f"allocated {amount_text(g.allocated_unit_s)} {g.unit}-seconds ({units} x {_secs(wall)}):"]
     for k in CATEGORIES:
-        share = g.seconds[k] / g.allocated_s if g.allocated_s else None
-        lines.append(f"  {LABELS[k]:<20}{g.seconds[k]:>12,.0f} {unit}  {_pct(share):>8}")
+        share = g.unit_seconds[k] / g.allocated_unit_s if g.allocated_unit_s else None
+        lines.append(f"  {LABELS[k]:<{_LABEL_WIDTH}}{amount_text(g.unit_seconds[k]):>10} {g.unit}-s  {_pct(share):>8}")
     lines += ["", f"goodput {_pct(g.goodput)} (productive / allocated); ETTR {_pct(g.ettr)} (productive / (end - submit))"]
     if g.step_s is not None or g.save_s is not None:
         lines.append(f"measured: step {_secs(g.step_s)}, blocking save {_secs(g.save_s)}")

@@ -32,18 +32,18 @@ def _clock(t: float | None) -> str:
 def page_context(r: RunReport, png: bytes, scheduler: str) -> dict:
     """The page's values, all text already formatted: the template only lays them out."""
     g = r.goodput
-    share = {k: (g.seconds[k] / g.allocated_s if g.allocated_s else None) for k in CATEGORIES}
+    share = {k: (g.unit_seconds[k] / g.allocated_unit_s if g.allocated_unit_s else None) for k in CATEGORIES}
     return {
         "run_id": g.run_id, "phase": r.phase,
         "source": "the run's events" if g.source == "events" else f"the {scheduler} scheduler's account",
         "submitted": _clock(g.submitted_at), "ended": _clock(g.ended_at), "wall": _secs(g.wall_s),
         "ended_word": "now" if r.phase in LIVE_PHASES else "ended",
         "goodput": _pct(g.goodput), "ettr": _pct(g.ettr), "step": _secs(g.step_s), "save": _secs(g.save_s),
-        "unit": g.unit, "units": g.units, "allocated": f"{g.allocated_s:,.0f}",
+        "unit": g.unit, "units": g.units, "allocated": amount_text(g.allocated_unit_s),
         "attempts": [{"index": a.index, "state": a.state, "queue_wait": _secs(a.queue_wait_s), "held": _secs(a.held_s),
                       "allocated": _secs(a.allocated_s),
                       "steps": "-" if a.start_step is None else f"{a.start_step} → {a.reached_step}"} for a in g.attempts],
-        "breakdown": [{"part": LABELS[k], "seconds": f"{g.seconds[k]:,.0f}", "share": _pct(share[k]),
+        "breakdown": [{"part": LABELS[k], "seconds": amount_text(g.unit_seconds[k]), "share": _pct(share[k]),
                        "width": round(100 * (share[k] or 0), 2)} for k in CATEGORIES],
         "interruptions": [{"attempt": c.attempt, "kind": STOP_LABELS.get(c.kind, c.kind), "css": c.kind,
                            "where": f"step {c.step}" if c.step is not None else "set-up", "lost": _secs(c.lost_s),

@@ -47,7 +47,7 @@ def picture(report: dict, events: list[dict], metrics: list[dict]) -> dict:
                         and isinstance(m.get("eval_loss"), (int, float))],
         "stops": [{"time": c["time"], "step": c["step"], "kind": c["kind"], "label": stop_label(c), "attempt": c["attempt"]}
                   for c in report["interruptions"]],
-        "allocated_s": report["allocated_s"], "unit_name": report["unit"], "seconds": report["seconds"],
+        "allocated_unit_s": report["allocated_unit_s"], "unit_name": report["unit"], "unit_seconds": report["unit_seconds"],
         "goodput": report["goodput"], "ettr": report["ettr"],
     }
 

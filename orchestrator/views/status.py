@@ -77,8 +77,8 @@ class StatusReport:
     failure_reason: str | None
     # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
     last_stop: dict | None = None
-    # The goodput headline (views/goodput.py): goodput, ettr, allocated_s, productive_s, unit, units, source,
-    # interruptions (their count).
+    # The goodput headline (views/goodput.py): goodput, ettr, allocated_unit_s, productive_unit_s (unit-seconds:
+    # GPU-seconds, or CPU rank-seconds), unit, units, source, interruptions (their count).
     goodput: dict | None = None
     # The in-allocation supervisor (orchestrator/supervise): restarts (in this allocation, beside `restarts`,
     # the requeues), faults, last_fault {kind: crash|hang|straggler, reason, ranks, hosts, top_frames, stacks,
@@ -156,7 +156,8 @@ def _goodput(record: JobRecord, view: SchedView, progress: Progress, phase: str)
     live = phase in ("PENDING", "RUNNING", "REQUEUED")
     g = goodput(record, list(view.attempts) if view.attempts else None, progress.events, progress.metrics,
                 now=time.time() if live else None)
-    return {"goodput": g.goodput, "ettr": g.ettr, "allocated_s": g.allocated_s, "productive_s": g.productive_s,
+    return {"goodput": g.goodput, "ettr": g.ettr, "allocated_unit_s": g.allocated_unit_s,
+            "productive_unit_s": g.productive_unit_s,
             "unit": g.unit, "units": g.units, "source": g.source, "interruptions": len(g.interruptions)}
 
 

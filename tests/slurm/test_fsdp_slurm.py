@@ -81,8 +81,8 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
     [cut] = rep["interruptions"]
     assert cut["kind"] == "preemption" and cut["step"] == stop_step and cut["lost_steps"] == 0, cut
     assert cut["recovered"] == f"requeued by the workers, resumed from step {stop_step}", cut
-    assert abs(sum(rep["seconds"].values()) - rep["allocated_s"]) <= 0.02 * rep["allocated_s"], rep["seconds"]
-    assert rep["seconds"]["productive"] > 0 and rep["seconds"]["checkpoint"] > 0 and 0 < rep["goodput"] <= 1
+    assert abs(sum(rep["unit_seconds"].values()) - rep["allocated_unit_s"]) <= 0.02 * rep["allocated_unit_s"], rep["unit_seconds"]
+    assert rep["unit_seconds"]["productive"] > 0 and rep["unit_seconds"]["checkpoint"] > 0 and 0 < rep["goodput"] <= 1
     assert rep["ettr"] < rep["goodput"]  # the queue waits count against ETTR only
     text = fsdpjob("report", run["run_id"], check=True).stdout
     assert "attempt times from sacct" in text and "preemption at step" in text, text
@@ -90,7 +90,7 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
     listed = next(r for r in json.loads(fsdpjob("list", "--json", check=True).stdout) if r["run_id"] == run["run_id"])
     assert listed["goodput"]["source"] == "sacct" and listed["goodput"]["interruptions"] == 1, listed["goodput"]
     assert listed["goodput"]["goodput"] == pytest.approx(rep["goodput"], rel=0.02)
-    assert status(run["run_id"])["goodput"]["productive_s"] > 0
+    assert status(run["run_id"])["goodput"]["productive_unit_s"] > 0
 
 
 def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec, in_container):

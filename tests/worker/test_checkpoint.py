@@ -375,6 +375,28 @@ def test_export_fp32_is_bitwise_and_sharded(two_rank_checkpoint: dict[str, Any],
     assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == [1, 2]
 
 
+def test_export_takes_a_run_id_and_writes_its_newest_committed_checkpoint(two_rank_checkpoint: dict[str, Any],
+                                                                          tmp_path: Path) -> None:
+    import shutil
+
+    from helpers import fsdpjob
+
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.registry import JobRecord
+
+    run = tmp_path / "run"
+    shutil.copytree(two_rank_checkpoint["run"], run)
+    (run / "checkpoints" / step_dir_name(5)).mkdir()  # a save that never committed: not exported
+    registry.save(JobRecord(run_id="exp-20261203-100000-abcd", name="exp", run_dir=str(run), scheduler="local",
+                            job_id="999999990", profile="local", submitted_at=1.0, spec_hash="h", nodes=1,
+                            tasks_per_node=2, max_steps=2, gpus_per_node=0))
+    done = fsdpjob("export", "exp-2026", "--out", str(tmp_path / "hf"), "--dtype", "fp32", cwd=tmp_path,
+                   timeout_s=300, check=True)
+    assert done.stdout.strip() == f"exported {run / 'checkpoints' / step_dir_name(2)} -> {tmp_path / 'hf'}"
+    expected = two_rank_checkpoint["written"]["full"]["model"]
+    assert mismatches(expected, _loaded_weights(tmp_path / "hf", torch.float32)) == []
+
+
 def test_export_bf16_in_small_shards(two_rank_checkpoint: dict[str, Any], tmp_path: Path) -> None:
     expected = two_rank_checkpoint["written"]["full"]["model"]
     step_dir = two_rank_checkpoint["root"] / step_dir_name(2)

@@ -1,0 +1,59 @@
+"""What `submit --wait` streams (views/stream.stream_line, reused by any command that follows a run): steps
+with rounded losses, evaluations, checkpoints, stops, restarts, failures and the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdpjob.orchestrator.registry import JobRecord
+from fsdpjob.orchestrator.views.follow import wait_for
+from fsdpjob.orchestrator.views.stream import stream_line
+
+TIMELINE = [
+    {"event": "start", "time": 1, "restart": 0, "world_size": 2, "job_id": "7", "host": "h", "launch": 0},
+    {"event": "data", "time": 2, "sequences": 10, "examples": 40},
+    {"event": "ready", "time": 3, "step": 0, "setup_s": 2.0441},
+    {"event": "metric", "time": 4, "step": 10, "loss": 2.3229605607160435, "tokens_per_s": 1234.56, "eta_s": 12.3},
+    {"event": "checkpoint", "time": 5, "step": 20, "reason": "interval", "save_s": 0.4123},
+    {"event": "metric", "time": 6, "step": 20, "eval_loss": 2.1000000001, "eval_tokens": 99, "eval_s": 0.5},
+    {"event": "fault", "time": 7, "kind": "crash", "launch": 0, "reason": "the workers' step exited 1", "restart": True,
+     "decision": "restart 1 of 2"},
+    {"event": "start", "time": 8, "restart": 0, "world_size": 2, "host": "h", "launch": 1},
+    {"event": "resume", "time": 9, "step": 20, "checkpoint": "/r/checkpoints/step-00000020"},
+    {"event": "metric", "time": 10, "step": 30, "loss": None, "tokens_per_s": 1000.0},
+    {"event": "stop", "time": 11, "reason": "cancelled", "step": 33, "requeued": False, "save_s": 0.31,
+     "detail": "fsdpjob cancel: the workers stopped for good"},
+    {"event": "done", "time": 12, "step": 40, "loss": 1.987654321},
+]
+LINES = [
+    "[start] workers started (2 ranks on h)",
+    "[ready] training from step 0 after 2.04 s of set-up",
+    "step 10/40  loss 2.3230  1235 tok/s  eta 12 s",
+    "[checkpoint] step 20 saved (interval, 0.41 s blocking)",
+    "step 20/40  eval_loss 2.1000  (0.50 s)",
+    "[fault] crash of launch 0: the workers' step exited 1; restarting: restart 1 of 2",
+    "[start] workers started (2 ranks on h, restart 1 in this allocation)",
+    "[resume] resumed from step 20 (/r/checkpoints/step-00000020)",
+    "step 30/40  loss nan  1000 tok/s",  # metrics.jsonl writes a NaN loss as null
+    "[stop] cancelled at step 33: stop checkpoint in 0.31 s; not requeued (fsdpjob cancel: the workers stopped for good)",
+    "[done] finished at step 40, loss 1.9877",
+]
+
+
+def test_every_kind_of_entry_has_its_line_and_losses_are_rounded() -> None:
+    assert [line for e in TIMELINE if (line := stream_line(e, 40)) is not None] == LINES
+
+
+def test_wait_streams_the_whole_timeline_of_a_run_that_ended(tmp_path: Path, capsys) -> None:
+    events = [e for e in TIMELINE if e["event"] != "metric"]
+    metrics = [{k: v for k, v in e.items() if k != "event"} for e in TIMELINE if e["event"] == "metric"]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    record = JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="local", job_id="999999999",
+                       profile="local", submitted_at=0.0, spec_hash="h", nodes=1, tasks_per_node=2, max_steps=40,
+                       extra={"cancelled": True}, gpus_per_node=0)
+    assert wait_for(record, poll_s=0.01) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == LINES
+    assert err.startswith("r-1: CANCELLED at step 40/40")
