@@ -10,6 +10,7 @@ from importlib import resources
 
 import jinja2
 
+from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import advice_lines, duration_text
 
 from .goodput import CATEGORIES
