@@ -10,6 +10,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+from specs import write_spec as write_spec_file
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -196,6 +197,27 @@ def test_schema_matches_the_snapshot():
     assert json.loads(done.stdout) == json.loads((GOLDEN / "jobspec.schema.json").read_text())
 
 
+def test_schema_takes_what_validation_takes(tmp_path):
+    """An editor's YAML language server checks specs with `fsdpjob schema`: every shipped example and valid spec
+    passes it, and so do the values validation accepts that look like another type (time_limit: 90, mem_per_node:
+    0); a count given as true fails both."""
+    import jsonschema
+    import yaml
+
+    schema = json.loads(fsdpjob("schema").stdout)
+    checker = jsonschema.Draft202012Validator(schema)
+    specs = [*sorted((REPO / "examples").glob("*.yaml")), *sorted(VALID.glob("*.yaml"))]
+    for path in specs:
+        errors = [e.message for e in checker.iter_errors(yaml.safe_load(path.read_text()))]
+        assert not errors, (path.name, errors)
+    base = yaml.safe_load((VALID / "single-node.yaml").read_text())
+    for resources in ({"time_limit": 90, "mem_per_node": 0}, {"time_limit": "1-00:00", "mem_per_node": "500G"}):
+        spec = write_spec_file(tmp_path / "s.yaml", {**base, "resources": resources})
+        assert fsdpjob("validate", str(spec), "--no-file-checks").returncode == 0
+        assert checker.is_valid(yaml.safe_load(spec.read_text())), resources
+    assert not checker.is_valid({**base, "train": {**base["train"], "max_steps": True}})
+
+
 def test_profiles_table_and_json():
     names = sorted(p.stem for p in (REPO / "cluster_profiles").glob("*.yaml"))
     table = fsdpjob("profiles")
@@ -215,3 +237,107 @@ def test_help_lists_the_commands():
 def test_unknown_command_is_a_usage_error():
     done = fsdpjob("valiate")
     assert done.returncode == 2 and "No such command 'valiate'" in done.stderr
+
+
+# --- one verdict: plan, submit --dry-run and submit agree (issue 25) ---------------------------------------------
+
+EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml") if p.name != "quickstart.yaml")
+
+
+def seed_spec(tmp_path: Path, nodes: int) -> Path:
+    from test_submit_preflight import make_70b_spec
+
+    return make_70b_spec(tmp_path, nodes=nodes)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "sets", "verdict"),
+    [(2, [], "FITS"), (1, [], "DOES NOT FIT"), (2, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
+)
+def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdict):
+    spec = str(seed_spec(tmp_path, nodes))
+    plan = fsdpjob("plan", spec, *sets, cwd=tmp_path)
+    dry = fsdpjob("submit", spec, "--dry-run", *sets, cwd=tmp_path)
+    dry_json = fsdpjob("submit", spec, "--dry-run", "--json", *sets, cwd=tmp_path)
+    code = 0 if verdict == "FITS" else 2
+    assert (plan.returncode, dry.returncode, dry_json.returncode) == (code, code, code), (plan.stderr, dry.stderr)
+    assert plan.stdout.rstrip().endswith(f"verdict: {verdict}") and f"verdict: {verdict}" in dry.stderr
+    assert json.loads(dry_json.stdout)["plan"]["verdict"] == verdict
+    if verdict != "FITS":  # submit refuses with the same words as the dry run, and the fixes
+        done = fsdpjob("submit", spec, *sets, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.splitlines()[-1] == dry.stderr.splitlines()[-1]
+        assert ("--set" in done.stderr) if verdict == "DOES NOT FIT" else ("stall_floor_s: " in done.stderr)
+    assert "verdict: FITS" not in plan.stdout or verdict == "FITS"
+
+
+def test_dry_run_json_is_the_request(tmp_path):
+    spec = str(seed_spec(tmp_path, 2))
+    done = fsdpjob("submit", spec, "--dry-run", "--json", "--set", "env.HF_TOKEN=hush", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    request = json.loads(done.stdout)
+    assert request["script"].startswith("#!/bin/bash") and "#SBATCH --nodes=2" in request["script"]
+    assert request["environment"] == ["FSDPJOB_RUN_DIR", "HF_TOKEN"] and "hush" not in done.stdout
+    assert request["plan"]["verdict"] == "FITS" and request["scheduler"] == "slurm"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_shipped_gpu_example_can_be_dry_run(example):
+    done = fsdpjob("submit", f"examples/{example}", "--dry-run", "--no-file-checks")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("#!/bin/bash") and "verdict: FITS" in done.stderr
+
+
+def test_no_file_checks_is_for_the_dry_run_only():
+    done = fsdpjob("submit", f"examples/{EXAMPLES[0]}", "--no-file-checks")
+    assert done.returncode == 2 and "--no-file-checks goes with --dry-run only" in done.stderr
+
+
+def test_local_dry_run_shows_the_worker_commands_and_environment(tmp_path):
+    spec = write_job_with_files(tmp_path)
+    tiny = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 256}  # fmt: skip
+    (tmp_path / "model" / "config.json").write_text(json.dumps(tiny))
+    done = fsdpjob("submit", str(spec), "--dry-run", "--no-file-checks", "--profile", "local", "--set",
+                   "resources.tasks_per_node=2", "--set", "env.HF_TOKEN=hush", "--run-dir", "/runs/local")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"{sys.executable} -m fsdpjob.orchestrator.supervise /runs/local --world-size 2 --scheduler local" in lines[2]
+    assert lines[4] == f"{sys.executable} -u -m submitit.core._submit /runs/local/submitit"
+    for exported in ("export FSDPJOB_RUN_DIR=/runs/local", "export HF_TOKEN=<secret>", "export OMP_NUM_THREADS=1",
+                     "export SUBMITIT_LOCAL_NTASKS=2", "export CUDA_VISIBLE_DEVICES=''"):
+        assert exported in lines, exported
+    assert "hush" not in done.stdout + done.stderr
+
+
+# --- usage errors exit 2 on every command --------------------------------------------------------------------
+
+
+def test_every_command_exits_2_on_a_bad_option():
+    from fsdpjob.orchestrator.cli import cli
+
+    for name in cli.list_commands(None):  # type: ignore[arg-type]
+        done = fsdpjob(name, "--no-such-option")
+        assert done.returncode == 2 and "No such option" in done.stderr, (name, done.returncode, done.stderr)
+
+
+def test_report_plot_into_a_missing_folder_is_a_usage_error(tmp_path):
+    done = fsdpjob("report", "some-run", "--plot", "nodir/x.png", cwd=tmp_path)
+    assert done.returncode == 2 and "folder nodir does not exist" in done.stderr and "internal error" not in done.stderr
+
+
+def test_an_existing_run_dir_is_a_usage_error(tmp_path):
+    spec = seed_spec(tmp_path, 2)
+    done = fsdpjob("submit", str(spec), "--run-dir", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == f"--run-dir: run folder {tmp_path} already exists; pick another"
+
+
+def test_a_rank_out_of_range_is_a_usage_error(tmp_path):
+    from fsdpjob.orchestrator import registry
+
+    registry.save(registry.JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="local", job_id="1",
+                                     profile="local", submitted_at=0.0, spec_hash="x", nodes=1, tasks_per_node=2,
+                                     max_steps=1))  # fmt: skip
+    done = fsdpjob("logs", "r-1", "--rank", "5")
+    assert (done.returncode, done.stderr.strip()) == (2, "--rank: rank 5 is out of range: this run has ranks 0..1")

@@ -59,7 +59,7 @@ _LineLoader.add_implicit_resolver(
 
 # A job spec is a page of YAML. Bounds on what a file may make the loader do: its size, and the number of
 # values once aliases are expanded (an "alias bomb" of a few lines expands to billions).
-MAX_BYTES = 1 << 20
+MAX_BYTES = 4 << 20
 MAX_VALUES = 100_000
 
 
