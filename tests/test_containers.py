@@ -120,7 +120,10 @@ def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch)
 def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, says):
     done = fsdpjob("validate", str(VALID / "pyxis-container.yaml"), "--no-file-checks", "--set", change)
     assert done.returncode == 2 and says in done.stderr, done.stderr
-    assert done.stderr.startswith(str(VALID / "pyxis-container.yaml") + ":"), done.stderr  # FILE:LINE
+    # FILE:LINE of the field, or the --set that gave it its value
+    key = change.split("=")[0]
+    where = f"--set {change}: " if says.split(":")[0] == key else str(VALID / "pyxis-container.yaml") + ":"
+    assert done.stderr.startswith(where), done.stderr
 
 
 def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_path):
