@@ -186,39 +186,58 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
         _echo_json(result.to_json())
     else:
         click.echo(format_plan(result))
-    if not result.fits:
+    if _refusal(result, spec, force=False):
         raise SystemExit(2)
+
+
+def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
+    """Why submit would not submit this plan (FitPlan.verdict), or None: plan, submit --dry-run and submit
+    all ask this one question, so they agree on the verdict and the exit code."""
+    if force or fit.verdict == "FITS":
+        return None
+    if fit.verdict == "REFUSED":
+        return PlanRefused(f"{spec}: {fit.refusal} (or pass --force)")
+    return PlanRefused("the planner says this job does not fit (see the plan above); apply a fix or pass --force")
 
 
 @cli.command()
 @SPEC_ARG
 @PROFILE_OPT
 @SET_OPT
-@click.option("--dry-run", is_flag=True, help="Print the plan and the script; touch nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and the request; touch nothing; exit as submit would.")
 @click.option("--wait", is_flag=True, help="Stream progress until the job ends; exit with its status.")
 @click.option("--force", is_flag=True, help="Submit even if the planner says the job cannot fit.")
 @click.option("--resume-from", type=click.Path(exists=True, path_type=str), help="Start from this checkpoint (a step-N folder, a checkpoints folder or a run folder).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default: $FSDPJOB_HOME/runs/<name>-<time>-<id>).")
+@click.option("--no-file-checks", is_flag=True, help="With --dry-run: skip checks of the model folder and data file "
+              "(the plan still reads config.json).")
 @JSON_OPT
-def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, as_json) -> None:
+def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, as_json) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from fsdpjob.orchestrator import submit as submission
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
 
-    job = load_job(spec, profile=profile, overrides=sets)
+    if no_file_checks and not dry_run:
+        raise click.UsageError("--no-file-checks goes with --dry-run only: a real submit checks the files first")
+    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from)
     fit = make_plan(job)
+    refusal = _refusal(fit, spec, force=force)
     if dry_run:
         request = submission.dry_run(job, run_dir.resolve() if run_dir else None)
-        click.echo(format_plan(fit), err=True)
-        click.echo(request.text, nl=False)
+        if as_json:
+            _echo_json(submission.request_json(job, request, fit.to_json()))
+        else:
+            click.echo(format_plan(fit), err=True)
+            click.echo(request.text, nl=False)
+        if refusal:
+            raise refusal
         return
-    if not fit.fits and not force:
-        click.echo(format_plan(fit), err=True)
-        raise PlanRefused("the planner says this job does not fit (see the plan above); apply a fix or pass --force")
-    if fit.refusal and not force:
-        raise PlanRefused(f"{spec}: {fit.refusal} (or pass --force)")
+    if refusal:
+        if fit.verdict == "DOES NOT FIT":
+            click.echo(format_plan(fit), err=True)
+        raise refusal
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
     sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,

@@ -13,7 +13,7 @@ from pathlib import Path
 from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.backend import Request, backend_for
 from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.errors import SubmissionError
+from fsdpjob.orchestrator.core.errors import InputError, SubmissionError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
@@ -66,13 +66,20 @@ def _claim_run_folder(name: str, run_dir: Path | None) -> RunPaths:
             return paths
         except FileExistsError:
             if run_dir is not None:
-                raise SubmissionError(f"run folder {run_dir} already exists; pick another --run-dir") from None
+                raise InputError(f"run folder {run_dir} already exists; pick another", file="--run-dir") from None
     raise SubmissionError(f"no free run folder name under {paths.run_dir.parent} in 100 tries")
 
 
 def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
     """What would be submitted, touching nothing."""
     return backend_for(job.profile.scheduler).dry_run(job, RunPaths(run_dir or runs_root() / new_run_id(job.spec.name)))
+
+
+def request_json(job: LoadedJob, request: Request, plan: dict) -> dict:
+    """`submit --dry-run --json`: the request as data. The submission environment by name only: its values
+    may be secret. ``text`` is what the plain dry run prints (the script, or for a local run what starts)."""
+    return {"profile": job.profile.name, "scheduler": job.profile.scheduler, "run_dir": str(request.paths.run_dir),
+            "script": request.script, "text": request.text, "environment": sorted(request.env), "plan": plan}
 
 
 def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,

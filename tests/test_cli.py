@@ -10,6 +10,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+from specs import write_spec as write_spec_file
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -38,24 +39,26 @@ def invalid_cases() -> list:
 
 @pytest.mark.parametrize("path", invalid_cases())
 def test_invalid_spec_gives_one_line_at_file_line(path):
-    """tests/data/specs/invalid/*.yaml: '# expect: LINE: field: message' says what `validate` must print."""
-    expect = header(path, "expect")
-    assert expect, f"{path.name} has no '# expect:' line"
-    line, _, rest = expect.partition(": ")
+    """tests/data/specs/invalid/*.yaml: each '# expect: LINE: field: message' is one line `validate` must print
+    (a spec with several problems has them all reported, one line each)."""
+    expects = re.findall(r"^# expect: (.*)$", path.read_text(), re.MULTILINE)
+    assert expects, f"{path.name} has no '# expect:' line"
     rel = path.relative_to(REPO).as_posix()
     done = fsdpjob("validate", rel, *(header(path, "args") or "").split())
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert done.stdout == ""
     lines = done.stderr.splitlines()
-    assert len(lines) == 1, done.stderr
-    prefix = f"{rel}:{line}: "
-    assert lines[0].startswith(prefix), f"expected {prefix!r}...: {lines[0]}"
-    loc_and_message = lines[0][len(prefix) :]
-    if rest.startswith("YAML"):
-        assert loc_and_message.startswith(rest), lines[0]
-    else:
-        loc, _, message = rest.partition(": ")
-        assert loc_and_message.startswith(f"{loc}: ") and message in loc_and_message, lines[0]
+    assert len(lines) == len(expects), done.stderr
+    for expect, got in zip(expects, lines):
+        line, _, rest = expect.partition(": ")
+        prefix = f"{rel}:{line}: "
+        assert got.startswith(prefix), f"expected {prefix!r}...: {got}"
+        loc_and_message = got[len(prefix) :]
+        if rest.startswith("YAML"):
+            assert loc_and_message.startswith(rest), got
+        else:
+            loc, _, message = rest.partition(": ")
+            assert loc_and_message.startswith(f"{loc}: ") and message in loc_and_message, got
 
 
 def test_valid_specs_validate(tmp_path):
@@ -95,9 +98,16 @@ def test_set_overrides_values_as_yaml():
 @pytest.mark.parametrize(
     "item, expected",
     [
-        ("train.max_stepz=5", f"{SPEC}:8: train.max_stepz: unknown key; did you mean 'max_steps'?"),
-        ("resources.nodes=0", f"{SPEC}:2: resources.nodes: Input should be greater than 0"),
-        ("resources.nodes=[1, 2]", f"{SPEC}:2: resources.nodes: Input should be a valid integer (got [1, 2])"),
+        # The value came from --set, not from the spec's line: the error says so.
+        ("train.max_stepz=5", "--set train.max_stepz=5: train.max_stepz: unknown key; did you mean 'max_steps'?"),
+        ("resources.nodes=0", "--set resources.nodes=0: resources.nodes: Input should be greater than 0"),
+        ("resources.nodes=[1, 2]", "--set resources.nodes=[1, 2]: resources.nodes: Input should be a valid integer "
+                                   "(got [1, 2])"),
+        ("fsdp=5", "--set fsdp=5: fsdp: expected a section (indented key: value lines), got 5"),
+        ("train.betas=[0.9]", "--set train.betas=[0.9]: train.betas: betas takes two numbers (beta1, beta2), e.g. "
+                              "[0.9, 0.95]; got 1"),
+        ("resources.nodes=true", "--set resources.nodes=true: resources.nodes: Input should be a valid integer "
+                                 "(got True)"),
         ("name.first=x", "--set: 'name' is not a section; cannot set 'name.first'"),
         ("nodes", "--set: expected KEY=VALUE (e.g. train.lr=1e-4), got 'nodes'"),
         ("train..lr=1", "--set: bad key 'train..lr'; use dotted field names such as train.max_steps"),
@@ -181,6 +191,27 @@ def test_schema_matches_the_snapshot():
     assert json.loads(done.stdout) == json.loads((GOLDEN / "jobspec.schema.json").read_text())
 
 
+def test_schema_takes_what_validation_takes(tmp_path):
+    """An editor's YAML language server checks specs with `fsdpjob schema`: every shipped example and valid spec
+    passes it, and so do the values validation accepts that look like another type (time_limit: 90, mem_per_node:
+    0); a count given as true fails both."""
+    import jsonschema
+    import yaml
+
+    schema = json.loads(fsdpjob("schema").stdout)
+    checker = jsonschema.Draft202012Validator(schema)
+    specs = [*sorted((REPO / "examples").glob("*.yaml")), *sorted(VALID.glob("*.yaml"))]
+    for path in specs:
+        errors = [e.message for e in checker.iter_errors(yaml.safe_load(path.read_text()))]
+        assert not errors, (path.name, errors)
+    base = yaml.safe_load((VALID / "single-node.yaml").read_text())
+    for resources in ({"time_limit": 90, "mem_per_node": 0}, {"time_limit": "1-00:00", "mem_per_node": "500G"}):
+        spec = write_spec_file(tmp_path / "s.yaml", {**base, "resources": resources})
+        assert fsdpjob("validate", str(spec), "--no-file-checks").returncode == 0
+        assert checker.is_valid(yaml.safe_load(spec.read_text())), resources
+    assert not checker.is_valid({**base, "train": {**base["train"], "max_steps": True}})
+
+
 def test_profiles_table_and_json():
     names = sorted(p.stem for p in (REPO / "cluster_profiles").glob("*.yaml"))
     table = fsdpjob("profiles")
@@ -200,3 +231,102 @@ def test_help_lists_the_commands():
 def test_unknown_command_is_a_usage_error():
     done = fsdpjob("valiate")
     assert done.returncode == 2 and "No such command 'valiate'" in done.stderr
+
+
+# --- one verdict: plan, submit --dry-run and submit agree (issue 25) ---------------------------------------------
+
+EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml") if p.name != "quickstart.yaml")
+
+
+def seed_spec(tmp_path: Path, nodes: int) -> Path:
+    from test_submit_preflight import make_70b_spec
+
+    return make_70b_spec(tmp_path, nodes=nodes)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "sets", "verdict"),
+    [(2, [], "FITS"), (1, [], "DOES NOT FIT"), (2, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
+)
+def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdict):
+    spec = str(seed_spec(tmp_path, nodes))
+    plan = fsdpjob("plan", spec, *sets, cwd=tmp_path)
+    dry = fsdpjob("submit", spec, "--dry-run", *sets, cwd=tmp_path)
+    dry_json = fsdpjob("submit", spec, "--dry-run", "--json", *sets, cwd=tmp_path)
+    code = 0 if verdict == "FITS" else 2
+    assert (plan.returncode, dry.returncode, dry_json.returncode) == (code, code, code), (plan.stderr, dry.stderr)
+    assert plan.stdout.rstrip().endswith(f"verdict: {verdict}") and f"verdict: {verdict}" in dry.stderr
+    assert json.loads(dry_json.stdout)["plan"]["verdict"] == verdict
+    if verdict != "FITS":  # submit refuses with the same words as the dry run, and the fixes
+        done = fsdpjob("submit", spec, *sets, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.splitlines()[-1] == dry.stderr.splitlines()[-1]
+        assert ("--set" in done.stderr) if verdict == "DOES NOT FIT" else ("stall_floor_s: " in done.stderr)
+    assert "verdict: FITS" not in plan.stdout or verdict == "FITS"
+
+
+def test_dry_run_json_is_the_request(tmp_path):
+    spec = str(seed_spec(tmp_path, 2))
+    done = fsdpjob("submit", spec, "--dry-run", "--json", "--set", "env.HF_TOKEN=hush", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    request = json.loads(done.stdout)
+    assert request["script"].startswith("#!/bin/bash") and "#SBATCH --nodes=2" in request["script"]
+    assert request["environment"] == ["FSDPJOB_RUN_DIR", "HF_TOKEN"] and "hush" not in done.stdout
+    assert request["plan"]["verdict"] == "FITS" and request["scheduler"] == "slurm"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_shipped_gpu_example_can_be_dry_run(example):
+    done = fsdpjob("submit", f"examples/{example}", "--dry-run", "--no-file-checks")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("#!/bin/bash") and "verdict: FITS" in done.stderr
+
+
+def test_no_file_checks_is_for_the_dry_run_only():
+    done = fsdpjob("submit", f"examples/{EXAMPLES[0]}", "--no-file-checks")
+    assert done.returncode == 2 and "--no-file-checks goes with --dry-run only" in done.stderr
+
+
+def test_local_dry_run_shows_the_worker_commands_and_environment(tmp_path):
+    spec = write_job_with_files(tmp_path)
+    tiny = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 256}  # fmt: skip
+    (tmp_path / "model" / "config.json").write_text(json.dumps(tiny))
+    done = fsdpjob("submit", str(spec), "--dry-run", "--no-file-checks", "--profile", "local", "--set",
+                   "resources.tasks_per_node=2", "--set", "env.HF_TOKEN=hush", "--run-dir", "/runs/local")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"{sys.executable} -m fsdpjob.orchestrator.supervise /runs/local --world-size 2 --scheduler local" in lines[2]
+    assert lines[4] == f"{sys.executable} -u -m submitit.core._submit /runs/local/submitit"
+    for exported in ("export FSDPJOB_RUN_DIR=/runs/local", "export HF_TOKEN=<secret>", "export OMP_NUM_THREADS=1",
+                     "export SUBMITIT_LOCAL_NTASKS=2", "export CUDA_VISIBLE_DEVICES=''"):
+        assert exported in lines, exported
+    assert "hush" not in done.stdout + done.stderr
+
+
+# --- usage errors exit 2 on every command --------------------------------------------------------------------
+
+
+def test_every_command_exits_2_on_a_bad_option():
+    from fsdpjob.orchestrator.cli import cli
+
+    for name in cli.list_commands(None):  # type: ignore[arg-type]
+        done = fsdpjob(name, "--no-such-option")
+        assert done.returncode == 2 and "No such option" in done.stderr, (name, done.returncode, done.stderr)
+
+
+def test_an_existing_run_dir_is_a_usage_error(tmp_path):
+    spec = seed_spec(tmp_path, 2)
+    done = fsdpjob("submit", str(spec), "--run-dir", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == f"--run-dir: run folder {tmp_path} already exists; pick another"
+
+
+def test_a_rank_out_of_range_is_a_usage_error(tmp_path):
+    from fsdpjob.orchestrator import registry
+
+    registry.save(registry.JobRecord(run_id="r-1", name="r", run_dir=str(tmp_path), scheduler="local", job_id="1",
+                                     profile="local", submitted_at=0.0, spec_hash="x", nodes=1, tasks_per_node=2,
+                                     max_steps=1))  # fmt: skip
+    done = fsdpjob("logs", "r-1", "--rank", "5")
+    assert (done.returncode, done.stderr.strip()) == (2, "--rank: rank 5 is out of range: this run has ranks 0..1")

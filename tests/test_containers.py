@@ -117,12 +117,20 @@ def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch)
     ("profile=local", "container: profile 'local' is a local profile: containers run on Slurm only"),
     ("profile=test-cluster", "profile 'test-cluster' lists container_runtimes: [none]"),
     ("container.name='a b'", "container.name: 'a b': a container name is letters, digits"),
-    ("container={runtime: apptainer, image: /i.sif, name: x}", "a container name is pyxis's"),
 ])
 def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, says):
     done = fsdpjob("validate", str(VALID / "pyxis-container.yaml"), "--no-file-checks", "--set", change)
     assert done.returncode == 2 and says in done.stderr, done.stderr
-    assert done.stderr.startswith(str(VALID / "pyxis-container.yaml") + ":"), done.stderr  # FILE:LINE
+    # FILE:LINE of the field, or the --set that gave it its value
+    key = change.split("=")[0]
+    where = f"--set {change}: " if says.split(":")[0] == key else str(VALID / "pyxis-container.yaml") + ":"
+    assert done.stderr.startswith(where), done.stderr
+
+
+def test_a_container_name_is_for_pyxis_only():
+    done = fsdpjob("validate", str(VALID / "apptainer-container.yaml"), "--no-file-checks", "--set", "container.name=x")
+    assert done.returncode == 2 and done.stderr.startswith("--set container.name=x: container.name: a container name is "
+                                                           "pyxis's"), done.stderr
 
 
 def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_path):

@@ -165,6 +165,8 @@ def faults(code: int, out: str, err: str) -> list[str]:
     found = []
     if "Traceback" in out + err or "internal error" in err:
         found.append("traceback")
+    if re.search(r"instance of [A-Z]\w+", err):
+        found.append("a pydantic class name")
     elif code not in (0, 2):
         found.append(f"exit {code}")
     if code == 2:
@@ -350,3 +352,94 @@ def hostile_case(folder: Path, field: str, template: str) -> tuple[Case, LoadedJ
         return case, load_job(str(spec_file), check_files=False)
     except InputError as exc:
         return case, exc
+
+
+# --- what would fail on the node fails at validate, at once (issue 25) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        pytest.param(["submit", "SPEC", "--dry-run", "--resume-from", "DIR/empty"],
+                     "--resume-from: DIR/empty is not a checkpoint: no committed step-N folder", id="resume-empty"),
+        pytest.param(["submit", "SPEC", "--dry-run", "--resume-from", "DIR/run/checkpoints/step-00000010"],
+                     "is a checkpoint that was never committed", id="resume-uncommitted"),
+        pytest.param(["validate", "SPEC", "--set", "checkpoint.dir=DIR/a-file/ckpt"],
+                     "checkpoint.dir: DIR/a-file is a file, so DIR/a-file/ckpt cannot be created", id="ckpt-dir-file"),
+        pytest.param(["validate", "SPEC", "--set", "resources.cpus_per_task=999"],
+                     "--set resources.cpus_per_task=999: resources.cpus_per_task: tasks_per_node (2) x cpus_per_task "
+                     "(999) = 1998 cores, more than the 2 of a 'local' node; set cpus_per_task to at most 1",
+                     id="cpus-over-cores"),
+        pytest.param(["validate", "SPEC", "--set", "resources.tasks_per_node=64"],
+                     "resources.tasks_per_node: tasks_per_node (64) x cpus_per_task (1) = 64 cores, more than the 2",
+                     id="tasks-over-cores"),
+        pytest.param(["validate", "SPEC", "-p", "a100-80gb", "--set", "resources.gpus_per_node=0", "--set",
+                      "resources.tasks_per_node=1"], "gpus_per_node: 0 on profile 'a100-80gb'", id="no-gpus"),
+        pytest.param(["validate", "SPEC", "-p", "example", "--set", "resources.nodes=100000", "--set",
+                      "resources.tasks_per_node=8"],
+                     "partition gpu of profile 'example' has 64 node(s) (its partition_nodes): nodes must be at most "
+                     "64, got 100000", id="nodes-over-partition"),
+        pytest.param(["validate", "SPEC", "--set", "train.max_steps=true"],
+                     "train.max_steps: Input should be a valid integer (got True)", id="bool-count"),
+        pytest.param(["validate", "SPEC", "--set", "train.betas=[0.9]"], "betas takes two numbers", id="one-beta"),
+    ],
+)  # fmt: skip
+def test_fails_at_validate_not_on_the_node(folder: Path, assets: dict, argv: list[str], expected: str) -> None:
+    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    (folder / "empty").mkdir(exist_ok=True)
+    (folder / "run" / "checkpoints" / "step-00000010").mkdir(parents=True, exist_ok=True)
+    (folder / "a-file").write_text("")
+    code, _, err = run_cli([a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv])
+    assert code == 2 and expected.replace("DIR", str(folder)) in err, err
+    assert not faults(code, "", err), err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_checkpoint_dir_fails_at_validate(folder: Path, assets: dict) -> None:
+    locked = folder / "locked"
+    locked.mkdir(mode=0o500, exist_ok=True)
+    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(["validate", spec, "--set", f"checkpoint.dir={locked}/ckpt"])
+    assert code == 2 and f"{locked} is not writable by you" in err, err
+
+
+def test_a_committed_checkpoint_is_accepted_by_resume_from(folder: Path, assets: dict) -> None:
+    step = folder / "done" / "step-00000004"
+    step.mkdir(parents=True, exist_ok=True)
+    (step / "COMMITTED").write_text("")
+    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(["submit", spec, "--dry-run", "--resume-from", str(folder / "done")])
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        pytest.param("a: &a [" + ",".join(["x"] * 9) + "]\n" + "".join(
+            f"{c}: &{c} [" + ",".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefghi", "bcdefghij")),
+            "expands to more than 100,000 values", id="alias-bomb"),
+        pytest.param("a: &a [*a]\n", "an alias refers to the value that holds it", id="alias-loop"),
+        pytest.param("name: " + "x" * 60_000_000 + "\n", "a job spec is at most 4,194,304", id="60-MB"),
+    ],
+)  # fmt: skip
+def test_yaml_size_and_alias_limits_answer_at_once(folder: Path, content: str, expected: str) -> None:
+    import time
+
+    spec = write_spec(folder, content)
+    started = time.monotonic()
+    code, _, err = run_cli(["validate", spec])
+    assert time.monotonic() - started < 1.0
+    assert code == 2 and expected in err and not faults(code, "", err), err
+
+
+@pytest.mark.parametrize("sets", [["train.micro_batch_size=1000000"], ["resources.nodes=100000"],
+                                  ["train.grad_accum_steps=1000000000", "train.micro_batch_size=4096"],
+                                  ["resources.nodes=1", "train.micro_batch_size=1000000", "data.seq_len=4096"]])
+def test_plan_answers_in_under_a_second_for_any_size(sets: list[str]) -> None:
+    import time
+
+    run_cli(["plan", "examples/llama2-70b-2x8-a100.yaml"])  # imports and caches out of the timing
+    started = time.monotonic()
+    code, out, err = run_cli(["plan", "examples/llama2-70b-2x8-a100.yaml", *[a for s in sets for a in ("--set", s)]])
+    assert time.monotonic() - started < 1.0
+    assert code in (0, 2) and "verdict: " in out, err

@@ -107,7 +107,9 @@ def test_not_a_causal_lm(tmp_path):
     "remove, add, words",
     [
         ("config.json", None, "no config.json"),
-        ("model.safetensors", None, "no weights in"),
+        # Before the download: the way to check the spec anyway is named.
+        ("model.safetensors", None, "download them first; before that, `fsdpjob plan` needs only config.json and "
+                                    "--no-file-checks skips these checks"),
         ("model.safetensors", "pytorch_model.bin", "only PyTorch .bin weights; convert them to safetensors"),
         ("tokenizer.json", None, "no tokenizer in"),
         ("tokenizer.json", "tokenizer.model", None),  # a sentencepiece model with tokenizer_config.json is enough
@@ -227,3 +229,18 @@ def test_supported_families_are_decoder_only():
 def test_no_torch_on_the_login_node():
     code = "import sys, fsdpjob.orchestrator.core.inputs; assert not {'torch', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_file_problem_is_reported_at_once(tmp_path):
+    """No weights, no tokenizer and no data file: three lines, not the first one only (as the README promises)."""
+    from fsdpjob.orchestrator.core.validation import SpecErrors
+
+    spec, doc, data = write_spec(tmp_path)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / "model" / name).unlink()
+    data.unlink()
+    with pytest.raises(SpecErrors) as info:
+        check_inputs(spec, doc)
+    lines = info.value.format().splitlines()
+    assert [(e.line, e.loc) for e in info.value.errors] == [(3, "model.path"), (3, "model.path"), (5, "data.path")]
+    assert "no weights in" in lines[0] and "no tokenizer in" in lines[1] and "does not exist" in lines[2]

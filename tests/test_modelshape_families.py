@@ -110,3 +110,31 @@ def test_buffers_stored_by_older_checkpoints_are_not_parameters(tmp_path: Path) 
     counted = count_params(read_model_shape(tmp_path))
     assert counted.total == 256 * 32 + 2 * 32 + 2 * (32 * 96 + 96)
     assert counted.embedding == 256 * 32 and counted.lm_head == 0
+
+
+def test_every_family_can_run_the_default_attention() -> None:
+    """The spec's default attention (sdpa) falls back to eager exactly where transformers has no sdpa path:
+    otherwise the workers would fail at the first forward, after the queue wait (gemma2 on transformers 5.x)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from fsdpjob.orchestrator.core.families import attention_for
+    from fsdpjob.orchestrator.core.spec import ModelSpec
+
+    default = ModelSpec.model_fields["attn_implementation"].default
+    for family in SUPPORTED_MODEL_TYPES:
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+        chosen = attention_for(family, default)
+        assert chosen == ("sdpa" if model_class._supports_sdpa else "eager"), family
+        assert attention_for(family, "flash_attention_2") == "flash_attention_2"
+
+
+def test_plan_counts_and_names_the_attention_the_worker_runs(tmp_path: Path) -> None:
+    tiny_config("gemma2").save_pretrained(tmp_path / "model")
+    (tmp_path / "spec.yaml").write_text(SPEC.format(model="model"))
+    seq = ("--set", "data.seq_len=64")  # the tiny config's max_position_embeddings
+    plan = json.loads(helpers.fsdpjob("plan", str(tmp_path / "spec.yaml"), "--json", *seq, check=True).stdout)
+    assert any("gemma2 has no sdpa attention in transformers: it trains with eager" in w for w in plan["warnings"])
+    eager = json.loads(helpers.fsdpjob("plan", str(tmp_path / "spec.yaml"), "--json", *seq, "--set",
+                                       "model.attn_implementation=eager", check=True).stdout)
+    assert plan["device_memory"]["peak_bytes"] == eager["device_memory"]["peak_bytes"]  # eager's scores counted

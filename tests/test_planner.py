@@ -286,7 +286,7 @@ def test_hsdp_shards_over_the_group_only(seed_70b: JobSpec) -> None:
 def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None:
     out = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1"), A100)).to_json()
     assert json.loads(json.dumps(out)) == out
-    assert set(out) == {"fits", "refusal", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
+    assert set(out) == {"verdict", "fits", "refusal", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
                         "signal", "step_plan", "checkpoint_interval", "fixes", "warnings"}
     assert out["fits"] is False and out["params"]["total"] == 68_976_648_192
     assert out["device_memory"]["peak_bytes"] == sum(i["bytes"] for i in out["device_memory"]["breakdown"])

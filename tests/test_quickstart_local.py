@@ -49,7 +49,7 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     listed = json.loads(fsdpjob("list", "--json", cwd=tmp_path).stdout)
     assert [r["phase"] for r in listed] == ["COMPLETED"]
     bad_rank = fsdpjob("logs", report["run_id"], "--rank", "7", cwd=tmp_path)
-    assert bad_rank.returncode == 1 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
+    assert bad_rank.returncode == 2 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
     check_goodput_report(report["run_id"], tmp_path)
 
 

@@ -285,7 +285,7 @@ def test_overrides_parse_values_as_yaml():
     items = ["train.lr=3e-4", "train.betas=[0.8, 0.9]", "fsdp.cpu_offload=true", "name=it's", "env.EMPTY=",
              "resources.time_limit=2:00:00"]  # fmt: skip
     data = apply_overrides({"train": {"lr": 1}}, items)
-    assert data["train"] == {"lr": "3e-4", "betas": [0.8, 0.9]}  # pydantic reads '3e-4' as a float
+    assert data["train"] == {"lr": 3e-4, "betas": [0.8, 0.9]}  # 3e-4 is a float without a dot too (as in YAML 1.2)
     assert data["fsdp"] == {"cpu_offload": True} and data["name"] == "it's" and data["env"] == {"EMPTY": ""}
     assert data["resources"]["time_limit"] == "2:00:00"
 

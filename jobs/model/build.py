@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpjob.orchestrator.core.families import attention_for
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weight_files
 
 from ..dist import DistEnv
@@ -226,6 +227,7 @@ def load_model(
     _check_attn_implementation(attn_implementation)
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
+    attn_implementation = attention_for(config.model_type, attn_implementation)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)

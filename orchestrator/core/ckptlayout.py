@@ -9,6 +9,7 @@ A step counts only once ``COMMITTED`` exists; it is written last (see jobs/check
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -46,3 +47,32 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
 
 def uncommitted_steps(root: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in step_dirs(root) if not (p / MARKER).is_file()]
+
+
+def resume_problem(path: Path) -> str | None:
+    """Why ``path`` (`submit --resume-from`) holds no committed checkpoint the workers could start from, or None:
+    found on the login node, before the queue wait, by the rules the worker's select_checkpoint applies."""
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    if parse_step(path.name) is not None or (path / ".metadata").exists() or (path / MARKER).exists():
+        if not (path / MARKER).is_file():
+            return f"{path} is a checkpoint that was never committed (its save did not finish); pick a committed step-N"
+        return None
+    root = path if step_dirs(path) else run_checkpoint_root(path)
+    if not committed_steps(root):
+        return (f"{path} is not a checkpoint: no committed step-N folder in it or in its run's checkpoints folder; "
+                "give a step-N folder, a checkpoints folder or a run folder that holds one")
+    return None
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why the workers could not create and write checkpoints in ``folder`` (checked from here, the same file
+    system on a cluster), or None: the folder, or the nearest existing folder above it, must be writable."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so {folder} cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by you, so checkpoints cannot be written in {folder}"
+    return None

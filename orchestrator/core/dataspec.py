@@ -64,7 +64,7 @@ class DataSource(FieldOptions, Strict):
 
     path: str
     """JSONL file(s), parquet file(s) or a folder written by datasets' save_to_disk: a file, a folder or a glob such as data/*.parquet. Relative to the spec file."""
-    weight: Annotated[float, Field(gt=0, le=1)]
+    weight: Annotated[float, Field(strict=True, gt=0, le=1)]
     """Share of the training sequences drawn from this source; the weights of all sources add up to 1. A small source is repeated, a large one is cycled through over the epochs."""
     format: DataFormat | None = None
     """Format of path; default: data.format."""
@@ -134,7 +134,7 @@ class DataSpec(FieldOptions, Strict):
     """Field with the completion of a prompt/completion pair."""
     messages_field: str | None = None
     """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
-    seq_len: Annotated[int, Field(gt=0)] = 512
+    seq_len: Annotated[int, Field(strict=True, gt=0)] = 512
     """Tokens per sequence."""
     packing: bool | Literal["naive"] = True
     """true: pack whole examples into each sequence along their boundaries (best-fit decreasing), each example with its own positions and attention to itself only. naive: concatenate every example and cut at seq_len (examples attend to the ones before them and may lose their start; the behaviour before boundary-aware packing). false: one example per sequence, padded to seq_len."""
@@ -146,7 +146,7 @@ class DataSpec(FieldOptions, Strict):
     """Evaluation examples, in any format path takes, with the same fields as path. Relative to the spec file."""
     eval_split: str | None = None
     """Split of eval_path when it is a save_to_disk DatasetDict folder; default: validation, else test, else its only split."""
-    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    eval_fraction: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
     """Share of the packed training sequences held out for evaluation (chosen from train.seed); 0: none."""
 
     _path = field_validator("path", "eval_path")(path_value)

@@ -11,9 +11,7 @@ _LINE_BREAKS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
 class Located(Protocol):
     """Where the fields of a YAML file are: core/yamlio.YamlDoc (not imported: yamlio raises these errors)."""
 
-    file: str
-
-    def line_of(self, loc: tuple[str | int, ...]) -> int | None: ...
+    def place(self, loc: tuple[str | int, ...]) -> tuple[str, int | None]: ...
 
 
 class FsdpjobError(Exception):
@@ -39,14 +37,13 @@ class InputError(FsdpjobError):
 
     @classmethod
     def at(cls, doc: Located | None, loc: tuple[str | int, ...], message: str):
-        """The error for the field at ``loc`` (e.g. ``("model", "path")``), at its line in ``doc`` when given.
+        """The error for the field at ``loc`` (e.g. ``("model", "path")``), at its line in ``doc`` when given (or
+        at the ``--set KEY=VALUE`` that gave it its value).
 
         The one way a YAML location becomes an error; a subclass calls it to get its own type (SpecError.at).
         """
-        return cls(
-            message, file=doc.file if doc else None, line=doc.line_of(loc) if doc else None,
-            loc=".".join(map(str, loc)) or None,
-        )
+        file, line = doc.place(loc) if doc else (None, None)
+        return cls(message, file=file, line=line, loc=".".join(map(str, loc)) or None)
 
     def format(self) -> str:
         where = ""

@@ -46,6 +46,9 @@ class Family:
     # gated, the MoE router when there are experts); c_proj_in_attention: gpt2's c_proj is in both halves
     lora_linears: tuple[str, ...] | None = None
     c_proj_in_attention: bool = False
+    # -- attention: False where transformers has no SDPA path for the family (gemma2's logit soft-capping):
+    # the spec's default sdpa then runs eager (see attention_for)
+    sdpa: bool = True
 
 
 _FUSED_QKV = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
@@ -61,7 +64,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qk_norm="head", omitted_kv_heads=32, omitted_head_dim=128),
     "qwen3_moe": Family(qk_norm="head"),
     "gemma": Family(tied=True, omitted_head_dim=256),
-    "gemma2": Family(tied=True, norms=4, omitted_head_dim=256),
+    "gemma2": Family(tied=True, norms=4, omitted_head_dim=256, sdpa=False),
     "gemma3_text": Family(tied=True, norms=4, qk_norm="head", omitted_head_dim=256),
     "phi": Family(gated=False, ln_bias=True, norms=1, qkv_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True,
                   lora_linears=("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")),
@@ -96,3 +99,11 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def attention_for(model_type: str, requested: str) -> str:
+    """The attention implementation a family trains with: the spec's, except sdpa on a family transformers
+    cannot run it for, which runs eager (transformers would refuse sdpa at the first forward). The worker
+    builds the model with it and the planner counts its memory."""
+    family = FAMILIES.get(model_type)
+    return "eager" if requested == "sdpa" and family is not None and not family.sdpa else requested

@@ -78,7 +78,9 @@ def _check_weights(folder: Path, doc: YamlDoc | None) -> None:
             f"{folder} has only PyTorch .bin weights; convert them to safetensors "
             "(from_pretrained, then save_pretrained(dir, safe_serialization=True))",
         )
-    raise InputError.at(doc, loc, f"no weights in {folder} (*.safetensors or model.safetensors.index.json)")
+    raise InputError.at(doc, loc, f"no weights in {folder} (*.safetensors or model.safetensors.index.json): download "
+                                  "them first; before that, `fsdpjob plan` needs only config.json and "
+                                  "--no-file-checks skips these checks (validate, render, submit --dry-run)")
 
 
 def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
@@ -123,17 +125,36 @@ def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: Ya
 
 
 def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool = False) -> None:
-    """Raise InputError for the first problem with the model folder or data file; ``doc`` gives spec lines.
+    """Raise InputError for the problems with the model folder and data file, all of them (SpecErrors when there
+    are several, one line each); ``doc`` gives spec lines.
 
     ``config_only`` (``fsdpjob plan``, before the download): only config.json is read; the weights, the
     tokenizer and the data file are not checked (the plan needs none of them; validate and submit do).
     """
+    found: list[InputError] = []
+
+    def attempt(check, *args) -> None:
+        try:
+            check(*args)
+        except InputError as exc:
+            found.extend(getattr(exc, "errors", None) or [exc])  # SpecErrors holds several
+
     folder = Path(spec.model.path)
-    config = _read_config(folder, doc)
-    _check_architecture(config, folder, doc)
+    try:
+        config = _read_config(folder, doc)
+    except InputError as exc:
+        found.append(exc)
+    else:
+        attempt(_check_architecture, config, folder, doc)
+        if not config_only:
+            attempt(_check_weights, folder, doc)
+            attempt(_check_tokenizer, folder, spec.data, doc)
+        attempt(_check_seq_len, config, spec.data, folder, doc)
     if not config_only:
-        _check_weights(folder, doc)
-        _check_tokenizer(folder, spec.data, doc)
-    _check_seq_len(config, spec.data, folder, doc)
-    if not config_only:
-        check_data(spec.data, doc)
+        attempt(check_data, spec.data, doc)
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        from .validation import SpecErrors
+
+        raise SpecErrors(found)

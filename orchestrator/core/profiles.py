@@ -17,8 +17,8 @@ from .slurmtime import parse_slurm_time
 from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 _SHELL_KEYWORDS = frozenset(
     "! [[ ]] { } case coproc do done elif else esac fi for function if in select then time until while".split()
 )
@@ -53,15 +53,18 @@ class ClusterProfile(Strict):
     """GPUs per node (0: CPU nodes)."""
     gpu_type: str | None = None
     """GPU model, e.g. A100-80GB; informational."""
-    gpu_memory_gb: Annotated[float, Field(ge=0)] = 0.0
+    gpu_memory_gb: Annotated[float, Field(strict=True, ge=0)] = 0.0
     """Memory per GPU in GB (planning)."""
-    host_ram_gb: Annotated[float, Field(gt=0)] = 64.0
+    host_ram_gb: Annotated[float, Field(strict=True, gt=0)] = 64.0
     """Host RAM per node in GB (planning)."""
     cpus_per_node: PositiveInt | None = None
-    """CPU cores per node; cpus_per_task defaults to cpus_per_node / tasks_per_node."""
+    """CPU cores per node; cpus_per_task defaults to cpus_per_node / tasks_per_node. A local profile: this
+    machine's cores unless set."""
     max_time: str | None = None
     """Longest time limit the partition allows (Slurm time format)."""
-    storage_bandwidth_gbps: Annotated[float, Field(gt=0)] = 1.0
+    partition_nodes: PositiveInt | None = None
+    """Nodes in the partition (`sinfo -p PARTITION -h -o %D`): validate refuses a job that asks for more."""
+    storage_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)] = 1.0
     """Checkpoint storage write bandwidth in GB/s per node (planning: save time)."""
     setup: list[str] = []
     """Shell lines run before the workers start (module load, venv or container activation). Each line is one
@@ -81,7 +84,7 @@ class ClusterProfile(Strict):
     container of another runtime is refused at validate time."""
     container: ContainerSpec | None = None
     """Run every job's workers in this container (a spec's own container section overrides fields of it)."""
-    expected_interruptions_per_day: Annotated[float, Field(gt=0)] | None = None
+    expected_interruptions_per_day: Annotated[float, Field(strict=True, gt=0)] | None = None
     """Interruptions per node and day that come without a warning (node failures, crashes, hangs); a job on N
     nodes sees N times as many. With it, `fsdpjob plan` prints the Young/Daly checkpoint interval and what the
     spec's interval costs. Preemptions and time limits whose signal arrives do not count: they save first."""
@@ -89,7 +92,8 @@ class ClusterProfile(Strict):
     @property
     def max_nodes(self) -> int | None:
         """The most nodes a job on this profile can use (None: no limit known here)."""
-        return MAX_NODES[self.scheduler]
+        limits = [n for n in (MAX_NODES[self.scheduler], self.partition_nodes) if n is not None]
+        return min(limits, default=None)
 
     @property
     def where(self) -> str:
@@ -189,6 +193,9 @@ def load_profile_file(path: Path) -> ClusterProfile:
     doc = read_yaml(path)
     data = dict(doc.data)
     data.setdefault("name", path.stem)
+    if data.get("scheduler") == "local":
+        # A local profile is this machine: its cores, unless the file says otherwise (a shared login node).
+        data.setdefault("cpus_per_node", os.cpu_count() or 1)
     try:
         return ClusterProfile.model_validate(data)
     except ValidationError as exc:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from .container import ContainerSpec
 from .dataspec import DataSpec
@@ -27,8 +27,8 @@ from .validation import (
 )
 from .yamlio import YamlDoc, apply_overrides, read_yaml
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 # Environment variable names whose values are treated as secret unless the spec says otherwise.
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -43,9 +43,11 @@ class Resources(Strict):
     """Worker processes per node. Default: gpus_per_node (one task per GPU), or 1 on a CPU profile."""
     cpus_per_task: PositiveInt | None = None
     """CPU cores per worker process (also sets OMP_NUM_THREADS). Default: the profile's."""
-    mem_per_node: str | None = None
+    mem_per_node: Annotated[str | None, WithJsonSchema({"anyOf": [
+        {"type": "string", "pattern": r"^\d+[KMGT]?$"}, {"type": "integer", "minimum": 0}, {"type": "null"}]})] = None
     """Host memory per node as Slurm takes it: 500G, 64000M, or 0 for all of it."""
-    time_limit: str = "1:00:00"
+    time_limit: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]})] = (
+        "1:00:00")
     """Wall-time limit per allocation, in any Slurm format: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     partition: str | None = None
     """Slurm partition (overrides the profile)."""
@@ -118,9 +120,9 @@ def _module_names(value: list[str]) -> list[str]:
 class LoraSpec(Strict):
     r: PositiveInt = 16
     """Rank of the adapter matrices (A: r x in, B: out x r)."""
-    alpha: Annotated[float, Field(gt=0)] = 32.0
+    alpha: Annotated[float, Field(strict=True, gt=0)] = 32.0
     """Adapter scaling: the adapters' output is multiplied by alpha / r."""
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
     """Dropout on the adapters' input (0: off)."""
     target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
     """Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or all-linear: every linear layer but the output head."""
@@ -141,7 +143,8 @@ class ModelSpec(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual choice."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel. flash_attention_2 needs the flash-attn package on CUDA."""
+    """Attention kernel. flash_attention_2 needs the flash-attn package on CUDA. sdpa runs eager on the families
+    transformers has no sdpa path for (gemma2)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
     compile: bool = False
@@ -160,21 +163,21 @@ class TrainSpec(Strict):
     """Sequences per worker per forward pass."""
     grad_accum_steps: PositiveInt = 1
     """Micro-batches accumulated per optimizer step."""
-    lr: Annotated[float, Field(gt=0)] = 2e-5
+    lr: Annotated[float, Field(strict=True, gt=0)] = 2e-5
     """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
     warmup_steps: NonNegativeInt = 0
     """Linear warmup steps from 0 to lr."""
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    min_lr_ratio: Annotated[float, Field(strict=True, ge=0, le=1)] = 0.0
     """Floor of the decay as a fraction of lr (cosine and linear)."""
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Annotated[float, Field(strict=True, ge=0)] = 0.0
     """AdamW weight decay."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(strict=True, ge=0, lt=1)], Annotated[float, Field(strict=True, ge=0, lt=1)]] = (0.9, 0.95)
     """AdamW betas."""
-    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    max_grad_norm: Annotated[float, Field(strict=True, ge=0)] = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    seed: int = 0
+    seed: Annotated[int, Field(strict=True)] = 0
     """Seed for data order and random state."""
     log_every: PositiveInt = 10
     """Log metrics every this many steps."""
@@ -182,6 +185,13 @@ class TrainSpec(Strict):
     """Evaluate on the eval data (data.eval_path or data.eval_fraction) every this many steps and at the end; 0: off."""
     eval_batches: NonNegativeInt = 0
     """Micro-batches per worker per evaluation; 0: the whole eval set."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and len(value) != 2:
+            raise ValueError(f"betas takes two numbers (beta1, beta2), e.g. [0.9, 0.95]; got {len(value)}")
+        return value
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainSpec:
@@ -210,7 +220,7 @@ class CheckpointSpec(Strict):
     """Checkpoint folder. Default: checkpoints/ inside the run folder."""
     interval_steps: NonNegativeInt = 0
     """Save every this many steps (0: off)."""
-    interval_minutes: Annotated[float, Field(ge=0)] = 30.0
+    interval_minutes: Annotated[float, Field(strict=True, ge=0)] = 30.0
     """Save when this many minutes passed since the last save (0: off)."""
     keep_last: PositiveInt = 2
     """Committed checkpoints to keep; the newest is never removed."""
@@ -238,7 +248,7 @@ class RecoverySpec(Strict):
     """Restarts inside one allocation after a crash or a hang (a new srun step; no requeue). 0: off, every crash goes through the queue."""
     stall_floor_s: PositiveInt = 30
     """A training run counts as hung when no rank advanced for max(stall_factor x its recent p95 step time, this)."""
-    stall_factor: Annotated[float, Field(ge=2)] = 10.0
+    stall_factor: Annotated[float, Field(strict=True, ge=2)] = 10.0
     """How many p95 step times (or previous save/eval times) without progress make a stall."""
     setup_timeout_s: Literal["auto"] | PositiveInt = "auto"
     """Bound on the setup (imports to first step); auto: 3x the previous attempt's setup + 60 s, 900 s on a first start."""
@@ -398,7 +408,7 @@ def spec_from_doc(doc: YamlDoc, overrides: list[str] = (), base_dir: Path | None
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[JobSpec, YamlDoc]:
     """Read, override and validate a spec file. Paths inside become absolute."""
-    doc = read_yaml(path)
+    doc = read_yaml(path).with_overrides(list(overrides))
     return spec_from_doc(doc, overrides, base_dir=Path(path).resolve().parent), doc
 
 

@@ -91,8 +91,11 @@ def _message(err: dict, model: type[BaseModel]) -> str:
         return f"unknown key; {hint}"
     if kind == "missing":
         return "required field is missing; add it"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        # pydantic names the model class ("instance of FsdpSpec"): the user wrote YAML, not Python.
+        return f"expected a section (indented key: value lines), got {err.get('input')!r}"
     msg = err["msg"]
-    msg = msg.removeprefix("Value error, ")
+    msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))
     if kind in ("int_parsing", "int_type", "float_parsing", "float_type", "bool_parsing", "bool_type", "string_type"):
         msg = f"{msg} (got {err.get('input')!r})"
     if kind == "literal_error":

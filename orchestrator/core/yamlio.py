@@ -50,10 +50,38 @@ _LineLoader.add_implicit_resolver(
     _NUMBER_TAGS[1],
     re.compile(
         r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"  # 1e-4 (YAML 1.2): YAML 1.1 wants a dot, users do not write one
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
     ),
     list("-+0123456789."),
 )
+
+
+# A job spec is a page of YAML. Bounds on what a file may make the loader do: its size, and the number of
+# values once aliases are expanded (an "alias bomb" of a few lines expands to billions).
+MAX_BYTES = 4 << 20
+MAX_VALUES = 100_000
+
+
+def _check_expansion(node: yaml.Node, file: str, sizes: dict[int, int], active: set[int]) -> int:
+    """How many values ``node`` stands for with its aliases expanded (each shared node counted once per use,
+    computed once); InputError at the line where the expansion passes MAX_VALUES, or an alias refers to itself."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in active:
+        raise InputError("an alias refers to the value that holds it (a loop); write the value out",
+                         file=file, line=node.start_mark.line + 1)
+    active.add(key)
+    children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                else node.value if isinstance(node, yaml.SequenceNode) else [])
+    total = 1 + sum(_check_expansion(child, file, sizes, active) for child in children)
+    active.discard(key)
+    if total > MAX_VALUES:
+        raise InputError(f"the YAML expands to more than {MAX_VALUES:,} values (anchors and * aliases repeat them); "
+                         "a job spec is small: write the values out", file=file, line=node.start_mark.line + 1)
+    sizes[key] = total
+    return total
 
 
 def _index_lines(node: yaml.Node, loc: Loc, out: dict[Loc, int]) -> None:
@@ -71,12 +99,27 @@ def _index_lines(node: yaml.Node, loc: Loc, out: dict[Loc, int]) -> None:
 
 
 class YamlDoc:
-    """A parsed YAML mapping plus the line of each key path."""
+    """A parsed YAML mapping plus the line of each key path, and which paths `--set` overrides."""
 
-    def __init__(self, data: dict, lines: dict[Loc, int], file: str):
+    def __init__(self, data: dict, lines: dict[Loc, int], file: str, overrides: dict[Loc, str] | None = None):
         self.data = data
         self.lines = lines
         self.file = file
+        self.overrides = overrides or {}  # key path -> the KEY=VALUE that sets it
+
+    def with_overrides(self, items: list[str]) -> YamlDoc:
+        """This document with the paths the ``--set KEY=VALUE`` items set (malformed ones are apply_overrides')."""
+        paths = {tuple(item.split("=", 1)[0].strip().split(".")): item for item in items if "=" in item}
+        return YamlDoc(self.data, self.lines, self.file, {**self.overrides, **paths})
+
+    def place(self, loc: Loc) -> tuple[str, int | None]:
+        """Where the value at ``loc`` came from: ``--set KEY=VALUE`` when one set it (or a section above it),
+        else this file and the line of ``loc``."""
+        loc = tuple(str(part) if not isinstance(part, int) else part for part in loc)
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in self.overrides:
+                return f"--set {self.overrides[loc[:n]]}", None
+        return self.file, self.line_of(loc)
 
     def line_of(self, loc: Loc) -> int | None:
         """Line of the deepest existing prefix of ``loc`` (a missing field points at its section)."""
@@ -88,19 +131,53 @@ class YamlDoc:
         return self.lines.get((), 1)
 
 
+def _load(text: str, file: str) -> tuple[yaml.Node | None, object]:
+    """The node tree and the Python value of one YAML document, its expansion bounded (MAX_VALUES)."""
+    loader = _LineLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expansion(node, file, {}, set())
+        return node, (loader.construct_document(node) if node is not None else None)
+    finally:
+        loader.dispose()
+
+
+def _where_it_starts(exc: yaml.MarkedYAMLError, text: str) -> tuple[int | None, str]:
+    """The line where a syntax error starts, and what it is. PyYAML marks where it gave up, which can be far
+    after the cause: an unclosed quote at the end of the file, a key without its colon on the next line."""
+    problem = exc.problem or str(exc)
+    opened = {"while scanning a quoted scalar": "this quote is never closed",
+              "while parsing a flow sequence": "this [ is not closed (a ] is missing)",
+              "while parsing a flow mapping": "this { is not closed (a } is missing)"}
+    if exc.context in (*opened, "while scanning a simple key") and exc.context_mark:
+        return exc.context_mark.line + 1, opened.get(exc.context, problem)
+    mark = exc.problem_mark or exc.context_mark
+    if mark is None:
+        return None, problem
+    if problem == "mapping values are not allowed here":
+        # A plain line without ':' before this one ("max_steps 3") was read as the start of a longer scalar.
+        lines = text.splitlines()
+        start = mark.line
+        while start > 0 and lines[start - 1].strip() and ":" not in lines[start - 1] and \
+                not lines[start - 1].lstrip().startswith(("#", "-")):
+            start -= 1
+        if start < mark.line:
+            return start + 1, "could not find expected ':' after the key"
+    return mark.line + 1, problem
+
+
 def parse_yaml(text: str, file: str) -> YamlDoc:
     """Parse ``text``; raise InputError with FILE:LINE on syntax errors or a non-mapping document."""
+    if len(text) > MAX_BYTES:
+        raise InputError(f"the file is {len(text.encode(errors='replace')):,} bytes; a job spec is at most "
+                         f"{MAX_BYTES:,} (put large values in files and give their paths)", file=file)
     try:
-        loader = _LineLoader(text)
-        try:
-            node = loader.get_single_node()
-            data = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
+        node, data = _load(text, file)
+    except RecursionError:
+        raise InputError("the YAML is nested too deeply; a job spec has a few levels of sections", file=file) from None
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else None
-        problem = exc.problem or str(exc)
+        line, problem = _where_it_starts(exc, text)
         raise InputError(f"YAML syntax error: {problem}; fix the YAML at this line", file=file, line=line) from None
     except yaml.YAMLError as exc:  # pragma: no cover - unmarked errors are rare
         raise InputError(f"YAML error: {exc}", file=file) from None
@@ -117,6 +194,10 @@ def parse_yaml(text: str, file: str) -> YamlDoc:
 def read_yaml(path: str | Path) -> YamlDoc:
     path = Path(path)
     try:
+        size = path.stat().st_size if path.is_file() else 0
+        if size > MAX_BYTES:  # refused before it is read
+            raise InputError(f"the file is {size:,} bytes; a job spec is at most {MAX_BYTES:,} (put large values "
+                             "in files and give their paths)", file=str(path))
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError("file not found; check the path", file=str(path)) from None
@@ -140,8 +221,10 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
         if not key.strip() or any(not p for p in parts):
             raise InputError(f"bad key {key!r}; use dotted field names such as train.max_steps", file=source)
         try:
-            value = yaml.load(raw, Loader=_LineLoader) if raw.strip() else ""  # noqa: S506 - a SafeLoader
-        except yaml.YAMLError:
+            value = _load(raw, source)[1] if raw.strip() else ""
+        except InputError as exc:
+            raise InputError(f"{key}: {exc.message}", file=source) from None
+        except (yaml.YAMLError, RecursionError):
             value = raw  # not YAML: take the text as it is
         node = data
         for part in parts[:-1]:

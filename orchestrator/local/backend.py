@@ -27,14 +27,14 @@ class LocalBackend:
     account = "local"  # the local processes' life: from the submit to their last write (_allocation)
 
     def dry_run(self, job, paths: RunPaths) -> Request:
-        text = (
-            f"# profile {job.profile.name!r} is local: no sbatch script; {job.eff.tasks_per_node} worker process(es) "
-            f"start on this machine (submitit local executor), run folder {paths.run_dir}\n"
-        )
+        from fsdpjob.orchestrator.supervise.launchline import describe
+
         # The workers inherit this environment: the profile's and the spec's variables, secrets included.
         env = {**job.profile.env, **job.spec.env, "FSDPJOB_RUN_DIR": str(paths.run_dir)}
         if job.eff.cpus_per_task:
             env.setdefault("OMP_NUM_THREADS", str(job.eff.cpus_per_task))
+        text = describe(job.profile.name, paths.run_dir, paths.submitit_dir, job.eff.tasks_per_node,
+                        job.eff.time_limit_s, job.eff.signal_lead_s, env, job.spec.secret_names())
         return Request(paths=paths, text=text, script=None, env=env)
 
     def submit(self, job, request: Request) -> Submitted:

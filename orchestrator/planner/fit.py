@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fsdpjob.orchestrator.core.families import attention_for
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
@@ -66,6 +67,11 @@ class FitPlan:
         return self.device.fits and self.host.fits
 
     @property
+    def verdict(self) -> str:
+        """The one verdict `plan`, `submit --dry-run` and `submit` all act on: FITS is the only one that goes."""
+        return "DOES NOT FIT" if not self.fits else "REFUSED" if self.refusal else "FITS"
+
+    @property
     def trainable(self) -> Trainable:
         return trainable(self.model, self.params, self.setup.lora)
 
@@ -76,6 +82,7 @@ class FitPlan:
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
 
+        - verdict: "FITS" | "DOES NOT FIT" | "REFUSED" (what submit does: only FITS is submitted without --force)
         - fits: bool; refusal: null, or why submit refuses a recovery bound the plan's step or save would cross
         - model: model_type, vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied, qkv_bias, o_bias,
           mlp_bias, qk_norm, checkpoint_dtype
@@ -96,6 +103,7 @@ class FitPlan:
         """
         p, d, h, t, u = self.params, self.device, self.host, self.timing, self.setup
         return {
+            "verdict": self.verdict,
             "fits": self.fits,
             "refusal": self.refusal,
             "model": asdict(self.model),
@@ -132,7 +140,7 @@ class FitPlan:
         }
 
 
-def _setup(spec: JobSpec, eff: Effective) -> Setup:
+def _setup(spec: JobSpec, eff: Effective, model_type: str) -> Setup:
     on_gpu = eff.gpus_per_node > 0
     return Setup(
         nodes=eff.nodes,
@@ -145,7 +153,7 @@ def _setup(spec: JobSpec, eff: Effective) -> Setup:
         micro_batch=spec.train.micro_batch_size,
         grad_accum=spec.train.grad_accum_steps,
         activation_checkpointing=spec.model.activation_checkpointing,
-        attn=spec.model.attn_implementation,
+        attn=attention_for(model_type, spec.model.attn_implementation),  # what the worker will run
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
@@ -175,22 +183,43 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
     for base, prefix in ((u, ""), (ac, "model.activation_checkpointing=true ")):
         if base is ac and (u.activation_checkpointing or out):
             break
-        for mb in range(u.micro_batch - 1, 0, -1):
-            accum = math.ceil(u.micro_batch * u.grad_accum / mb)
-            change = f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={accum}"
-            if consider(change, replace(base, micro_batch=mb, grad_accum=accum), "same global batch, more micro-steps"):
-                break
+
+        def smaller(mb: int, base: Setup = base) -> Setup:
+            return replace(base, micro_batch=mb, grad_accum=math.ceil(u.micro_batch * u.grad_accum / mb))
+
+        # Memory falls with the micro-batch: the largest one below the spec's that fits, by bisection.
+        mb = _boundary(range(u.micro_batch - 1, 0, -1), lambda m: _fits(s, p, smaller(m), profile)[0])
+        if mb is not None:
+            new = smaller(mb)
+            consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
+                     "same global batch, more micro-steps")
+            break
     if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1:  # the spec refuses offload with HSDP
         consider("fsdp.cpu_offload=true", replace(u, cpu_offload=True), "state on the host: steps much slower")
     if profile.max_nodes is None or profile.max_nodes > u.nodes:
         most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
-        for nodes in range(u.nodes + 1, most + 1):
+        # Node counts whose world size the replicate degree divides, the fewest that fits by bisection
+        # (memory per rank falls as nodes are added).
+        step = u.replicate_degree // math.gcd(u.replicate_degree, u.tasks_per_node)
+        first = u.nodes + 1 + (-(u.nodes + 1) % step)
+        nodes = _boundary(range(first, most + 1, step), lambda n: _fits(s, p, replace(u, nodes=n), profile)[0])
+        if nodes is not None:
             more = replace(u, nodes=nodes)
-            if more.world % u.replicate_degree == 0 and consider(
-                f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit"
-            ):
-                break
+            consider(f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit")
     return out
+
+
+def _boundary(candidates: range, fits) -> int | None:
+    """The first of ``candidates`` that fits, where fitting is monotone along them (once one fits, all later
+    ones do): a bisection, so that the planner answers at once for any size a spec can hold."""
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo] if lo < len(candidates) else None
 
 
 def make_plan(job: Resolved) -> FitPlan:
@@ -198,7 +227,7 @@ def make_plan(job: Resolved) -> FitPlan:
     spec, profile, eff = job.spec, job.profile, job.eff
     shape = read_model_shape(spec.model.path)
     params = count_params(shape)
-    u = _setup(spec, eff)
+    u = _setup(spec, eff, shape.model_type)
     if u.grad_accum > 1 and _fits(shape, params, replace(u, defer_grad_sync=True), profile)[0]:
         # One reduce-scatter per step instead of one per micro-batch, where the unsharded gradients fit.
         u = replace(u, defer_grad_sync=True)
@@ -263,6 +292,9 @@ def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tupl
             "no single change makes it fit: combine activation checkpointing, a smaller micro-batch, CPU offload "
             "and more nodes, or use a profile with more memory"
         )
+    if plan.setup.attn != spec.model.attn_implementation:
+        out.append(f"{plan.model.model_type} has no sdpa attention in transformers: it trains with "
+                   f"{plan.setup.attn} attention (counted above); flash_attention_2 is the faster choice on GPUs")
     if spec.fsdp.cpu_offload and d.kind == "cpu":
         out.append("fsdp.cpu_offload has no effect on CPU workers (everything is in host memory already)")
     if plan.model.estimate:

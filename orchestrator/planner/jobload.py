@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from fsdpjob.orchestrator.core import envrefs
+from fsdpjob.orchestrator.core.ckptlayout import resume_problem, unwritable
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
 from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
@@ -31,12 +32,14 @@ def load_job(
     profile: str | None = None,
     overrides: tuple[str, ...] = (),
     check_files: bool | Literal["config"] = True,
+    resume_from: str | None = None,
 ) -> LoadedJob:
     """Validate everything a user can get wrong before anything is written or submitted.
 
     ``profile`` (from --profile) wins over the spec's own ``profile`` field. ``check_files`` also
     checks the model folder and the data file (existence, shape, JSON lines); ``"config"`` (``fsdpjob plan``,
-    before the download) needs only the model's config.json, not its weights or tokenizer.
+    before the download) needs only the model's config.json, not its weights or tokenizer; with either, the
+    checkpoint folder must be writable. ``resume_from`` (submit --resume-from) must hold a committed checkpoint.
     """
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
@@ -50,15 +53,33 @@ def load_job(
             raise ProfileError(exc.message, file="--profile") from None
         raise ProfileError.at(doc, ("profile",), exc.message) from None
     resolved = resolve(spec, prof, doc)
+    if resume_from is not None and (problem := resume_problem(Path(resume_from))):
+        raise InputError(problem, file="--resume-from")
     if check_files:
-        check_environment(spec, prof, doc)
-        from fsdpjob.orchestrator.core.inputs import check_inputs
-
-        try:
-            check_inputs(spec, doc, config_only=check_files == "config")
-        except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
-            raise InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file) from None
+        check_files_and_environment(spec, prof, doc, config_only=check_files == "config")
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))
+
+
+def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool) -> None:
+    """The checks of this machine's files and environment, every problem at once (one line each)."""
+    from fsdpjob.orchestrator.core.inputs import check_inputs
+
+    found: list[InputError] = []
+    if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
+        found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
+                                                              "system the nodes share), or drop checkpoint.dir"))
+    for check in (lambda: check_environment(spec, profile, doc),
+                  lambda: check_inputs(spec, doc, config_only=config_only)):
+        try:
+            check()
+        except InputError as exc:
+            found.extend(getattr(exc, "errors", None) or [exc])
+        except OSError as exc:  # e.g. ENAMETOOLONG, EACCES on a folder on the way
+            found.append(InputError(f"cannot check {exc.filename}: {exc.strerror}", file=doc.file))
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        raise SpecErrors(found)
 
 
 def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> None:

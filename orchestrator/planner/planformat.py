@@ -90,5 +90,5 @@ def format_plan(plan: FitPlan) -> str:
                   for f in plan.fixes]
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
     lines += ["", f"refused: {plan.refusal}"] if plan.refusal else []
-    lines += ["", f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}"]
+    lines += ["", f"verdict: {plan.verdict}"]
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.paths import runs_root
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.profiles import MAX_NODES, ClusterProfile
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.validation import SpecErrors
@@ -117,15 +117,39 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
-    if profile.max_nodes is not None and eff.nodes > profile.max_nodes:
-        out.append(
-            (
-                ("resources", "nodes"),
-                f"the {profile.scheduler} profile runs on {profile.where} only: nodes must be at most "
-                f"{profile.max_nodes}, got {eff.nodes}",
-            )
-        )
+    out += _size_problems(spec, profile, eff)
     out += container_problems(spec, profile, str(runs_root()))
+    return out
+
+
+def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective) -> list[tuple[tuple, str]]:
+    """Sizes the profile's nodes cannot hold: Slurm would leave such a job pending forever, or the ranks would
+    fight over cores or train on the CPUs of GPU nodes."""
+    out: list[tuple[tuple, str]] = []
+    r = spec.resources
+    # The profile's partition_nodes counts its own partition's nodes, not those of one the spec names instead.
+    limit = profile.max_nodes if r.partition in (None, profile.partition) else MAX_NODES[profile.scheduler]
+    if limit is not None and eff.nodes > limit:
+        where = (f"partition {eff.partition} of profile {profile.name!r} has {limit} node(s) (its partition_nodes)"
+                 if profile.scheduler == "slurm" else f"the {profile.scheduler} profile runs on {profile.where} only")
+        out.append((("resources", "nodes"), f"{where}: nodes must be at most {limit}, got {eff.nodes}"))
+    if profile.gpus_per_node and r.gpus_per_node == 0:
+        out.append((("resources", "gpus_per_node"),
+                    f"gpus_per_node: 0 on profile {profile.name!r} (nodes with {profile.gpus_per_node} GPUs) would train "
+                    "on the CPUs of GPU nodes; drop gpus_per_node (one worker per GPU), or use a CPU profile (--profile "
+                    "local)"))
+    cores = profile.cpus_per_node
+    if cores and eff.cpus_per_task and eff.tasks_per_node * eff.cpus_per_task > cores:
+        total = f"tasks_per_node ({eff.tasks_per_node}) x cpus_per_task ({eff.cpus_per_task})"
+        if r.cpus_per_task is not None and eff.tasks_per_node <= cores:
+            out.append((("resources", "cpus_per_task"),
+                        f"{total} = {eff.tasks_per_node * eff.cpus_per_task} cores, more than the {cores} of a "
+                        f"{profile.name!r} node; set cpus_per_task to at most {cores // eff.tasks_per_node}"))
+        else:
+            out.append((("resources", "tasks_per_node"),
+                        f"{total} = {eff.tasks_per_node * eff.cpus_per_task} cores, more than the {cores} of a "
+                        f"{profile.name!r} node; use at most {cores} tasks per node (one core each)"
+                        + ("" if profile.max_nodes == 1 else ", or more nodes")))
     return out
 
 

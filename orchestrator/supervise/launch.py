@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import submitit
 from submitit.local.local import LocalJob
+
+from .launchline import controller_env, supervisor_argv
 
 
 class SupervisedLocalExecutor(submitit.LocalExecutor):
@@ -22,23 +23,10 @@ class SupervisedLocalExecutor(submitit.LocalExecutor):
 
     def _submit_command(self, command: str) -> LocalJob:
         ntasks = self.parameters.get("tasks_per_node", 1)
-        env = {
-            **os.environ,
-            # What submitit.local.local.start_controller sets for its controller.
-            "SUBMITIT_LOCAL_NTASKS": str(ntasks),
-            "SUBMITIT_LOCAL_COMMAND": command,
-            "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
-            "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
-            "SUBMITIT_LOCAL_NODEID": "0",
-            "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
-            "SUBMITIT_STDERR_TO_STDOUT": "",
-            "SUBMITIT_EXECUTOR": "local",
-            "CUDA_VISIBLE_DEVICES": "",
-            # The controller then takes its parent's pid (the supervisor's) as the job id, on every restart.
-            "SUBMITIT_LOCAL_WITH_SHELL": "1",
-        }
-        argv = [sys.executable, "-m", "fsdpjob.orchestrator.supervise", self.run_dir, "--world-size", str(ntasks),
-                "--scheduler", "local", "--", sys.executable, "-m", "submitit.local._local", str(self.folder)]
+        timeout_s = int(60 * self.parameters.get("timeout_min", 2.0))
+        signal_delay_s = int(self.parameters.get("signal_delay_s", 30))
+        env = {**os.environ, **controller_env(ntasks, command, timeout_s, signal_delay_s)}
+        argv = supervisor_argv(self.run_dir, self.folder, ntasks)
         log = open(self.folder / "supervisor.log", "ab")  # its fds 1-2 are /dev/null (local backend)
         with log:
             process = subprocess.Popen(argv, env=env, stdout=log, stderr=log)  # noqa: S603 - fixed argv, no shell

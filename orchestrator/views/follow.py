@@ -10,7 +10,7 @@ import click
 
 from fsdpjob.orchestrator.backend import backend_for
 from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.fileio import Tail
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -22,7 +22,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
 def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
     if not 0 <= rank < record.world_size:
-        raise FsdpjobError(f"rank {rank} is out of range: this run has ranks 0..{record.world_size - 1}")
+        raise InputError(f"rank {rank} is out of range: this run has ranks 0..{record.world_size - 1}", file="--rank")
     return backend_for(record.scheduler).log_path(record, rank, stream)
 
 

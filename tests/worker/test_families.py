@@ -8,7 +8,10 @@ import torch
 from distributed import run_ranks
 from families import FAMILIES, VOCAB, save_tiny_family
 
+from fsdpjob.orchestrator.core.spec import ModelSpec
+
 pytestmark = pytest.mark.distributed
+DEFAULT_ATTENTION = ModelSpec.model_fields["attn_implementation"].default
 
 STEPS, ROWS, SEQ = 6, 4, 32
 # Activation checkpointing must wrap the same blocks: on for one family of each layout.
@@ -29,8 +32,9 @@ def _train_families(rank: int, world_size: int, folders: dict[str, str]) -> dict
     out: dict[str, dict] = {}
     for family, folder in folders.items():
         try:
-            model = load_model(
-                folder, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="eager", mixed_precision="fp32",
+            model = load_model(  # the spec's default attention: the worker picks what each family can run
+                folder, env=env, mesh=mesh, dtype=torch.float32, attn_implementation=DEFAULT_ATTENTION,
+                mixed_precision="fp32",
                 reshard_after_forward=True, activation_checkpointing=family in CHECKPOINTED, cpu_offload=False,
             )  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
