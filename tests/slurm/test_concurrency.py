@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from concurrency import cancel_all, held_spec, squeue_ids, storm  # noqa: E402
 
 from fsdpjob.orchestrator import submit  # noqa: E402
-from fsdpjob.orchestrator.core.errors import SubmissionError  # noqa: E402
+from fsdpjob.orchestrator.core.errors import InputError  # noqa: E402
 
 SUBMITS = 50
 
@@ -42,5 +42,5 @@ def test_two_submits_drawing_the_same_run_id_get_two_folders(tmp_path: Path, mon
     monkeypatch.setattr(submit, "runs_root", lambda: tmp_path)
     first, second = submit._claim_run_folder("job", None), submit._claim_run_folder("job", None)
     assert (first.run_id, second.run_id) == ("job-1", "job-2") and first.run_dir.is_dir() and second.run_dir.is_dir()
-    with pytest.raises(SubmissionError, match="already exists; pick another --run-dir"):
+    with pytest.raises(InputError, match="already exists; pick another"):  # a usage error: exit 2
         submit._claim_run_folder("job", tmp_path / "job-1")
