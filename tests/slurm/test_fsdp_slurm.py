@@ -121,12 +121,13 @@ def worker_pids(run_dir: str) -> list[int]:
     return sorted(int(p) for p in out.stdout.split())
 
 
-def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, assets, tmp_path):
-    # A malformed line past what the login node scans (10000 lines): only the worker finds it, at setup.
+def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, assets, tmp_path, in_container):
+    # A malformed line past what the login node scans (10000 lines): only the worker finds it, at setup. In the
+    # test image (issue 23): the failure policy runs outside it, from what the workers wrote.
     data = tmp_path / "bad.jsonl"
     good = Path(assets["data_path"]).read_text().splitlines()
     data.write_text("\n".join((good * 3)[:10500] + ["{not json"]) + "\n")
-    run = submit(make_spec("badata", data__path=str(data)))
+    run = submit(make_spec("badata", data__path=str(data)), *in_container)
     done = wait_phase(run["run_id"], {"FAILED", "COMPLETED", "REQUEUED", "PENDING"}, timeout=180)
     done = wait_phase(run["run_id"], {"FAILED", "COMPLETED"}, timeout=60)
     assert done["phase"] == "FAILED" and done["restarts"] == 0, done

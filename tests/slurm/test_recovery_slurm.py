@@ -82,15 +82,16 @@ def test_rank_stuck_in_a_save(slurm_cluster, reference):
     assert_same_weights(reference, run["run_dir"])
 
 
-def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference):
+def test_lost_node_goes_on_with_the_nodes_left(slurm_cluster, reference, in_container):
     """slurmd and the tasks of node 2 killed; with resources.min_nodes 1 the supervisor goes on with node 1
-    alone (2 ranks, the global batch kept by gradient accumulation), in the same allocation."""
+    alone (2 ranks, the global batch kept by gradient accumulation), in the same allocation. In the test image
+    (issue 23): the probes and the exclusion run outside it."""
     import torch
     from slurm.slurm_helpers import final_weights
 
     from fsdpjob.orchestrator.devcluster import manage
 
-    run = submit(reference["spec"], *FAST, "--set", "resources.min_nodes=1")
+    run = submit(reference["spec"], *FAST, "--set", "resources.min_nodes=1", *in_container)
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 12, timeout_s=240, interval_s=1.0, what="step 12")
     pidfile = Path(slurm_cluster.state_dir) / "run" / "slurmd.n2.pid"
     os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
