@@ -247,9 +247,18 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
     else:
         click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}")
     if wait:
+        from fsdpjob.orchestrator.submit import cancel as cancel_run
         from fsdpjob.orchestrator.views.follow import wait_for
 
-        raise SystemExit(wait_for(sub.record))
+        try:
+            raise SystemExit(wait_for(sub.record))
+        except KeyboardInterrupt:
+            if sub.record.scheduler != "local":
+                raise  # a Slurm job goes on; `fsdpjob wait` re-attaches
+            # A local run is this terminal's job: Ctrl-C stops it as `fsdpjob cancel` does (a stop checkpoint, a
+            # cancelled stop), not by the SIGINT, which its own session keeps from the workers.
+            click.echo(f"cancelling {sub.record.run_id}: {cancel_run(sub.record)}", err=True)
+            raise SystemExit(130) from None
 
 
 @cli.command()

@@ -112,6 +112,45 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None
     check_a_cancel_is_a_cancel(run, run_dir, cancelled.stdout, tmp_path)
 
 
+def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: Path) -> None:
+    """Ctrl-C in the terminal of `submit --wait`: SIGINT to the terminal's process group. The run's own session
+    keeps it from the workers (no KeyboardInterrupt crash); the CLI cancels the run (a stop checkpoint, a
+    cancelled stop) and exits 130."""
+    import signal
+    import sys
+
+    made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    spec = tmp_path / "long.yaml"
+    spec.write_text((REPO / "examples" / "quickstart.yaml").read_text())
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "fsdpjob.orchestrator.cli", "submit", str(spec), "--wait", "--json",
+         "--set", "train.max_steps=100000", "--set", f"model.path={tmp_path / 'assets' / 'model'}",
+         "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}"],
+        cwd=tmp_path, env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # the "terminal": its process group gets the SIGINT
+    run = None
+    try:
+        lines = [waiting.stdout.readline()]  # the --json object, printed at submit
+        while lines[-1] and lines[-1].rstrip() != "}":
+            lines.append(waiting.stdout.readline())
+        run = json.loads("".join(lines))
+        run_dir = Path(run["run_dir"])
+        wait_for(lambda: json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)["step"] or 0,
+                 180, interval_s=0.5, what="a trained step")
+        os.killpg(waiting.pid, signal.SIGINT)
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            if run is not None:  # the run has its own session: it would train on after the test
+                fsdpjob("cancel", run["run_id"], cwd=tmp_path)
+    assert waiting.returncode == 130 and "Traceback" not in err, err
+    assert not _run_pids(run_dir)
+    said = next(line for line in err.splitlines() if line.startswith(f"cancelling {run['run_id']}: "))
+    check_a_cancel_is_a_cancel(run, run_dir, said, tmp_path)
+
+
 def check_a_cancel_is_a_cancel(run: dict, run_dir: Path, said: str, cwd: Path) -> None:
     """A local cancel is recorded as Slurm's is: SIGTERM, a stop checkpoint, a stop event with reason cancelled;
     no failure in status, no crash in the report or its picture, no interval advice from it."""
