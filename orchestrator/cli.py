@@ -81,7 +81,8 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
     failed: list[FsdpjobError] = []
     for path in specs:
         try:
-            job = load_job(path, profile=profile, overrides=sets, check_files=not no_file_checks)
+            job = load_job(path, profile=profile, overrides=sets, check_files=not no_file_checks,
+                           ask_partition_size=_partition_size())
         except FsdpjobError as exc:
             failed.append(exc)
             continue
@@ -180,7 +181,8 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
 
-    job = load_job(spec, profile=profile, overrides=sets, check_files="config")  # before the download: config.json
+    job = load_job(spec, profile=profile, overrides=sets, check_files="config",  # before the download: config.json
+                   ask_partition_size=_partition_size())
     result = make_plan(job)
     if as_json:
         _echo_json(result.to_json())
@@ -188,6 +190,14 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
         click.echo(format_plan(result))
     if _refusal(result, spec, force=False):
         raise SystemExit(2)
+
+
+def _partition_size():
+    """What validate, plan and submit ask Slurm (one sinfo call, when the profile is a Slurm one): how many nodes
+    the job's partition has; nothing is refused when Slurm cannot be reached from here."""
+    from fsdpjob.orchestrator.slurm.commands import partition_size
+
+    return partition_size
 
 
 def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
@@ -221,7 +231,8 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
 
     if no_file_checks and not dry_run:
         raise click.UsageError("--no-file-checks goes with --dry-run only: a real submit checks the files first")
-    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from)
+    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from,
+                   ask_partition_size=_partition_size())
     fit = make_plan(job)
     refusal = _refusal(fit, spec, force=force)
     if dry_run:

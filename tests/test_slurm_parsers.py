@@ -120,3 +120,34 @@ def test_status_shows_what_the_packing_did_with_the_data(tmp_path):
                                                              "dropped", "packing_efficiency")}
     assert "data       400 examples in 120 sequences, 97.3% real tokens; longer than seq_len: 3 split" in (
         status_text(report))
+
+
+def test_sinfo_node_lines_count_each_partitions_nodes_and_name_the_default():
+    # `sinfo --Node --format %N|%P`: a node once per partition it is in; the default partition marked with '*'.
+    text = "n1|debug*\nn1|high\nn2|debug*\nn2|high\ngpu07|big\n\nmalformed\n"
+    assert slurm_cli.parse_partition_sizes(text) == ({"debug": 2, "high": 2, "big": 1}, "debug")
+    assert slurm_cli.parse_partition_sizes("") == ({}, None)
+
+
+def test_nodes_over_what_sinfo_counted_are_refused_and_a_profile_limit_still_wins():
+    """The pure check takes sinfo's answer as a value (commands.partition_size asks it): above it, one line for
+    resources.nodes naming the partition, its count and the fix; no answer (Slurm not reachable): no refusal."""
+    from specs import build, job_spec
+
+    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.planner.resolve import problems
+
+    spec = job_spec(build({"name": "n", "model": {"path": "m"}, "data": {"path": "d.jsonl"},
+                           "train": {"max_steps": 5}, "resources": {"nodes": 3}}))
+    cluster, example = load_profile("test-cluster"), load_profile("example")
+    assert problems(spec, cluster, ("debug", 2)) == [(("resources", "nodes"), (
+        "partition debug has 2 node(s) (sinfo): nodes must be at most 2, got 3; set resources.nodes to at most 2, "
+        "or name a larger partition in resources.partition"))]
+    assert problems(spec, cluster, ("debug", 3)) == [] and problems(spec, cluster, None) == []
+    assert problems(spec, load_profile("local"), ("debug", 2))[0][1].startswith("the local profile runs on")
+    tasks = {"resources": {"nodes": 3, "tasks_per_node": 8}}
+    over = job_spec(build({"name": "n", "model": {"path": "m"}, "data": {"path": "d.jsonl"},
+                           "train": {"max_steps": 5}}, **tasks))
+    assert problems(over, example, ("gpu", 2))[0][1].startswith("partition gpu has 2 node(s) (sinfo)")
+    assert problems(over.model_copy(update={"resources": over.resources.model_copy(update={"nodes": 65})}), example,
+                    ("gpu", 100))[0][1].startswith("partition gpu of profile 'example' has 64 node(s)")

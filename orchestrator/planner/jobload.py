@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,7 @@ from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
 from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
-from .resolve import Resolved, resolve
+from .resolve import PartitionSize, Resolved, resolve
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ def load_job(
     overrides: tuple[str, ...] = (),
     check_files: bool | Literal["config"] = True,
     resume_from: str | None = None,
+    ask_partition_size: Callable[[str | None], PartitionSize | None] | None = None,
 ) -> LoadedJob:
     """Validate everything a user can get wrong before anything is written or submitted.
 
@@ -40,6 +42,8 @@ def load_job(
     checks the model folder and the data file (existence, shape, JSON lines); ``"config"`` (``fsdpjob plan``,
     before the download) needs only the model's config.json, not its weights or tokenizer; with either, the
     checkpoint folder must be writable. ``resume_from`` (submit --resume-from) must hold a committed checkpoint.
+    ``ask_partition_size`` (slurm/commands.py partition_size, passed by the commands that check before a submit) is
+    asked once, for a Slurm profile, how many nodes the job's partition has (None: Slurm cannot say here).
     """
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
@@ -52,7 +56,10 @@ def load_job(
         if profile:
             raise ProfileError(exc.message, file="--profile") from None
         raise ProfileError.at(doc, ("profile",), exc.message) from None
-    resolved = resolve(spec, prof, doc)
+    size = None
+    if ask_partition_size is not None and prof.scheduler == "slurm":
+        size = ask_partition_size(spec.resources.partition or prof.partition)
+    resolved = resolve(spec, prof, doc, size)
     if resume_from is not None and (problem := resume_problem(Path(resume_from))):
         raise InputError(problem, file="--resume-from")
     if check_files:

@@ -71,8 +71,13 @@ def apply_profile(spec: JobSpec, profile: ClusterProfile) -> Effective:
     )
 
 
-def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
-    """Cross checks between spec and profile, as (loc, message) pairs. Messages show the arithmetic."""
+PartitionSize = tuple[str, int]  # (partition, its node count) as Slurm said it (slurm/commands.py partition_size)
+
+
+def problems(spec: JobSpec, profile: ClusterProfile,
+             partition_size: PartitionSize | None = None) -> list[tuple[tuple, str]]:
+    """Cross checks between spec and profile (and ``partition_size``, the job's partition as sinfo counted it,
+    when the caller could ask), as (loc, message) pairs. Messages show the arithmetic."""
     eff = apply_profile(spec, profile)
     out: list[tuple[tuple, str]] = []
     if spec.resources.gpus_per_node and profile.gpus_per_node and spec.resources.gpus_per_node > profile.gpus_per_node:
@@ -117,13 +122,14 @@ def problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
-    out += _size_problems(spec, profile, eff)
+    out += _size_problems(spec, profile, eff, partition_size)
     out += container_problems(spec, profile, str(runs_root()))
     return out
 
 
-def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective) -> list[tuple[tuple, str]]:
-    """Sizes the profile's nodes cannot hold: Slurm would leave such a job pending forever, or the ranks would
+def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective,
+                   partition_size: PartitionSize | None) -> list[tuple[tuple, str]]:
+    """Sizes the profile's nodes cannot hold: Slurm would refuse or never start such a job, or the ranks would
     fight over cores or train on the CPUs of GPU nodes."""
     out: list[tuple[tuple, str]] = []
     r = spec.resources
@@ -133,6 +139,11 @@ def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective) -> li
         where = (f"partition {eff.partition} of profile {profile.name!r} has {limit} node(s) (its partition_nodes)"
                  if profile.scheduler == "slurm" else f"the {profile.scheduler} profile runs on {profile.where} only")
         out.append((("resources", "nodes"), f"{where}: nodes must be at most {limit}, got {eff.nodes}"))
+    elif partition_size is not None and profile.scheduler == "slurm" and eff.nodes > partition_size[1]:
+        name, count = partition_size
+        out.append((("resources", "nodes"),
+                    f"partition {name} has {count} node(s) (sinfo): nodes must be at most {count}, got {eff.nodes}; "
+                    f"set resources.nodes to at most {count}, or name a larger partition in resources.partition"))
     if profile.gpus_per_node and r.gpus_per_node == 0:
         out.append((("resources", "gpus_per_node"),
                     f"gpus_per_node: 0 on profile {profile.name!r} (nodes with {profile.gpus_per_node} GPUs) would train "
@@ -162,14 +173,16 @@ class Resolved:
     eff: Effective
 
 
-def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) -> Resolved:
+def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
+            partition_size: PartitionSize | None = None) -> Resolved:
     """Check spec against profile (SpecErrors with FILE:LINE when ``doc`` is given) and apply its defaults."""
-    return Resolved(spec=spec, profile=profile, eff=check(spec, profile, doc))
+    return Resolved(spec=spec, profile=profile, eff=check(spec, profile, doc, partition_size))
 
 
-def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None) -> Effective:
+def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
+          partition_size: PartitionSize | None = None) -> Effective:
     """Raise SpecErrors (with FILE:LINE when ``doc`` is given) for spec/profile conflicts."""
-    found = problems(spec, profile)
+    found = problems(spec, profile, partition_size)
     if found:
         raise SpecErrors([SpecError.at(doc, loc, msg) for loc, msg in found])
     return apply_profile(spec, profile)

@@ -180,6 +180,42 @@ def partition_nodes(info: dict) -> list[str]:
     return hostnames(run(["sinfo", "-h", "-p", partition, "-o", "%N"]).strip() or "") if partition else []
 
 
+SINFO_NODE_FORMAT = "%N|%P"  # one line per node and partition; '*' marks the default partition
+
+
+def parse_partition_sizes(text: str) -> tuple[dict[str, int], str | None]:
+    """Node-oriented sinfo lines (``n1|debug*``) -> the number of nodes in each partition, and the default one."""
+    members: dict[str, set[str]] = {}
+    default = None
+    for line in text.splitlines():
+        node, _, part = line.strip().partition("|")
+        if not node or not part:
+            continue
+        if part.endswith("*"):
+            part = default = part[:-1]
+        members.setdefault(part, set()).add(node)
+    return {p: len(n) for p, n in members.items()}, default
+
+
+def partition_size(partition: str | None, timeout: float = 3) -> tuple[str, int] | None:
+    """(name, node count) of ``partition`` (None: the cluster's default; "a,b": the larger), from one sinfo call.
+
+    None when Slurm cannot say (no sinfo on this machine, no controller, a slow one, no such partition): validate
+    then checks nothing here, as it must also work away from the cluster. Down and drained nodes count: they are
+    the partition's, and sbatch counts them too."""
+    # --partition also lists a hidden partition; sinfo refuses it together with --all ("Conflicting options").
+    where = ["--partition", partition] if partition else ["--all"]
+    try:
+        sizes, default = parse_partition_sizes(run(["sinfo", "--noheader", "--Node", "--format", SINFO_NODE_FORMAT,
+                                                    *where], timeout=timeout))
+    except FsdpjobError:
+        return None
+    names = partition.split(",") if partition else [default] if default else []
+    if not names or any(n not in sizes for n in names):
+        return None
+    return (partition or default or ""), max(sizes[n] for n in names)
+
+
 def _excluded(info: dict) -> list[str]:
     return [n for n in (info.get("ExcNodeList") or "").split(",") if n and n != "(null)"]
 

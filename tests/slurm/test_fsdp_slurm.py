@@ -233,3 +233,20 @@ def test_sbatch_refusal_is_clear_and_leaves_no_record(slurm_cluster, make_spec):
     home = Path(os.environ["FSDPJOB_HOME"])
     assert not list((home / "registry").glob("*.json")) if (home / "registry").exists() else True
     assert not list((home / "runs").glob("refused-*")) if (home / "runs").exists() else True
+
+
+def test_more_nodes_than_the_partition_has_are_refused_at_validate_by_asking_sinfo(slurm_cluster, make_spec):
+    """The test-cluster profile does not say how many nodes its partition has: validate, plan, submit and submit
+    --dry-run ask sinfo (debug and high have 2 nodes each) and refuse a third with one line; where Slurm cannot be
+    asked, nothing is refused (sbatch still would be)."""
+    spec = make_spec("toobig", resources__nodes=3)
+    line = "resources.nodes: partition debug has 2 node(s) (sinfo): nodes must be at most 2, got 3; set resources.nodes"
+    for argv in (["validate"], ["plan"], ["submit", "--dry-run", "--no-file-checks", "--json"], ["submit"]):
+        proc = fsdpjob(*argv, str(spec))
+        assert proc.returncode == 2 and f"{spec}:" in proc.stderr and line in proc.stderr, (argv, proc.stderr)
+        assert proc.stderr.count("\n") == 1, proc.stderr  # one line, the plan is not printed
+    assert fsdpjob("submit", "--dry-run", str(spec), "--set", "resources.nodes=2").returncode == 0
+    away = fsdpjob("validate", str(spec), env={"SLURM_CONF": str(Path(str(spec)).parent / "no-slurm.conf")})
+    assert away.returncode == 0, away.stderr  # sinfo fails at once without its configuration: not refused
+    home = Path(os.environ["FSDPJOB_HOME"])
+    assert not list((home / "runs").glob("toobig-*")) if (home / "runs").exists() else True
