@@ -1,4 +1,5 @@
-"""`fsdpjob prune`: what to remove of finished runs (their folders, or all but their newest committed checkpoint),
+"""`fsdpjob prune`: what to remove of finished runs (their folders, or all but their newest committed checkpoint and
+the best one checkpoint.keep_best keeps),
 decided first and shown as a dry run; removing it is the one side effect, in ``remove``."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps, step_dirs
 from fsdpjob.orchestrator.core.paths import is_within
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
+from fsdpjob.orchestrator.core.sidecar import best_step
 from fsdpjob.orchestrator.registry import JobRecord
 
 # Only these are over for good; PENDING, RUNNING, REQUEUED and UNKNOWN may still need their files.
@@ -76,16 +78,27 @@ def candidates(records: list[JobRecord], phases: dict[str, str], *, older_than_d
     return finished
 
 
+def _keeps_best(record: JobRecord) -> bool:
+    """Whether the run's spec set checkpoint.keep_best (an unreadable spec.json: assume it did, keep more)."""
+    try:
+        return bool(RunMeta.read(record.run_dir).section("checkpoint").get("keep_best"))
+    except (OSError, ValueError, TypeError):
+        return True
+
+
 def _checkpoint_removals(record: JobRecord) -> list[Removal]:
-    """Every step folder but the newest committed one, when the checkpoints are inside the run folder
-    (a checkpoint.dir elsewhere may be shared with other runs: left alone)."""
+    """Every step folder but the newest committed one (and, with checkpoint.keep_best, the one with the best
+    eval loss, as the run's own purge keeps it), when the checkpoints are inside the run folder (a
+    checkpoint.dir elsewhere may be shared with other runs: left alone)."""
     root = checkpoint_root(record.run_dir)
     if not is_within(root.resolve(), Path(record.run_dir).resolve()):
         return []
     committed = committed_steps(root)
-    keep = committed[-1][1] if committed else None
+    keep = {committed[-1][1]} if committed else set()
+    if committed and _keeps_best(record) and (best := best_step(committed)) is not None:
+        keep.add(best)
     return [Removal(record.run_id, p, tree_size(p), f"checkpoint step {s}", None)
-            for s, p in step_dirs(root) if p != keep]
+            for s, p in step_dirs(root) if p not in keep]
 
 
 def _run_folder_removal(record: JobRecord) -> Removal:

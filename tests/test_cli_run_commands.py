@@ -47,14 +47,14 @@ def invoke(*args: str, env: dict[str, str] | None = None):
 
 def make_run(root: Path, run_id: str, *, days_ago: float = 0, completed: bool = True, job_id: str = GONE_PID,
              steps: tuple[int, ...] = (), uncommitted: tuple[int, ...] = (), resume_from: str | None = None,
-             ) -> JobRecord:
+             spec: dict | None = None) -> JobRecord:
     """A local run as a finished (or, with a live job_id, running) one leaves it: spec.json, events, metrics,
     submitit's result file, committed checkpoints of 1000 bytes each, and its registry record."""
     paths = RunPaths(root / run_id)
     paths.submitit_dir.mkdir(parents=True)
-    RunMeta(spec={"name": "r"}, resume_from=resume_from).write(paths)
+    RunMeta(spec=spec or {"name": "r"}, resume_from=resume_from).write(paths)
     submitted = time.time() - days_ago * 86400
-    runlog.append(paths.run_dir, runlog.START, restart=0, world_size=1)
+    runlog.append(paths.run_dir, runlog.START, restart=0, world_size=1, host=os.uname().nodename)
     for step in (5, 10):
         runlog.append_metric(paths.run_dir, {"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0, "time": time.time()})
     if completed:
@@ -160,6 +160,14 @@ def test_status_shows_what_a_run_resumed_from(tmp_path):
     assert "resumed" not in invoke("status", "a-1").stdout
 
 
+def test_status_names_the_machine_a_finished_local_run_ran_on(tmp_path):
+    """Once a local run's controller is gone, the node it ran on still shows (from its start event), not '-'."""
+    make_run(tmp_path, "a-1")
+    report = json.loads(invoke("status", "a-1", "--json").stdout)
+    assert (report["phase"], report["nodes"]) == ("COMPLETED", os.uname().nodename), report
+    assert f"nodes      {os.uname().nodename}  (world size 1)" in invoke("status", "a-1").stdout
+
+
 def test_status_watch_ends_when_the_run_has_ended(tmp_path):
     make_run(tmp_path, "a-1")
     done = invoke("status", "a-1", "--watch", "--interval", "0.2")
@@ -228,6 +236,25 @@ def test_prune_checkpoints_only_keeps_the_newest_committed(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == [step_dir_name(20)]
     assert "(a-1: checkpoint step 10, 1.0 kB)" in done.stdout and "(a-1: checkpoint step 25, 1.0 kB)" in done.stdout
     assert "freed 2.0 kB" in done.stdout and registry.find("a-1")
+
+
+def test_prune_checkpoints_only_keeps_the_best_checkpoint_that_keep_best_keeps(tmp_path):
+    """With checkpoint.keep_best the run's own purge keeps the step with the lowest eval loss in its sidecar;
+    prune --checkpoints-only keeps it too (beside the newest), and without keep_best it does not."""
+    from fsdpjob.orchestrator.core.sidecar import Sidecar
+
+    losses = {10: 0.5, 20: 0.3, 30: 0.4}
+    best = make_run(tmp_path, "a-1", steps=tuple(losses), spec={"name": "r", "checkpoint": {"keep_best": True}})
+    plain = make_run(tmp_path, "b-2", steps=tuple(losses), spec={"name": "r", "checkpoint": {"keep_best": False}})
+    for run in (best, plain):
+        for step, loss in losses.items():
+            Sidecar(step=step, eval_loss=loss).write(Path(run.run_dir) / "checkpoints" / step_dir_name(step))
+    dry = invoke("prune", "--checkpoints-only")
+    assert dry.exit_code == 0 and "a-1: checkpoint step 20" not in dry.stdout and "b-2: checkpoint step 20" in dry.stdout
+    done = invoke("prune", "--checkpoints-only", "--yes")
+    assert done.exit_code == 0, done.output
+    left = {r.run_id: sorted(p.name for p in (Path(r.run_dir) / "checkpoints").iterdir()) for r in (best, plain)}
+    assert left == {"a-1": [step_dir_name(20), step_dir_name(30)], "b-2": [step_dir_name(30)]}, left
 
 
 def test_prune_keeps_what_an_unfinished_run_resumes_from(tmp_path, live_pid):

@@ -394,6 +394,21 @@ def test_fails_at_validate_not_on_the_node(folder: Path, assets: dict, argv: lis
     assert not faults(code, "", err), err
 
 
+def test_a_quoted_number_is_refused_with_the_fix_to_write_it_unquoted(folder: Path, assets: dict) -> None:
+    """Counts and rates stay strict (a string is no number), but the message says what to write instead."""
+    text = yaml.safe_dump(base_spec(assets))
+    text = re.sub(r"(?m)^(\s+)lr: .*$", r'\1lr: "1e-4"', text).replace("max_steps: 10", "max_steps: '10'")
+    spec = write_spec(folder, text)
+    code, _, err = run_cli(["validate", spec])
+    lr, steps = (f"{spec}:{n}:" for n in (text.splitlines().index('  lr: "1e-4"') + 1,
+                                           text.splitlines().index("  max_steps: '10'") + 1))
+    assert code == 2 and not faults(code, "", err), err
+    assert f"{lr} train.lr: Input should be a valid number (got '1e-4'); write it without quotes: 1e-4" in err, err
+    assert f"{steps} train.max_steps: Input should be a valid integer (got '10'); write it without quotes: 10" in err
+    code, _, err = run_cli(["validate", spec, "--set", "train.lr=1e-4", "--set", "train.max_steps=10"])
+    assert code == 0, err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_an_unwritable_checkpoint_dir_fails_at_validate(folder: Path, assets: dict) -> None:
     locked = folder / "locked"
@@ -420,6 +435,11 @@ def test_a_committed_checkpoint_is_accepted_by_resume_from(folder: Path, assets:
             "expands to more than 100,000 values", id="alias-bomb"),
         pytest.param("a: &a [*a]\n", "an alias refers to the value that holds it", id="alias-loop"),
         pytest.param("name: " + "x" * 60_000_000 + "\n", "a job spec is at most 4,194,304", id="60-MB"),
+        pytest.param("[" * 100_000, "nested too deeply; a job spec has a few levels of sections (more than 64 levels)",
+                     id="100k-brackets"),
+        pytest.param("a: " + "[x, " * 100_000, "nested too deeply", id="100k-lists"),
+        pytest.param("a:\n" + "".join(" " * (2 * i + 2) + f"b{i}:\n" for i in range(100)), "nested too deeply",
+                     id="100-sections"),
     ],
 )  # fmt: skip
 def test_yaml_size_and_alias_limits_answer_at_once(folder: Path, content: str, expected: str) -> None:

@@ -259,6 +259,19 @@ def test_plan_prints_the_young_daly_interval_when_the_profile_states_an_interrup
     assert quiet.to_json()["checkpoint_interval"] is None and "Young/Daly" not in format_plan(quiet)
 
 
+def test_the_step_is_measured_when_every_logged_window_holds_a_save():
+    """A resumed run that saves more often than it logs (interval_steps 5, log_every 10): every window between
+    progress points holds a save. Without the saves' blocking time each window is one step time per step."""
+    events = [ev("start", 5), ev("resume", 9.5, step=100), ev("ready", 10, step=100),
+              ev("checkpoint", 15.5, step=105, reason="interval", save_s=0.5),
+              ev("checkpoint", 26, step=115, reason="interval", save_s=0.5),
+              ev("checkpoint", 36.5, step=125, reason="interval", save_s=0.5),
+              ev("checkpoint", 42, step=130, reason="final", save_s=0.5), ev("done", 42.1, step=130)]
+    metrics = [metric(110, 20.5), metric(120, 31), metric(130, 41.5)]
+    rep = goodput(record(0, max_steps=130), [AttemptTimes(0, 0, 0, 43, "COMPLETED")], events, metrics)
+    assert rep.step_s == pytest.approx(1.0)
+
+
 def test_a_short_local_resumed_run_names_its_source_and_its_units_and_measures_its_step():
     """A 16 s run on 2 CPU ranks, resumed from step 150 of an earlier run, logging one line: times from the local
     processes (no sacct), rank-seconds named so and shown to a precision that fits, a measured step time."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from functools import partial
@@ -43,6 +44,7 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     status = fsdpjob("status", "--json", cwd=tmp_path)
     report = json.loads(status.stdout)
     assert report["phase"] == "COMPLETED" and report["step"] == 150 and report["last_checkpoint_step"] == 150
+    assert report["nodes"] == os.uname().nodename, report  # the machine it ran on, also once it has finished
 
     logs = fsdpjob("logs", report["run_id"], "--rank", "0", cwd=tmp_path)
     assert logs.returncode == 0 and "step 150/150" in logs.stdout
@@ -110,6 +112,27 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None
     assert cancelled.returncode == 0, cancelled.stderr
     assert not _run_pids(run_dir)  # cancel returns once the run's processes are gone
     check_a_cancel_is_a_cancel(run, run_dir, cancelled.stdout, tmp_path)
+    check_a_resumed_run_measures_its_step(spec, run_dir, tmp_path)
+
+
+def check_a_resumed_run_measures_its_step(spec: Path, source: Path, cwd: Path) -> None:
+    """`submit --resume-from` the cancelled run for a few steps (one or two logged lines): its report measures a
+    step time ("measured: step -" before), and status names the machine it ran on once it has finished."""
+    step = int((source / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))  # the stop's
+    assets = cwd / "assets"
+    done = fsdpjob("submit", str(spec), "--wait", "--json", "--resume-from", str(source),
+                   "--set", f"train.max_steps={step + 4}", "--set", f"model.path={assets / 'model'}",
+                   "--set", f"data.path={assets / 'data.jsonl'}", cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_id = json.loads(done.stdout[: done.stdout.index("}") + 1])["run_id"]
+    rep = json.loads(fsdpjob("report", run_id, "--json", cwd=cwd).stdout)
+    [attempt] = rep["attempts"]
+    assert (attempt["start_step"], attempt["reached_step"]) == (step, step + 4), attempt
+    assert rep["step_s"] is not None and rep["step_s"] > 0, rep
+    text = fsdpjob("report", run_id, cwd=cwd).stdout
+    assert re.search(r"measured: step [0-9.]+ m?s,", text), text
+    status = json.loads(fsdpjob("status", run_id, "--json", cwd=cwd).stdout)
+    assert (status["phase"], status["nodes"]) == ("COMPLETED", os.uname().nodename), status
 
 
 def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: Path) -> None:

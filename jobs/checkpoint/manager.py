@@ -42,7 +42,7 @@ from fsdpjob.orchestrator.core.ckptlayout import (
     uncommitted_steps,
 )
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar
+from fsdpjob.orchestrator.core.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
 
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
@@ -64,26 +64,16 @@ def single_process_dcp() -> Iterator[None]:
         yield
 
 
+def _unreadable_sidecar(step_dir: Path, exc: Exception) -> None:
+    log.warning("keep_best: cannot read the sidecar of %s (%s); it is no candidate", step_dir, exc)
+
+
 def _remove_step(step_dir: Path) -> None:
     # The marker goes first, so a removal cut short leaves an uncommitted folder, never a half one.
     (step_dir / MARKER).unlink(missing_ok=True)
     shutil.rmtree(step_dir, ignore_errors=True)
     if step_dir.exists():
         log.warning("could not fully remove %s; it is uncommitted and will be retried at the next purge", step_dir)
-
-
-def _best_step(committed: list[tuple[int, Path]]) -> Path | None:
-    """The committed step folder with the lowest recorded eval loss (the older one on a tie), if any has one."""
-    best: tuple[float, int, Path] | None = None
-    for step, step_dir in committed:
-        try:
-            loss = Sidecar.read(step_dir).eval_loss
-        except Exception as exc:  # noqa: BLE001 - a damaged sidecar just is no candidate
-            log.warning("keep_best: cannot read the sidecar of %s (%s); it is no candidate", step_dir, exc)
-            continue
-        if loss is not None and math.isfinite(loss) and (best is None or loss < best[0]):
-            best = (loss, step, step_dir)
-    return best[2] if best else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,7 +302,7 @@ class CheckpointManager:
         newest = committed[-1][0]
         in_flight = self.in_flight
         doomed = [p for _, p in committed[: -self.keep_last]]
-        if self.keep_best and (best := _best_step(committed)) is not None:
+        if self.keep_best and (best := best_step(committed, _unreadable_sidecar)) is not None:
             doomed = [p for p in doomed if p != best]
         doomed += [p for s, p in uncommitted_steps(self.root) if s < newest and s != in_flight]
         for step_dir in doomed:

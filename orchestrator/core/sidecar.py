@@ -9,7 +9,8 @@ under its own top-level key.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,24 @@ class Sidecar:
         """Dict-style access for callers from before this type (bench/crash_consistency.py reads load()["step"]);
         new code uses the fields."""
         return self.to_json()[key]
+
+
+def best_step(committed: list[tuple[int, Path]],
+              on_unreadable: Callable[[Path, Exception], None] | None = None) -> Path | None:
+    """The committed step folder whose sidecar records the lowest eval loss (the older one on a tie), if any does:
+    the one checkpoint.keep_best keeps. The worker's purge and `fsdpjob prune` both ask this, so that they agree.
+    A damaged sidecar is no candidate (``on_unreadable`` hears of it)."""
+    best: tuple[float, int, Path] | None = None
+    for step, step_dir in committed:
+        try:
+            loss = Sidecar.read(step_dir).eval_loss
+        except (OSError, ValueError, TypeError) as exc:
+            if on_unreadable is not None:
+                on_unreadable(step_dir, exc)
+            continue
+        if loss is not None and math.isfinite(loss) and (best is None or loss < best[0]):
+            best = (loss, step, step_dir)
+    return best[2] if best else None
 
 
 def _typed(data: Mapping[str, Any], key: str, types: type | tuple[type, ...]) -> Any:

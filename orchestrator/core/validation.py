@@ -97,10 +97,24 @@ def _message(err: dict, model: type[BaseModel]) -> str:
     msg = err["msg"]
     msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))
     if kind in ("int_parsing", "int_type", "float_parsing", "float_type", "bool_parsing", "bool_type", "string_type"):
-        msg = f"{msg} (got {err.get('input')!r})"
+        msg = f"{msg} (got {err.get('input')!r})" + _unquote_hint(kind, err.get("input"))
     if kind == "literal_error":
         msg = f"{msg} (got {err.get('input')!r})"
     return msg
+
+
+def _unquote_hint(kind: str, value: object) -> str:
+    """The fix for a number or boolean written in quotes ("1e-4"): counts stay strict, the message says how."""
+    if not isinstance(value, str) or kind.startswith("string"):
+        return ""
+    text = value.strip()
+    if kind.startswith("bool"):
+        ok = text.lower() in ("true", "false")
+    elif kind.startswith("float"):
+        ok = re.fullmatch(r"[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?", text) is not None
+    else:
+        ok = re.fullmatch(r"[-+]?\d+", text) is not None
+    return f"; write it without quotes: {text}" if ok else ""
 
 
 def _field_loc(loc: tuple, data: object) -> tuple:

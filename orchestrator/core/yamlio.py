@@ -12,8 +12,36 @@ from .errors import InputError
 Loc = tuple  # a path into the document, e.g. ("train", "lr")
 
 
+# A job spec nests a few sections deep; PyYAML composes nested values recursively, and "[" x 100000 took a second
+# to reach Python's recursion limit. Deeper than this is refused where it passes the limit, at once.
+MAX_DEPTH = 64
+TOO_DEEP = "the YAML is nested too deeply; a job spec has a few levels of sections"
+
+
 class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (a silent override is a classic YAML trap)."""
+    """SafeLoader that rejects duplicate keys (a silent override is a classic YAML trap) and deep nesting."""
+
+    _depth = 0
+    file = ""  # for the error: set by _load
+
+    def _too_deep(self, line: int) -> InputError:
+        return InputError(f"{TOO_DEEP} (more than {MAX_DEPTH} levels)", file=self.file, line=line + 1)
+
+    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's own signature
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise self._too_deep(self.peek_event().start_mark.line)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def fetch_flow_collection_start(self, TokenClass):  # noqa: N803, ANN001, ANN201 - PyYAML's own signature
+        # The scanner looks ahead up to 1024 characters for a possible key at every [ or { (slow over thousands of
+        # them), before the composer sees the first: deep flow nesting is refused here, where it is scanned.
+        if self.flow_level >= MAX_DEPTH:
+            raise self._too_deep(self.line)
+        super().fetch_flow_collection_start(TokenClass)
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -134,6 +162,7 @@ class YamlDoc:
 def _load(text: str, file: str) -> tuple[yaml.Node | None, object]:
     """The node tree and the Python value of one YAML document, its expansion bounded (MAX_VALUES)."""
     loader = _LineLoader(text)
+    loader.file = file
     try:
         node = loader.get_single_node()
         if node is not None:
@@ -175,7 +204,7 @@ def parse_yaml(text: str, file: str) -> YamlDoc:
     try:
         node, data = _load(text, file)
     except RecursionError:
-        raise InputError("the YAML is nested too deeply; a job spec has a few levels of sections", file=file) from None
+        raise InputError(TOO_DEEP, file=file) from None
     except yaml.MarkedYAMLError as exc:
         line, problem = _where_it_starts(exc, text)
         raise InputError(f"YAML syntax error: {problem}; fix the YAML at this line", file=file, line=line) from None

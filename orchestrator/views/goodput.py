@@ -414,17 +414,22 @@ def _units(record: JobRecord) -> tuple[int, str]:
 
 def _step_time(events: list[dict], metrics: list[dict]) -> float | None:
     """Median seconds per step between consecutive progress points of one start (metrics lines, and each
-    start's ready event, where the worker opens its first window: a resumed start may log one line only),
-    skipping windows with a save or a restart in them."""
-    breaks = sorted(e["time"] for e in events if e.get("event") in (runlog.START, runlog.CHECKPOINT))
+    start's ready event, where the worker opens its first window: a resumed start may log one line only).
+    A window with a restart in it is skipped; one with checkpoint saves counts without their blocking time
+    (where a save comes every logged window, e.g. interval_steps = log_every, skipping them left none)."""
+    starts = sorted(e["time"] for e in events if e.get("event") == runlog.START)
+    saves = sorted((e["time"], float(e.get("save_s") or 0.0)) for e in events if e.get("event") == runlog.CHECKPOINT)
     points = sorted([*metrics, *(e for e in events if e.get("event") == runlog.READY)], key=lambda p: p["time"])
     rates = []
     for a, b in zip(points, points[1:]):
         steps = (b.get("step") or 0) - (a.get("step") or 0)
-        # any break in (a, b]: the first break after a's time comes at or before b's
-        i = bisect_right(breaks, a["time"])
-        if steps > 0 and not (i < len(breaks) and breaks[i] <= b["time"]):
-            rates.append((b["time"] - a["time"]) / steps)
+        # any start in (a, b]: the first start after a's time comes at or before b's
+        i = bisect_right(starts, a["time"])
+        if steps <= 0 or (i < len(starts) and starts[i] <= b["time"]):
+            continue
+        saving = sum(save_s for t, save_s in saves if a["time"] < t <= b["time"])
+        if b["time"] - a["time"] > saving:
+            rates.append((b["time"] - a["time"] - saving) / steps)
     return median(rates) if rates else None
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
+from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -135,7 +136,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         last_checkpoint_step=progress.last_checkpoint_step,
         steps_lost=progress.steps_lost,
         eta_s=progress.eta_s if phase == "RUNNING" else None,
-        nodes=view.nodes,
+        nodes=view.nodes or _local_host(record, progress.events),
         world_size=record.world_size,
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
@@ -146,6 +147,15 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         data={k: progress.data.get(k) for k in DATA_KEYS} if progress.data else None,
         resumed_from=resumed_from(record),
     )
+
+
+def _local_host(record: JobRecord, events: list[dict]) -> str | None:
+    """The machine a local run ran on, from its last start event (its controller's view names it only while it
+    runs); a Slurm job's nodes come from Slurm alone (rank 0's host is one node of several)."""
+    if record.scheduler != "local":
+        return None
+    starts = [e for e in events if e.get("event") == runlog.START and e.get("host")]
+    return str(starts[-1]["host"]) if starts else None
 
 
 def _goodput(record: JobRecord, view: SchedView, progress: Progress, phase: str) -> dict | None:
