@@ -27,24 +27,24 @@ from fsdpjob.orchestrator.views.sweepview import VariantRow, ranked
 
 
 def test_a_grid_is_every_combination_in_order_and_the_cap_goes_on_the_array():
-    sweep = make_sweep(("train.lr=1e-4,3e-4", "model.lora.rank=4,8,16"), name="rank", max_parallel=2)
+    sweep = make_sweep(("train.lr=1e-4,3e-4", "model.lora.r=4,8,16"), name="rank", max_parallel=2)
     assert [v.sets for v in sweep.variants][:4] == [
-        ("train.lr=1e-4", "model.lora.rank=4"), ("train.lr=1e-4", "model.lora.rank=8"),
-        ("train.lr=1e-4", "model.lora.rank=16"), ("train.lr=3e-4", "model.lora.rank=4")]
+        ("train.lr=1e-4", "model.lora.r=4"), ("train.lr=1e-4", "model.lora.r=8"),
+        ("train.lr=1e-4", "model.lora.r=16"), ("train.lr=3e-4", "model.lora.r=4")]
     assert [v.index for v in sweep.variants] == list(range(6))
-    assert sweep.variants[5].values == {"train.lr": "3e-4", "model.lora.rank": "16"}
-    assert sweep.keys == ["train.lr", "model.lora.rank"]
+    assert sweep.variants[5].values == {"train.lr": "3e-4", "model.lora.r": "16"}
+    assert sweep.keys == ["train.lr", "model.lora.r"]
     assert array_range(6, 2) == "0-5%2" and array_range(3, None) == "0-2" and array_range(3, 5) == "0-2"
     assert split_values("[a, b],[c],'x,y', 3") == ["[a, b]", "[c]", "'x,y'", "3"]
 
 
 def test_a_sweep_file_lists_variants_and_a_grid(tmp_path):
     path = tmp_path / "sweep.yaml"
-    path.write_text("sweep:\n  name: ranks\n  max_parallel: 3\n  grid:\n    model.lora.rank: [8, 16]\n"
+    path.write_text("sweep:\n  name: ranks\n  max_parallel: 3\n  grid:\n    model.lora.r: [8, 16]\n"
                     "  variants:\n    - {train.lr: 1.0e-4}\n    - [train.lr=3e-4, train.warmup_steps=10]\n")
     sweep = make_sweep((), sweep_file=path)
     assert (sweep.name, sweep.max_parallel, len(sweep.variants)) == ("ranks", 3, 4)
-    assert sweep.variants[3].sets == ("train.lr=3e-4", "train.warmup_steps=10", "model.lora.rank=16")
+    assert sweep.variants[3].sets == ("train.lr=3e-4", "train.warmup_steps=10", "model.lora.r=16")
     assert make_sweep((), sweep_file=path, name="other", max_parallel=1).name == "other"  # options win
 
 
