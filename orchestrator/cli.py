@@ -273,6 +273,74 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
 
 
 @cli.command()
+@SPEC_ARG
+@click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
+              help="Sweep a spec field over these values (YAML values, as --set); several --grid make a grid.")
+@click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="A file with a `sweep:` section: grid, variants (lists of --set items), name, max_parallel.")
+@click.option("--max-parallel", type=click.IntRange(min=1), metavar="N", help="At most N runs at once (Slurm: --array=0-K%N).")
+@click.option("--name", help="The sweep's name; run i is NAME-i [default: the spec's name].")
+@PROFILE_OPT
+@SET_OPT
+@click.option("--dry-run", is_flag=True, help="Validate and plan every variant, print the array script; submit nothing.")
+@click.option("--force", is_flag=True, help="Submit even if the planner says a variant cannot fit.")
+@JSON_OPT
+def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, force, as_json) -> None:
+    """Run variants of a spec (a grid of values, or a list of --set variants) as one Slurm array job, each a run
+    of its own; on the local profile one after another. Every variant is checked before anything is submitted."""
+    from fsdpjob.orchestrator import sweepsubmit
+    from fsdpjob.orchestrator.sweep import make_sweep
+
+    wanted = make_sweep(grids, sweep_file=sweep_file, name=name, max_parallel=max_parallel)
+    plan = sweepsubmit.plan_sweep(spec, wanted, profile=profile, sets=sets, force=force)
+    slurm = plan.scheduler == "slurm"
+    script = sweepsubmit.array_script(plan, spec) if slurm else None  # refuses a variant that changes the shape
+    if dry_run:
+        if as_json:
+            _echo_json({"sweep": plan.sweep_id, "name": plan.name, "array": plan.array if slurm else None,
+                        "variants": [{"index": p.variant.index, "name": p.job.spec.name, "sets": list(p.variant.sets)}
+                                     for p in plan.variants], "script": script})
+            return
+        for p in plan.variants:
+            click.echo(f"variant {p.variant.index}: {p.job.spec.name}: {p.variant.label()}", err=True)
+        click.echo(script if slurm else f"local profile: the {len(plan.variants)} runs one after another\n", nl=False)
+        return
+    warned: dict[str, list[str]] = {}
+    for p in plan.variants:
+        for warning in p.warnings:
+            warned.setdefault(warning, []).append(str(p.variant.index))
+    for warning, which in warned.items():
+        whom = "every variant" if len(which) == len(plan.variants) else f"variant {', '.join(which)}"
+        click.echo(f"warning: {whom}: {warning}", err=True)
+    if slurm:
+        records = sweepsubmit.submit_array(plan, spec)
+        if as_json:
+            _echo_json({"sweep": plan.sweep_id, "name": plan.name, "job_id": records[0].sweep["job_id"],
+                        "runs": [{"index": r.sweep["index"], "run_id": r.run_id, "job_id": r.job_id,
+                                  "run_dir": r.run_dir} for r in records]})
+            return
+        click.echo(f"submitted sweep {plan.name} ({plan.sweep_id}): array job {records[0].sweep['job_id']} "
+                   f"(--array={plan.array}), {len(records)} runs")
+        for r in records:
+            values = " ".join(f"{k}={v}" for k, v in r.sweep["values"].items())
+            click.echo(f"  {r.sweep['index']}: {r.run_id} (job {r.job_id}): {values}")
+        return
+    if max_parallel and max_parallel > 1:
+        click.echo("warning: the local profile runs a sweep's variants one after another; --max-parallel is "
+                   "ignored", err=True)
+    from fsdpjob.orchestrator.views.follow import wait_for
+
+    results: list[int] = []
+
+    def follow(record) -> None:
+        click.echo(f"sweep {plan.name}: run {record.sweep['index'] + 1} of {len(plan.variants)}: {record.run_id}")
+        results.append(wait_for(record))
+
+    sweepsubmit.run_locally(plan, follow)
+    raise SystemExit(1 if any(results) else 0)
+
+
+@cli.command()
 @click.argument("run", required=False, shell_complete=complete_runs)
 @JSON_OPT
 @WATCH_OPT
@@ -284,6 +352,9 @@ def status(run: str | None, as_json: bool, watch: bool, interval: float) -> None
     from fsdpjob.orchestrator.views.status import report_for
 
     _watch_is_text(watch, as_json)
+    if run and (tasks := registry.sweep_records(run)):
+        _sweep_status(tasks, as_json, watch, interval)
+        return
     record = registry.find(run) if run else registry.latest()
     if watch:
         from fsdpjob.orchestrator.views.follow import TERMINAL
@@ -309,20 +380,60 @@ def status(run: str | None, as_json: bool, watch: bool, interval: float) -> None
 def list_runs(as_json: bool, watch: bool, interval: float) -> None:
     """All runs in the registry, with one scheduler call."""
     from fsdpjob.orchestrator import registry
-    from fsdpjob.orchestrator.views.display import runs_table
     from fsdpjob.orchestrator.views.status import reports
 
     _watch_is_text(watch, as_json)
     if watch:
         from fsdpjob.orchestrator.views.watch import watch as watch_view
 
-        watch_view(lambda: (runs_table(reports(registry.all_records())), False), interval)
+        watch_view(lambda: (_runs_list(registry.all_records()), False), interval)
         return
-    rows = reports(registry.all_records())
+    records = registry.all_records()
+    rows = reports(records)
     if as_json:
-        _echo_json([r.to_json() for r in rows])
+        _echo_json([{**r.to_json(), "sweep": rec.sweep} for rec, r in zip(records, rows)])
         return
-    click.echo(runs_table(rows))
+    click.echo(_runs_list(records, rows))
+
+
+def _runs_list(records, rows=None) -> str:
+    """`fsdpjob list`: a sweep's runs together under its line (views/sweepview.grouped), other runs as they are."""
+    from fsdpjob.orchestrator.views.display import runs_table
+    from fsdpjob.orchestrator.views.status import reports
+    from fsdpjob.orchestrator.views.sweepview import grouped
+
+    rows = reports(records) if rows is None else rows
+    if not any(r.sweep for r in records):
+        return runs_table(rows)
+    ordered = [rep for _, reps in grouped(records, rows) for rep in reps]
+    lines = runs_table(ordered).splitlines()
+    out, i = lines[:1], 1
+    for heading, reps in grouped(records, rows):
+        if heading:
+            out.append(heading)
+        out.extend(("  " if heading else "") + line for line in lines[i:i + len(reps)])
+        i += len(reps)
+    return "\n".join(out)
+
+
+def _sweep_status(tasks, as_json: bool, watch: bool, interval: float) -> None:
+    from fsdpjob.orchestrator.views import sweepview
+
+    if watch:
+        from fsdpjob.orchestrator.views.follow import TERMINAL
+        from fsdpjob.orchestrator.views.watch import watch as watch_view
+
+        def draw() -> tuple[str, bool]:
+            now = sweepview.sweep_status(tasks)
+            return sweepview.status_text(tasks, now), all(r.phase in TERMINAL for r in now)
+
+        watch_view(draw, interval)
+        return
+    now = sweepview.sweep_status(tasks)
+    if as_json:
+        _echo_json(sweepview.status_json(tasks, now))
+    else:
+        click.echo(sweepview.status_text(tasks, now))
 
 
 def _output_file(option: str, path: Path) -> None:
@@ -361,6 +472,9 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
             if not goodputplot.available():
                 click.echo(f"fsdpjob: {option} needs matplotlib: {goodputplot.INSTALL_HINT}", err=True)
                 raise SystemExit(2)
+    if tasks := registry.sweep_records(run):
+        _sweep_report(tasks, as_json, plot_file, html_file)
+        return
     record = registry.find(run)
     result = run_report(record)
     for warning in result.warnings:
@@ -377,6 +491,21 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
         _echo_json(data)
     else:
         click.echo(format_report(result))
+
+
+def _sweep_report(tasks, as_json: bool, plot_file: Path | None, html_file: Path | None) -> None:
+    from fsdpjob.orchestrator.views import sweepview
+
+    rows = sweepview.sweep_report(tasks)
+    png = sweepview.curves_png(tasks, rows) if plot_file or html_file else b""
+    if plot_file is not None:
+        _write_output("--plot", plot_file, png)
+    if html_file is not None:
+        _write_output("--html", html_file, sweepview.report_html(tasks, rows, png).encode("utf-8"))
+    if as_json:
+        _echo_json(sweepview.report_json(tasks, rows))
+    else:
+        click.echo(sweepview.report_text(tasks, rows))
 
 
 @cli.command()
@@ -408,10 +537,18 @@ def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
 @cli.command()
 @RUN_ARG
 def cancel(run: str) -> None:
-    """Cancel a run (scancel, or stop the local workers)."""
+    """Cancel a run (scancel, or stop the local workers), or every running and pending run of a sweep."""
     from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.submit import cancel as cancel_run
 
+    if tasks := registry.sweep_records(run):
+        from fsdpjob.orchestrator.views.sweepview import LIVE, sweep_status
+
+        live = [rec for rec, rep in zip(tasks, sweep_status(tasks)) if rep.phase in LIVE]  # one scheduler call
+        for rec in live:
+            click.echo(f"cancelled {rec.run_id} (job {rec.job_id}): {cancel_run(rec)}")
+        click.echo(f"sweep {run}: cancelled {len(live)} of {len(tasks)} runs (the others had ended)")
+        return
     record = registry.find(run)
     how = cancel_run(record)
     click.echo(f"cancelled {record.run_id} (job {record.job_id}): {how}")
@@ -423,14 +560,27 @@ def cancel(run: str) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--merge", is_flag=True, help="LoRA runs: merge the adapters into the base model (default: the "
               "peft adapter folder).")
-def export(source: str, out: Path, dtype: str, merge: bool) -> None:
+@click.option("--best", is_flag=True, help="SOURCE is a sweep: export its best variant's (lowest eval loss) best "
+              "checkpoint.")
+def export(source: str, out: Path, dtype: str, merge: bool, best: bool) -> None:
     """Write a Hugging Face folder (sharded safetensors) from a run (its id, or its folder: the newest committed
     checkpoint) or a checkpoint folder; for a LoRA run, a peft adapter folder, or with --merge the merged model."""
     from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
     path = Path(source)
-    if not path.exists():  # not a folder: a run of the registry (id, unique prefix, job id or name)
+    if best:
+        from fsdpjob.orchestrator import registry
+        from fsdpjob.orchestrator.views import sweepview
+
+        tasks = registry.sweep_records(source)
+        if not tasks:
+            raise InputError(f"{source!r} is no sweep in the registry; give a sweep's name, id or array job id "
+                             "(`fsdpjob list`), or drop --best", file="SOURCE")
+        rows = sweepview.sweep_report(tasks)
+        path, why = sweepview.best_checkpoint(rows[0])
+        click.echo(f"best of sweep {source}: {rows[0].run_id} ({rows[0].values}): {why}", err=True)
+    elif not path.exists():  # not a folder: a run of the registry (id, unique prefix, job id or name)
         from fsdpjob.orchestrator import registry
         from fsdpjob.orchestrator.core.errors import RunNotFound
 

@@ -29,6 +29,8 @@ class JobRecord:
     slurm_conf: str | None = None
     extra: dict = field(default_factory=dict)
     gpus_per_node: int | None = None  # 0 on CPU profiles; None in records written before it was kept
+    # A task of a sweep (orchestrator/sweepsubmit.py): {id, name, index, count, values, job_id (the array job's)}.
+    sweep: dict | None = None
 
     @property
     def world_size(self) -> int:
@@ -101,6 +103,18 @@ def find(ref: str) -> JobRecord:
         if match:
             return match[-1]
     raise RunNotFound(f"no run {ref!r} in the registry ({registry_dir()}); see `fsdpjob list`")
+
+
+def sweep_records(ref: str) -> list[JobRecord]:
+    """The runs of a sweep, by index: ``ref`` is its id, its name (newest sweep of that name) or its array job's
+    id; [] when no sweep fits (the caller then looks for a run)."""
+    tasks = [r for r in all_records() if r.sweep]
+    for key in ("id", "job_id", "name"):
+        match = [r for r in tasks if r.sweep.get(key) == ref]
+        if match:
+            newest = match[-1].sweep["id"]
+            return sorted((r for r in match if r.sweep["id"] == newest), key=lambda r: r.sweep["index"])
+    return []
 
 
 def latest() -> JobRecord:

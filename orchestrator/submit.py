@@ -28,7 +28,7 @@ class Submission:
 
 
 @contextlib.contextmanager
-def _job_environment(env: dict[str, str]):
+def job_environment(env: dict[str, str]):
     """Environment for the submission call: sbatch exports it to the job (secrets travel this way, never
     through a file), and submitit's local executor passes it to the workers."""
     saved = {k: os.environ.get(k) for k in env}
@@ -44,7 +44,7 @@ def _job_environment(env: dict[str, str]):
 
 
 @contextlib.contextmanager
-def _owner_only():
+def owner_only():
     """Files and folders created meanwhile are the owner's only: here (run folder, registry), by the local
     workers (they inherit the umask) and by the Slurm job (sbatch passes it on as SLURM_UMASK), so logs,
     metrics and checkpoints are never readable by other users."""
@@ -82,7 +82,7 @@ def request_json(job: LoadedJob, request: Request, plan: dict) -> dict:
             "script": request.script, "text": request.text, "environment": sorted(request.env), "plan": plan}
 
 
-def _write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,
+def write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume_from: str | None,
                       worker_facts: dict, files: tuple[tuple[str, str], ...] = ()) -> None:
     paths.submitit_dir.mkdir(mode=0o700)
     eff = job.eff
@@ -110,20 +110,20 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
     ``worker_facts`` (the planner's, planner/fit.FitPlan.worker_facts) go to the workers through spec.json."""
     backend = backend_for(job.profile.scheduler)
-    with _owner_only():
+    with owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
         try:
             request = backend.dry_run(job, paths)
-            _write_run_folder(job, paths, request.script, resume_from, worker_facts or {}, request.files)
+            write_run_folder(job, paths, request.script, resume_from, worker_facts or {}, request.files)
         except BaseException:
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise
         try:
-            with _job_environment(request.env):
+            with job_environment(request.env):
                 submitted = backend.submit(job, request)
         except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
             shutil.rmtree(paths.run_dir, ignore_errors=True)
-            raise SubmissionError(f"submission failed, nothing was recorded: {_reason(exc)}") from None
+            raise SubmissionError(f"submission failed, nothing was recorded: {sbatch_reason(exc)}") from None
         record = JobRecord(
             run_id=paths.run_id,
             name=job.spec.name,
@@ -155,7 +155,7 @@ def cancel(record: JobRecord) -> str:
     return backend_for(record.scheduler).cancel(record, mark=mark)
 
 
-def _reason(exc: BaseException) -> str:
+def sbatch_reason(exc: BaseException) -> str:
     """sbatch's own words, without submitit's wrapping noise."""
     text = str(exc)
     for marker in ("sbatch: error:", "error:"):

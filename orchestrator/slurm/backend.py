@@ -36,7 +36,7 @@ class SlurmBackend:
         handle = executor.submit(TrainJob(str(paths.run_dir)))
         return Submitted(
             job_id=str(handle.job_id),
-            record_fields={"slurm_conf": os.environ.get("SLURM_CONF"), "extra": {"accounting": _accounting()}},
+            record_fields={"slurm_conf": os.environ.get("SLURM_CONF"), "extra": {"accounting": accounting_known()}},
         )
 
     def views(self, records) -> dict[str, SchedView]:
@@ -87,7 +87,8 @@ def _sacct_rows(records) -> list[commands.SacctRow] | None:
 def _by_job(rows: list[commands.SacctRow]) -> dict[str, list[commands.SacctRow]]:
     by_id: dict[str, list[commands.SacctRow]] = {}
     for row in rows:
-        by_id.setdefault(row.job_id, []).append(row)
+        for job_id in row.task_ids:
+            by_id.setdefault(job_id, []).append(row)
     return by_id
 
 
@@ -133,7 +134,7 @@ def _slurm_value(value: str | None) -> str | None:
     return None if value in (None, "", "None", "(null)") else value
 
 
-def _accounting() -> bool | None:
+def accounting_known() -> bool | None:
     try:
         return commands.accounting_enabled()
     except Exception:  # noqa: BLE001 - status falls back to squeue/scontrol when unknown

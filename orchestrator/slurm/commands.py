@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError
 
-SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed", "Submit", "Eligible")
+SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed", "Submit", "Eligible",
+                "JobID")
 _SACCT_BASE = 8  # rows recorded before Submit and Eligible were asked for still parse (those two then empty)
 
 
@@ -40,6 +41,31 @@ class SacctRow:
     # When this run of the job was queued: the submit, or for a restart its requeue (Slurm resets it then).
     submit: str = ""
     eligible: str = ""  # when it could start: after a requeue, the end of the BeginTime hold
+    array_id: str = ""  # JobID: an array task's <array job>_<task> (or a pending rest, 7_[1-3%2]); else JobIDRaw
+
+    @property
+    def task_ids(self) -> list[str]:
+        """The ids fsdpjob knows this row's job(s) by: an array task's <array job>_<task>, else JobIDRaw."""
+        return array_task_ids(self.array_id) if "_" in self.array_id else [self.job_id]
+
+
+def array_task_ids(job_id: str) -> list[str]:
+    """sacct's or squeue's JobID of array tasks as each task's id: "7_2" stays; the tasks still pending as one
+    record, "7_[1-3%2]" or "7_[1,4]", are "7_1", "7_2", "7_3" (or "7_1", "7_4")."""
+    m = re.fullmatch(r"(\d+)_\[([\d,-]+)(?:%\d+)?\]", job_id)
+    if not m:
+        return [job_id]
+    out = []
+    for part in m.group(2).split(","):
+        first, _, last = part.partition("-")
+        out += [f"{m.group(1)}_{i}" for i in range(int(first), int(last or first) + 1)]
+    return out
+
+
+def query_ids(job_ids: list[str]) -> list[str]:
+    """The ids to ask sacct/squeue for: an array task's array job (a task still pending with its siblings has
+    no id of its own yet; the array job's rows cover every task), each once."""
+    return list(dict.fromkeys(j.split("_")[0] for j in job_ids))
 
 
 def parse_sacct(text: str) -> list[SacctRow]:
@@ -67,7 +93,7 @@ def sacct(job_ids: list[str]) -> list[SacctRow]:
     if not job_ids:
         return []
     out = run(
-        ["sacct", "--parsable2", "--noheader", "-X", "-D", "-j", ",".join(job_ids), "-o", ",".join(SACCT_FIELDS)]
+        ["sacct", "--parsable2", "--noheader", "-X", "-D", "-j", ",".join(query_ids(job_ids)), "-o", ",".join(SACCT_FIELDS)]
         + ["-S", "2000-01-01"]
     )
     return parse_sacct(out)
@@ -81,14 +107,15 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 5:
-            out[parts[0]] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
+            for job_id in array_task_ids(parts[0]):
+                out[job_id] = {"state": parts[1], "reason": parts[2], "nodes": parts[3], "start": parts[4]}
     return out
 
 
 def squeue(job_ids: list[str] | None = None) -> dict[str, dict[str, str]]:
     argv = ["squeue", "--noheader", "-t", "all", "-o", SQUEUE_FORMAT]
     if job_ids:
-        argv += ["-j", ",".join(job_ids)]
+        argv += ["-j", ",".join(query_ids(job_ids))]
     try:
         return parse_squeue(run(argv))
     except SlurmCommandError as exc:
@@ -244,7 +271,7 @@ def cancelled(job_id: str) -> bool:
     if state != "COMPLETING":
         return state == "CANCELLED"
     try:
-        rows = sacct([job_id])
+        rows = [r for r in sacct([job_id]) if job_id in r.task_ids]  # an array's rows hold its other tasks too
     except SlurmCommandError:
         return False  # no accounting: `fsdpjob cancel` turned requeue off instead (scancel above)
     return bool(rows) and rows[-1].state.startswith("CANCELLED")

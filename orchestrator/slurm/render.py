@@ -39,6 +39,7 @@ class SbatchPlan:
     worker_python: str = ""  # the workers' (inside the container, if any)
     launcher: str = ""  # words before the workers' command (apptainer exec ... IMAGE)
     files: tuple[tuple[str, str], ...] = ()  # (path in the run folder, text): the oci runtime's bundle
+    task_lines: tuple[str, ...] = ()  # an array job's: which run folder this task is (slurm/arrayrender.py)
 
     def with_command(self, command: str) -> SbatchPlan:
         """submitit's task command (``python -u -m submitit.core._submit <folder>``) in the srun line."""
@@ -50,7 +51,7 @@ def submitit_command(python: str, submitit_dir: str) -> str:
     return " ".join([shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(submitit_dir)])
 
 
-def _comment(text: str) -> str:
+def comment_text(text: str) -> str:
     """Make any user text safe inside a '#' comment line."""
     return re.sub(r"[\x00-\x1f\x7f]", "?", text)
 
@@ -69,7 +70,7 @@ def sbatch_word(value: str) -> str:
     return '"' + re.sub(r'(["\\])', r"\\\1", value) + '"'
 
 
-def _directive(name: str, value: object) -> str:
+def sbatch_flag(name: str, value: object) -> str:
     return f"--{name}={sbatch_word(str(value))}"
 
 
@@ -106,7 +107,7 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
         # An exclusive job gets every CPU and GPU but only the site's default memory (DefMemPerCPU/Node): the
         # cgroup would OOM-kill a plan that fits the node's host_ram_gb. --mem=0 is Slurm's "all of it".
         flags["mem"] = 0
-    lines = [_directive(k, flags[k]) for k in sorted(flags)]
+    lines = [sbatch_flag(k, flags[k]) for k in sorted(flags)]
     lines.append("--requeue")
     if spec.resources.min_nodes is not None and spec.resources.min_nodes < eff.nodes:
         lines.append("--no-kill")  # a failed node leaves the allocation running: the supervisor goes on without it
@@ -171,7 +172,7 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> Sbat
         f"submit with: fsdpjob submit {spec_source or 'SPEC'} (not sbatch: submitit pickles the job first)",
     )
     return SbatchPlan(
-        header=tuple(_comment(h) for h in header),
+        header=tuple(comment_text(h) for h in header),
         directives=directives(eff, spec, paths, profile),
         setup=tuple(command_line(line) for line in profile.setup),
         env=tuple(sorted(env.items())),
