@@ -21,6 +21,10 @@ SET_OPT = click.option(
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 RUN_ARG = click.argument("run", shell_complete=complete_runs)
 WATCH_OPT = click.option("--watch", "-w", is_flag=True, help="Redraw in place every --interval seconds (Ctrl-C stops).")
+AFTER_OPT = click.option("--after", metavar="RUN[:ok|any]", help="Start only after RUN (run id, prefix, job id or "
+                         "name) completes (:ok, the default) or ends however it ends (:any); a Slurm dependency.")
+SHAPES_OPT = click.option("--shapes", metavar="NxG[,NxG...]", help="Slurm: also estimate the start and total time of "
+                          "these shapes (nodes x GPUs per node), e.g. 2x8,4x8, to see which finishes first.")
 INTERVAL_OPT = click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
                             metavar="SECONDS", help="Seconds between redraws with --watch.")
 
@@ -171,8 +175,9 @@ def profiles(as_json: bool) -> None:
 @SPEC_ARG
 @PROFILE_OPT
 @SET_OPT
+@SHAPES_OPT
 @JSON_OPT
-def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+def plan(spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | None, as_json: bool) -> None:
     """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead.
 
     Needs only the model's config.json (plan before the download); validate and submit check the weights too."""
@@ -182,12 +187,37 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
 
     job = load_job(spec, profile=profile, overrides=sets, check_files="config")  # before the download: config.json
     result = make_plan(job)
+    estimates = _start_estimates(job, result, spec, profile, sets, shapes)
     if as_json:
-        _echo_json(result.to_json())
+        _echo_json({**result.to_json(), **({"start_estimates": estimates} if estimates else {})})
     else:
         click.echo(format_plan(result))
+        _echo_estimates(estimates, err=False)
     if _refusal(result, spec, force=False):
         raise SystemExit(2)
+
+
+def _start_estimates(job, fit, spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | None) -> list[dict]:
+    """Slurm's start estimate for the job, and for each of --shapes (orchestrator/estimate.py)."""
+    from dataclasses import replace
+
+    from fsdpjob.orchestrator.estimate import start_estimates
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.jobload import load_job
+
+    def shaped(nodes: int, gpus: int):
+        other = load_job(spec, profile=profile, check_files=False,
+                         overrides=(*sets, f"resources.nodes={nodes}", f"resources.gpus_per_node={gpus}"))
+        return replace(other, dependency=job.dependency), make_plan(other)
+
+    return start_estimates(job, fit, shapes, shaped)
+
+
+def _echo_estimates(rows: list[dict], *, err: bool) -> None:
+    from fsdpjob.orchestrator.estimate import format_estimates
+
+    for line in format_estimates(rows):
+        click.echo(line, err=err)
 
 
 def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
@@ -211,8 +241,11 @@ def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default: $FSDPJOB_HOME/runs/<name>-<time>-<id>).")
 @click.option("--no-file-checks", is_flag=True, help="With --dry-run: skip checks of the model folder and data file "
               "(the plan still reads config.json).")
+@AFTER_OPT
+@SHAPES_OPT
 @JSON_OPT
-def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, as_json) -> None:
+def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, after, shapes,
+           as_json) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from fsdpjob.orchestrator import submit as submission
     from fsdpjob.orchestrator.planner.fit import make_plan
@@ -221,15 +254,27 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
 
     if no_file_checks and not dry_run:
         raise click.UsageError("--no-file-checks goes with --dry-run only: a real submit checks the files first")
+    if shapes and not dry_run:
+        raise click.UsageError("--shapes goes with --dry-run (or plan): it compares start estimates, submits nothing")
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from)
+    dependency = None
+    if after:
+        from dataclasses import replace
+
+        from fsdpjob.orchestrator.chain import resolve_after
+
+        dependency = resolve_after(after, job.profile.scheduler)
+        job = replace(job, dependency=dependency.directive)
     fit = make_plan(job)
     refusal = _refusal(fit, spec, force=force)
     if dry_run:
         request = submission.dry_run(job, run_dir.resolve() if run_dir else None)
+        estimates = _start_estimates(job, fit, spec, profile, sets, shapes)
         if as_json:
-            _echo_json(submission.request_json(job, request, fit.to_json()))
+            _echo_json({**submission.request_json(job, request, fit.to_json()), "start_estimates": estimates})
         else:
             click.echo(format_plan(fit), err=True)
+            _echo_estimates(estimates, err=True)
             click.echo(request.text, nl=False)
         if refusal:
             raise refusal
@@ -241,11 +286,12 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
     sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,
-                            worker_facts=fit.worker_facts())
+                            worker_facts=fit.worker_facts(), extra={"after": dependency.to_json()} if dependency else None)
     if as_json:
         _echo_json({"run_id": sub.record.run_id, "job_id": sub.record.job_id, "run_dir": sub.record.run_dir})
     else:
-        click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}")
+        click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}"
+                   + (f"; starts after {dependency.run_id} (job {dependency.job_id}, {dependency.kind})" if dependency else ""))
     if wait:
         from fsdpjob.orchestrator.submit import cancel as cancel_run
         from fsdpjob.orchestrator.views.follow import wait_for
@@ -412,9 +458,17 @@ def cancel(run: str) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--merge", is_flag=True, help="LoRA runs: merge the adapters into the base model (default: the "
               "peft adapter folder).")
-def export(source: str, out: Path, dtype: str, merge: bool) -> None:
+@click.option("--submit", "as_job", is_flag=True, help="Export in a CPU batch job that starts once the run's "
+              "training job completes (afterok), on --profile's partition.")
+@PROFILE_OPT
+def export(source: str, out: Path, dtype: str, merge: bool, as_job: bool, profile: str | None) -> None:
     """Write a Hugging Face folder (sharded safetensors) from a run (its id, or its folder: the newest committed
     checkpoint) or a checkpoint folder; for a LoRA run, a peft adapter folder, or with --merge the merged model."""
+    if as_job:
+        _export_job(source, out, dtype, merge, profile)
+        return
+    if profile:
+        raise click.UsageError("--profile goes with --submit (the profile of the export job)")
     from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
@@ -433,6 +487,20 @@ def export(source: str, out: Path, dtype: str, merge: bool) -> None:
     except CheckpointError as exc:
         raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")
+
+
+def _export_job(source: str, out: Path, dtype: str, merge: bool, profile: str | None) -> None:
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.exportjob import submit_export
+
+    if not profile:
+        raise click.UsageError("--submit needs --profile/-p: the Slurm profile (partition) the export job runs on")
+    record = registry.find(source)  # a run of the registry: its job is what the export waits for
+    job = submit_export(record, load_profile(profile), out, dtype, merge)
+    when = f"after job {job.after} completes" if job.after else "now (the training job is over)"
+    click.echo(f"submitted the export of {record.run_id} as job {job.job_id}, to start {when}; it writes {out}; "
+               f"log {job.log}")
 
 
 @cli.command()
