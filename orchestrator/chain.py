@@ -79,7 +79,8 @@ def chain_state(after: dict, state: str, reason: str | None, started: bool, pare
         how = f" ({parent_phase.lower()})" if parent_phase and parent_phase != "FAILED" else ""
         return {**after, "state": "never", "message": f"will never start: parent {parent} failed{how}; cancel "
                                                       "this run, or resubmit it without --after"}
-    if word == "PENDING" and reason == "Dependency":
+    # sacct (list's one call for all runs) gives no reason: a pending child is then taken to wait for its parent.
+    if word == "PENDING" and reason in ("Dependency", None):
         return {**after, "state": "waiting",
                 "message": f"waiting for parent {parent} (job {after.get('job_id')}) to "
                            f"{'complete' if after.get('kind') == 'afterok' else 'end'}"}

@@ -161,6 +161,16 @@ def send_now(run_dir: Path, entry: dict, bound_s: float = CLOSE_BOUND_S) -> None
         thread.join(bound_s)
 
 
+def tell(notify: NotifySpec, run: str, event: str, *, step: int | None = None, reason: str | None = None,
+         goodput: float | None = None) -> str | None:
+    """One event that no run log holds (a sweep's sweep_done, from the code that sees the sweep end), posted now if
+    ``notify`` chose it and its URL variable is set; returns why it was not delivered, or None."""
+    if event not in notify.events or not notify.webhook_url_env or not (url := os.environ.get(notify.webhook_url_env)):
+        return None
+    return post(url, {"run": run, "event": event, "step": step, "reason": reason, "goodput": goodput,
+                      "time": round(time.time(), 3)})
+
+
 def _events(entries: list[dict]) -> list[dict]:
     return [e for e in entries if e.get("event") != runlog.METRIC]
 

@@ -79,6 +79,7 @@ AFTER = {"run_id": "parent-1", "job_id": "41", "kind": "afterok"}
     ("CANCELLED", None, False, "CANCELLED", "never"),  # kill_invalid_depend seen through sacct (no reason)
     ("CANCELLED", None, True, "FAILED", "released"),  # it ran, and was cancelled itself
     ("PENDING", "Priority", False, "COMPLETED", "released"),
+    ("PENDING", None, False, None, "waiting"),  # sacct's view (list): no reason
     ("RUNNING", None, True, None, "released"),
 ])
 def test_the_chain_state_from_the_scheduler_and_the_parent(state, reason, started, parent, expected):

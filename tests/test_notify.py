@@ -154,3 +154,12 @@ def test_no_webhook_no_thread_and_an_unset_variable_is_said_without_a_value(tmp_
     monkeypatch.delenv("FSDPJOB_TEST_HOOK", raising=False)
     assert notify.watch(_run_folder(tmp_path, ["done"])) is None
     assert "$FSDPJOB_TEST_HOOK is not set in the job's environment" in capsys.readouterr().err
+
+
+def test_an_event_without_a_run_log_is_told_directly(hook, monkeypatch):
+    """sweep_done comes from the code that sees a sweep end, not from one run's log."""
+    monkeypatch.setenv("FSDPJOB_TEST_HOOK", hook.url)
+    chosen = NotifySpec(webhook_url_env="FSDPJOB_TEST_HOOK", events=["sweep_done"])
+    assert notify.tell(chosen, "lr-sweep", "sweep_done", reason="3 of 3 completed") is None
+    assert notify.tell(chosen, "lr-sweep", "done") is None  # not chosen: nothing sent
+    assert [(p["run"], p["event"], p["reason"]) for p in hook.got] == [("lr-sweep", "sweep_done", "3 of 3 completed")]
