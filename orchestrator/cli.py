@@ -13,16 +13,42 @@ from fsdpjob.orchestrator.completion import complete_profiles, complete_runs
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False, path_type=str))
-PROFILE_OPT = click.option("--profile", "-p", shell_complete=complete_profiles,
-                           help="Cluster profile name or YAML path (overrides the spec's profile).")
+PROFILE_OPT = click.option(
+    "--profile",
+    "-p",
+    shell_complete=complete_profiles,
+    help="Cluster profile name or YAML path (overrides the spec's profile).",
+)
 SET_OPT = click.option(
-    "--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a spec field, e.g. --set train.lr=1e-4 (YAML value)."
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a spec field, e.g. --set train.lr=1e-4 (YAML value).",
 )
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 RUN_ARG = click.argument("run", shell_complete=complete_runs)
 WATCH_OPT = click.option("--watch", "-w", is_flag=True, help="Redraw in place every --interval seconds (Ctrl-C stops).")
-INTERVAL_OPT = click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
-                            metavar="SECONDS", help="Seconds between redraws with --watch.")
+AFTER_OPT = click.option(
+    "--after",
+    metavar="RUN[:ok|any]",
+    help="Start only after RUN (run id, prefix, job id or "
+    "name) completes (:ok, the default) or ends however it ends (:any); a Slurm dependency.",
+)
+SHAPES_OPT = click.option(
+    "--shapes",
+    metavar="NxG[,NxG...]",
+    help="Slurm: also estimate the start and total time of "
+    "these shapes (nodes x GPUs per node), e.g. 2x8,4x8, to see which finishes first.",
+)
+INTERVAL_OPT = click.option(
+    "--interval",
+    type=click.FloatRange(min=0.2),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds between redraws with --watch.",
+)
 
 
 def _echo_json(data: object) -> None:
@@ -81,12 +107,19 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
     failed: list[FsdpjobError] = []
     for path in specs:
         try:
-            job = load_job(path, profile=profile, overrides=sets, check_files=not no_file_checks,
-                           ask_partition_size=_partition_size())
+            job = load_job(
+                path,
+                profile=profile,
+                overrides=sets,
+                check_files=not no_file_checks,
+                ask_partition_size=_partition_size(),
+            )
         except FsdpjobError as exc:
             failed.append(exc)
             continue
-        click.echo(f"{path}: ok (profile {job.profile.name}, world size {job.eff.world_size}, sha256:{job.spec.spec_hash()})")
+        click.echo(
+            f"{path}: ok (profile {job.profile.name}, world size {job.eff.world_size}, sha256:{job.spec.spec_hash()})"
+        )
         if not no_file_checks:
             from fsdpjob.orchestrator.core.dataformats import long_example_warnings
 
@@ -172,8 +205,9 @@ def profiles(as_json: bool) -> None:
 @SPEC_ARG
 @PROFILE_OPT
 @SET_OPT
+@SHAPES_OPT
 @JSON_OPT
-def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+def plan(spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | None, as_json: bool) -> None:
     """Check before queueing that the job fits: GPU and host memory, checkpoint size and save time, signal lead.
 
     Needs only the model's config.json (plan before the download); validate and submit check the weights too."""
@@ -181,13 +215,23 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.planner.planformat import format_plan
 
-    job = load_job(spec, profile=profile, overrides=sets, check_files="config",  # before the download: config.json
-                   ask_partition_size=_partition_size())
+    job = load_job(
+        spec,
+        profile=profile,
+        overrides=sets,
+        check_files="config",  # before the download: config.json
+        ask_partition_size=_partition_size(),
+    )
     result = make_plan(job)
+    estimates = _start_estimates(job, result, spec, profile, sets, shapes)
     if as_json:
-        _echo_json(result.to_json())
+        _echo_json({**result.to_json(), **({"start_estimates": estimates} if estimates else {})})
     else:
-        click.echo(format_plan(result))
+        # The estimate sits beside the step time, above the verdict: the verdict stays the plan's last line.
+        *body, verdict = format_plan(result).rstrip("\n").split("\n")
+        click.echo("\n".join(body))
+        _echo_estimates(estimates, err=False)
+        click.echo(verdict)
     if _refusal(result, spec, force=False):
         raise SystemExit(2)
 
@@ -198,6 +242,33 @@ def _partition_size():
     from fsdpjob.orchestrator.slurm.commands import partition_size
 
     return partition_size
+
+
+def _start_estimates(job, fit, spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | None) -> list[dict]:
+    """Slurm's start estimate for the job, and for each of --shapes (orchestrator/estimate.py)."""
+    from dataclasses import replace
+
+    from fsdpjob.orchestrator.estimate import start_estimates
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.jobload import load_job
+
+    def shaped(nodes: int, gpus: int):
+        other = load_job(
+            spec,
+            profile=profile,
+            check_files=False,
+            overrides=(*sets, f"resources.nodes={nodes}", f"resources.gpus_per_node={gpus}"),
+        )
+        return replace(other, dependency=job.dependency), make_plan(other)
+
+    return start_estimates(job, fit, shapes, shaped)
+
+
+def _echo_estimates(rows: list[dict], *, err: bool) -> None:
+    from fsdpjob.orchestrator.estimate import format_estimates
+
+    for line in format_estimates(rows):
+        click.echo(line, err=err)
 
 
 def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
@@ -217,12 +288,27 @@ def _refusal(fit, spec: str, *, force: bool) -> PlanRefused | None:
 @click.option("--dry-run", is_flag=True, help="Print the plan and the request; touch nothing; exit as submit would.")
 @click.option("--wait", is_flag=True, help="Stream progress until the job ends; exit with its status.")
 @click.option("--force", is_flag=True, help="Submit even if the planner says the job cannot fit.")
-@click.option("--resume-from", type=click.Path(exists=True, path_type=str), help="Start from this checkpoint (a step-N folder, a checkpoints folder or a run folder).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), help="Run folder (default: $FSDPJOB_HOME/runs/<name>-<time>-<id>).")
-@click.option("--no-file-checks", is_flag=True, help="With --dry-run: skip checks of the model folder and data file "
-              "(the plan still reads config.json).")
+@click.option(
+    "--resume-from",
+    type=click.Path(exists=True, path_type=str),
+    help="Start from this checkpoint (a step-N folder, a checkpoints folder or a run folder).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Run folder (default: $FSDPJOB_HOME/runs/<name>-<time>-<id>).",
+)
+@click.option(
+    "--no-file-checks",
+    is_flag=True,
+    help="With --dry-run: skip checks of the model folder and data file (the plan still reads config.json).",
+)
+@AFTER_OPT
+@SHAPES_OPT
 @JSON_OPT
-def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, as_json) -> None:
+def submit(
+    spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, after, shapes, as_json
+) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from fsdpjob.orchestrator import submit as submission
     from fsdpjob.orchestrator.planner.fit import make_plan
@@ -231,16 +317,34 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
 
     if no_file_checks and not dry_run:
         raise click.UsageError("--no-file-checks goes with --dry-run only: a real submit checks the files first")
-    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from,
-                   ask_partition_size=_partition_size())
+    if shapes and not dry_run:
+        raise click.UsageError("--shapes goes with --dry-run (or plan): it compares start estimates, submits nothing")
+    job = load_job(
+        spec,
+        profile=profile,
+        overrides=sets,
+        check_files=not no_file_checks,
+        resume_from=resume_from,
+        ask_partition_size=_partition_size(),
+    )
+    dependency = None
+    if after:
+        from dataclasses import replace
+
+        from fsdpjob.orchestrator.chain import resolve_after
+
+        dependency = resolve_after(after, job.profile.scheduler)
+        job = replace(job, dependency=dependency.directive)
     fit = make_plan(job)
     refusal = _refusal(fit, spec, force=force)
     if dry_run:
         request = submission.dry_run(job, run_dir.resolve() if run_dir else None)
+        estimates = _start_estimates(job, fit, spec, profile, sets, shapes)
         if as_json:
-            _echo_json(submission.request_json(job, request, fit.to_json()))
+            _echo_json({**submission.request_json(job, request, fit.to_json()), "start_estimates": estimates})
         else:
             click.echo(format_plan(fit), err=True)
+            _echo_estimates(estimates, err=True)
             click.echo(request.text, nl=False)
         if refusal:
             raise refusal
@@ -251,12 +355,20 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
         raise refusal
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
-    sub = submission.submit(job, run_dir=run_dir.resolve() if run_dir else None, resume_from=resume_from,
-                            worker_facts=fit.worker_facts())
+    sub = submission.submit(
+        job,
+        run_dir=run_dir.resolve() if run_dir else None,
+        resume_from=resume_from,
+        worker_facts=fit.worker_facts(),
+        extra={"after": dependency.to_json()} if dependency else None,
+    )
     if as_json:
         _echo_json({"run_id": sub.record.run_id, "job_id": sub.record.job_id, "run_dir": sub.record.run_dir})
     else:
-        click.echo(f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}")
+        click.echo(
+            f"submitted {sub.record.run_id} (job {sub.record.job_id}, {job.profile.name}); run folder {sub.record.run_dir}"
+            + (f"; starts after {dependency.run_id} (job {dependency.job_id}, {dependency.kind})" if dependency else "")
+        )
     if wait:
         from fsdpjob.orchestrator.submit import cancel as cancel_run
         from fsdpjob.orchestrator.views.follow import wait_for
@@ -274,15 +386,28 @@ def submit(spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_f
 
 @cli.command()
 @SPEC_ARG
-@click.option("--grid", "grids", multiple=True, metavar="KEY=V1,V2,...",
-              help="Sweep a spec field over these values (YAML values, as --set); several --grid make a grid.")
-@click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="A file with a `sweep:` section: grid, variants (lists of --set items), name, max_parallel.")
-@click.option("--max-parallel", type=click.IntRange(min=1), metavar="N", help="At most N runs at once (Slurm: --array=0-K%N).")
+@click.option(
+    "--grid",
+    "grids",
+    multiple=True,
+    metavar="KEY=V1,V2,...",
+    help="Sweep a spec field over these values (YAML values, as --set); several --grid make a grid.",
+)
+@click.option(
+    "--sweep",
+    "sweep_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file with a `sweep:` section: grid, variants (lists of --set items), name, max_parallel.",
+)
+@click.option(
+    "--max-parallel", type=click.IntRange(min=1), metavar="N", help="At most N runs at once (Slurm: --array=0-K%N)."
+)
 @click.option("--name", help="The sweep's name; run i is NAME-i [default: the spec's name].")
 @PROFILE_OPT
 @SET_OPT
-@click.option("--dry-run", is_flag=True, help="Validate and plan every variant, print the array script; submit nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Validate and plan every variant, print the array script; submit nothing."
+)
 @click.option("--force", is_flag=True, help="Submit even if the planner says a variant cannot fit.")
 @JSON_OPT
 def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, force, as_json) -> None:
@@ -297,9 +422,18 @@ def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, f
     script = sweepsubmit.array_script(plan, spec) if slurm else None  # refuses a variant that changes the shape
     if dry_run:
         if as_json:
-            _echo_json({"sweep": plan.sweep_id, "name": plan.name, "array": plan.array if slurm else None,
-                        "variants": [{"index": p.variant.index, "name": p.job.spec.name, "sets": list(p.variant.sets)}
-                                     for p in plan.variants], "script": script})
+            _echo_json(
+                {
+                    "sweep": plan.sweep_id,
+                    "name": plan.name,
+                    "array": plan.array if slurm else None,
+                    "variants": [
+                        {"index": p.variant.index, "name": p.job.spec.name, "sets": list(p.variant.sets)}
+                        for p in plan.variants
+                    ],
+                    "script": script,
+                }
+            )
             return
         for p in plan.variants:
             click.echo(f"variant {p.variant.index}: {p.job.spec.name}: {p.variant.label()}", err=True)
@@ -315,19 +449,30 @@ def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, f
     if slurm:
         records = sweepsubmit.submit_array(plan, spec)
         if as_json:
-            _echo_json({"sweep": plan.sweep_id, "name": plan.name, "job_id": records[0].sweep["job_id"],
-                        "runs": [{"index": r.sweep["index"], "run_id": r.run_id, "job_id": r.job_id,
-                                  "run_dir": r.run_dir} for r in records]})
+            _echo_json(
+                {
+                    "sweep": plan.sweep_id,
+                    "name": plan.name,
+                    "job_id": records[0].sweep["job_id"],
+                    "runs": [
+                        {"index": r.sweep["index"], "run_id": r.run_id, "job_id": r.job_id, "run_dir": r.run_dir}
+                        for r in records
+                    ],
+                }
+            )
             return
-        click.echo(f"submitted sweep {plan.name} ({plan.sweep_id}): array job {records[0].sweep['job_id']} "
-                   f"(--array={plan.array}), {len(records)} runs")
+        click.echo(
+            f"submitted sweep {plan.name} ({plan.sweep_id}): array job {records[0].sweep['job_id']} "
+            f"(--array={plan.array}), {len(records)} runs"
+        )
         for r in records:
             values = " ".join(f"{k}={v}" for k, v in r.sweep["values"].items())
             click.echo(f"  {r.sweep['index']}: {r.run_id} (job {r.job_id}): {values}")
         return
     if max_parallel and max_parallel > 1:
-        click.echo("warning: the local profile runs a sweep's variants one after another; --max-parallel is "
-                   "ignored", err=True)
+        click.echo(
+            "warning: the local profile runs a sweep's variants one after another; --max-parallel is ignored", err=True
+        )
     from fsdpjob.orchestrator.views.follow import wait_for
 
     results: list[int] = []
@@ -411,7 +556,7 @@ def _runs_list(records, rows=None) -> str:
     for heading, reps in grouped(records, rows):
         if heading:
             out.append(heading)
-        out.extend(("  " if heading else "") + line for line in lines[i:i + len(reps)])
+        out.extend(("  " if heading else "") + line for line in lines[i : i + len(reps)])
         i += len(reps)
     return "\n".join(out)
 
@@ -441,8 +586,11 @@ def _output_file(option: str, path: Path) -> None:
     if path.is_dir():
         raise InputError(f"{path} is a folder; name a file to write", loc=option)
     if not path.parent.is_dir():
-        raise InputError(f"cannot write {path}: there is no folder {path.parent}; create it first or name a file "
-                         "in a folder that exists", loc=option)
+        raise InputError(
+            f"cannot write {path}: there is no folder {path.parent}; create it first or name a file "
+            "in a folder that exists",
+            loc=option,
+        )
 
 
 def _write_output(option: str, path: Path, data: bytes) -> None:
@@ -456,10 +604,18 @@ def _write_output(option: str, path: Path, data: bytes) -> None:
 @cli.command()
 @RUN_ARG
 @JSON_OPT
-@click.option("--plot", "plot_file", type=click.Path(path_type=Path),
-              help="Also draw the picture (loss against step, progress against wall time, the breakdown) into this PNG.")
-@click.option("--html", "html_file", type=click.Path(path_type=Path),
-              help="Also write the whole report, picture included, as one self-contained HTML page to this file.")
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(path_type=Path),
+    help="Also draw the picture (loss against step, progress against wall time, the breakdown) into this PNG.",
+)
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(path_type=Path),
+    help="Also write the whole report, picture included, as one self-contained HTML page to this file.",
+)
 def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | None) -> None:
     """Goodput: where every allocated GPU-second of a run went, across all its attempts."""
     from fsdpjob.orchestrator import registry
@@ -513,7 +669,9 @@ def _sweep_report(tasks, as_json: bool, plot_file: Path | None, html_file: Path 
 @click.option("--rank", type=int, default=0, show_default=True, help="Worker rank whose log to show.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--stderr", "stream", flag_value="err", default="out", help="Show stderr instead of stdout.")
-@click.option("--stacks", is_flag=True, help="Print every rank's Python stacks from the newest hang the supervisor caught.")
+@click.option(
+    "--stacks", is_flag=True, help="Print every rank's Python stacks from the newest hang the supervisor caught."
+)
 def logs(run: str, rank: int, follow: bool, stream: str, stacks: bool) -> None:
     """Print a worker's log (all attempts of a requeued job are in one file), or the stacks of a hang."""
     from fsdpjob.orchestrator import registry
@@ -558,13 +716,35 @@ def cancel(run: str) -> None:
 @click.argument("source")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
-@click.option("--merge", is_flag=True, help="LoRA runs: merge the adapters into the base model (default: the "
-              "peft adapter folder).")
-@click.option("--best", is_flag=True, help="SOURCE is a sweep: export its best variant's (lowest eval loss) best "
-              "checkpoint.")
-def export(source: str, out: Path, dtype: str, merge: bool, best: bool) -> None:
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="LoRA runs: merge the adapters into the base model (default: the peft adapter folder).",
+)
+@click.option(
+    "--best", is_flag=True, help="SOURCE is a sweep: export its best variant's (lowest eval loss) best checkpoint."
+)
+@click.option(
+    "--submit",
+    "as_job",
+    is_flag=True,
+    help="Export in a CPU batch job that starts once the run's "
+    "training job completes (afterok), on --profile's partition.",
+)
+@PROFILE_OPT
+def export(source: str, out: Path, dtype: str, merge: bool, as_job: bool, profile: str | None, best: bool) -> None:
     """Write a Hugging Face folder (sharded safetensors) from a run (its id, or its folder: the newest committed
     checkpoint) or a checkpoint folder; for a LoRA run, a peft adapter folder, or with --merge the merged model."""
+    if as_job and best:
+        raise click.UsageError(
+            "--best goes without --submit: export the sweep's best run with `fsdpjob export RUN "
+            "--submit` once the sweep has finished"
+        )
+    if as_job:
+        _export_job(source, out, dtype, merge, profile)
+        return
+    if profile:
+        raise click.UsageError("--profile goes with --submit (the profile of the export job)")
     from fsdpjob.jobs.checkpoint import CheckpointError
     from fsdpjob.jobs.export import export_from_path
 
@@ -575,8 +755,11 @@ def export(source: str, out: Path, dtype: str, merge: bool, best: bool) -> None:
 
         tasks = registry.sweep_records(source)
         if not tasks:
-            raise InputError(f"{source!r} is no sweep in the registry; give a sweep's name, id or array job id "
-                             "(`fsdpjob list`), or drop --best", file="SOURCE")
+            raise InputError(
+                f"{source!r} is no sweep in the registry; give a sweep's name, id or array job id "
+                "(`fsdpjob list`), or drop --best",
+                file="SOURCE",
+            )
         rows = sweepview.sweep_report(tasks)
         path, why = sweepview.best_checkpoint(rows[0])
         click.echo(f"best of sweep {source}: {rows[0].run_id} ({rows[0].values}): {why}", err=True)
@@ -587,13 +770,30 @@ def export(source: str, out: Path, dtype: str, merge: bool, best: bool) -> None:
         try:
             path = Path(registry.find(source).run_dir)
         except RunNotFound:
-            raise RunNotFound(f"SOURCE: {source!r} is neither a folder nor a run in the registry; give a run id "
-                              "(`fsdpjob list`), a run folder or a checkpoint folder") from None
+            raise RunNotFound(
+                f"SOURCE: {source!r} is neither a folder nor a run in the registry; give a run id "
+                "(`fsdpjob list`), a run folder or a checkpoint folder"
+            ) from None
     try:
         written = export_from_path(path, out, dtype, merge=merge)
     except CheckpointError as exc:
         raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")
+
+
+def _export_job(source: str, out: Path, dtype: str, merge: bool, profile: str | None) -> None:
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.exportjob import submit_export
+
+    if not profile:
+        raise click.UsageError("--submit needs --profile/-p: the Slurm profile (partition) the export job runs on")
+    record = registry.find(source)  # a run of the registry: its job is what the export waits for
+    job = submit_export(record, load_profile(profile), out, dtype, merge)
+    when = f"after job {job.after} completes" if job.after else "now (the training job is over)"
+    click.echo(
+        f"submitted the export of {record.run_id} as job {job.job_id}, to start {when}; it writes {out}; log {job.log}"
+    )
 
 
 @cli.command()
@@ -617,12 +817,27 @@ def quickstart(directory: Path | None) -> None:
 
 @cli.command()
 @click.argument("model_dir", required=False, type=click.Path(path_type=Path))
-@click.option("--profile", "-p", default="local", show_default=True, shell_complete=complete_profiles,
-              help="Cluster profile name or YAML path the spec is for.")
-@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default="job.yaml", show_default=True,
-              help="Where to write the spec (an existing file is never overwritten).")
-@click.option("--data", type=click.Path(dir_okay=False, path_type=Path),
-              help="The training data (JSONL) [default: data.jsonl beside the spec].")
+@click.option(
+    "--profile",
+    "-p",
+    default="local",
+    show_default=True,
+    shell_complete=complete_profiles,
+    help="Cluster profile name or YAML path the spec is for.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="job.yaml",
+    show_default=True,
+    help="Where to write the spec (an existing file is never overwritten).",
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The training data (JSONL) [default: data.jsonl beside the spec].",
+)
 def init(model_dir: Path | None, profile: str, out: Path, data: Path | None) -> None:
     """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
     from fsdpjob.orchestrator.firstjob import write_starter
@@ -667,11 +882,13 @@ def wait_run(run: str) -> None:
 
 
 @cli.command()
-@click.option("--older-than", type=click.FloatRange(min=0), metavar="DAYS",
-              help="Only runs submitted more than DAYS days ago.")
+@click.option(
+    "--older-than", type=click.FloatRange(min=0), metavar="DAYS", help="Only runs submitted more than DAYS days ago."
+)
 @click.option("--keep-last", type=click.IntRange(min=0), metavar="N", help="Keep the N newest finished runs.")
-@click.option("--checkpoints-only", is_flag=True,
-              help="Keep the runs; remove all but each one's newest committed checkpoint.")
+@click.option(
+    "--checkpoints-only", is_flag=True, help="Keep the runs; remove all but each one's newest committed checkpoint."
+)
 @click.option("--yes", is_flag=True, help="Remove for real (without it: a dry run listing what would go).")
 def prune(older_than: float | None, keep_last: int | None, checkpoints_only: bool, yes: bool) -> None:
     """Remove finished runs' folders (or their older checkpoints), with the bytes freed; a dry run unless --yes.
@@ -683,8 +900,9 @@ def prune(older_than: float | None, keep_last: int | None, checkpoints_only: boo
 
     records = registry.all_records()
     phases = {r.run_id: pruning.settled_phase(r) for r in reports(records)}
-    removals = pruning.plan(records, phases, older_than_days=older_than, keep_last=keep_last,
-                            checkpoints_only=checkpoints_only)
+    removals = pruning.plan(
+        records, phases, older_than_days=older_than, keep_last=keep_last, checkpoints_only=checkpoints_only
+    )
     if yes:
         pruning.remove(removals)
     click.echo("\n".join(pruning.summary(removals, removed=yes)))
@@ -731,7 +949,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
         if debug:
             raise
-        click.echo(f"fsdpjob: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
+        click.echo(
+            f"fsdpjob: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True
+        )
         sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)
 

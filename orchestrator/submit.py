@@ -106,9 +106,10 @@ def write_run_folder(job: LoadedJob, paths: RunPaths, script: str | None, resume
 
 
 def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | None = None,
-           worker_facts: dict | None = None) -> Submission:
+           worker_facts: dict | None = None, extra: dict | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
-    ``worker_facts`` (the planner's, planner/fit.FitPlan.worker_facts) go to the workers through spec.json."""
+    ``worker_facts`` (the planner's, planner/fit.FitPlan.worker_facts) go to the workers through spec.json;
+    ``extra`` goes into the record's extra (a chain's parent, orchestrator/chain.py)."""
     backend = backend_for(job.profile.scheduler)
     with owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
@@ -139,6 +140,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
             max_steps=job.spec.train.max_steps,
             **submitted.record_fields,
         )
+        record.extra.update(extra or {})
         registry.save(record)
         return Submission(record=record, paths=paths)
 

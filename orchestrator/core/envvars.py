@@ -12,6 +12,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_PROFILES": "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)",
     "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
     "FSDPJOB_TEST_IMAGE": "printed (not read) by `dev-cluster up --containers`: the test image's OCI bundle folder",
+    "FSDPJOB_WEBHOOK_URL": "the usual name for notify.webhook_url_env's variable: the webhook URL, read by the batch "
+                           "side only (suggested in messages, not read unless named; orchestrator/notify.py)",
     # -- set by fsdpjob for the job
     "FSDPJOB_RUN_DIR": "the run folder, exported to the batch script and the local workers (slurm/, local/)",
     "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from .container import ContainerSpec, Runtime
 from .errors import ProfileError
+from .notifyspec import NotifySpec
 from .slurmtime import parse_slurm_time
 from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
@@ -84,6 +85,8 @@ class ClusterProfile(Strict):
     container of another runtime is refused at validate time."""
     container: ContainerSpec | None = None
     """Run every job's workers in this container (a spec's own container section overrides fields of it)."""
+    notify: NotifySpec | None = None
+    """Default notifications for every job on this cluster (a spec's notify section overrides fields of it)."""
     expected_interruptions_per_day: Annotated[float, Field(strict=True, gt=0)] | None = None
     """Interruptions per node and day that come without a warning (node failures, crashes, hangs); a job on N
     nodes sees N times as many. With it, `fsdpjob plan` prints the Young/Daly checkpoint interval and what the

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, ValidationInfo, WithJsonSchema, fie
 from .container import ContainerSpec
 from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
+from .notifyspec import NotifySpec
 from .slurmtime import FORMATS_HELP, parse_slurm_time
 from .validation import (
     PATH_MAX_BYTES,
@@ -281,6 +282,8 @@ class JobSpec(Strict):
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     container: ContainerSpec | None = None
     """Run the workers in a container: overrides fields of the profile's container (mounts and env add to it)."""
+    notify: NotifySpec | None = None
+    """Tell about the run's events by Slurm's mail and/or a webhook: overrides fields of the profile's notify."""
 
     @field_validator("name")
     @classmethod
@@ -359,6 +362,8 @@ class JobSpec(Strict):
                 del dumped[section]
         if self.container is None:
             del dumped["container"]  # added later too: a spec without one keeps its hash
+        if self.notify is None:
+            del dumped["notify"]  # likewise
         blob = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -11,6 +11,7 @@ from typing import Literal
 from fsdpjob.orchestrator.core import envrefs
 from fsdpjob.orchestrator.core.ckptlayout import resume_problem, unwritable
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
+from fsdpjob.orchestrator.core.notifyspec import notify_of
 from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
 from fsdpjob.orchestrator.core.validation import SpecErrors
@@ -25,6 +26,7 @@ class LoadedJob(Resolved):
 
     doc: YamlDoc
     source: str
+    dependency: str | None = None  # sbatch --dependency (submit --after: orchestrator/chain.py)
 
 
 def load_job(
@@ -102,5 +104,11 @@ def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> N
     for what, value in zip(lines, [*profile.env.values(), *container_env.values(), *profile.setup]):
         found += [SpecError.at(doc, ("profile",), f"profile {profile.name!r} {what}: {envrefs.fix(name)}")
                   for name in envrefs.unset(value, os.environ)]
+    notify = notify_of(spec.notify, profile.notify)
+    if notify and notify.webhook_url_env and not os.environ.get(notify.webhook_url_env):
+        # The batch side reads the URL from the environment sbatch exports: unset here, nothing would be sent.
+        where = ("notify", "webhook_url_env") if spec.notify and spec.notify.webhook_url_env else ("profile",)
+        found.append(SpecError.at(doc, where, f"${notify.webhook_url_env} (the webhook URL) is not set where you "
+                                              f"submit; export {notify.webhook_url_env}=<url> first"))
     if found:
         raise SpecErrors(found)

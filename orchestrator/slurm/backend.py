@@ -18,7 +18,7 @@ class SlurmBackend:
     account = "sacct"
 
     def dry_run(self, job, paths: RunPaths) -> Request:
-        plan = build_plan(job, paths, spec_source=job.source)
+        plan = build_plan(job, paths, spec_source=job.source, dependency=getattr(job, "dependency", None))
         script = render_script(plan)
         # Only secrets travel through the submission environment (sbatch exports it); the rest is in the script.
         env = {k: job.spec.env[k] for k in job.spec.secret_names()}

@@ -295,3 +295,24 @@ def requeue_unless_cancelled(job_id: str) -> str | None:
             return f"job {job_id} has requeue turned off (fsdpjob cancel does that); not requeueing it"
         raise
     return None
+
+
+def sbatch_test_only(script: str, timeout: float = 30) -> str:
+    """`sbatch --test-only` on a script (on stdin): nothing is submitted; Slurm's answer (when the job would start,
+    where) is on stderr, which this returns. Raises SlurmCommandError when sbatch refuses the script."""
+    if shutil.which("sbatch") is None:
+        raise FsdpjobError("sbatch not found on PATH: is this a Slurm login node?")
+    try:
+        proc = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise SlurmCommandError(["sbatch", "--test-only"], -1, f"timed out after {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise SlurmCommandError(["sbatch", "--test-only"], proc.returncode, proc.stderr or proc.stdout)
+    return proc.stderr
+
+
+def sbatch_file(path: str, timeout: float = 30) -> str:
+    """Submit a batch script file (one fsdpjob wrote and keeps) with plain sbatch; returns the job id."""
+    out = run(["sbatch", "--parsable", path], timeout=timeout).strip()
+    return out.split(";")[0]  # "<id>" or "<id>;<cluster>"

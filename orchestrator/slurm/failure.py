@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from fsdpjob.orchestrator import notify
 from fsdpjob.orchestrator.core import attempts, runlog, slurmenv
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
@@ -83,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if exclude := excluded_nodes(current):
             record["exclusion"] = slurm_cli.exclude_nodes(job_id, exclude)  # the supervisor gave up on them
-        runlog.append(paths.run_dir, runlog.REQUEUE, reason="failure", **record)
+        notify.send_now(paths.run_dir, runlog.append(paths.run_dir, runlog.REQUEUE, reason="failure", **record))
         print(f"fsdpjob: workers failed (exit {exit_code}); requeued job {job_id}: {why}", file=sys.stderr)
         return 0
-    runlog.append(paths.run_dir, runlog.FAILED, reason=f"workers failed (exit {exit_code}), not requeued: {why}", **record)
+    failed = runlog.append(paths.run_dir, runlog.FAILED, reason=f"workers failed (exit {exit_code}), not requeued: {why}",
+                           **record)
+    notify.send_now(paths.run_dir, failed)  # after the supervisor ended: it is the batch side's to tell
     print(f"fsdpjob: workers failed (exit {exit_code}); not requeued: {why}", file=sys.stderr)
     return 0
 

@@ -14,6 +14,7 @@ import jinja2
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.notifyspec import notify_of
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -80,7 +81,8 @@ def _option(option: str, quote: Callable[[str], str]) -> str:
     return f"{name}={quote(value)}" if sep else name
 
 
-def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterProfile) -> tuple[str, ...]:
+def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterProfile,
+               dependency: str | None = None) -> tuple[str, ...]:
     folder = str(paths.submitit_dir)
     flags: dict[str, object] = {
         "job-name": spec.name,
@@ -101,6 +103,8 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
         "account": eff.account,
         "qos": eff.qos,
         "constraint": eff.constraint,
+        "dependency": dependency,  # submit --after (orchestrator/chain.py)
+        **notify_directives(spec, profile),
     }
     flags.update({k: v for k, v in optional.items() if v is not None})
     if "mem" not in flags and _exclusive_without_mem(profile):
@@ -113,6 +117,13 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
         lines.append("--no-kill")  # a failed node leaves the allocation running: the supervisor goes on without it
     lines.extend(_option(o, sbatch_word) for o in profile.sbatch_extra)
     return tuple(lines)
+
+
+def notify_directives(spec: JobSpec, profile: ClusterProfile) -> dict[str, str]:
+    """Slurm's own mail for the notify section's events it knows (the webhook is the supervisor's)."""
+    notify = notify_of(spec.notify, profile.notify)
+    types = notify.mail_types() if notify else []
+    return {"mail-type": ",".join(types), "mail-user": notify.mail} if types else {}
 
 
 def _exclusive_without_mem(profile: ClusterProfile) -> bool:
@@ -131,7 +142,7 @@ def srun_binding(eff: Effective, profile: ClusterProfile) -> list[str]:
     return opts
 
 
-def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> SbatchPlan:
+def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", dependency: str | None = None) -> SbatchPlan:
     """The sbatch plan for a job resolved against a Slurm profile. Pure: no file or scheduler is touched."""
     spec, profile, eff = job.spec, job.profile, job.eff
     python = profile.python or sys.executable
@@ -173,7 +184,7 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "") -> Sbat
     )
     return SbatchPlan(
         header=tuple(comment_text(h) for h in header),
-        directives=directives(eff, spec, paths, profile),
+        directives=directives(eff, spec, paths, profile, dependency),
         setup=tuple(command_line(line) for line in profile.setup),
         env=tuple(sorted(env.items())),
         srun=" ".join(srun_opts),

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from fsdpjob.orchestrator import notify
 from fsdpjob.orchestrator.core import attempts, heartbeat, runlog, stophandoff
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
@@ -271,4 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler", choices=("slurm", "local"), default="slurm")
     opts = parser.parse_args(args[:split])
     supervisor = Supervisor(Path(opts.run_dir), args[split + 1:], world_size=opts.world_size, scheduler=opts.scheduler)
-    return supervisor.run()
+    # Webhooks (notify.py): a thread here reads the run log and posts; the workers never do.
+    watcher = notify.watch(Path(opts.run_dir))
+    try:
+        return supervisor.run()
+    finally:
+        if watcher is not None:
+            watcher.close()

@@ -57,6 +57,7 @@ def status_text(r) -> str:
         *recovery_lines(r.recovery, r.run_id),
         *data_lines(r.data),
         *lineage_lines(r.resumed_from),
+        *([f"after      {r.after['message']}"] if r.after else []),
         f"nodes      {r.nodes or '-'}  (world size {r.world_size})",
         f"folder     {r.run_dir}",
     ]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
+from fsdpjob.orchestrator.chain import chain_state
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.registry import JobRecord
@@ -46,7 +47,7 @@ STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
     "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery", "data",
-    "resumed_from",
+    "resumed_from", "after",
 )
 
 
@@ -89,6 +90,9 @@ class StatusReport:
     data: dict | None = None
     # Lineage (views/lineage.py): {"path": the submit --resume-from, "run_id": the run that wrote it, or None}.
     resumed_from: dict | None = None
+    # A chain (submit --after, orchestrator/chain.py): {"run_id", "job_id", "kind": afterok|afterany, "state":
+    # waiting|never|released, "message"}; None for a run that waits for no other.
+    after: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,7 +112,8 @@ def phase_of(state: str, restarts: int, progress: Progress) -> str:
     return phase
 
 
-def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
+def build_report(record: JobRecord, view: SchedView | None, parent_phase: str | None = None) -> StatusReport:
+    """``parent_phase``: a chained run's parent's phase, where the caller looked it up (report_for)."""
     progress = read_progress(Path(record.run_dir))
     view = view or SchedView(state="UNKNOWN")
     restarts = max(view.restarts, progress.restarts)
@@ -118,6 +123,11 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
     failure = progress.failure if phase in ("FAILED", "CANCELLED", "TIMEOUT", "UNKNOWN") else None
     if phase == "FAILED" and not failure:
         failure = view.reason or f"scheduler state {view.state}"
+    after = None
+    if record.extra.get("after"):
+        after = chain_state(record.extra["after"], view.state, view.reason, bool(progress.events), parent_phase)
+        if after["state"] == "never":
+            failure = after["message"]
     return StatusReport(
         run_id=record.run_id,
         name=record.name,
@@ -146,6 +156,7 @@ def build_report(record: JobRecord, view: SchedView | None) -> StatusReport:
         recovery=progress.recovery(),
         data={k: progress.data.get(k) for k in DATA_KEYS} if progress.data else None,
         resumed_from=resumed_from(record),
+        after=after,
     )
 
 
@@ -182,7 +193,23 @@ def report_for(record: JobRecord) -> StatusReport:
             view = replace(view, attempts=tuple(backend.attempts(record) or ()) or None)
         except FsdpjobError:
             pass  # the goodput then comes from the run's events
-    return build_report(record, view)
+    return build_report(record, view, _parent_phase(record, view))
+
+
+def _parent_phase(record: JobRecord, view: SchedView) -> str | None:
+    """A chained run's parent's phase, looked up only while the child has not started (it says whether the child
+    ever will); None for a run without a parent or one the registry or scheduler no longer knows."""
+    after = record.extra.get("after")
+    if not after or view.state.split()[0:1] not in (["PENDING"], ["CANCELLED"]):
+        return None
+    from fsdpjob.orchestrator import registry
+
+    try:
+        parent = registry.find(after["run_id"])
+        parent_view = backend_for(parent.scheduler).view(parent)
+    except FsdpjobError:
+        return None
+    return phase_of(parent_view.state, parent_view.restarts, read_progress(Path(parent.run_dir)))
 
 
 def reports(records: list[JobRecord]) -> list[StatusReport]:
