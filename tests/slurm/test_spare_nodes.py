@@ -15,6 +15,7 @@ import pytest
 from helpers import wait_for
 from slurm.slurm_helpers import release_held, status, submit, wait_phase
 
+from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
@@ -52,6 +53,18 @@ def _lose_last_node(cluster, run: dict, step: int) -> str:
 def _slurmd_back(cluster) -> None:
     """The killed slurmd back (the job cannot finish COMPLETING without it); exclusion keeps the run off it."""
     manage.up(accounting=cluster.accounting, state_dir=str(cluster.state_dir))
+
+
+def test_four_nodes_partitions_and_mode(slurm_cluster4):
+    """`up --nodes 4`: four slurmd, debug and high still on n[1-2] (a 3-node job there can never run), `wide` on
+    all four; status reads the node count from the mode file, and an `up` with another count is refused."""
+    report = manage.status(str(slurm_cluster4.state_dir))
+    assert report.startswith("cluster: up") and "nodes: 4" in report, report
+    assert all(f"slurmd-n{i}" in report for i in range(1, 5)), report
+    parts = dict(line.split() for line in slurm_cli.run(["sinfo", "-h", "-o", "%R %N"]).splitlines())
+    assert parts == {"debug": "n[1-2]", "high": "n[1-2]", "wide": "n[1-4]"}, parts
+    with pytest.raises(FsdpjobError, match="running with 4 nodes; run 'down' first"):
+        manage.up(accounting=False, state_dir=str(slurm_cluster4.state_dir), nodes=2)
 
 
 def test_lost_node_without_spare_in_the_allocation_requeues_onto_other_nodes(slurm_cluster4, make_spec):
