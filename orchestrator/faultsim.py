@@ -23,7 +23,9 @@ What is modelled (and where it is optimistic or not):
   nothing lost) requeue the job: a new allocation on other nodes after ``requeue_s``, from the durable tier only
   (the issue's rule: requeues use the durable tier). With periodic durable saves off ("memory" alone) that is
   the last stop checkpoint;
-- the queue wait of a requeue beyond Slurm's hold is not modelled (site-dependent): ``requeue_s`` is the floor.
+- the queue wait of a requeue beyond Slurm's hold is not modelled (site-dependent): ``requeue_s`` is the floor,
+  and the partition always has spare nodes (a requeue can exclude a lost node);
+- a shrunk world is assumed to keep the global batch (the worker refuses one that does not divide it).
 """
 
 from __future__ import annotations

@@ -484,6 +484,9 @@ check_mode_compatible() {
     [[ -n "${NODES}" ]] || NODES=${REC_NODES:-${DEFAULT_NODES}}
     [[ -n "${REC_ACCOUNTING}" ]] || return 0
     any_alive || return 0
+    # A mode file without NODES: started by a cluster.sh of the old port map (slurmd at B+1/B+2, slurmdbd B+3).
+    [[ -n "${REC_NODES}" ]] ||
+        die "the cluster in ${STATE_DIR} was started by an older fsdpjob (another port map); run 'down' first"
     if [[ "${REC_ACCOUNTING}" != "${ACCOUNTING}" ]]; then
         local was="with accounting" hint="drop --no-accounting"
         [[ "${REC_ACCOUNTING}" == 1 ]] || { was="without accounting"; hint="pass --no-accounting"; }
