@@ -68,6 +68,12 @@ class Rates:
     node_loss: float = LLAMA3_UNEXPECTED_PER_NODE_DAY * LLAMA3_HARDWARE_SHARE
     preempt: float = LLAMA3_PLANNED_PER_NODE_DAY  # planned maintenance: a preemption with its warning signal
 
+    @classmethod
+    def with_node_loss_share(cls, share: float) -> Rates:
+        """Llama 3's unexpected rate with ``share`` of it lost nodes, the rest crashes and hangs 2:1."""
+        rest = LLAMA3_UNEXPECTED_PER_NODE_DAY * (1 - share)
+        return cls(crash=rest * 2 / 3, hang=rest / 3, node_loss=LLAMA3_UNEXPECTED_PER_NODE_DAY * share)
+
     def total(self) -> float:
         return self.crash + self.hang + self.node_loss + self.preempt
 

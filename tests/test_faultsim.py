@@ -101,3 +101,8 @@ def test_auto_memory_interval_is_young_daly_and_keeps_the_stall_small():
     for cfg, steps in ((small, a), (large, b)):
         assert cfg.memory_stall_s / (steps * cfg.step_s) <= faultsim.MAX_MEMORY_STALL_SHARE
     assert faultsim.auto_memory_interval_steps(SimConfig(gpus=16, rates=NONE)) > 10**6
+
+
+def test_the_default_rates_are_llama3s_split():
+    assert Rates.with_node_loss_share(faultsim.LLAMA3_HARDWARE_SHARE) == pytest.approx(Rates())
+    assert Rates().total() == pytest.approx((419 + 47) / (54 * 2048))
