@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # fsdpjob dev cluster: a real local Slurm cluster (munge, optional MariaDB + slurmdbd, slurmctld,
-# two slurmd "n1"/"n2" with 2 fake GPUs each) living in one state dir, for tests and for users.
+# N slurmd "n1".."nN" (default 2, at most 8) with 2 fake GPUs each) living in one state dir, for tests and users.
 #
-#   cluster.sh up     [--state-dir DIR] [--no-accounting] [--port-base N]
+#   cluster.sh up     [--state-dir DIR] [--no-accounting] [--port-base N] [--nodes N]
 #   cluster.sh down   [--state-dir DIR] [--purge]
 #   cluster.sh status [--state-dir DIR]
 #
 # State dir default: ${FSDPJOB_DEVCLUSTER_DIR:-/tmp/fsdpjob-devcluster}. Needs root (SlurmUser=root).
+#
+# Ports, from the port base B: slurmctld B, slurmdbd B+1, MariaDB B+2, slurmd nK B+2+K (n1..n8: B+3..B+10).
+# The node ports come last so that more nodes never move the others; 11 ports at most, so clusters whose
+# bases are 20 apart (the test suite's) never overlap.
+# Partitions: debug (default, preemptible) and high on n[1-2] whatever N is, so that a 3-node job there can
+# never run (tests rely on it); with N > 2 also `wide` on n[1-N], for jobs that need spare nodes.
 # stdout carries only results (`export SLURM_CONF=...`, the status report); diagnostics go to stderr.
 set -euo pipefail
 
 PATH="/usr/sbin:/sbin:${PATH}"
 readonly DEFAULT_PORT_BASE=16810
+readonly DEFAULT_NODES=2
+readonly MAX_NODES=8  # each slurmd is a daemon on this one host; the port map has room for 8
 readonly CLUSTER_NAME=fsdpjob
 readonly PACKAGES_BASE=(slurmctld slurmd slurm-client munge)
 readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
@@ -29,7 +37,7 @@ die() { printf 'cluster.sh: %s\n' "$*" >&2; exit 1; }
 
 usage() {
     cat >&2 <<'EOF'
-usage: cluster.sh up     [--state-dir DIR] [--no-accounting] [--port-base N]
+usage: cluster.sh up     [--state-dir DIR] [--no-accounting] [--port-base N] [--nodes N]
        cluster.sh down   [--state-dir DIR] [--purge]
        cluster.sh status [--state-dir DIR]
        cluster.sh packages [--no-accounting]   (install what the cluster and the test suite need)
@@ -44,6 +52,7 @@ STATE_DIR="${FSDPJOB_DEVCLUSTER_DIR:-/tmp/fsdpjob-devcluster}"
 ACCOUNTING=1
 PORT_BASE=""
 PURGE=0
+NODES=""
 
 parse_args() {
     [[ $# -ge 1 ]] || { usage; exit 2; }
@@ -61,6 +70,8 @@ parse_args() {
             --no-accounting) ACCOUNTING=0; shift ;;
             --port-base) [[ $# -ge 2 ]] || die "--port-base needs a value"; PORT_BASE=$2; shift 2 ;;
             --port-base=*) PORT_BASE=${1#*=}; shift ;;
+            --nodes) [[ $# -ge 2 ]] || die "--nodes needs a value"; NODES=$2; shift 2 ;;
+            --nodes=*) NODES=${1#*=}; shift ;;
             --purge) PURGE=1; shift ;;
             -h | --help) usage; exit 0 ;;
             *) usage; die "unknown option '$1' for ${COMMAND}" ;;
@@ -68,6 +79,9 @@ parse_args() {
     done
     if [[ -n "${PORT_BASE}" ]] && ! [[ "${PORT_BASE}" =~ ^[0-9]+$ && PORT_BASE -ge 1024 && PORT_BASE -le 65000 ]]; then
         die "--port-base must be a number from 1024 to 65000, got '${PORT_BASE}'"
+    fi
+    if [[ -n "${NODES}" ]] && ! [[ "${NODES}" =~ ^[0-9]+$ && NODES -ge 2 && NODES -le MAX_NODES ]]; then
+        die "--nodes must be a number from 2 to ${MAX_NODES}, got '${NODES}'"
     fi
     [[ -n "${STATE_DIR}" ]] || die "the state dir is empty (set --state-dir or FSDPJOB_DEVCLUSTER_DIR)"
     STATE_DIR=$(realpath -m -- "${STATE_DIR}")
@@ -94,28 +108,33 @@ set_layout() {
 
 set_ports() {
     CTLD_PORT=$((PORT_BASE))
-    N1_PORT=$((PORT_BASE + 1))
-    N2_PORT=$((PORT_BASE + 2))
-    DBD_PORT=$((PORT_BASE + 3))
-    DB_PORT=$((PORT_BASE + 4))
+    DBD_PORT=$((PORT_BASE + 1))
+    DB_PORT=$((PORT_BASE + 2))
 }
+
+node_port() { printf '%d' $((PORT_BASE + 2 + $1)); }
+
+# node_names: n1 .. nN, one a line.
+node_names() { local i; for ((i = 1; i <= NODES; i++)); do printf 'n%d\n' "${i}"; done; }
 
 # The mode file records how the cluster was brought up, so status/down/up-again agree with it.
 read_mode() {
     REC_ACCOUNTING=""
     REC_PORT_BASE=""
+    REC_NODES=""
     [[ -f "${MODE_FILE}" ]] || return 0
     local key value
     while IFS='=' read -r key value; do
         case "${key}" in
             ACCOUNTING) REC_ACCOUNTING=${value} ;;
             PORT_BASE) REC_PORT_BASE=${value} ;;
+            NODES) REC_NODES=${value} ;;
         esac
     done <"${MODE_FILE}"
 }
 
 write_mode() {
-    printf 'ACCOUNTING=%s\nPORT_BASE=%s\n' "${ACCOUNTING}" "${PORT_BASE}" >"${MODE_FILE}.tmp"
+    printf 'ACCOUNTING=%s\nPORT_BASE=%s\nNODES=%s\n' "${ACCOUNTING}" "${PORT_BASE}" "${NODES}" >"${MODE_FILE}.tmp"
     mv -f "${MODE_FILE}.tmp" "${MODE_FILE}"
 }
 
@@ -183,8 +202,7 @@ check_ports() {
         fi
     done <<EOF
 slurmctld.pid slurmctld ${CTLD_PORT}
-slurmd.n1.pid slurmd ${N1_PORT}
-slurmd.n2.pid slurmd ${N2_PORT}
+$(for node in $(node_names); do printf 'slurmd.%s.pid slurmd %s\n' "${node}" "$(node_port "${node#n}")"; done)
 $(if ((ACCOUNTING)); then printf 'slurmdbd.pid slurmdbd %s\nmariadbd.pid mariadbd %s' "${DBD_PORT}" "${DB_PORT}"; fi)
 EOF
 }
@@ -304,15 +322,21 @@ KillWait=10
 # Finished jobs stay visible to scontrol for 10 minutes.
 MinJobAge=600
 MaxJobCount=20000
-NodeName=n1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=${N1_PORT} CPUs=4 RealMemory=8192 Gres=gpu:2 State=UNKNOWN
-NodeName=n2 NodeHostname=${host} NodeAddr=127.0.0.1 Port=${N2_PORT} CPUs=4 RealMemory=8192 Gres=gpu:2 State=UNKNOWN
+$(for node in $(node_names); do
+        printf 'NodeName=%s NodeHostname=%s NodeAddr=127.0.0.1 Port=%s CPUs=4 RealMemory=8192 Gres=gpu:2 State=UNKNOWN\n' \
+            "${node}" "${host}" "$(node_port "${node#n}")"
+    done)
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
 PartitionName=high Nodes=n[1-2] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+$(if ((NODES > 2)); then
+        printf 'PartitionName=wide Nodes=n[1-%d] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30\n' \
+            "${NODES}"
+    fi)
 EOF
     # A GPU without File= is dropped, and File= must be a character device (mknod below).
     write_file "${ETC}/gres.conf" 644 <<EOF
 AutoDetect=off
-NodeName=n[1-2] Name=gpu File=${DEV}/gpu[0-1]
+NodeName=n[1-${NODES}] Name=gpu File=${DEV}/gpu[0-1]
 EOF
 }
 
@@ -341,7 +365,9 @@ EOF
 }
 
 make_layout() {
-    mkdir -p "${ETC}" "${RUN}" "${LOG}" "${SPOOL}/ctld" "${SPOOL}/d/n1" "${SPOOL}/d/n2" "${DEV}" "${MUNGE_DIR}"
+    mkdir -p "${ETC}" "${RUN}" "${LOG}" "${SPOOL}/ctld" "${DEV}" "${MUNGE_DIR}"
+    local node
+    for node in $(node_names); do mkdir -p "${SPOOL}/d/${node}"; done
     # munged refuses a socket dir that others cannot traverse.
     chmod 755 "${STATE_DIR}" "${MUNGE_DIR}"
     local i
@@ -417,10 +443,11 @@ start_slurmd() {
         slurmd -D -f "${SLURM_CONF_FILE}" -N "${node}"
 }
 
-# Both nodes answer and are usable; a busy cluster (mix/alloc) counts as ready too.
+# Every node answers and is usable; a busy cluster (mix/alloc) counts as ready too.
 nodes_ready() {
-    timeout 10 sinfo -h -N -p debug -o '%N %t' 2>/dev/null |
-        awk '$2 ~ /^(idle|mix|alloc|comp)$/ { ok[$1] = 1 } END { exit !(ok["n1"] && ok["n2"]) }'
+    timeout 10 sinfo -h -N -o '%N %t' 2>/dev/null |
+        awk -v n="${NODES}" '$2 ~ /^(idle|mix|alloc|comp)$/ { ok[$1] = 1 }
+            END { for (i = 1; i <= n; i++) if (!ok["n" i]) exit 1; exit 0 }'
 }
 
 sacct_ok() { timeout 10 sacct -n -X -S now-1minutes -o JobID >/dev/null 2>&1; }
@@ -436,7 +463,11 @@ daemons() {
     else
         printf '%s %s %s\n' munged munged.pid munged
     fi
-    printf '%s %s %s\n' slurmctld slurmctld.pid slurmctld slurmd-n1 slurmd.n1.pid slurmd slurmd-n2 slurmd.n2.pid slurmd
+    printf '%s %s %s\n' slurmctld slurmctld.pid slurmctld
+    local node
+    for node in $(NODES=${REC_NODES:-${NODES:-${DEFAULT_NODES}}} node_names); do
+        printf 'slurmd-%s slurmd.%s.pid slurmd\n' "${node}" "${node}"
+    done
 }
 
 any_alive() {
@@ -450,8 +481,12 @@ any_alive() {
 check_mode_compatible() {
     read_mode
     [[ -n "${PORT_BASE}" ]] || PORT_BASE=${REC_PORT_BASE:-${DEFAULT_PORT_BASE}}
+    [[ -n "${NODES}" ]] || NODES=${REC_NODES:-${DEFAULT_NODES}}
     [[ -n "${REC_ACCOUNTING}" ]] || return 0
     any_alive || return 0
+    # A mode file without NODES: started by a cluster.sh of the old port map (slurmd at B+1/B+2, slurmdbd B+3).
+    [[ -n "${REC_NODES}" ]] ||
+        die "the cluster in ${STATE_DIR} was started by an older fsdpjob (another port map); run 'down' first"
     if [[ "${REC_ACCOUNTING}" != "${ACCOUNTING}" ]]; then
         local was="with accounting" hint="drop --no-accounting"
         [[ "${REC_ACCOUNTING}" == 1 ]] || { was="without accounting"; hint="pass --no-accounting"; }
@@ -459,6 +494,9 @@ check_mode_compatible() {
     fi
     if [[ "${REC_PORT_BASE}" != "${PORT_BASE}" ]]; then
         die "the cluster in ${STATE_DIR} is running on port base ${REC_PORT_BASE}; run 'down' first, or use that --port-base"
+    fi
+    if [[ "${REC_NODES:-${DEFAULT_NODES}}" != "${NODES}" ]]; then
+        die "the cluster in ${STATE_DIR} is running with ${REC_NODES:-${DEFAULT_NODES}} nodes; run 'down' first, or use that --nodes"
     fi
 }
 
@@ -490,18 +528,21 @@ cmd_up() {
         say "config changed; scontrol reconfigure"
         timeout 20 scontrol reconfigure >&2 || say "scontrol reconfigure failed; run 'down' then 'up'"
     fi
-    start_slurmd n1
-    start_slurmd n2
+    local node
+    for node in $(node_names); do start_slurmd "${node}"; done
     if ! wait_until "${UP_TIMEOUT_S}" nodes_ready; then
         timeout 10 sinfo -N -o '%N %t %G %E' >&2 || true
         log_tail "${LOG}/slurmctld.log"
-        die "nodes n1/n2 did not become ready within ${UP_TIMEOUT_S} s (see ${LOG})"
+        die "nodes n1..n${NODES} did not become ready within ${UP_TIMEOUT_S} s (see ${LOG})"
     fi
     if ((ACCOUNTING)) && ! wait_until 30 sacct_ok; then
         die "sacct does not work (see ${LOG}/slurmdbd.log and ${LOG}/slurmctld.log)"
     fi
-    local mode="with accounting, ports ${PORT_BASE}-${DB_PORT}"
-    ((ACCOUNTING)) || mode="without accounting, ports ${PORT_BASE}-${N2_PORT}"
+    local first last mode
+    first=$(node_port 1)
+    last=$(node_port "${NODES}")
+    mode="${NODES} nodes, with accounting, ports ${PORT_BASE}-${last}"
+    ((ACCOUNTING)) || mode="${NODES} nodes, without accounting, ports ${PORT_BASE} and ${first}-${last}"
     say "dev cluster up in ${STATE_DIR} (${mode}) after $((SECONDS - started)) s"
     print_export
 }
@@ -549,9 +590,13 @@ cmd_down() {
     fi
     read_mode
     cancel_all_jobs
-    # slurmd first (in parallel), then the controller, then what it depends on.
-    stop "${RUN}/slurmd.n1.pid" slurmd &
-    stop "${RUN}/slurmd.n2.pid" slurmd &
+    # slurmd first (in parallel; every pidfile there, whatever the mode file says), then the controller, then
+    # what it depends on.
+    local pidfile
+    for pidfile in "${RUN}"/slurmd.n*.pid; do
+        [[ -e "${pidfile}" ]] || continue
+        stop "${pidfile}" slurmd &
+    done
     wait
     kill_orphan_stepds
     stop "${RUN}/slurmctld.pid" slurmctld
@@ -586,8 +631,8 @@ cmd_status() {
     ((running == total)) && state=up
     ((running == 0)) && state=down
     [[ "${REC_ACCOUNTING}" == 1 ]] || accounting=off
-    printf 'cluster: %s\nstate dir: %s\naccounting: %s\nport base: %s\n%s' \
-        "${state}" "${STATE_DIR}" "${accounting}" "${REC_PORT_BASE:-?}" "${report}"
+    printf 'cluster: %s\nstate dir: %s\naccounting: %s\nport base: %s\nnodes: %s\n%s' \
+        "${state}" "${STATE_DIR}" "${accounting}" "${REC_PORT_BASE:-?}" "${REC_NODES:-${DEFAULT_NODES}}" "${report}"
     if alive "${RUN}/slurmctld.pid" slurmctld; then
         timeout 10 sinfo -N -o '%N %P %t %c %G' || true
         timeout 10 squeue -o '%i %P %j %T %R' || true

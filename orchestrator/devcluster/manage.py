@@ -32,8 +32,11 @@ class ClusterInfo:
 
 
 def up(accounting: bool = True, state_dir: str | None = None, port_base: int | None = None,
-       *, containers: bool = False, echo: bool = False) -> ClusterInfo:
-    """Bring the cluster up (a no-op when it already runs) and wait until both nodes take jobs.
+       *, nodes: int | None = None, containers: bool = False, echo: bool = False) -> ClusterInfo:
+    """Bring the cluster up (a no-op when it already runs) and wait until every node takes jobs.
+
+    nodes: how many (2 to 8; default: as the running cluster was brought up, else 2). With more than 2, the
+    partition `wide` spans them all; debug and high keep n1, n2 (cluster.sh's header has the port map).
 
     containers: also the test image, for the workers of profile test-cluster-container (bubblewrap in each task;
     Slurm 22.05's own OCI support runs one task per node only: "_modify_config: unexpected number of tasks").
@@ -44,6 +47,8 @@ def up(accounting: bool = True, state_dir: str | None = None, port_base: int | N
         args.append("--no-accounting")
     if port_base is not None:
         args += ["--port-base", str(port_base)]
+    if nodes is not None:
+        args += ["--nodes", str(nodes)]
     stdout = _run(args, state_dir, echo=echo)
     conf = _parse_export(stdout)
     info = ClusterInfo(slurm_conf=conf, state_dir=conf.parent.parent, accounting=accounting)

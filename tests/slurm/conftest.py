@@ -4,7 +4,9 @@ slurm_helpers.py).
 Two clusters may run side by side: `slurm_cluster` (with slurmdbd, so sacct works) and
 `slurm_cluster_noacct` (no accounting, like many real clusters). They live in
 $FSDPJOB_DEVCLUSTER_DIR (default /tmp/fsdpjob-devcluster) and the same path + "-noacct", on port
-bases $FSDPJOB_DEVCLUSTER_PORT_BASE (default 16810) and that + 20. Test sessions running at the same
+bases $FSDPJOB_DEVCLUSTER_PORT_BASE (default 16810) and that + 20. A third, `slurm_cluster4` (4 nodes, no
+accounting, partition `wide` on n[1-4]: spare nodes for a requeue that excludes one), lives in the path +
+"-4n" on the port base + 40 and comes up only when a test that needs it runs. Test sessions running at the same
 time share them; the last session out stops a cluster that a test session started
 (FSDPJOB_KEEP_CLUSTER=1 keeps it). When a cluster cannot be had, its tests skip, or fail where
 FSDPJOB_REQUIRE_SLURM=1 (CI).
@@ -65,13 +67,15 @@ def _stop_quietly(state_dir: str) -> None:
         pass
 
 
-def _cluster(accounting: bool, state_dir: str, port_base: int, containers: bool = False) -> Iterator[ClusterInfo]:
+def _cluster(accounting: bool, state_dir: str, port_base: int, containers: bool = False,
+             nodes: int | None = None) -> Iterator[ClusterInfo]:
     if os.geteuid() != 0:
         _unavailable("needs root (the daemons run with SlurmUser=root)")
     info, failure, was_up = None, "", True
     try:
         was_up = manage.status(state_dir).startswith("cluster: up")
-        info = manage.up(accounting=accounting, state_dir=state_dir, port_base=port_base, containers=containers)
+        info = manage.up(accounting=accounting, state_dir=state_dir, port_base=port_base, nodes=nodes,
+                         containers=containers)
     except FsdpjobError as error:
         failure = str(error)
     if info is None:  # reported outside the except block, so pytest shows no chained traceback
@@ -103,15 +107,26 @@ def slurm_cluster_noacct_session() -> Iterator[ClusterInfo]:
     yield from _cluster(False, f"{STATE_DIR}-noacct", PORT_BASE + 20)
 
 
-# SLURM_CONF is set per test, not per session: tests of both clusters interleave in one session.
+@pytest.fixture(scope="session")
+def slurm_cluster4_session() -> Iterator[ClusterInfo]:
+    """The 4-node cluster for the whole session (no accounting: lighter; nothing these tests check needs sacct)."""
+    yield from _cluster(False, f"{STATE_DIR}-4n", PORT_BASE + 40, nodes=4)
+
+
+# SLURM_CONF is set per test, not per session: tests of the clusters interleave in one session.
+def _for_this_test(info: ClusterInfo, monkeypatch: pytest.MonkeyPatch,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterInfo]:
+    monkeypatch.setenv("SLURM_CONF", str(info.slurm_conf))
+    yield info
+    _cancel_leftovers(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture
 def slurm_cluster(
     slurm_cluster_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ClusterInfo]:
     """The cluster with slurmdbd (sacct works); SLURM_CONF points at it for this test."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_session.slurm_conf))
-    yield slurm_cluster_session
-    _cancel_leftovers(tmp_path_factory.getbasetemp())
+    yield from _for_this_test(slurm_cluster_session, monkeypatch, tmp_path_factory)
 
 
 @pytest.fixture
@@ -119,9 +134,15 @@ def slurm_cluster_noacct(
     slurm_cluster_noacct_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ClusterInfo]:
     """The cluster without accounting; SLURM_CONF points at it for this test."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster_noacct_session.slurm_conf))
-    yield slurm_cluster_noacct_session
-    _cancel_leftovers(tmp_path_factory.getbasetemp())
+    yield from _for_this_test(slurm_cluster_noacct_session, monkeypatch, tmp_path_factory)
+
+
+@pytest.fixture
+def slurm_cluster4(
+    slurm_cluster4_session: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterInfo]:
+    """The 4-node cluster (partition `wide` on n[1-4]); SLURM_CONF points at it for this test."""
+    yield from _for_this_test(slurm_cluster4_session, monkeypatch, tmp_path_factory)
 
 
 def _cancel_leftovers(basetemp: Path) -> None:

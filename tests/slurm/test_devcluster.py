@@ -153,3 +153,15 @@ def test_packages_command_installs_nothing_when_everything_is_there():
     manage.ensure_packages()
     assert time.monotonic() - started < 30
     assert all(shutil.which(tool) for tool in ("sbatch", "shellcheck", "slurmctld", "slurmdbd"))
+
+
+def test_a_node_count_out_of_range_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """--nodes takes 2 to 8 (the port map's room; debug and high need n1 and n2): refused by the script before
+    it takes its lock or starts a daemon, and by the CLI as a usage error."""
+    from helpers import fsdpjob
+
+    with pytest.raises(FsdpjobError, match="--nodes must be a number from 2 to 8, got '9'"):
+        manage.up(state_dir=str(tmp_path / "dc"), nodes=9)
+    assert not (tmp_path / "dc").exists()
+    done = fsdpjob("dev-cluster", "up", "--nodes", "1", "--state-dir", str(tmp_path / "dc"))
+    assert done.returncode == 2 and "--nodes" in done.stderr, done.stderr
