@@ -15,7 +15,7 @@ readonly DEFAULT_PORT_BASE=16810
 readonly CLUSTER_NAME=fsdpjob
 readonly PACKAGES_BASE=(slurmctld slurmd slurm-client munge)
 readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
-readonly PACKAGES_TOOLS=(shellcheck bubblewrap)  # the suite lints rendered scripts with shellcheck; bwrap runs the test image
+readonly PACKAGES_TOOLS=(shellcheck bubblewrap mmdebstrap)  # shellcheck lints rendered scripts; mmdebstrap builds the test image, bwrap runs it
 readonly UP_TIMEOUT_S=60
 readonly DRAIN_TIMEOUT_S=25
 
