@@ -23,7 +23,7 @@ readonly MAX_NODES=8  # each slurmd is a daemon on this one host; the port map h
 readonly CLUSTER_NAME=fsdpjob
 readonly PACKAGES_BASE=(slurmctld slurmd slurm-client munge)
 readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
-readonly PACKAGES_TOOLS=(shellcheck bubblewrap)  # the suite lints rendered scripts with shellcheck; bwrap runs the test image
+readonly PACKAGES_TOOLS=(shellcheck bubblewrap mmdebstrap)  # shellcheck lints rendered scripts; mmdebstrap builds the test image, bwrap runs it
 readonly UP_TIMEOUT_S=60
 readonly DRAIN_TIMEOUT_S=25
 

@@ -82,11 +82,13 @@ class Supervisor:
                 return self.allocation.finish_stop(self.run_dir, handoff, self.max_requeues)
             if self.signalled or (rc == 0 and verdict is None):
                 return rc
-            if verdict is None and self._finished_since(started):
+            if self._finished_since(started):
                 # A signal that lands after the last rank wrote "done" (e.g. the time limit's warning during
-                # teardown) fails the step's exit code, not the run: restarting would only find it finished.
-                print(f"fsdpjob supervisor: the run finished; the step's exit code {rc} came at teardown",
-                      file=sys.stderr, flush=True)
+                # teardown) fails the step's exit code, not the run; so does a stall of ranks that exit slowly
+                # after it (seen on a loaded machine: every rank 'exited' at the last step for 11 s). Restarting
+                # would only find it finished, and giving up would have the failure policy requeue it.
+                late = f"a {verdict.kind} ({verdict.reason})" if verdict else f"the step's exit code {rc}"
+                print(f"fsdpjob supervisor: the run finished; {late} came at teardown", file=sys.stderr, flush=True)
                 return 0
             if self._record(launch, started, rc, verdict).restart:
                 launch += 1

@@ -138,6 +138,27 @@ def test_up_is_idempotent(slurm_cluster: ClusterInfo) -> None:
     assert len(before) == 6  # munged, mariadbd, slurmdbd, slurmctld, two slurmd
 
 
+def test_the_test_image_is_made_from_debian_packages_without_slurm(slurm_cluster: ClusterInfo) -> None:
+    """Issue 23: like a site's image, the test image is a Debian root file system (mmdebstrap) whose python is
+    Debian's, with the project's venv at /opt/venv for it (fsdpjob a plain package), and nothing of Slurm's."""
+    from fsdpjob.orchestrator.devcluster import image
+
+    root = slurm_cluster.image
+    assert root is not None and (root / "etc/debian_version").read_text().startswith("12."), root
+    installed = set(re.findall(r"^Package: (\S+)$", (root / "var/lib/dpkg/status").read_text(), re.M))
+    assert {"python3", "python3.11", "libstdc++6"} <= installed, sorted(installed)
+    assert not [p for p in installed if "slurm" in p or "munge" in p], sorted(installed)
+    assert not [p for folder in ("usr/bin", "usr/sbin", "usr/lib/x86_64-linux-gnu", "etc")
+                for p in (root / folder).rglob("*") if re.search("slurm|munge", p.name)]
+    config = dict(line.split(" = ", 1) for line in (root / "opt/venv/pyvenv.cfg").read_text().splitlines())
+    assert config["home"] == "/usr/bin" and config["version"].startswith(image.PYTHON_VERSION + "."), config
+    packages = root / "opt/venv/lib" / f"python{image.PYTHON_VERSION}" / "site-packages"
+    assert (packages / "torch").is_dir() and (packages / "fsdpjob/jobs/__init__.py").is_file()
+    assert not list(packages.glob("__editable__*")), "the editable finder would point into the checkout"
+    # The base is cached outside the cluster's state dir (a second session or a purge reuses it).
+    assert list(image.base_cache().glob("base-*/usr/bin/python3.11"))
+
+
 def test_up_refuses_to_switch_accounting_off_while_running(slurm_cluster: ClusterInfo) -> None:
     with pytest.raises(FsdpjobError, match="running with accounting; run 'down' first"):
         manage.up(accounting=False, state_dir=str(slurm_cluster.state_dir))
