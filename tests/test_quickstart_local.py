@@ -53,6 +53,7 @@ def test_quickstart_trains_and_leaves_metrics_and_checkpoint(tmp_path: Path) -> 
     bad_rank = fsdpjob("logs", report["run_id"], "--rank", "7", cwd=tmp_path)
     assert bad_rank.returncode == 2 and "out of range" in bad_rank.stderr and "Traceback" not in bad_rank.stderr
     check_goodput_report(report["run_id"], tmp_path)
+    check_a_resumed_run_measures_its_step("examples/quickstart.yaml", run_dir, tmp_path)
 
 
 def check_goodput_report(run_id: str, cwd: Path) -> None:
@@ -112,17 +113,14 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None
     assert cancelled.returncode == 0, cancelled.stderr
     assert not _run_pids(run_dir)  # cancel returns once the run's processes are gone
     check_a_cancel_is_a_cancel(run, run_dir, cancelled.stdout, tmp_path)
-    check_a_resumed_run_measures_its_step(spec, run_dir, tmp_path)
 
 
-def check_a_resumed_run_measures_its_step(spec: Path, source: Path, cwd: Path) -> None:
-    """`submit --resume-from` the cancelled run for a few steps (one or two logged lines): its report measures a
-    step time ("measured: step -" before), and status names the machine it ran on once it has finished."""
-    step = int((source / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))  # the stop's
-    assets = cwd / "assets"
-    done = fsdpjob("submit", str(spec), "--wait", "--json", "--resume-from", str(source),
-                   "--set", f"train.max_steps={step + 4}", "--set", f"model.path={assets / 'model'}",
-                   "--set", f"data.path={assets / 'data.jsonl'}", cwd=cwd)
+def check_a_resumed_run_measures_its_step(spec: str, source: Path, cwd: Path) -> None:
+    """`submit --resume-from` the finished run for 4 more steps (one logged line): its report measures a step time
+    ("measured: step -" before), and status names the machine it ran on once it has finished."""
+    step = int((source / "checkpoints" / "latest").read_text().strip().removeprefix("step-"))
+    done = fsdpjob("submit", spec, "--wait", "--json", "--resume-from", str(source),
+                   "--set", f"train.max_steps={step + 4}", cwd=cwd)
     assert done.returncode == 0, done.stdout + done.stderr
     run_id = json.loads(done.stdout[: done.stdout.index("}") + 1])["run_id"]
     rep = json.loads(fsdpjob("report", run_id, "--json", cwd=cwd).stdout)

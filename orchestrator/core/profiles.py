@@ -64,7 +64,8 @@ class ClusterProfile(Strict):
     max_time: str | None = None
     """Longest time limit the partition allows (Slurm time format)."""
     partition_nodes: PositiveInt | None = None
-    """Nodes in the partition (`sinfo -p PARTITION -h -o %D`): validate refuses a job that asks for more."""
+    """Nodes in the partition (`sinfo -p PARTITION -h -o %D`): validate refuses a job that asks for more. Where
+    sinfo answers (a login node), validate, plan and submit also ask it how many nodes the partition has."""
     storage_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)] = 1.0
     """Checkpoint storage write bandwidth in GB/s per node (planning: save time)."""
     setup: list[str] = []
