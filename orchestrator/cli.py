@@ -542,23 +542,11 @@ def list_runs(as_json: bool, watch: bool, interval: float) -> None:
 
 
 def _runs_list(records, rows=None) -> str:
-    """`fsdpjob list`: a sweep's runs together under its line (views/sweepview.grouped), other runs as they are."""
-    from fsdpjob.orchestrator.views.display import runs_table
+    """`fsdpjob list`: a sweep's runs together under its line (views/sweepview.list_text), other runs as they are."""
     from fsdpjob.orchestrator.views.status import reports
-    from fsdpjob.orchestrator.views.sweepview import grouped
+    from fsdpjob.orchestrator.views.sweepview import list_text
 
-    rows = reports(records) if rows is None else rows
-    if not any(r.sweep for r in records):
-        return runs_table(rows)
-    ordered = [rep for _, reps in grouped(records, rows) for rep in reps]
-    lines = runs_table(ordered).splitlines()
-    out, i = lines[:1], 1
-    for heading, reps in grouped(records, rows):
-        if heading:
-            out.append(heading)
-        out.extend(("  " if heading else "") + line for line in lines[i : i + len(reps)])
-        i += len(reps)
-    return "\n".join(out)
+    return list_text(records, reports(records) if rows is None else rows)
 
 
 def _sweep_status(tasks, as_json: bool, watch: bool, interval: float) -> None:

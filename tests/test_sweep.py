@@ -168,6 +168,14 @@ def test_array_rows_of_sacct_and_squeue_are_each_tasks_view():
     assert (views["7_0"].state, views["7_0"].restarts) == ("RUNNING", 1)
     assert views["7_1"].state == views["7_2"].state == "PENDING" and views["9"].state == "COMPLETED"
     assert commands.query_ids(["7_0", "7_1", "9"]) == ["7", "9"]
+    # Cancelled before they all started: Slurm keeps the rest's record under the whole range; tasks 0 and 1 have
+    # rows of their own and no restart.
+    cancelled = views_from_sacct(commands.parse_sacct("\n".join([
+        "21|cx|CANCELLED by 0|0:0|None|2026-12-03T14:37:31|None assigned|00:00:00|x|x|20_0",
+        "22|cx|CANCELLED by 0|0:0|None|2026-12-03T14:37:31|None assigned|00:00:00|x|x|20_1",
+        "20|cx|CANCELLED by 0|0:0|None|2026-12-03T14:37:32|None assigned|00:00:00|x|x|20_[0-2]"])))
+    assert [(cancelled[f"20_{i}"].restarts, cancelled[f"20_{i}"].state.split()[0]) for i in range(3)] == \
+        [(0, "CANCELLED")] * 3
     assert commands.array_task_ids("7_[1,4-5]") == ["7_1", "7_4", "7_5"]
     squeue = commands.parse_squeue("7_0|RUNNING|None|n1|x\n7_[1-2%1]|PENDING|JobArrayTaskLimit||x\n")
     assert squeue["7_2"]["reason"] == "JobArrayTaskLimit" and squeue["7_0"]["state"] == "RUNNING"

@@ -86,9 +86,15 @@ def _sacct_rows(records) -> list[commands.SacctRow] | None:
 
 def _by_job(rows: list[commands.SacctRow]) -> dict[str, list[commands.SacctRow]]:
     by_id: dict[str, list[commands.SacctRow]] = {}
+    rests: dict[str, list[commands.SacctRow]] = {}
     for row in rows:
-        for job_id in row.task_ids:
-            by_id.setdefault(job_id, []).append(row)
+        ids = row.task_ids
+        # An array's record of the tasks that never started on their own ("7_[0-2]", which keeps that name
+        # even after some were split off and cancelled) stands for a task only where it has no row of its own.
+        for job_id in ids:
+            (rests if "[" in row.array_id else by_id).setdefault(job_id, []).append(row)
+    for job_id, rest in rests.items():
+        by_id.setdefault(job_id, rest)
     return by_id
 
 

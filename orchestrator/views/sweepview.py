@@ -102,6 +102,23 @@ def grouped(records: list[JobRecord], reports: list[StatusReport]) -> list[tuple
     return result
 
 
+def list_text(records: list[JobRecord], reports: list[StatusReport]) -> str:
+    """`fsdpjob list`: a sweep's runs together, indented under its line; other runs as they are."""
+    from .display import runs_table
+
+    if not any(r.sweep for r in records):
+        return runs_table(reports)
+    groups = grouped(records, reports)
+    lines = runs_table([rep for _, reps in groups for rep in reps]).splitlines()
+    out, i = lines[:1], 1
+    for heading, reps in groups:
+        if heading:
+            out.append(heading)
+        out.extend(("  " if heading else "") + line for line in lines[i:i + len(reps)])
+        i += len(reps)
+    return "\n".join(out)
+
+
 # --- report SWEEP ---------------------------------------------------------------------------------------------
 
 
