@@ -192,7 +192,7 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | No
         _echo_json({**result.to_json(), **({"start_estimates": estimates} if estimates else {})})
     else:
         click.echo(format_plan(result))
-        _echo_estimates(estimates, err=False)
+        _echo_estimates(estimates, err=True)  # stdout stays the plan, whose last line is the verdict
     if _refusal(result, spec, force=False):
         raise SystemExit(2)
 
@@ -214,6 +214,7 @@ def _start_estimates(job, fit, spec: str, profile: str | None, sets: tuple[str, 
 
 
 def _echo_estimates(rows: list[dict], *, err: bool) -> None:
+    """Slurm's start estimates for a person (one line when Slurm could not be asked)."""
     from fsdpjob.orchestrator.estimate import format_estimates
 
     for line in format_estimates(rows):

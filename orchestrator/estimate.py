@@ -13,6 +13,8 @@ from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError
 # default, but "relative" has spaces), and slurmctld before 18.08 named no partition.
 _WILL_RUN = re.compile(r"Job (?P<job>\d+) to start at (?P<start>.+?) using (?P<cpus>\d+) processors on nodes "
                        r"(?P<nodes>\S+)(?: in partition (?P<partition>\S+))?")
+# sbatch's words when there is no Slurm to ask (not installed, no configuration, slurmctld down or slow).
+_UNREACHABLE = ("not found on PATH", "configuration source", "contact", "timed out", "Connection refused")
 _SHAPE = re.compile(r"(?P<nodes>[1-9]\d*)x(?P<gpus>\d+)")
 
 
@@ -117,7 +119,7 @@ def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
         try:
             return sbatch_test_only(script, timeout=15)
         except FsdpjobError as exc:
-            if "not found on PATH" in str(exc) or "contact" in str(exc) or "timed out" in str(exc):
+            if any(word in str(exc) for word in _UNREACHABLE):
                 failed.append(" ".join(str(exc).split()))
             raise
 

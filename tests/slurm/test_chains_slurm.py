@@ -89,6 +89,8 @@ def test_a_cancelled_parent_leaves_the_child_never_started(slurm_cluster, make_s
     said = f"will never start: parent {parent['run_id']} failed (cancelled)"
     assert report["after"]["message"].startswith(said) and report["failure_reason"].startswith(said)
     assert said in fsdpjob("status", child["run_id"], check=True).stdout
+    waited = fsdpjob("wait", child["run_id"], timeout_s=120)  # returns instead of waiting for ever
+    assert waited.returncode == 1 and said in waited.stderr
     fsdpjob("cancel", child["run_id"], check=True)
     events = [e["event"] for e in runlog.read_events(child["run_dir"])]
     assert report["step"] is None and events == ["cancel"], events  # no worker ever started
