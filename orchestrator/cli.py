@@ -227,11 +227,8 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | No
     if as_json:
         _echo_json({**result.to_json(), **({"start_estimates": estimates} if estimates else {})})
     else:
-        # The estimate sits beside the step time, above the verdict: the verdict stays the plan's last line.
-        *body, verdict = format_plan(result).rstrip("\n").split("\n")
-        click.echo("\n".join(body))
-        _echo_estimates(estimates, err=False)
-        click.echo(verdict)
+        click.echo(format_plan(result))
+        _echo_estimates(estimates, err=True)  # stdout stays the plan, whose last line is the verdict
     if _refusal(result, spec, force=False):
         raise SystemExit(2)
 
@@ -265,6 +262,7 @@ def _start_estimates(job, fit, spec: str, profile: str | None, sets: tuple[str, 
 
 
 def _echo_estimates(rows: list[dict], *, err: bool) -> None:
+    """Slurm's start estimates for a person (one line when Slurm could not be asked)."""
     from fsdpjob.orchestrator.estimate import format_estimates
 
     for line in format_estimates(rows):

@@ -11,10 +11,10 @@ from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError
 
 # sbatch's line (src/sbatch/sbatch.c, the same from 17.11 to 24.x); the time follows SLURM_TIME_FORMAT (ISO by
 # default, but "relative" has spaces), and slurmctld before 18.08 named no partition.
-_WILL_RUN = re.compile(
-    r"Job (?P<job>\d+) to start at (?P<start>.+?) using (?P<cpus>\d+) processors on nodes "
-    r"(?P<nodes>\S+)(?: in partition (?P<partition>\S+))?"
-)
+_WILL_RUN = re.compile(r"Job (?P<job>\d+) to start at (?P<start>.+?) using (?P<cpus>\d+) processors on nodes "
+                       r"(?P<nodes>\S+)(?: in partition (?P<partition>\S+))?")
+# sbatch's words when there is no Slurm to ask (not installed, no configuration, slurmctld down or slow).
+_UNREACHABLE = ("not found on PATH", "configuration source", "contact", "timed out", "Connection refused")
 _SHAPE = re.compile(r"(?P<nodes>[1-9]\d*)x(?P<gpus>\d+)")
 
 
@@ -46,9 +46,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     for part in (p.strip() for p in text.split(",")):
         m = _SHAPE.fullmatch(part)
         if m is None:
-            raise InputError(
-                f"{part!r} is not a shape; write NODESxGPUS_PER_NODE, e.g. --shapes 2x8,4x8", loc="--shapes"
-            )
+            raise InputError(f"{part!r} is not a shape; write NODESxGPUS_PER_NODE, e.g. --shapes 2x8,4x8",
+                             loc="--shapes")
         shapes.append((int(m["nodes"]), int(m["gpus"])))
     return shapes
 
@@ -57,16 +56,8 @@ def estimate(label: str, script: str, step_s: float | None, max_steps: int, ask)
     """One row: Slurm's start estimate for ``script`` (``ask`` runs sbatch --test-only), the planner's step and
     total time, and the finish that follows. ``error``: why there is no estimate (one line)."""
     total_s = step_s * max_steps if step_s is not None else None
-    row = {
-        "shape": label,
-        "start": None,
-        "nodes": None,
-        "partition": None,
-        "step_s": step_s,
-        "total_s": total_s,
-        "finish": None,
-        "error": None,
-    }
+    row = {"shape": label, "start": None, "nodes": None, "partition": None, "step_s": step_s, "total_s": total_s,
+           "finish": None, "error": None}
     try:
         will = parse_test_only(ask(script))
     except FsdpjobError as exc:
@@ -99,20 +90,9 @@ def format_estimates(rows: list[dict]) -> list[str]:
         total = f"total {_duration(r['total_s'])}" if r["total_s"] is not None else ""
         finish = f"-> finish {r['finish']}" if r["finish"] else ""
         mark = "  (finishes first)" if first and r["finish"] == first else ""
-        lines.append(
-            " ".join(
-                x
-                for x in (
-                    f"  {r['shape']:<8} start {r['start']} on {r['nodes']}"
-                    f"{' (' + r['partition'] + ')' if r['partition'] else ''},",
-                    step + ",",
-                    total,
-                    finish,
-                )
-                if x
-            ).rstrip(",")
-            + mark
-        )
+        lines.append(" ".join(x for x in (f"  {r['shape']:<8} start {r['start']} on {r['nodes']}"
+                                          f"{' (' + r['partition'] + ')' if r['partition'] else ''},",
+                                          step + ",", total, finish) if x).rstrip(",") + mark)
     return lines
 
 
@@ -140,7 +120,7 @@ def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
         try:
             return sbatch_test_only(script, timeout=15)
         except FsdpjobError as exc:
-            if "not found on PATH" in str(exc) or "contact" in str(exc) or "timed out" in str(exc):
+            if any(word in str(exc) for word in _UNREACHABLE):
                 failed.append(" ".join(str(exc).split()))
             raise
 
@@ -150,7 +130,6 @@ def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
         if (nodes, gpus) == asked:
             continue
         other, other_fit = shaped(nodes, gpus)
-        rows.append(
-            estimate(f"{nodes}x{gpus}", dry_run(other).script, other_fit.timing.step_s, other.spec.train.max_steps, ask)
-        )
+        rows.append(estimate(f"{nodes}x{gpus}", dry_run(other).script, other_fit.timing.step_s,
+                             other.spec.train.max_steps, ask))
     return rows

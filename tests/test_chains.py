@@ -164,7 +164,8 @@ def test_no_slurm_is_one_line_not_a_failure(tmp_path):
     done = fsdpjob("plan", str(VALID / "single-node.yaml"), "--set", f"model.path={model}", "--set", "data.seq_len=128",
                    env={"PATH": str(tmp_path), "FSDPJOB_HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr
-    estimate_lines = [ln for ln in done.stdout.splitlines() if ln.startswith("start estimate")]
+    assert done.stdout.rstrip().endswith("verdict: FITS")  # the plan; the estimate is beside it, on stderr
+    estimate_lines = [ln for ln in done.stderr.splitlines() if ln.startswith("start estimate")]
     assert estimate_lines == ["start estimate: none (sbatch not found on PATH: is this a Slurm login node?)"]
 
 

@@ -28,7 +28,8 @@ def log_path(record: JobRecord, rank: int, stream: str = "out") -> Path:
 
 def _terminal_phase(record: JobRecord) -> str | None:
     report = report_for(record)
-    return report.phase if report.phase in TERMINAL else None
+    never = report.after is not None and report.after["state"] == "never"  # a chain whose parent failed
+    return report.phase if report.phase in TERMINAL or never else None
 
 
 def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:

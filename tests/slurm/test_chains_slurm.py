@@ -1,5 +1,5 @@
 """Chains, webhooks and start estimates on the real dev cluster (Slurm 22.05): `--after` holds the child in
-PENDING (Dependency) until its parent completes; a cancelled parent leaves the child never started, and status
+PENDING (Dependency) until its parent completes, and `export --submit` exports after it; a cancelled parent leaves the child never started, and status
 says why; a webhook to a local HTTP server gets the run's events in order from a real run, and its URL is
 nowhere on disk or in what fsdpjob prints; `plan` and `submit --dry-run` show the real `sbatch --test-only`'s
 estimate. The pure parts are in tests/test_chains.py and tests/test_notify.py."""
@@ -45,6 +45,11 @@ def test_after_holds_the_child_until_the_parent_completes_and_the_webhook_gets_t
         parent = submit(parent_spec)
         child = submit(child_spec, "--after", parent["run_id"])
 
+        out = Path(os.environ["FSDPJOB_HOME"]) / "exported"
+        said = fsdpjob("export", parent["run_id"], "--submit", "-p", "test-cluster", "--out", str(out), check=True).stdout
+        export_job = said.split(" as job ", 1)[1].split(",", 1)[0]
+        assert f"to start after job {parent['job_id']} completes" in said
+
         held = status(child["run_id"])
         assert (held["phase"], held["reason"]) == ("PENDING", "Dependency"), held
         assert held["after"]["state"] == "waiting" and held["after"]["run_id"] == parent["run_id"]
@@ -59,6 +64,11 @@ def test_after_holds_the_child_until_the_parent_completes_and_the_webhook_gets_t
         child_start = slurm_cli.slurm_timestamp(rows[child["job_id"]].start)
         assert child_start >= parent_end, (rows[parent["job_id"]], rows[child["job_id"]])
         assert status(child["run_id"])["after"]["state"] == "released"
+        # export --submit: a CPU job after the training, through the same export code path.
+        wait_for(lambda: slurm_cli.job_state(export_job) in ("COMPLETED", "FAILED", "CANCELLED"), timeout_s=300,
+                 what="the export job")
+        assert slurm_cli.job_state(export_job) == "COMPLETED" and (out / "config.json").is_file()
+        assert slurm_cli.slurm_timestamp(slurm_cli.sacct([export_job])[0].start) >= parent_end
 
         # The parent's events, in order, from its supervisor's thread; the child has no notify section.
         got = wait_for(lambda: hook.got if any(p["event"] == "done" for p in hook.got) else None, timeout_s=30,
@@ -89,6 +99,8 @@ def test_a_cancelled_parent_leaves_the_child_never_started(slurm_cluster, make_s
     said = f"will never start: parent {parent['run_id']} failed (cancelled)"
     assert report["after"]["message"].startswith(said) and report["failure_reason"].startswith(said)
     assert said in fsdpjob("status", child["run_id"], check=True).stdout
+    waited = fsdpjob("wait", child["run_id"], timeout_s=120)  # returns instead of waiting for ever
+    assert waited.returncode == 1 and said in waited.stderr
     fsdpjob("cancel", child["run_id"], check=True)
     events = [e["event"] for e in runlog.read_events(child["run_dir"])]
     assert report["step"] is None and events == ["cancel"], events  # no worker ever started
