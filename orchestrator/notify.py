@@ -10,6 +10,7 @@ JSON body with a timeout needs nothing more.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -97,14 +98,26 @@ def payload(run_dir: Path, event: str, step: int | None, reason: str | None) -> 
 
 
 def send(run_dir: Path, notify: NotifySpec, url: str, entries: list[dict]) -> None:
-    """Tell about ``entries`` (run log events) that ``notify`` chose, in order; failures are logged, never raised."""
+    """Tell about ``entries`` (run log events) that ``notify`` chose, in order; failures are logged, never raised.
+    A sweep's task that ends here may be its last one: then sweep_done too."""
     for entry in entries:
-        for event, step, reason in notifications(entry):
-            if event not in notify.events:
-                continue
-            why = post(url, payload(run_dir, event, step, reason))
-            if why is not None:
-                _log(f"webhook for event {event!r} not delivered after {TRIES} tries ({why}); giving up on it")
+        told = _send_entry(run_dir, notify, url, entry)
+        end = next((event for event in told if event in TERMINAL), None)  # the run's end, not a rank's failure
+        if end and (ended := sweep_ended(run_dir, end)):
+            tell(notify, ended["name"], "sweep_done", reason=ended["reason"])
+
+
+def _send_entry(run_dir: Path, notify: NotifySpec, url: str, entry: dict) -> list[str]:
+    """Post what ``notify`` chose of one run log entry; returns the entry's notification events, chosen or not."""
+    events = []
+    for event, step, reason in notifications(entry):
+        events.append(event)
+        if event not in notify.events:
+            continue
+        why = post(url, payload(run_dir, event, step, reason))
+        if why is not None:
+            _log(f"webhook for event {event!r} not delivered after {TRIES} tries ({why}); giving up on it")
+    return events
 
 
 class Watcher:
@@ -169,6 +182,37 @@ def tell(notify: NotifySpec, run: str, event: str, *, step: int | None = None, r
         return None
     return post(url, {"run": run, "event": event, "step": step, "reason": reason, "goodput": goodput,
                       "time": round(time.time(), 3)})
+
+
+SWEEP_FILE = "sweep.json"  # orchestrator/sweepsubmit.py's, in the sweep's folder above its runs' folders
+ENDED_FILE = "ended.json"  # beside it: run id -> how that task ended (done or failed), one writer at a time
+
+
+def sweep_ended(run_dir: Path, outcome: str) -> dict | None:
+    """Record that this run (a sweep's task) ended with ``outcome``; when that makes every task of the sweep ended,
+    return {"name", "reason"} for sweep_done (exactly once: the tasks end on different nodes at any time, so the
+    count is kept in one file under an exclusive lock). None for a run of no sweep, or while tasks still run."""
+    sweep_dir = run_dir.parent
+    try:
+        sweep = json.loads((sweep_dir / SWEEP_FILE).read_text())
+        runs = {r["run_id"] for r in sweep["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a sweep's task
+    if run_dir.name not in runs:
+        return None
+    with open(sweep_dir / (ENDED_FILE + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = sweep_dir / ENDED_FILE
+        ended = json.loads(path.read_text()) if path.exists() else {}
+        was_complete = runs <= set(ended)
+        ended[run_dir.name] = outcome
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ended))
+        tmp.replace(path)
+    if was_complete or not runs <= set(ended):
+        return None
+    done = sum(1 for r in runs if ended[r] == "done")
+    return {"name": sweep.get("name") or sweep_dir.name, "reason": f"{done} of {len(runs)} completed"}
 
 
 def _events(entries: list[dict]) -> list[dict]:

@@ -163,3 +163,25 @@ def test_an_event_without_a_run_log_is_told_directly(hook, monkeypatch):
     assert notify.tell(chosen, "lr-sweep", "sweep_done", reason="3 of 3 completed") is None
     assert notify.tell(chosen, "lr-sweep", "done") is None  # not chosen: nothing sent
     assert [(p["run"], p["event"], p["reason"]) for p in hook.got] == [("lr-sweep", "sweep_done", "3 of 3 completed")]
+
+
+def test_the_last_task_of_a_sweep_to_end_tells_sweep_done_once(tmp_path, hook, monkeypatch):
+    """Each task's batch side records its end in the sweep's folder; the one that ends it posts sweep_done."""
+    monkeypatch.setenv("FSDPJOB_TEST_HOOK", hook.url)
+    sweep_dir = tmp_path / "lr-sweep-20261203"
+    sweep_dir.mkdir()
+    runs = []
+    for index in range(3):
+        run_dir = _run_folder(sweep_dir, ["done", "failed", "sweep_done"]).rename(sweep_dir / f"lr-{index}")
+        runs.append(run_dir)
+    (sweep_dir / "sweep.json").write_text(json.dumps(
+        {"id": sweep_dir.name, "name": "lr", "runs": [{"index": i, "run_id": r.name} for i, r in enumerate(runs)]}))
+    chosen = NotifySpec(webhook_url_env="FSDPJOB_TEST_HOOK", events=["done", "failed", "sweep_done"])
+    notify.send(runs[0], chosen, hook.url, [{"event": "done", "step": 4}])
+    notify.send(runs[2], chosen, hook.url, [{"event": "failed", "step": 2, "reason": "boom"}])
+    assert [p["event"] for p in hook.got] == ["done", "failed"]  # one task still runs
+    notify.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])
+    notify.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])  # told twice (a retry): no second one
+    assert [p["event"] for p in hook.got] == ["done", "failed", "done", "sweep_done", "done"]
+    assert hook.got[3]["run"] == "lr" and hook.got[3]["reason"] == "2 of 3 completed"
+    assert notify.sweep_ended(tmp_path / "alone", "done") is None  # a run of no sweep
