@@ -146,8 +146,8 @@ def planned_peak_mb(spec, args: argparse.Namespace) -> float | None:
     fields = {"name": "bench", "scheduler": "slurm", "gpus_per_node": int(gpu), "host_ram_gb": 64.0,
               "cpus_per_node": os.cpu_count() or 1}  # fmt: skip
     if gpu:
-        fields.update(gpu_type=torch.cuda.get_device_name(0),
-                      gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        usable = torch.cuda.get_device_properties(0).total_memory / 2**30  # what torch can allocate
+        fields.update(gpu_type=torch.cuda.get_device_name(0), gpu_memory_gb=usable, gpu_usable_memory_gb=usable)
     try:
         plan = make_plan(resolve(spec, ClusterProfile.model_validate(fields)))
     except Exception as exc:  # noqa: BLE001 - a figure of the table, not the bench's result

@@ -7,11 +7,11 @@ model's shape and parameter count come from ``modelshape.py``, the memory model 
 step and save times from ``timing.py``; this module puts them together into a plan and finds the fixes.
 
 The golden seed case (Llama-2-70B, 68.98e9 params, fp32 master weights, bf16 compute, AC, seq 2048, mb 1):
-  * 2 nodes x 8 A100-80GB: params + grads + AdamW = 16 B x 68.98e9 / 16 = 69.0e9 B (64.2 GiB); the backward end
-    adds the root's 0.52e9 unsharded gradients (2 B) and fp32 reduce-scatter input (4 B) = 3.1e9 B; with the
-    CUDA context and 5 % fragmentation the peak is 71.5 GiB < 80 GiB: FITS.
+  * 2 nodes x 8 A100-80GB: params + grads + AdamW = 16 B x 68.98e9 / 16 = 69.0e9 B (64.2 GiB); the first layer's
+    backward (every other layer's sharded gradients held, its own transients) with the CUDA runtime and 5 %
+    fragmentation peaks at ~79.7 GiB > the 79.1 GiB torch can allocate: DOES NOT FIT (examples/ uses 3 nodes).
   * 1 node x 8: 16 B x 68.98e9 / 8 = 138e9 B (128.5 GiB) of state alone: does not fit; CPU offload (15 GiB left
-    on the GPU, 1.0 TiB of host RAM per node) or a second node fix it.
+    on the GPU, 1.0 TiB of host RAM per node) or a third node fix it.
   * host RAM at load: every rank loading fp32 = 8 x 4 B x 68.98e9 = 2.2e12 B per node, more than a 2 TB node;
     rank-0 loading = one fp16 copy (the checkpoint's dtype) = 0.14e12 B. (Counting each rank's fp32 shard in
     host RAM too gives 0.28e12 B; the worker materializes the shards on the GPUs, so they are not counted there.)
@@ -90,8 +90,9 @@ class FitPlan:
           final_norm, lm_head, trainable (= total without model.lora), added (parameters LoRA adds: adapters and
           modules_to_save's trained copies; 0 without it)
         - topology: nodes, tasks_per_node, world_size, shard_degree, replicate_degree, device ("gpu" | "cpu")
-        - device_memory (per rank): kind, budget_bytes, peak_bytes, peak_moment, fits,
-          breakdown [{name, bytes, note}] (sums to peak_bytes), moments {name: bytes on top of the state}
+        - device_memory (per rank): kind, budget_bytes (on GPUs what torch can allocate, not the nominal size),
+          budget_note (where it comes from), peak_bytes, peak_moment, fits, breakdown [{name, bytes, note}] (sums
+          to peak_bytes; on GPUs "CUDA runtime (assumed)" is an estimate), moments {name: bytes on top of the state}
         - host_memory (per node): budget_bytes, load_rank0_bytes (at load, on rank 0's node), load_every_rank_bytes,
           training_bytes, offloaded_per_rank_bytes, fits, own_shards (each rank reads only its own weight shards)
         - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, assumption
@@ -118,7 +119,8 @@ class FitPlan:
                 "shard_degree": u.shard_degree, "replicate_degree": u.replicate_degree, "device": d.kind,
             },
             "device_memory": {
-                "kind": d.kind, "budget_bytes": d.budget, "peak_bytes": d.peak, "peak_moment": d.peak_moment.name,
+                "kind": d.kind, "budget_bytes": d.budget, "budget_note": d.budget_note, "peak_bytes": d.peak,
+                "peak_moment": d.peak_moment.name,
                 "fits": d.fits, "breakdown": [asdict(i) for i in d.breakdown],
                 "moments": {mo.name: mo.bytes for mo in d.moments},
             },
@@ -282,8 +284,8 @@ def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tupl
     elif d.kind == "gpu" and d.budget - d.peak < HEADROOM * d.budget:
         out.append(
             f"GPU headroom {(d.budget - d.peak) / GiB:.1f} GiB ({(d.budget - d.peak) / d.budget:.1%}) is under "
-            f"{HEADROOM:.0%} of {d.budget / GiB:.1f} GiB: allocator variance or NCCL buffers can OOM it; torch sees "
-            "less than the nominal size (an 80 GB card ~79.2 GiB, a 141 GB H200 ~139.5 GiB)"
+            f"{HEADROOM:.0%} of the usable {d.budget / GiB:.1f} GiB: allocator variance or NCCL buffers beyond the "
+            "assumed ones can OOM it"
         )
     if not h.fits:
         out.append(f"host RAM per node: {h.peak / GiB:.0f} GiB needed > {h.budget / GiB:.0f} GiB ({profile.name!r})")
