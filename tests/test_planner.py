@@ -383,3 +383,21 @@ def test_gpu_step_time_says_communication_is_assumed_hidden(seed_70b: JobSpec) -
     plan = make_plan(resolve(seed_70b, A100))
     assert "communication assumed hidden behind compute" in plan.timing.throughput_note
     assert "communication assumed hidden" in format_plan(plan)
+
+
+def test_offload_with_the_rank0_weight_load_is_refused_with_the_fix(seed_70b: JobSpec) -> None:
+    """gpu-review #15: with CPU offload the shards are on the CPU, so rank 0's broadcast of the full weights goes
+    over gloo: refused where it would take longer than the plan lets through, and never offered as a fix."""
+    rank0 = with_changes(seed_70b, "resources.nodes=3 fsdp.cpu_offload=true env.FSDPJOB_WEIGHT_LOAD=rank0")
+    plan = make_plan(resolve(rank0, A100))
+    assert plan.fits and plan.verdict == "REFUSED"
+    assert "FSDPJOB_WEIGHT_LOAD=rank0" in plan.refusal and "to each of 23 ranks" in plan.refusal
+    assert "set fsdp.cpu_offload: false" in plan.refusal
+    own = make_plan(resolve(with_changes(seed_70b, "resources.nodes=3 fsdp.cpu_offload=true"), A100))
+    assert own.verdict == "FITS"  # each rank reads its own shards: no broadcast
+    one = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1 env.FSDPJOB_WEIGHT_LOAD=rank0"), A100))
+    assert [f.change for f in one.fixes] == ["resources.nodes=3"]
+    small = with_changes(rank0, "model.path=" + str(write_config(Path(seed_70b.model.path).parent / "small", {
+        **LLAMA2_70B, "num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 2048,
+        "num_attention_heads": 8, "num_key_value_heads": 8})))  # fmt: skip
+    assert make_plan(resolve(small, A100)).verdict == "FITS"  # a small model's broadcast takes seconds

@@ -168,8 +168,10 @@ def _fits(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> tu
     return dev.fits and host_memory(s, p, u, profile, dev).fits, dev.peak
 
 
-def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int) -> list[Fix]:
-    """Single changes that make the plan fit, cheapest first; each one has been planned and fits."""
+def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int,
+           env: dict[str, str] | None = None) -> list[Fix]:
+    """Single changes that make the plan fit, cheapest first; each one has been planned and fits (and is not refused:
+    no CPU offload where rank 0 would broadcast the weights over gloo)."""
     out: list[Fix] = []
 
     def consider(change: str, new: Setup, why: str) -> bool:
@@ -196,8 +198,10 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
-    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1:  # the spec refuses offload with HSDP
-        consider("fsdp.cpu_offload=true", replace(u, cpu_offload=True), "state on the host: steps much slower")
+    offloaded = replace(u, cpu_offload=True)
+    # The spec refuses offload with HSDP; the plan refuses it where rank 0 would broadcast the weights over gloo.
+    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1 and not offload_broadcast_conflict(s, p, offloaded, env or {}):
+        consider("fsdp.cpu_offload=true", offloaded, "state on the host: steps much slower")
     if profile.max_nodes is None or profile.max_nodes > u.nodes:
         most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
         # Node counts whose world size the replicate degree divides, the fewest that fits by bisection
@@ -237,9 +241,45 @@ def make_plan(job: Resolved) -> FitPlan:
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
-    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak))
+    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
+    refusal = stall_bound_conflict(spec.recovery, timing) or offload_broadcast_conflict(shape, params, u, spec.env)
     return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
-                   interval=_interval(job, timing), refusal=stall_bound_conflict(spec.recovery, timing))
+                   interval=_interval(job, timing), refusal=refusal)
+
+
+# Rank 0's send rate over gloo (TCP), assumed (a 10-25 GbE-class path; gloo's broadcast sends the whole tensor
+# to each rank in turn), and the longest weight broadcast the plan lets through: a third of the supervisor's
+# first set-up bound (900 s), which also holds the model build, the process groups and the first step.
+GLOO_BROADCAST_BYTES_PER_S = 1e9
+RANK0_BROADCAST_LIMIT_S = 300
+
+
+def rank0_load_reason(s: ModelShape, u: Setup, env: dict[str, str]) -> str | None:
+    """Why the workers will read the weights on rank 0 and broadcast them (jobs/model/build.py), where that is
+    known from the spec and config.json; None where each rank reads its own shards (or the folder does not say)."""
+    if env.get("FSDPJOB_WEIGHT_LOAD") == "rank0":
+        return "FSDPJOB_WEIGHT_LOAD=rank0"
+    if u.lora is not None:
+        return "model.lora"
+    if s.experts > 1 or s.model_type == "gpt_neox":
+        return f"{s.model_type}'s stored names are converted on load"
+    return None
+
+
+def offload_broadcast_conflict(s: ModelShape, p: ParamCount, u: Setup, env: dict[str, str]) -> str | None:
+    """fsdp.cpu_offload with the rank-0 weight load: the offloaded shards live on the CPU, so
+    set_model_state_dict(broadcast_from_rank0) sends every full tensor over gloo, not NCCL (gpu-review #15)."""
+    why = rank0_load_reason(s, u, env)
+    if not (u.cpu_offload and u.world > 1 and why):
+        return None
+    full = p.total * DTYPE_BYTES.get(s.checkpoint_dtype, 4)
+    seconds = full * (u.world - 1) / GLOO_BROADCAST_BYTES_PER_S
+    if seconds <= RANK0_BROADCAST_LIMIT_S:
+        return None
+    return (f"fsdp.cpu_offload with rank 0 reading the weights ({why}): the offloaded shards are on the CPU, so every "
+            f"full tensor goes over gloo (TCP), {full / 1e9:,.0f} GB to each of {u.world - 1} ranks, ~{seconds / 60:,.0f} "
+            f"min at an assumed {GLOO_BROADCAST_BYTES_PER_S / 1e9:g} GB/s (over {RANK0_BROADCAST_LIMIT_S} s); set "
+            "fsdp.cpu_offload: false (`fsdpjob plan --set fsdp.cpu_offload=false` shows the nodes that fit)")
 
 
 def stall_bound_conflict(recovery, t: Timing) -> str | None:
