@@ -45,7 +45,6 @@ TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, 
 # events are written within this; ranks that still linger (a destroy blocked on a peer) are killed.
 CRASH_GRACE_S = 1.0
 KILL_WAIT_S = 15.0
-FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with
 
 
 class Supervisor:
@@ -230,7 +229,7 @@ class Supervisor:
             return float(self.recovery.setup_timeout_s)
         ready = [e for e in runlog.read_events(self.run_dir) if e.get("event") == runlog.READY]
         if not ready:
-            return FIRST_SETUP_BOUND_S
+            return heartbeat.FIRST_SETUP_BOUND_S
         return 3 * float(ready[-1].get("setup_s") or 0) + 60
 
 

@@ -485,3 +485,44 @@ def _unreachable_rendezvous(rank: int, world_size: int, port: int) -> tuple[str,
 def test_a_failed_rendezvous_fails_after_the_timeout_not_never():
     error, seconds = run_ranks(_unreachable_rendezvous, 1, port=free_port())[0]
     assert error == "DistNetworkError" and seconds < 20
+
+
+# ---------------------------------------------------------------- the wait for rank 0's export
+
+
+def _export_wait(rank: int, world_size: int, export_s: float) -> dict:
+    """A CPU-offload run's groups (the default group has gloo; collective timeout 3 s) while rank 0 "exports"
+    for ``export_s``: the export group waits it out, the default group's gloo half does not."""
+    import torch.distributed as dist
+
+    from fsdpjob.jobs.dist import export_group, host_barrier
+    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+
+    env = init_distributed(3, cpu_offload=True)
+    assert "gloo" in env.backend
+    group = export_group(export_wait_s("auto", 30))
+    if rank == 0:
+        time.sleep(export_s)
+    started = time.monotonic()
+    host_barrier(group)
+    waited = time.monotonic() - started
+    default_timed_out = False
+    if rank == 0:
+        time.sleep(export_s)
+    try:
+        host_barrier(None)  # what the wait was before: bounded by the collective timeout
+    except Exception:  # noqa: BLE001 - gloo's timeout error
+        default_timed_out = True
+    dist.destroy_process_group()
+    return {"waited": waited, "default_timed_out": default_timed_out}
+
+
+def test_ranks_wait_for_the_export_longer_than_the_collective_timeout():
+    """gpu-review #16 with CPU offload: the default group's gloo half is bounded by fsdp.collective_timeout_s;
+    the export wait has its own group, bounded by the export phase's bound (2 x the supervisor's first bound)."""
+    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+
+    assert export_wait_s("auto", 30) == 1800 and export_wait_s(100, 60) == 480
+    exporting, waiting = run_ranks(_export_wait, 2, timeout=120, export_s=6.0)
+    assert waiting["waited"] >= 5.5 and exporting["waited"] < 3  # rank 1 waited through rank 0's 6 s export
+    assert waiting["default_timed_out"]  # the same wait on the collective-timeout group fails
