@@ -88,6 +88,7 @@ class Supervisor:
                 return 0
             if self._record(launch, started, rc, verdict).restart:
                 launch += 1
+                self._wait_gpus_free(launch)
                 continue
             return rc if rc != 0 else 1
 
@@ -222,6 +223,15 @@ class Supervisor:
         print(f"fsdpjob supervisor: {kind} of launch {launch}: {decision.why}", file=sys.stderr, flush=True)
         return decision
 
+
+    def _wait_gpus_free(self, launch: int) -> None:
+        """The relaunch waits (bounded) until the crashed step's processes have let go of the GPUs: its own phase
+        in the run's events, between the fault and the next start."""
+        waited = self.allocation.wait_gpus_free(self.excluded)
+        runlog.append(self.run_dir, runlog.GPU_WAIT, launch=launch, **waited.fields())
+        if waited.busy:
+            print(f"fsdpjob supervisor: GPUs still in use after {waited.waited_s:.0f} s ({waited.busy}); relaunching "
+                  "anyway", file=sys.stderr, flush=True)
 
     def _setup_bound(self) -> float:
         """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
