@@ -301,6 +301,7 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     data stream, which must exist before the second load restores its position.
     """
     heartbeat.enter(heartbeat.CHECKPOINT_LOAD)
+    started = time.monotonic()
     state = parts.state
     train_state = DictState(state, optional=TrainState.ADDED)
     if resume_dir is not None:
@@ -316,7 +317,7 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     if resume_dir is not None:
         ckpt.load(resume_dir, app_state)
         report.event(runlog.RESUME, step=state.step, checkpoint=str(resume_dir), world_size=env.world_size,
-                     grad_accum_steps=grad_accum)
+                     grad_accum_steps=grad_accum, load_s=round(time.monotonic() - started, 3))
     return stream, app_state
 
 
