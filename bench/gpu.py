@@ -23,8 +23,11 @@ A failing case is recorded (its JSON says why) and the others still run. No case
 Writes one JSON per case into --out and prints a table: tokens/s over the steps after the warm-up (step-end
 time stamps), the ratio to the bare loop, MFU (the worker's formula: 6N + the attention term, against the
 device's dense bf16 peak), peak allocated / reserved / device-used memory, the planner's peak for the same
-spec and its error against the reserved peak, start-up seconds, the first step's seconds (compile included),
-the save's seconds in the loop, and the SDPA backends this torch can run for the shape (a probe, not a trace).
+spec and its error against the reserved peak, device-used minus reserved (what the plan's assumed CUDA runtime item
+stands for: context, cuBLAS, NCCL), start-up seconds, the first step's seconds (compile included), the save's
+seconds in the loop and what it blocked (an async save: the call plus the next step's wait at the staging gate),
+the checkpoint's load seconds (save-sync runs again and resumes from its mid-run checkpoint), and the SDPA
+backends this torch can run for the shape (a probe, not a trace).
 """
 
 from __future__ import annotations
@@ -120,9 +123,20 @@ def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, cas
                    timeout=args.case_timeout)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    load_s = None
+    if case == "save-sync":
+        # The same run again: it resumes from its mid-run checkpoint (no final save was written); the resume
+        # event's load_s is the checkpoint's load, timed by the worker.
+        subprocess.run([sys.executable, "-c", code, str(run_dir)], check=True, env=env, stdout=sys.stderr,
+                       timeout=args.case_timeout)
+        resumed = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        load_s = next((e.get("load_s") for e in resumed if e.get("event") == "resume"), None)
     steps_logged = [m for m in metrics if "loss" in m]
     ready = next(e for e in events if e.get("event") == "ready")
     saves = [e["save_s"] for e in events if e.get("event") == "checkpoint"]
+    # What an async save still cost the loop: its time in the save call plus the next step's wait at the
+    # staging gate (the optimizer may not change what the background copy still reads).
+    gate = [e["waited_s"] for e in events if e.get("event") == "staged"]
     def peak(key: str) -> float | None:
         return max((m[key] for m in steps_logged if m.get(key) is not None), default=None)
 
@@ -131,7 +145,15 @@ def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, cas
             "peak_mem_mb": peak("peak_mem_mb"), "peak_reserved_mb": peak("peak_reserved_mb"),
             "device_used_mb": peak("device_used_mb"), "mfu_worker": [m["mfu"] for m in steps_logged],
             "startup_s": ready.get("setup_s"), "first_step_s": steps_logged[0]["time"] - ready["time"],
-            "save_s": saves[0] if saves else None, "planned_peak_mb": planned_peak_mb(spec, args)}  # fmt: skip
+            "save_s": saves[0] if saves else None, "gate_wait_s": gate[0] if gate else None,
+            "blocking_s": saves[0] + (gate[0] if gate else 0.0) if saves else None, "load_s": load_s,
+            "runtime_mb": _minus(peak("device_used_mb"), peak("peak_reserved_mb")),
+            "planned_peak_mb": planned_peak_mb(spec, args)}  # fmt: skip
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    """Device-used minus reserved: the CUDA context, cuBLAS and NCCL memory the plan's runtime item assumes."""
+    return None if a is None or b is None else a - b
 
 
 def planned_peak_mb(spec, args: argparse.Namespace) -> float | None:
@@ -146,8 +168,8 @@ def planned_peak_mb(spec, args: argparse.Namespace) -> float | None:
     fields = {"name": "bench", "scheduler": "slurm", "gpus_per_node": int(gpu), "host_ram_gb": 64.0,
               "cpus_per_node": os.cpu_count() or 1}  # fmt: skip
     if gpu:
-        fields.update(gpu_type=torch.cuda.get_device_name(0),
-                      gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        usable = torch.cuda.get_device_properties(0).total_memory / 2**30  # what torch can allocate
+        fields.update(gpu_type=torch.cuda.get_device_name(0), gpu_memory_gb=usable, gpu_usable_memory_gb=usable)
     try:
         plan = make_plan(resolve(spec, ClusterProfile.model_validate(fields)))
     except Exception as exc:  # noqa: BLE001 - a figure of the table, not the bench's result
@@ -240,12 +262,13 @@ def main() -> None:
     print(f"model    llama {shape}, bf16 mixed precision, activation checkpointing, fused AdamW")
     print(f"batch    {args.micro_batch} x {args.seq} tokens per step; steps after {args.warmup} timed; JSON in {args.out}")
     base = results.get("bare", {}).get("rate")
-    print("\n| case | tok/s | / bare | MFU | peak alloc / reserved / device MiB | planned MiB (error vs reserved) "
-          "| start-up s | first step s | save s | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| case | tok/s | / bare | MFU | peak alloc / reserved / device MiB | device - reserved MiB "
+          "| planned MiB (error vs reserved) | start-up s | first step s | save s (blocking) | load s "
+          "| loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case, r in results.items():
         if "rate" not in r:
-            print(f"| {case} | {_status(r)} |||||||||")
+            print(f"| {case} | {_status(r)} |||||||||||")
             continue
         rate = r["rate"]
         ratio = f"{rate / base:.2f}" if base and rate else "-"
@@ -254,9 +277,10 @@ def main() -> None:
         planned = r.get("planned_peak_mb")
         error = f" ({planned / measured - 1:+.0%})" if planned and measured else ""
         mem = " / ".join(_num(r.get(k)) for k in ("peak_mem_mb", "peak_reserved_mb", "device_used_mb"))
-        print(f"| {case} | {_num(rate)} | {ratio} | {_num(util, '.3f')} | {mem} | {_num(planned)}{error} "
-              f"| {_num(r.get('startup_s'), '.1f')} | {_num(r.get('first_step_s'), '.1f')} | {_num(r.get('save_s'), '.2f')} "
-              f"| {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+        save = f"{_num(r.get('save_s'), '.2f')} ({_num(r.get('blocking_s'), '.2f')})"
+        print(f"| {case} | {_num(rate)} | {ratio} | {_num(util, '.3f')} | {mem} | {_num(r.get('runtime_mb'))} "
+              f"| {_num(planned)}{error} | {_num(r.get('startup_s'), '.1f')} | {_num(r.get('first_step_s'), '.1f')} "
+              f"| {save} | {_num(r.get('load_s'), '.2f')} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
 
 
 def _num(value: float | None, fmt: str = ".0f") -> str:

@@ -209,6 +209,13 @@ def control_group(env: DistEnv) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
+def export_group(timeout_s: int) -> dist.ProcessGroup:
+    """A gloo group whose collectives wait ``timeout_s``: the ranks' wait for rank 0's export
+    (heartbeat.export_wait_s). The default group's gloo half (CPU runs, CPU offload) and the control group are
+    bounded by fsdp.collective_timeout_s, which a large export can outlast. Every rank must call this."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def host_barrier(control: dist.ProcessGroup | None) -> None:
     """Every rank waits here over gloo: a CPU all-reduce on ``control`` (None: the default group, which has gloo
     for CPU tensors). A barrier on NCCL would be bounded by the NCCL watchdog's collective timeout instead."""

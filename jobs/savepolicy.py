@@ -77,6 +77,8 @@ class Checkpointer:
         """After ``step`` trained, on every rank, with the flags agreed for it (none on a step that carried
         no agreement): save if due. Returns the stop signal once its checkpoint is committed, else 0."""
         signum, time_due = self.agreement.end(step)
+        if staged := self.ckpt.staging_wait():  # an async save's copy: what it still cost the loop
+            self.report.event(runlog.STAGED, step=staged[0], waited_s=round(staged[1], 4))
         reason = self.policy.reason(step, signum=signum, time_due=bool(time_due))
         if signum and reason is None:
             log.info("stop signal %d after the last step: finishing instead of requeueing", signum)

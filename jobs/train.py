@@ -30,7 +30,15 @@ from .data.cache import load_or_build
 from .data.packing import SequenceTable, packing_mode
 from .data.sources import build_table, eval_spec
 from .data.stream import BatchStream, split_eval
-from .dist import DistEnv, close_distributed, control_group, host_barrier, init_distributed, share_from_rank0
+from .dist import (
+    DistEnv,
+    close_distributed,
+    control_group,
+    export_group,
+    host_barrier,
+    init_distributed,
+    share_from_rank0,
+)
 from .evaluate import Evaluator
 from .hooks import TestHooks
 from .metrics import Reporter, model_flops_per_token
@@ -120,6 +128,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         report.event(runlog.READY, step=state.step, setup_s=round(time.time() - t_start, 2))
 
         control = control_group(env)  # host-side agreements, off the GPU stream
+        # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
+        waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
+            if spec.checkpoint.export_final and env.world_size > 1 else control
         defer_grad_sync = bool(meta.worker_facts.get("defer_grad_sync"))  # the planner's memory verdict
         evaluator = _evaluator(spec, parts, env, report)
         saver = Checkpointer(ckpt, spec.checkpoint, max_steps=train.max_steps, stop=stop, control=control,
@@ -168,9 +179,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             saver.save_final(state.step, app_state)
         heartbeat.enter(heartbeat.EXPORT)
         _export_final(spec, paths, ckpt, env, report)
-        # The other ranks wait for rank 0's export on gloo (bounded by the gloo group's timeout), not on NCCL,
-        # whose watchdog would abort them after fsdp.collective_timeout_s while a large export is written.
-        host_barrier(control)
+        # The other ranks wait for rank 0's export on gloo, bounded by the export's own bound (export_group), not
+        # on NCCL or the default group, whose fsdp.collective_timeout_s a large export can outlast.
+        host_barrier(waits_export)
         report.event(runlog.DONE, step=state.step, loss=None if math.isnan(state.loss) else state.loss)
         return {"rank": env.rank, "step": state.step, "status": "completed"}
     except SystemExit:
@@ -290,6 +301,7 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     data stream, which must exist before the second load restores its position.
     """
     heartbeat.enter(heartbeat.CHECKPOINT_LOAD)
+    started = time.monotonic()
     state = parts.state
     train_state = DictState(state, optional=TrainState.ADDED)
     if resume_dir is not None:
@@ -305,7 +317,7 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     if resume_dir is not None:
         ckpt.load(resume_dir, app_state)
         report.event(runlog.RESUME, step=state.step, checkpoint=str(resume_dir), world_size=env.world_size,
-                     grad_accum_steps=grad_accum)
+                     grad_accum_steps=grad_accum, load_s=round(time.monotonic() - started, 3))
     return stream, app_state
 
 

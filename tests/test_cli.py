@@ -246,7 +246,7 @@ def seed_spec(tmp_path: Path, nodes: int) -> Path:
 
 @pytest.mark.parametrize(
     ("nodes", "sets", "verdict"),
-    [(2, [], "FITS"), (1, [], "DOES NOT FIT"), (2, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
+    [(3, [], "FITS"), (2, [], "DOES NOT FIT"), (3, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
 )
 def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdict):
     spec = str(seed_spec(tmp_path, nodes))
@@ -265,11 +265,11 @@ def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdic
 
 
 def test_dry_run_json_is_the_request(tmp_path):
-    spec = str(seed_spec(tmp_path, 2))
+    spec = str(seed_spec(tmp_path, 3))
     done = fsdpjob("submit", spec, "--dry-run", "--json", "--set", "env.HF_TOKEN=hush", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     request = json.loads(done.stdout)
-    assert request["script"].startswith("#!/bin/bash") and "#SBATCH --nodes=2" in request["script"]
+    assert request["script"].startswith("#!/bin/bash") and "#SBATCH --nodes=3" in request["script"]
     assert request["environment"] == ["FSDPJOB_RUN_DIR", "HF_TOKEN"] and "hush" not in done.stdout
     assert request["plan"]["verdict"] == "FITS" and request["scheduler"] == "slurm"
 
@@ -316,7 +316,7 @@ def test_every_command_exits_2_on_a_bad_option():
 
 
 def test_an_existing_run_dir_is_a_usage_error(tmp_path):
-    spec = seed_spec(tmp_path, 2)
+    spec = seed_spec(tmp_path, 3)
     done = fsdpjob("submit", str(spec), "--run-dir", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == f"--run-dir: run folder {tmp_path} already exists; pick another"

@@ -35,21 +35,21 @@ def test_submit_refuses_a_job_that_cannot_fit(tmp_path):
     spec = make_70b_spec(tmp_path, nodes=1)
     proc = fsdpjob("submit", str(spec), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "DOES NOT FIT" in proc.stderr and "fsdp.cpu_offload=true" in proc.stderr and "resources.nodes=2" in proc.stderr
+    assert "DOES NOT FIT" in proc.stderr and "fsdp.cpu_offload=true" in proc.stderr and "resources.nodes=3" in proc.stderr
     home = Path(os.environ["FSDPJOB_HOME"])
     assert not (home / "registry").exists() and not (home / "runs").exists()
 
 
-def test_plan_for_the_seed_case_fits_on_two_nodes(tmp_path):
-    proc = fsdpjob("plan", str(make_70b_spec(tmp_path, nodes=2)), "--json", cwd=tmp_path)
+def test_plan_for_the_seed_case_fits_on_three_nodes(tmp_path):
+    proc = fsdpjob("plan", str(make_70b_spec(tmp_path, nodes=3)), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["fits"] is True
 
 
 def test_dry_run_prints_plan_and_script_and_touches_nothing(tmp_path):
-    proc = fsdpjob("submit", str(make_70b_spec(tmp_path, nodes=2)), "--dry-run", cwd=tmp_path)
+    proc = fsdpjob("submit", str(make_70b_spec(tmp_path, nodes=3)), "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in proc.stdout
+    assert proc.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=3" in proc.stdout
     assert "FITS" in proc.stderr
     home = Path(os.environ["FSDPJOB_HOME"])
     assert not (home / "registry").exists() and not (home / "runs").exists()

@@ -108,6 +108,7 @@ class CheckpointManager:
         # step waits for the copy (jobs/checkpoint/staging.py).
         self._stager = stage_in_background(torch.cuda.is_available()) if async_save else None
         self._gate: StagingGate | None = None
+        self._gate_step: int | None = None  # the async save whose gate's wait is not yet reported
         self._pending: tuple[int, Sidecar, Future, float] | None = None
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
@@ -151,6 +152,7 @@ class CheckpointManager:
         future, self._gate = start_async_save(
             state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
         )
+        self._gate_step = step if self._gate is not None else None
         self._last_step = step
         log.info("checkpoint step %d: copying and writing in the background (%.2f s in the loop)", step,
                  time.monotonic() - started)
@@ -160,6 +162,15 @@ class CheckpointManager:
             future.add_done_callback(lambda f: self._commit_if_done(f, step, facts, started))
         self._pending = (step, facts, future, started)
         return True
+
+    def staging_wait(self) -> tuple[int, float] | None:
+        """(step, seconds) once for each async save whose copy a step has gone through: how long that step's
+        optimizer waited for the copy (StagingGate), the part of the save the loop still blocked on."""
+        gate, step = self._gate, self._gate_step
+        if gate is None or step is None or not gate.passed:
+            return None
+        self._gate_step = None
+        return step, gate.waited_s
 
     @property
     def in_flight(self) -> int | None:

@@ -57,6 +57,11 @@ class StagingGate:
         self.waited_s += time.monotonic() - started
         self._staged = None
 
+    @property
+    def passed(self) -> bool:
+        """Whether a step has gone through the gate (waited_s is then final)."""
+        return self._staged is None
+
     def release(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -210,7 +210,7 @@ def load_model(
     activation_checkpointing: bool,
     cpu_offload: bool,
     lora: Any = None,
-    compile_layers: bool = False,
+    compile_layers: bool | str = False,
     read_weights: bool = True,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False

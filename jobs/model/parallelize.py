@@ -35,22 +35,30 @@ def apply_fsdp(
     reshard_after_forward: bool,
     activation_checkpointing: bool,
     cpu_offload: bool,
-    compile_layers: bool = False,
+    compile_layers: bool | str = False,
 ) -> None:
     """Shard ``model`` in place: each of ``layers`` is its own FSDP unit, the root holds the rest.
 
-    ``model`` should be on the meta device so that no rank ever holds the full weights.
+    ``model`` should be on the meta device so that no rank ever holds the full weights. ``compile_layers``: True
+    compiles each block with inductor; a string names another dynamo backend (the CPU tests' "aot_eager": the same
+    tracing and autograd graphs without inductor's minutes of C++ compilation on a small machine).
     """
     if activation_checkpointing:
         # Before fully_shard: FSDP must see the wrapper as the layer, so its hooks wrap the recomputation.
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if compile_layers:
-        # In place (nn.Module.compile), not torch.compile(layer): the module and its state-dict names stay
-        # as they are, so checkpoints and weight loading do not see the compilation. Per block, as torchtitan
-        # does: FSDP2's hooks stay outside the compiled graphs, and one graph serves every block.
+        # The torchtitan order (AC, then compile each block, then fully_shard), with the block's forward compiled
+        # rather than the module: torch.compile(layer) would put an OptimizedModule (names "_orig_mod.") between
+        # the model and its weights, and nn.Module.compile() compiles _call_impl, which runs the module's hooks:
+        # FSDP2's all-gather and reshard hooks would be traced (or skipped with graph breaks) inside the frame.
+        # With the instance's forward compiled, _call_impl stays eager: FSDP2's hooks run around the compiled
+        # forward, state-dict names stay as they are, and one graph serves every block (the same code object;
+        # tests/worker/test_model.py counts them). After the AC wrapper, so the recomputed region is compiled.
+        # No fullgraph: a family whose block breaks the graph still trains (slower), not a crash at step 1.
+        backend = compile_layers if isinstance(compile_layers, str) else "inductor"
         for layer in layers:
-            layer.compile()
+            layer.forward = torch.compile(layer.forward, backend=backend)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned memory needs an accelerator; on a CPU-only host it raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()

@@ -31,6 +31,17 @@ SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD)
 LONG_PHASES = (SAVE, EVAL, EXPORT)  # bounded by their own earlier durations, not by the step time
 LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXPORT, EXITED)
 PHASES = SETUP_PHASES + LOOP_PHASES
+FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with (recovery.setup_timeout_s auto)
+
+
+def export_wait_s(setup_timeout_s: int | str, stall_floor_s: int) -> int:
+    """How long the other ranks wait on gloo for rank 0's export (jobs/train.py): the export phase's own bound,
+    not fsdp.collective_timeout_s. The supervisor bounds a first export like any first long phase, by
+    max(setup bound, 4 x recovery.stall_floor_s), and ends a stuck one itself; the wait is twice that, so no
+    rank times out an export the supervisor still lets run, and a rank 0 that dies ends the wait at once (gloo
+    sees its connection close)."""
+    setup = FIRST_SETUP_BOUND_S if setup_timeout_s == "auto" else float(setup_timeout_s)
+    return int(2 * max(setup, 4 * stall_floor_s))
 
 
 def heartbeat_dir(run_dir: Path | str) -> Path:

@@ -55,7 +55,11 @@ class ClusterProfile(Strict):
     gpu_type: str | None = None
     """GPU model, e.g. A100-80GB; informational."""
     gpu_memory_gb: Annotated[float, Field(strict=True, ge=0)] = 0.0
-    """Memory per GPU in GB (planning)."""
+    """Memory per GPU in GiB, the card's nominal size (80 for an A100/H100-80GB, 141 for an H200)."""
+    gpu_usable_memory_gb: Annotated[float, Field(strict=True, gt=0)] | None = None
+    """Memory per GPU that torch can allocate, in GiB: what the planner plans against
+    (`torch.cuda.get_device_properties(0).total_memory / 2**30` on a node). Default: ~79.1 for 80 GB A100/H100,
+    ~139.5 for an H200 (matched on gpu_type), else gpu_memory_gb less 1.1 %."""
     host_ram_gb: Annotated[float, Field(strict=True, gt=0)] = 64.0
     """Host RAM per node in GB (planning)."""
     cpus_per_node: PositiveInt | None = None

@@ -20,18 +20,20 @@ from .paths import RunPaths
 # their fields; tests/test_runlog.py keeps the two in step.
 START = "start"  # an attempt's workers started: restart, world_size, job_id, host, launch, process_started_at
 DATA = "data"  # data ready: sequences, examples, truncated, split, dropped, packing_efficiency, cached, seconds
-RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_size, grad_accum_steps
+RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_size, grad_accum_steps, load_s
 READY = "ready"  # setup over, training starts at step: step, setup_s
 CHECKPOINT = "checkpoint"  # a checkpoint committed (or handed to the background writer): step, reason, save_s
+STAGED = "staged"  # an async save's copy is done: step (the save's), waited_s (how long the next step waited for it)
 STOP = "stop"  # a stop checkpoint after a signal: reason, signal, step, requeued, detail, save_s, signal_to_commit_s, handoff_s
 REQUEUE = "requeue"  # the failure policy requeued the job after a crash: reason, exit_code, detail, step
 FAILED = "failed"  # an attempt failed: error or reason, retryable, step, rank (worker) or exit_code (policy)
 CANCEL = "cancel"  # `fsdpjob cancel` asked the scheduler to stop the run for good: by
+GPU_WAIT = "gpu_wait"  # before a relaunch, the wait for the GPUs to be free: launch, waited_s, busy, skipped
 FAULT = "fault"  # the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart, decision, exclude, step
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STOP, FAULT, REQUEUE, FAILED, CANCEL, EXPORT, DONE)
+EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, EXPORT, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

@@ -7,11 +7,11 @@ model's shape and parameter count come from ``modelshape.py``, the memory model 
 step and save times from ``timing.py``; this module puts them together into a plan and finds the fixes.
 
 The golden seed case (Llama-2-70B, 68.98e9 params, fp32 master weights, bf16 compute, AC, seq 2048, mb 1):
-  * 2 nodes x 8 A100-80GB: params + grads + AdamW = 16 B x 68.98e9 / 16 = 69.0e9 B (64.2 GiB); the backward end
-    adds the root's 0.52e9 unsharded gradients (2 B) and fp32 reduce-scatter input (4 B) = 3.1e9 B; with the
-    CUDA context and 5 % fragmentation the peak is 71.5 GiB < 80 GiB: FITS.
+  * 2 nodes x 8 A100-80GB: params + grads + AdamW = 16 B x 68.98e9 / 16 = 69.0e9 B (64.2 GiB); the first layer's
+    backward (every other layer's sharded gradients held, its own transients) with the CUDA runtime and 5 %
+    fragmentation peaks at ~79.7 GiB > the 79.1 GiB torch can allocate: DOES NOT FIT (examples/ uses 3 nodes).
   * 1 node x 8: 16 B x 68.98e9 / 8 = 138e9 B (128.5 GiB) of state alone: does not fit; CPU offload (15 GiB left
-    on the GPU, 1.0 TiB of host RAM per node) or a second node fix it.
+    on the GPU, 1.0 TiB of host RAM per node) or a third node fix it.
   * host RAM at load: every rank loading fp32 = 8 x 4 B x 68.98e9 = 2.2e12 B per node, more than a 2 TB node;
     rank-0 loading = one fp16 copy (the checkpoint's dtype) = 0.14e12 B. (Counting each rank's fp32 shard in
     host RAM too gives 0.28e12 B; the worker materializes the shards on the GPUs, so they are not counted there.)
@@ -90,8 +90,9 @@ class FitPlan:
           final_norm, lm_head, trainable (= total without model.lora), added (parameters LoRA adds: adapters and
           modules_to_save's trained copies; 0 without it)
         - topology: nodes, tasks_per_node, world_size, shard_degree, replicate_degree, device ("gpu" | "cpu")
-        - device_memory (per rank): kind, budget_bytes, peak_bytes, peak_moment, fits,
-          breakdown [{name, bytes, note}] (sums to peak_bytes), moments {name: bytes on top of the state}
+        - device_memory (per rank): kind, budget_bytes (on GPUs what torch can allocate, not the nominal size),
+          budget_note (where it comes from), peak_bytes, peak_moment, fits, breakdown [{name, bytes, note}] (sums
+          to peak_bytes; on GPUs "CUDA runtime (assumed)" is an estimate), moments {name: bytes on top of the state}
         - host_memory (per node): budget_bytes, load_rank0_bytes (at load, on rank 0's node), load_every_rank_bytes,
           training_bytes, offloaded_per_rank_bytes, fits, own_shards (each rank reads only its own weight shards)
         - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, assumption
@@ -118,7 +119,8 @@ class FitPlan:
                 "shard_degree": u.shard_degree, "replicate_degree": u.replicate_degree, "device": d.kind,
             },
             "device_memory": {
-                "kind": d.kind, "budget_bytes": d.budget, "peak_bytes": d.peak, "peak_moment": d.peak_moment.name,
+                "kind": d.kind, "budget_bytes": d.budget, "budget_note": d.budget_note, "peak_bytes": d.peak,
+                "peak_moment": d.peak_moment.name,
                 "fits": d.fits, "breakdown": [asdict(i) for i in d.breakdown],
                 "moments": {mo.name: mo.bytes for mo in d.moments},
             },
@@ -166,8 +168,10 @@ def _fits(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> tu
     return dev.fits and host_memory(s, p, u, profile, dev).fits, dev.peak
 
 
-def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int) -> list[Fix]:
-    """Single changes that make the plan fit, cheapest first; each one has been planned and fits."""
+def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int,
+           env: dict[str, str] | None = None) -> list[Fix]:
+    """Single changes that make the plan fit, cheapest first; each one has been planned and fits (and is not refused:
+    no CPU offload where rank 0 would broadcast the weights over gloo)."""
     out: list[Fix] = []
 
     def consider(change: str, new: Setup, why: str) -> bool:
@@ -194,8 +198,10 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
-    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1:  # the spec refuses offload with HSDP
-        consider("fsdp.cpu_offload=true", replace(u, cpu_offload=True), "state on the host: steps much slower")
+    offloaded = replace(u, cpu_offload=True)
+    # The spec refuses offload with HSDP; the plan refuses it where rank 0 would broadcast the weights over gloo.
+    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1 and not offload_broadcast_conflict(s, p, offloaded, env or {}):
+        consider("fsdp.cpu_offload=true", offloaded, "state on the host: steps much slower")
     if profile.max_nodes is None or profile.max_nodes > u.nodes:
         most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
         # Node counts whose world size the replicate degree divides, the fewest that fits by bisection
@@ -235,9 +241,45 @@ def make_plan(job: Resolved) -> FitPlan:
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
-    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak))
+    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
+    refusal = stall_bound_conflict(spec.recovery, timing) or offload_broadcast_conflict(shape, params, u, spec.env)
     return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
-                   interval=_interval(job, timing), refusal=stall_bound_conflict(spec.recovery, timing))
+                   interval=_interval(job, timing), refusal=refusal)
+
+
+# Rank 0's send rate over gloo (TCP), assumed (a 10-25 GbE-class path; gloo's broadcast sends the whole tensor
+# to each rank in turn), and the longest weight broadcast the plan lets through: a third of the supervisor's
+# first set-up bound (900 s), which also holds the model build, the process groups and the first step.
+GLOO_BROADCAST_BYTES_PER_S = 1e9
+RANK0_BROADCAST_LIMIT_S = 300
+
+
+def rank0_load_reason(s: ModelShape, u: Setup, env: dict[str, str]) -> str | None:
+    """Why the workers will read the weights on rank 0 and broadcast them (jobs/model/build.py), where that is
+    known from the spec and config.json; None where each rank reads its own shards (or the folder does not say)."""
+    if env.get("FSDPJOB_WEIGHT_LOAD") == "rank0":
+        return "FSDPJOB_WEIGHT_LOAD=rank0"
+    if u.lora is not None:
+        return "model.lora"
+    if s.experts > 1 or s.model_type == "gpt_neox":
+        return f"{s.model_type}'s stored names are converted on load"
+    return None
+
+
+def offload_broadcast_conflict(s: ModelShape, p: ParamCount, u: Setup, env: dict[str, str]) -> str | None:
+    """fsdp.cpu_offload with the rank-0 weight load: the offloaded shards live on the CPU, so
+    set_model_state_dict(broadcast_from_rank0) sends every full tensor over gloo, not NCCL (gpu-review #15)."""
+    why = rank0_load_reason(s, u, env)
+    if not (u.cpu_offload and u.world > 1 and why):
+        return None
+    full = p.total * DTYPE_BYTES.get(s.checkpoint_dtype, 4)
+    seconds = full * (u.world - 1) / GLOO_BROADCAST_BYTES_PER_S
+    if seconds <= RANK0_BROADCAST_LIMIT_S:
+        return None
+    return (f"fsdp.cpu_offload with rank 0 reading the weights ({why}): the offloaded shards are on the CPU, so every "
+            f"full tensor goes over gloo (TCP), {full / 1e9:,.0f} GB to each of {u.world - 1} ranks, ~{seconds / 60:,.0f} "
+            f"min at an assumed {GLOO_BROADCAST_BYTES_PER_S / 1e9:g} GB/s (over {RANK0_BROADCAST_LIMIT_S} s); set "
+            "fsdp.cpu_offload: false (`fsdpjob plan --set fsdp.cpu_offload=false` shows the nodes that fit)")
 
 
 def stall_bound_conflict(recovery, t: Timing) -> str | None:
@@ -282,8 +324,8 @@ def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tupl
     elif d.kind == "gpu" and d.budget - d.peak < HEADROOM * d.budget:
         out.append(
             f"GPU headroom {(d.budget - d.peak) / GiB:.1f} GiB ({(d.budget - d.peak) / d.budget:.1%}) is under "
-            f"{HEADROOM:.0%} of {d.budget / GiB:.1f} GiB: allocator variance or NCCL buffers can OOM it; torch sees "
-            "less than the nominal size (an 80 GB card ~79.2 GiB, a 141 GB H200 ~139.5 GiB)"
+            f"{HEADROOM:.0%} of the usable {d.budget / GiB:.1f} GiB: allocator variance or NCCL buffers beyond the "
+            "assumed ones can OOM it"
         )
     if not h.fits:
         out.append(f"host RAM per node: {h.peak / GiB:.0f} GiB needed > {h.budget / GiB:.0f} GiB ({profile.name!r})")

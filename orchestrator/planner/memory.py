@@ -22,9 +22,14 @@ Per-rank peak = sharded params + AdamW state + the largest of five moments of a 
     gathered, the lm_head gradient, the held logits, the first layer's saved activations and its transients;
   * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
   * optimizer step: sharded gradients.
-Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a fixed
-runtime item (CUDA context + NCCL 1 GiB; a CPU worker process 0.4 GiB) and allocator slack: 5 % for CUDA's caching
-allocator, 30 % for glibc's (it keeps freed blocks in its heap for reuse).
+Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a runtime
+item and allocator slack: 5 % for CUDA's caching allocator, 30 % for glibc's (it keeps freed blocks in its heap for
+reuse). The CUDA runtime item is an assumption, printed as one with the plan (cuda_runtime): the CUDA context, the
+cuBLAS/cuBLASLt workspaces and NCCL's buffers per communicator the worker opens (the default group, which a 1-D mesh
+reuses; HSDP adds its two dimension groups; the gloo groups hold no GPU memory). Not measured yet: bench/gpu
+reports device-used minus reserved (what the item stands for) to check it. A CPU worker's process is 0.4 GiB.
+The GPU budget is what torch can allocate (usable_gpu_memory), not the card's nominal size: the driver and ECC
+keep ~1 % (an 80 GB A100/H100 shows ~79.1 GiB, a 141 GB H200 ~139.5 GiB).
 Saved activations per layer and token, with sdpa / flash attention:
   2 RMSNorms x (4 + 2c) h  (fp32 upcast kept for backward, normalized and output)
   + 3c q_dim + 2c kv_dim   (q, k after RoPE, v for attention; attention output and its contiguous copy for o_proj)
@@ -46,6 +51,7 @@ shipped profiles run it): the three quick cases land at +9 %, +1 % and -5 % of p
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -58,7 +64,10 @@ from .modelshape import ModelShape, ParamCount
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
 
-CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context (~0.5-0.8 GiB) + NCCL communicator buffers
+# The CUDA runtime item's parts (assumed; bench/gpu's device-used minus reserved checks their sum):
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # the context and the kernel images CUDA loads lazily
+CUBLAS_WORKSPACE_BYTES = int(0.125 * GiB)  # cuBLAS + cuBLASLt workspaces (per handle and stream)
+NCCL_COMMUNICATOR_BYTES = int(0.5 * GiB)  # one NCCL communicator's channel buffers (NVLS on NVSwitch can take more)
 CPU_RUNTIME_BYTES = int(0.4 * GiB)  # python + torch + transformers per worker process (measured: 335 MiB)
 # A CUDA torch worker's own RSS: the CUDA runtime, cuBLAS/cuDNN and NCCL libraries and their host buffers. Not
 # measured here (no GPU lent yet): 1.5-3 GiB is the range CUDA torch processes show; the high end is planned.
@@ -229,6 +238,41 @@ def _layer_transients(s: ModelShape, p: ParamCount, u: Setup) -> list[Item]:
     ]
 
 
+# What torch can allocate per GPU (torch.cuda.get_device_properties().total_memory), in GiB: nvidia-smi's total
+# less the driver's reserve. The first pattern found in the profile's gpu_type (lower case) whose figure is within
+# 5 % under its gpu_memory_gb wins (so an "A100" of 80 GiB is not planned as the 40 GiB one).
+USABLE_GIB = ((r"h200", 139.5), (r"h100", 79.1), (r"a100", 79.1), (r"a100", 39.4))
+USABLE_FRACTION = 0.989  # another type: nominal less the reserve the known cards show (79.1 / 80, 139.5 / 141)
+
+
+def usable_gpu_memory(profile: ClusterProfile) -> tuple[int, str]:
+    """(bytes torch can allocate per GPU, where that figure comes from); 0 when the profile gives no GPU memory."""
+    if profile.gpu_usable_memory_gb:
+        return int(profile.gpu_usable_memory_gb * GiB), "the profile's gpu_usable_memory_gb"
+    nominal = profile.gpu_memory_gb
+    if not nominal:
+        return 0, ""
+    for pattern, gib in USABLE_GIB:
+        if re.search(pattern, (profile.gpu_type or "").lower()) and 0.95 * nominal <= gib <= nominal:
+            return int(gib * GiB), f"what torch sees of a {nominal:g} GiB {profile.gpu_type}"
+    return (int(nominal * USABLE_FRACTION * GiB),
+            f"{nominal:g} GiB less {1 - USABLE_FRACTION:.1%}, assumed: set the profile's gpu_usable_memory_gb")
+
+
+def nccl_communicators(u: Setup) -> int:
+    """NCCL communicators a GPU rank opens: the default group (a 1-D mesh reuses it), + HSDP's two mesh groups."""
+    return 1 + 2 * (u.replicate_degree > 1)
+
+
+def cuda_runtime(u: Setup) -> Item:
+    """The device memory outside torch's allocator pools (or beside them), an estimate the plan prints as one."""
+    n = nccl_communicators(u)
+    total = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + n * NCCL_COMMUNICATOR_BYTES
+    return Item("CUDA runtime (assumed)", total,
+                f"context {CUDA_CONTEXT_BYTES / GiB:.2f} + cuBLAS {CUBLAS_WORKSPACE_BYTES / GiB:.2f} + NCCL "
+                f"{NCCL_COMMUNICATOR_BYTES / GiB:.2f} x {count_text(n, 'communicator')} GiB")
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """Per-rank memory on the training device: a GPU, or the host on CPU profiles (no CUDA context then)."""
@@ -239,6 +283,7 @@ class DeviceMemory:
     moments: tuple[Moment, ...]
     runtime: Item
     fragmentation: float
+    budget_note: str = ""  # where a GPU budget comes from (usable, not nominal)
 
     @property
     def peak_moment(self) -> Moment:
@@ -286,9 +331,9 @@ class HostMemory:
 def device_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> DeviceMemory:
     state, moments = _moments(s, p, u)
     if u.on_gpu:
-        budget = int(profile.gpu_memory_gb * GiB) or None
-        runtime = Item("CUDA context", CUDA_RUNTIME_BYTES, "context + NCCL buffers")
-        return DeviceMemory("gpu", budget, tuple(state), tuple(moments), runtime, CUDA_FRAGMENTATION)
+        usable, where = usable_gpu_memory(profile)
+        return DeviceMemory("gpu", usable or None, tuple(state), tuple(moments), cuda_runtime(u), CUDA_FRAGMENTATION,
+                            where)
     runtime = Item("process", CPU_RUNTIME_BYTES, "python + torch + transformers")
     budget = int(profile.host_ram_gb * GiB / u.tasks_per_node)
     return DeviceMemory("cpu", budget, tuple(state), tuple(moments), runtime, CPU_FRAGMENTATION)

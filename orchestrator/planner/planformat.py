@@ -24,7 +24,9 @@ def _memory_lines(d: DeviceMemory) -> list[str]:
         _row("total", f"{size_text(d.peak, unit)} / {size_text(d.budget, unit)}", "FITS" if d.fits else "DOES NOT FIT"),
         "  other moments, on top of params + AdamW: "
         + ", ".join(f"{mo.name} {size_text(mo.bytes, unit)}" for mo in d.moments),
-    ]
+    ] + ([f"  budget: {size_text(d.budget, unit)} {unit[0]} usable per GPU ({d.budget_note})",
+          f"  assumed, not measured: {d.runtime.name.removesuffix(' (assumed)')} {d.runtime.note} "
+          "(bench/gpu measures device-used minus reserved)"] if d.kind == "gpu" and d.budget else [])
 
 
 def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:

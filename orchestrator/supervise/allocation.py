@@ -21,6 +21,9 @@ from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm import stop as slurm_stop
 
+from .gpufree import QUERY as GPU_QUERY
+from .gpufree import GpuWait, wait_gpus_free
+
 PROBE_TIMEOUT_S = 15.0  # `srun --overlap -w NODE true` on a healthy node takes well under a second
 
 
@@ -85,6 +88,19 @@ class SlurmAllocation:
         info, members = facts
         return NodeFacts(lost, lambda wanted: slurm_cli.exclusion_refusal(job_id, list(wanted), info, members))
 
+    def wait_gpus_free(self, excluded: tuple[str, ...]) -> GpuWait:
+        """Before a relaunch: each node's GPUs free of the crashed step's processes (gpufree.py), probed through
+        ``srun --overlap`` (the probe step gets the job's GPUs, so nvidia-smi sees them)."""
+        if self.job_id is None:
+            return GpuWait(0.0, {}, ())
+        try:
+            nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in excluded]
+        except FsdpjobError:
+            nodes = []
+        job_id = self.job_id
+        return wait_gpus_free(nodes, lambda node: slurm_cli.on_node(job_id, node, ["sh", "-c", GPU_QUERY],
+                                                                    timeout=PROBE_TIMEOUT_S))
+
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         """Why a requeue could not keep the job off ``nodes`` (its partition would keep too few others), or
         None. Asked only when the supervisor would otherwise give up on a node blamed twice."""
@@ -137,6 +153,14 @@ class LocalAllocation:
 
     def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
         return NodeFacts((), _never_refused)
+
+    def wait_gpus_free(self, excluded: tuple[str, ...]) -> GpuWait:
+        """Before a relaunch: this machine's GPUs free of the crashed ranks (gpufree.py); nvidia-smi from PATH."""
+        def here(_node: str) -> str:
+            return subprocess.run(["sh", "-c", GPU_QUERY], capture_output=True, text=True, check=True,
+                                  timeout=PROBE_TIMEOUT_S).stdout
+
+        return wait_gpus_free([socket.gethostname()], here)
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         return None  # no requeue path to compare with: a local run restarts or gives up

@@ -46,7 +46,6 @@ TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, 
 # events are written within this; ranks that still linger (a destroy blocked on a peer) are killed.
 CRASH_GRACE_S = 1.0
 KILL_WAIT_S = 15.0
-FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with
 
 
 class Supervisor:
@@ -92,6 +91,7 @@ class Supervisor:
                 return 0
             if self._record(launch, started, rc, verdict).restart:
                 launch += 1
+                self._wait_gpus_free(launch)
                 continue
             return rc if rc != 0 else 1
 
@@ -227,13 +227,22 @@ class Supervisor:
         return decision
 
 
+    def _wait_gpus_free(self, launch: int) -> None:
+        """The relaunch waits (bounded) until the crashed step's processes have let go of the GPUs: its own phase
+        in the run's events, between the fault and the next start."""
+        waited = self.allocation.wait_gpus_free(self.excluded)
+        runlog.append(self.run_dir, runlog.GPU_WAIT, launch=launch, **waited.fields())
+        if waited.busy:
+            print(f"fsdpjob supervisor: GPUs still in use after {waited.waited_s:.0f} s ({waited.busy}); relaunching "
+                  "anyway", file=sys.stderr, flush=True)
+
     def _setup_bound(self) -> float:
         """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
         if self.recovery.setup_timeout_s != "auto":
             return float(self.recovery.setup_timeout_s)
         ready = [e for e in runlog.read_events(self.run_dir) if e.get("event") == runlog.READY]
         if not ready:
-            return FIRST_SETUP_BOUND_S
+            return heartbeat.FIRST_SETUP_BOUND_S
         return 3 * float(ready[-1].get("setup_s") or 0) + 60
 
 

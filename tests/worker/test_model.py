@@ -64,7 +64,7 @@ def _train(model: nn.Module, steps: int, rows: slice) -> list[float]:
     losses = []
     ids = _batch(0)[rows]  # the same batch every step, so the loss must fall
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # as the worker runs it (jobs/step.py)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -167,22 +167,36 @@ def _compiled_training(rank: int, world_size: int, path: Path) -> dict:
 
     env = init_distributed(120)
     rows = slice(rank * 2, rank * 2 + 2)
-    plain = _train(_load(path, env, activation_checkpointing=True), 3, rows)
+    eager = _load(path, env, activation_checkpointing=True)
+    plain = _train(eager, 3, rows)
     torch._dynamo.utils.counters.clear()
-    model = _load(path, env, activation_checkpointing=True, compile_layers=True)
+    # aot_eager: dynamo's frames and AOTAutograd's graphs as inductor gets them, without minutes of C++ compiling.
+    model = _load(path, env, activation_checkpointing=True, compile_layers="aot_eager")
+    # A forward pre-hook beside FSDP2's (both run by the block's _call_impl): traced by dynamo if _call_impl
+    # were compiled (nn.Module.compile), eager if only the block's forward is.
+    hooks_compiling: list[bool] = []
+    layer = find_decoder_layers(model)[-1]
+    layer.register_forward_pre_hook(lambda *_: hooks_compiling.append(torch.compiler.is_compiling()))
+    fsdp_hooks = [h for h in layer._forward_pre_hooks.values() if ".fsdp." in getattr(h, "__module__", "")]
     compiled = _train(model, 3, rows)
     names = sorted(model.state_dict().keys())
-    graphs = torch._dynamo.utils.counters["frames"]["ok"]  # frames dynamo compiled
+    counters = torch._dynamo.utils.counters
     close_distributed()
-    return {"plain": plain, "compiled": compiled, "graphs": graphs, "names_compiled": any("_orig_mod" in n for n in names)}
+    return {"plain": plain, "compiled": compiled, "frames": counters["frames"]["ok"],
+            "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "hooks_compiling": hooks_compiling, "fsdp_hooks": len(fsdp_hooks),
+            "names_same": names == sorted(eager.state_dict().keys())}
 
 
 def test_compiled_blocks_train_like_eager_ones(tmp_path):
-    """model.compile: the blocks really run compiled (dynamo made graphs), the state-dict names do not change
-    (checkpoints and weight loading do not see it), and the losses are eager's within fp32 tolerance."""
+    """model.compile: the blocks really run compiled (dynamo compiled their forward: one graph for both blocks,
+    no graph break), FSDP2's hooks run outside the compiled frame (a hook beside them never runs under dynamo),
+    the state-dict names do not change (checkpoints and weight loading do not see it), and the losses are
+    eager's within fp32 tolerance."""
     for result in run_ranks(_compiled_training, 2, timeout=600, path=save_tiny(tmp_path / "m")):
-        assert result["graphs"] > 0
-        assert not result["names_compiled"]
+        assert result["frames"] >= 1 and result["graphs"] == 1 and result["breaks"] == 0, result
+        assert result["fsdp_hooks"] >= 1 and result["hooks_compiling"] == [False] * 3, result
+        assert result["names_same"]
         assert result["compiled"] == pytest.approx(result["plain"], rel=1e-4)
         assert result["compiled"][2] < result["compiled"][0]
 
@@ -471,3 +485,44 @@ def _unreachable_rendezvous(rank: int, world_size: int, port: int) -> tuple[str,
 def test_a_failed_rendezvous_fails_after_the_timeout_not_never():
     error, seconds = run_ranks(_unreachable_rendezvous, 1, port=free_port())[0]
     assert error == "DistNetworkError" and seconds < 20
+
+
+# ---------------------------------------------------------------- the wait for rank 0's export
+
+
+def _export_wait(rank: int, world_size: int, export_s: float) -> dict:
+    """A CPU-offload run's groups (the default group has gloo; collective timeout 3 s) while rank 0 "exports"
+    for ``export_s``: the export group waits it out, the default group's gloo half does not."""
+    import torch.distributed as dist
+
+    from fsdpjob.jobs.dist import export_group, host_barrier
+    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+
+    env = init_distributed(3, cpu_offload=True)
+    assert "gloo" in env.backend
+    group = export_group(export_wait_s("auto", 30))
+    if rank == 0:
+        time.sleep(export_s)
+    started = time.monotonic()
+    host_barrier(group)
+    waited = time.monotonic() - started
+    default_timed_out = False
+    if rank == 0:
+        time.sleep(export_s)
+    try:
+        host_barrier(None)  # what the wait was before: bounded by the collective timeout
+    except Exception:  # noqa: BLE001 - gloo's timeout error
+        default_timed_out = True
+    dist.destroy_process_group()
+    return {"waited": waited, "default_timed_out": default_timed_out}
+
+
+def test_ranks_wait_for_the_export_longer_than_the_collective_timeout():
+    """gpu-review #16 with CPU offload: the default group's gloo half is bounded by fsdp.collective_timeout_s;
+    the export wait has its own group, bounded by the export phase's bound (2 x the supervisor's first bound)."""
+    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+
+    assert export_wait_s("auto", 30) == 1800 and export_wait_s(100, 60) == 480
+    exporting, waiting = run_ranks(_export_wait, 2, timeout=120, export_s=6.0)
+    assert waiting["waited"] >= 5.5 and exporting["waited"] < 3  # rank 1 waited through rank 0's 6 s export
+    assert waiting["default_timed_out"]  # the same wait on the collective-timeout group fails

@@ -1,0 +1,70 @@
+"""Before a relaunch in the same allocation: wait until the crashed step's processes have let go of the GPUs.
+
+A rank killed by srun (or the local controller) leaves its CUDA context until the driver tears it down, which
+can take seconds on a large context. A relaunch that starts before that fails at CUDA init on EXCLUSIVE_PROCESS
+nodes ("device busy") or runs out of memory at set-up: one more fault for nothing. So the supervisor polls each
+node's compute apps (``nvidia-smi --query-compute-apps``, on Slurm through ``srun --overlap``) until none is left
+or the bound passes, and records the wait (a ``gpu_wait`` event). Nodes without nvidia-smi (CPU nodes, the dev
+cluster) are skipped at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+GPU_FREE_BOUND_S = 60.0  # longest wait before relaunching anyway (the relaunch's own fault then says why)
+GPU_FREE_POLL_S = 1.0
+NO_NVIDIA_SMI = "no nvidia-smi"
+# Compute apps still holding a GPU (one line each: pid, MiB), and a marker where the node has no nvidia-smi.
+QUERY = ("command -v nvidia-smi >/dev/null 2>&1 || { echo '" + NO_NVIDIA_SMI + "'; exit 0; }; "
+         "exec nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits")
+
+Apps = Callable[[str], str]  # node -> QUERY's output there (raises where the probe itself fails)
+
+
+@dataclass(frozen=True)
+class GpuWait:
+    waited_s: float
+    busy: dict[str, list[str]]  # node -> the compute apps still there when the wait ended (empty: all free)
+    skipped: tuple[str, ...]  # nodes without nvidia-smi (or whose probe failed): not waited for
+
+    def fields(self) -> dict:
+        return {"waited_s": round(self.waited_s, 2), "busy": self.busy, "skipped": list(self.skipped)}
+
+
+def compute_apps(output: str) -> list[str] | None:
+    """The compute apps in QUERY's output (one "pid, MiB" line each), or None where the node has no nvidia-smi."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if lines == [NO_NVIDIA_SMI]:
+        return None
+    return [line for line in lines if "No running processes" not in line]
+
+
+def wait_gpus_free(nodes: list[str], apps: Apps, *, bound_s: float = GPU_FREE_BOUND_S,
+                   poll_s: float = GPU_FREE_POLL_S, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> GpuWait:
+    """Poll ``nodes`` (in parallel) until no compute app is left on any, or ``bound_s`` passed."""
+    started = clock()
+    skipped: list[str] = []
+    waiting = list(nodes)
+    busy: dict[str, list[str]] = {}
+
+    def probe(node: str) -> list[str] | None:
+        try:
+            return compute_apps(apps(node))
+        except Exception:  # noqa: BLE001 - a probe that fails (node gone, srun refused) cannot be waited for
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(nodes)))) as pool:
+        while waiting:
+            found = dict(zip(waiting, pool.map(probe, waiting)))
+            skipped += [n for n, a in found.items() if a is None]
+            busy = {n: a for n, a in found.items() if a}
+            waiting = list(busy)
+            if not waiting or clock() - started >= bound_s:
+                break
+            sleep(poll_s)
+    return GpuWait(clock() - started, busy, tuple(skipped))
