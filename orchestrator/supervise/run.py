@@ -28,7 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, heartbeat, runlog, stophandoff
+from fsdpjob.orchestrator.core import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -53,6 +53,8 @@ class Supervisor:
         self.run_dir, self.command, self.world_size = run_dir, command, world_size
         spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
+        self.memory_tier = (spec.env.get(memtier.BASE_VAR) or memtier.DEFAULT_BASE
+                            if spec.checkpoint.memory_interval_steps else None)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
@@ -69,6 +71,16 @@ class Supervisor:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            # The memory tier serves restarts in this allocation only (a requeue resumes from the durable tier):
+            # whatever ended the loop, it goes. The workers of a completed run removed theirs already; this
+            # covers the crashes given up on, on this host (a node folder per emulated node on a dev cluster).
+            if self.memory_tier and self.job_id:
+                memtier.remove_job(self.memory_tier, self.job_id)
+
+    def _run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         launch = 0
