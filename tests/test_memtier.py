@@ -15,6 +15,7 @@ from fsdpjob.orchestrator.core.memtier import (
     buddies,
     choose_step,
     marker_text,
+    newest_committed,
     part_name,
     remove_job,
     scan_node,
@@ -104,3 +105,12 @@ def test_remove_job_takes_every_node_folder(tmp_path):
     _write_step(tmp_path / "43" / "n1", 5, [0])
     remove_job(tmp_path, "42")
     assert [p.name for p in tmp_path.iterdir()] == ["43"]
+
+
+def test_the_supervisor_counts_the_newest_committed_snapshot_as_progress(tmp_path):
+    assert newest_committed(tmp_path, "42") is None
+    _write_step(tmp_path / "42" / "n1", 10, [0])
+    _write_step(tmp_path / "42" / "n2", 15, [1])
+    _write_step(tmp_path / "42" / "n2", 20, [1], committed=False)
+    _write_step(tmp_path / "43" / "n1", 25, [0])
+    assert newest_committed(tmp_path, "42") == 15

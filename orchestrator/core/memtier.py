@@ -174,6 +174,13 @@ def buddies(hosts: list[str]) -> list[int | None]:
     return out
 
 
+def newest_committed(base: str | Path, job: str) -> int | None:
+    """The newest step committed in the job's tier on this host (any node folder here): the supervisor counts it
+    as progress between restarts, as it does the durable checkpoints."""
+    steps = [step for node in (Path(base) / job).glob("*") for step, d in step_dirs(node) if (d / MARKER).is_file()]
+    return max(steps, default=None)
+
+
 def remove_step(step_dir: Path) -> None:
     """Marker first, so a removal cut short leaves an uncommitted folder, never a committed half one."""
     (step_dir / MARKER).unlink(missing_ok=True)

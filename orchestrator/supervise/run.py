@@ -218,7 +218,12 @@ class Supervisor:
         # A crash probes the nodes (a lost one is left out); a stall named its node already.
         facts = (self._node_facts or self._gather.submit(self.allocation.node_facts, self.excluded)).result() \
             if kind == "crash" else None
-        self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts,
+        newest = committed[-1][0] if committed else None
+        if self.memory_tier and self.job_id:
+            # A snapshot of the memory tier is progress too: a restart resumes from it.
+            in_memory = memtier.newest_committed(self.memory_tier, self.job_id)
+            newest = max(newest or 0, in_memory) if in_memory is not None else newest
+        self.faults.append(Fault(kind, launch, newest, hosts,
                                  trained=_trained(beats, since)))
         decision = restart_in_allocation(self.faults, since, max_restarts=self.recovery.max_restarts,
                                          ever_trained=attempts.ever_trained(timeline),

@@ -20,7 +20,7 @@ def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_
     shm = tmp_path / "shm"  # node-local on the dev cluster's one host; its own per test (/dev/shm is shared)
     run = submit(reference["spec"], "--set", "checkpoint.interval_steps=1000", "--set", "checkpoint.interval_minutes=0",
                  "--set", f"checkpoint.memory_interval_steps={EVERY}", "--set", "recovery.stall_floor_s=5",
-                 "--set", "recovery.setup_timeout_s=120", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
+                 "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
     step = random.Random().randint(12, 40)
     rank = random.Random().choice([1, 2])
     _kill_at(run, launch=0, step=step, rank=rank)
