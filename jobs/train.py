@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpjob.orchestrator.core import heartbeat, memtier, runlog
+from fsdpjob.orchestrator.core.ckptlayout import step_dir_name
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.core.sidecar import RunFacts
@@ -317,7 +318,7 @@ def find_resume_source(ckpt: CheckpointManager, tier: MemoryTier | None,
     choice = tier.find() if tier is not None else None
     if choice is not None and (durable_step is None or choice.step >= durable_step):
         return ResumeSource("memory", choice.step, lambda state: tier.load(ckpt, choice, state),
-                            f"memory:{tier.folder.parent}/step-{choice.step}")
+                            f"{tier.folder.parent}/<node>/{step_dir_name(choice.step)}")
     if durable is None:
         return None
     return ResumeSource("durable", durable_step, lambda state: ckpt.load(durable, state), str(durable))
