@@ -12,6 +12,8 @@
 - ``FSDPJOB_FAULT_STOP_STEP=<n>``: after training step n, before that step's checkpoint, rank
   ``FSDPJOB_FAULT_STOP_RANK`` (default 0) sends itself SIGSTOP (a frozen process, heartbeat thread included)
   while the others go on into the save.
+- ``FSDPJOB_FAULT_EXIT_STEP=<n>``: after training step n (and its memory-tier snapshot's start), every rank
+  leaves with os._exit(70): a crash of the whole world with no handler, no save and no clean-up run.
 - ``FSDPJOB_MIN_STEP_S=<s>``: every rank makes each training step last at least this long (it sleeps out the
   rest), so a test's step rate does not depend on how fast the machine is (a time-limit test needs a run
   that cannot finish inside one allocation, and should not need five on a slow machine).
@@ -59,6 +61,7 @@ class TestHooks:
     stop_rank: int = 0
     skip_final_save: bool = False
     min_step_s: float = 0.0
+    exit_step: int | None = None
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -76,6 +79,7 @@ class TestHooks:
             stop_rank=int(env.get("FSDPJOB_FAULT_STOP_RANK") or 0),
             skip_final_save=env.get("FSDPJOB_SKIP_FINAL_SAVE") == "1",
             min_step_s=float(env.get("FSDPJOB_MIN_STEP_S") or 0),
+            exit_step=_int_or_none(env.get("FSDPJOB_FAULT_EXIT_STEP")) if faults else None,
         )
 
     def pace(self, started: float) -> None:
@@ -88,6 +92,12 @@ class TestHooks:
             log.warning("fault injection: rank %d hanging in the data path before step %d", rank, step + 1)
             while True:
                 time.sleep(3600)
+
+    def maybe_exit(self, step: int) -> None:
+        if self.exit_step == step:
+            log.warning("fault injection: exiting (os._exit) after step %d", step)
+            logging.shutdown()
+            os._exit(70)
 
     def maybe_freeze(self, step: int, rank: int) -> None:
         if self.stop_step == step and self.stop_rank == rank:

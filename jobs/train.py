@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core import heartbeat, runlog
+from fsdpjob.orchestrator.core import heartbeat, memtier, runlog
+from fsdpjob.orchestrator.core.ckptlayout import step_dir_name
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
 from fsdpjob.orchestrator.core.sidecar import RunFacts
@@ -25,6 +26,7 @@ from fsdpjob.orchestrator.core.spec import JobSpec
 
 from . import gcpolicy, preemption
 from .checkpoint.manager import CheckpointManager
+from .checkpoint.memory import MemoryTier
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .data.cache import load_or_build
 from .data.packing import SequenceTable, packing_mode
@@ -109,7 +111,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
     env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
     train = spec.train
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=train.max_steps, log_every=train.log_every)
-    ckpt, state, crashed, control = None, None, False, None
+    ckpt, state, crashed, control, tier, completed = None, None, False, None, None, False
     try:
         t_start = time.time()
         torch.manual_seed(train.seed)
@@ -118,13 +120,16 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
         mesh = build_mesh(env, spec.fsdp.replicate_degree)
         ckpt = open_checkpoints(spec, meta.checkpoint_root(paths), env, mesh, hooks)
-        resume_dir = find_resume(ckpt, meta.resume_from)
+        tier = open_memory_tier(spec, ckpt, env, worker, paths)
+        source = find_resume_source(ckpt, tier, meta.resume_from)
         parts = build(spec, paths, env, report, mesh,
                       # A full fine-tune's checkpoint holds every weight: a resume reads no base weights (at 70B,
                       # minutes of every restart); LoRA's holds the adapters only.
-                      read_weights=resume_dir is None or spec.model.lora is not None)
+                      read_weights=source is None or spec.model.lora is not None)
         state, model, scheduler = parts.state, parts.model, parts.scheduler
-        stream, app_state = resume(ckpt, parts, spec, env, resume_dir, report)
+        stream, app_state = resume(ckpt, parts, spec, env, source, report)
+        if tier is not None:
+            tier.forget_after(state.step)
         report.event(runlog.READY, step=state.step, setup_s=round(time.time() - t_start, 2))
 
         control = control_group(env)  # host-side agreements, off the GPU stream
@@ -164,6 +169,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             gcpolicy.after_step(state.step)
             if evaluator:
                 evaluator.maybe_run(state.step)
+            if tier is not None and tier.due(state.step, train.max_steps):
+                tier.save(state.step, app_state)
+            hooks.maybe_exit(state.step)
             if signum := saver.after_step(state.step, app_state):
                 # Every rank leaves here (SystemExit), the way rank 0 decided; the supervisor requeues.
                 preemption.stop_and_hand_off(signum, state.step, is_main=env.is_main, stop=stop, worker=worker,
@@ -183,6 +191,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         # on NCCL or the default group, whose fsdp.collective_timeout_s a large export can outlast.
         host_barrier(waits_export)
         report.event(runlog.DONE, step=state.step, loss=None if math.isnan(state.loss) else state.loss)
+        completed = True
         return {"rank": env.rank, "step": state.step, "status": "completed"}
     except SystemExit:
         raise
@@ -194,6 +203,9 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         raise
     finally:
         gcpolicy.stop()
+        if tier is not None:
+            # The job's end removes the node's tier; a crash leaves it for the next launch's resume.
+            tier.close(remove=completed, crashed=crashed)
         if ckpt is not None:
             ckpt.close()
         report.close()
@@ -283,6 +295,46 @@ def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
     )
 
 
+def open_memory_tier(spec: JobSpec, ckpt: CheckpointManager, env: DistEnv, worker: WorkerEnv,
+                     paths: RunPaths) -> MemoryTier | None:
+    """The memory tier (checkpoint.memory_interval_steps), keyed by this job and Slurm attempt: a requeue (a new
+    allocation) resumes from the durable tier. Outside Slurm the run folder stands for the job."""
+    if not spec.checkpoint.memory_interval_steps:
+        return None
+    import hashlib
+
+    job = worker.job_id or "run-" + hashlib.sha256(str(paths.run_dir.resolve()).encode()).hexdigest()[:12]
+    key = memtier.TierKey(job=job, restart=worker.restart_count, spec_hash=ckpt.run.spec_hash or "")
+    base = os.environ.get(memtier.BASE_VAR) or memtier.DEFAULT_BASE
+    return MemoryTier(base, key, rank=env.rank, world_size=env.world_size,
+                      interval_steps=spec.checkpoint.memory_interval_steps, run=ckpt.run)
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """Where a start resumes from: a durable step folder, or the memory tier's newest complete step."""
+
+    tier: str  # "durable" or "memory"
+    step: int
+    load: Any  # (state dict) -> Sidecar, collective
+    where: str  # for the resume event
+
+
+def find_resume_source(ckpt: CheckpointManager, tier: MemoryTier | None,
+                       resume_from: str | None) -> ResumeSource | None:
+    """The newest step complete across the tiers: the memory tier's when every shard of it is on some node of
+    this launch and it is at least as new as the newest durable checkpoint that verifies, else that one."""
+    durable = find_resume(ckpt, resume_from)
+    durable_step = ckpt.step_of(durable) if durable is not None else None
+    choice = tier.find() if tier is not None else None
+    if choice is not None and (durable_step is None or choice.step >= durable_step):
+        return ResumeSource("memory", choice.step, lambda state: tier.load(ckpt, choice, state),
+                            f"{tier.folder.parent}/<node>/{step_dir_name(choice.step)}")
+    if durable is None:
+        return None
+    return ResumeSource("durable", durable_step, lambda state: ckpt.load(durable, state), str(durable))
+
+
 def find_resume(ckpt: CheckpointManager, resume_from: str | None) -> Path | None:
     """The newest committed, verified checkpoint of the run (or --resume-from before the run has one); None on a
     fresh start. The same answer on every rank."""
@@ -292,9 +344,9 @@ def find_resume(ckpt: CheckpointManager, resume_from: str | None) -> Path | None
     return ckpt.find_resume(ckpt.sidecar["fingerprint"])
 
 
-def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistEnv, resume_dir: Path | None,
+def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None,
            report: Reporter) -> tuple[BatchStream, dict[str, Any]]:
-    """Load ``resume_dir`` (find_resume's) if there is one; return the data stream and the state every save
+    """Load ``source`` (find_resume_source's) if there is one; return the data stream and the state every save
     writes.
 
     Two loads: the counters first, because the checkpoint's global batch (kept on any world size) sizes the
@@ -304,8 +356,8 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     started = time.monotonic()
     state = parts.state
     train_state = DictState(state, optional=TrainState.ADDED)
-    if resume_dir is not None:
-        ckpt.load(resume_dir, {"train": train_state})
+    if source is not None:
+        source.load({"train": train_state})
     grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
     stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                          micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
@@ -314,10 +366,11 @@ def resume(ckpt: CheckpointManager, parts: TrainParts, spec: JobSpec, env: DistE
     app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
                  "train": train_state, "data": DictState(stream, optional=BatchStream.ADDED),
                  "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
-    if resume_dir is not None:
-        ckpt.load(resume_dir, app_state)
-        report.event(runlog.RESUME, step=state.step, checkpoint=str(resume_dir), world_size=env.world_size,
-                     grad_accum_steps=grad_accum, load_s=round(time.monotonic() - started, 3))
+    if source is not None:
+        source.load(app_state)
+        report.event(runlog.RESUME, step=state.step, checkpoint=source.where, tier=source.tier,
+                     world_size=env.world_size, grad_accum_steps=grad_accum,
+                     load_s=round(time.monotonic() - started, 3))
     return stream, app_state
 
 

@@ -117,3 +117,24 @@ def train_worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
     except SystemExit as exc:  # the stop path leaves without a result, as under Slurm
         return int(exc.code or 0)
     return 0
+
+
+def node_worker(rank: int, world_size: int, run_dir: str, env: dict, nodes: list[str]) -> int:
+    """train_worker on the emulated node ``nodes[rank]`` (SLURMD_NODENAME, as Slurm sets it on each node)."""
+    return train_worker(rank, world_size, run_dir, {**env, "SLURMD_NODENAME": nodes[rank]})
+
+
+def exit_codes(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[int | None]:
+    """Like run_ranks, for ranks that leave by os._exit (a crash): their exit codes, by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]

@@ -401,3 +401,22 @@ def test_offload_with_the_rank0_weight_load_is_refused_with_the_fix(seed_70b: Jo
         **LLAMA2_70B, "num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 2048,
         "num_attention_heads": 8, "num_key_value_heads": 8})))  # fmt: skip
     assert make_plan(resolve(small, A100)).verdict == "FITS"  # a small model's broadcast takes seconds
+
+
+def test_memory_tier_is_counted_per_node_and_a_plan_without_room_for_it_is_refused(seed_70b: JobSpec) -> None:
+    """The tier holds each rank's saved state (fp32 params + 2 moments) in shared memory, the replica of a rank of
+    the other node, the snapshot being written beside both, and its stager's copy: 5 x per node on 2 nodes.
+    For the 70B seed that is ~2 TB per node: it just fits its 2,000 GiB nodes alone, not beside async_save's
+    staging (another 0.4 TB): refused, and the plan names the tier."""
+    plain = make_plan(resolve(seed_70b, A100))
+    tiered = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10"), A100))
+    saved_per_rank = 3 * 68.98e9 * 4 / 16
+    assert plain.host.memory_tier == 0 and plain.fits
+    assert tiered.host.memory_tier == pytest.approx(8 * saved_per_rank * 5, rel=0.01)
+    assert tiered.host.training - plain.host.training == tiered.host.memory_tier
+    assert tiered.host.fits
+    both = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10 checkpoint.async_save=true"),
+                             A100))
+    assert not both.host.fits and not both.fits and both.to_json()["verdict"] != plain.to_json()["verdict"]
+    assert tiered.to_json()["host_memory"]["memory_tier_bytes"] == tiered.host.memory_tier
+    assert "of it memory tier" in format_plan(tiered)

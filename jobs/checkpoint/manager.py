@@ -76,6 +76,30 @@ def _remove_step(step_dir: Path) -> None:
         log.warning("could not fully remove %s; it is uncommitted and will be retried at the next purge", step_dir)
 
 
+def save_facts(step: int, state: dict[str, Any], *, reason: str, eval_loss: float | None, world_size: int,
+               run: RunFacts) -> Sidecar:
+    """The step's sidecar but for its timings, taken when the save starts (the state may move on during an
+    async write); the memory tier (checkpoint/memory.py) writes the same one.
+
+    Besides the reason and the eval loss: ``model_key``, where export finds the weights ("<model_key>.model.<hf
+    name>"), and every entry of flat scalars (train counters, data position) under its own key,
+    so a resume can read them before the objects that load them exist.
+    """
+    entries: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        flat = value.state_dict() if isinstance(value, DictState) else value
+        scalars = isinstance(flat, dict) and all(isinstance(x, (int, float, str, bool)) for x in flat.values())
+        if scalars and key not in FIELD_KEYS:
+            # Strict JSON readers (jq, other languages) reject NaN/Infinity: leave those out.
+            entries[key] = {k: v for k, v in flat.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    return Sidecar(
+        step=step, world_size=world_size, run=run, format=FORMAT_VERSION, fsdpjob_version=__version__,
+        torch_version=torch.__version__, reason=reason,
+        model_key=next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None),
+        eval_loss=eval_loss if eval_loss is not None and math.isfinite(eval_loss) else None, state=entries,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # The manager: collective save/load on every rank, filesystem decisions on rank 0.
 
@@ -197,26 +221,7 @@ class CheckpointManager:
         self._barrier()
 
     def _save_facts(self, step: int, state: dict[str, Any], reason: str, eval_loss: float | None) -> Sidecar:
-        """The step's sidecar but for its timings, taken when the save starts (the state may move on during an
-        async write).
-
-        Besides the reason and the eval loss: ``model_key``, where export finds the weights ("<model_key>.model.<hf
-        name>"), and every entry of flat scalars (train counters, data position) under its own key,
-        so a resume can read them before the objects that load them exist.
-        """
-        entries: dict[str, dict[str, Any]] = {}
-        for key, value in state.items():
-            flat = value.state_dict() if isinstance(value, DictState) else value
-            scalars = isinstance(flat, dict) and all(isinstance(x, (int, float, str, bool)) for x in flat.values())
-            if scalars and key not in FIELD_KEYS:
-                # Strict JSON readers (jq, other languages) reject NaN/Infinity: leave those out.
-                entries[key] = {k: v for k, v in flat.items() if not (isinstance(v, float) and not math.isfinite(v))}
-        return Sidecar(
-            step=step, world_size=self.world_size, run=self.run, format=FORMAT_VERSION, fsdpjob_version=__version__,
-            torch_version=torch.__version__, reason=reason,
-            model_key=next((k for k, v in state.items() if isinstance(v, ModelOptimState)), None),
-            eval_loss=eval_loss if eval_loss is not None and math.isfinite(eval_loss) else None, state=entries,
-        )
+        return save_facts(step, state, reason=reason, eval_loss=eval_loss, world_size=self.world_size, run=self.run)
 
     def _commit_if_done(self, future: Future, step: int, facts: Sidecar, started: float) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -242,6 +247,13 @@ class CheckpointManager:
         """Whether the checkpoint root holds any committed step (same answer on every rank)."""
         return self._decide(lambda: bool(committed_steps(self.root)))
 
+    def step_of(self, step_dir: Path) -> int:
+        """The step a verified step folder holds (its sidecar's)."""
+        step = Sidecar.read(Path(step_dir)).step
+        if step is None:
+            raise CheckpointError(f"{step_dir}: its sidecar records no step (no manager wrote it)")
+        return step
+
     def latest_committed(self) -> Path | None:
         """Newest committed step folder (not verified); call after wait() so the last save is included."""
         committed = committed_steps(self.root)
@@ -260,8 +272,10 @@ class CheckpointManager:
         """Verified step folder from an explicit step folder, checkpoint root or run folder."""
         return self._decide(lambda: select_checkpoint(Path(path), fingerprint))
 
-    def load(self, step_dir: Path, state: dict[str, Any]) -> Sidecar:
-        """Load ``state`` in place from ``step_dir`` (collective, any world size); return its sidecar."""
+    def load(self, step_dir: Path, state: dict[str, Any], reader: Callable[[str], FileSystemReader] | None = None,
+             ) -> Sidecar:
+        """Load ``state`` in place from ``step_dir`` (collective, any world size); return its sidecar. ``reader``
+        builds the storage reader from the folder (the memory tier's fetches what this rank's node lacks)."""
         step_dir = Path(step_dir)
         sidecar = Sidecar.read(step_dir)
         if sidecar.step is None or sidecar.world_size is None:
@@ -274,8 +288,9 @@ class CheckpointManager:
                 value.expect_keys(name, saved)
         started = time.monotonic()
         with single_process_dcp():
-            reader = CheckpointReader(str(step_dir))  # plain DCP files, read straight into the state
-            dcp.load(state, storage_reader=reader, process_group=self._pg, no_dist=self._pg is None)
+            # Plain DCP files, read straight into the state.
+            storage = (reader or CheckpointReader)(str(step_dir))
+            dcp.load(state, storage_reader=storage, process_group=self._pg, no_dist=self._pg is None)
         self._last_step = sidecar.step
         log.info(
             "resumed from %s (step %d, written by %d ranks, this run has %d) in %.2f s",

@@ -23,6 +23,8 @@ VARIABLES: dict[str, str] = {
     # -- the workers, from the spec's env
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
                            "reads its own shards (jobs/model/weightload.py)",
+    "FSDPJOB_MEMORY_TIER_DIR": "the node-local folder of the memory checkpoint tier (default /dev/shm/fsdpjob; "
+                               "core/memtier.py)",
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
@@ -34,6 +36,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_FAULT_DATA_HANG_RANK": "the rank that hangs in the data path (default 0)",
     "FSDPJOB_FAULT_STOP_STEP": "after training step n, before that step's save, one rank sends itself SIGSTOP",
     "FSDPJOB_FAULT_STOP_RANK": "the rank that freezes itself (default 0)",
+    "FSDPJOB_FAULT_EXIT_STEP": "after training step n, every rank exits at once (os._exit, no save, no clean-up)",
     "FSDPJOB_MIN_STEP_S": "every rank makes each training step last at least this long (a machine-independent "
                           "step rate for time-limit tests)",
     "FSDPJOB_SKIP_FINAL_SAVE": "'1': no checkpoint at the end of training (bench/gpu.py)",

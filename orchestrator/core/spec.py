@@ -231,6 +231,8 @@ class CheckpointSpec(Strict):
     """At the end of the job, export a Hugging Face folder (safetensors) to <run>/export."""
     keep_best: bool = False
     """Also keep the committed checkpoint with the lowest eval loss (needs train.eval_every)."""
+    memory_interval_steps: NonNegativeInt = 0
+    """Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or $FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there (0: off)."""
 
     _dir = field_validator("dir")(path_value)
 
@@ -258,7 +260,8 @@ class RecoverySpec(Strict):
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
 _ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples"),
                  "train": ("eval_every", "eval_batches"),
-                 "checkpoint": ("keep_best",), "model": ("lora", "compile"), "resources": ("min_nodes",)}
+                 "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile"),
+                 "resources": ("min_nodes",)}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
 
 

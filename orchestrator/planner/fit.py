@@ -127,7 +127,7 @@ class FitPlan:
             "host_memory": {
                 "budget_bytes": h.budget, "load_rank0_bytes": h.load_rank0, "load_every_rank_bytes": h.load_every_rank,
                 "training_bytes": h.training, "offloaded_per_rank_bytes": h.offloaded_per_rank, "fits": h.fits,
-                "own_shards": h.own_shards,
+                "own_shards": h.own_shards, "memory_tier_bytes": h.memory_tier,
             },
             "checkpoint": {"bytes": t.checkpoint_bytes, "save_s": t.save_s},
             "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
@@ -160,6 +160,7 @@ def _setup(spec: JobSpec, eff: Effective, model_type: str) -> Setup:
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
         async_save=spec.checkpoint.async_save,
+        memory_tier=spec.checkpoint.memory_interval_steps > 0,
     )
 
 

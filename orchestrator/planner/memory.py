@@ -121,6 +121,7 @@ class Setup:
     defer_grad_sync: bool = False
     lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
     async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
+    memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
 
     @property
     def world(self) -> int:
@@ -318,6 +319,7 @@ class HostMemory:
     own_shards: bool = False  # each rank reads only its own shards (load_rank0 then holds no full copy)
     staged_per_rank: int = 0  # checkpoint.async_save: the stager's pinned copy of params + both AdamW moments
     process_per_rank: int = CPU_RUNTIME_BYTES  # the worker process itself (CUDA libraries on GPUs)
+    memory_tier: int = 0  # the memory checkpoint tier on the node: memory_tier_bytes()
 
     @property
     def peak(self) -> int:
@@ -356,6 +358,8 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     # left as measured (bench/plan_accuracy.py) until a staged CPU run is measured too.
     staged = (shard_bytes + 2 * trained_bytes) * (u.async_save and u.on_gpu)
     training = process + u.tasks_per_node * (offloaded + staged) if u.on_gpu else u.tasks_per_node * dev.peak
+    tier = memory_tier_bytes(s, p, u)
+    training += tier
     return HostMemory(
         budget=int(profile.host_ram_gb * GiB),
         load_rank0=_load_read_bytes(s, p, u) + host_shards + process,
@@ -365,7 +369,21 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
         own_shards=reads_own_shards(s, u),
         staged_per_rank=staged,
         process_per_rank=process_per_rank,
+        memory_tier=tier,
     )
+
+
+def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
+    """Host RAM per node the memory tier holds (jobs/checkpoint/memory.py): each rank's saved state (params + both
+    AdamW moments of what trains) in shared memory, as much again for the replica it keeps of a rank of another
+    node (none on one node), and its stager's copy of the same, kept in the process between snapshots. Counted at
+    the peak, while a new snapshot is written beside the newest committed one: twice the files."""
+    if not u.memory_tier:
+        return 0
+    tr = trainable(s, p, u.lora)
+    saved = math.ceil(tr.weights / u.shard_degree) * u.model_bytes + 2 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes
+    copies = 2 if u.nodes > 1 else 1  # own + replica
+    return u.tasks_per_node * saved * (2 * copies + 1)
 
 
 def reads_own_shards(s: ModelShape, u: Setup) -> bool:

@@ -43,6 +43,9 @@ def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
              + (" + shards" if not u.on_gpu or u.cpu_offload else "")),
         _row("load, every rank loading", size_text(h.load_every_rank, unit), "not used: whole model on every rank"),
         _row("training", size_text(h.training, unit), training_note),
+        *([_row("  of it memory tier", size_text(h.memory_tier, unit),
+                "checkpoint.memory_interval_steps: snapshot + replica (+ the one in flight) + staging")]
+          if h.memory_tier else []),
     ]
 
 

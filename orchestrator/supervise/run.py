@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator import notify
-from fsdpjob.orchestrator.core import attempts, heartbeat, runlog, stophandoff
+from fsdpjob.orchestrator.core import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -53,6 +53,8 @@ class Supervisor:
         self.run_dir, self.command, self.world_size = run_dir, command, world_size
         spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
+        self.memory_tier = (spec.env.get(memtier.BASE_VAR) or memtier.DEFAULT_BASE
+                            if spec.checkpoint.memory_interval_steps else None)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
@@ -69,6 +71,16 @@ class Supervisor:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            # The memory tier serves restarts in this allocation only (a requeue resumes from the durable tier):
+            # whatever ended the loop, it goes. The workers of a completed run removed theirs already; this
+            # covers the crashes given up on, on this host (a node folder per emulated node on a dev cluster).
+            if self.memory_tier and self.job_id:
+                memtier.remove_job(self.memory_tier, self.job_id)
+
+    def _run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         launch = 0
@@ -209,7 +221,12 @@ class Supervisor:
         # A crash probes the nodes (a lost one is left out); a stall named its node already.
         facts = (self._node_facts or self._gather.submit(self.allocation.node_facts, self.excluded)).result() \
             if kind == "crash" else None
-        self.faults.append(Fault(kind, launch, committed[-1][0] if committed else None, hosts,
+        newest = committed[-1][0] if committed else None
+        if self.memory_tier and self.job_id:
+            # A snapshot of the memory tier is progress too: a restart resumes from it.
+            in_memory = memtier.newest_committed(self.memory_tier, self.job_id)
+            newest = max(newest or 0, in_memory) if in_memory is not None else newest
+        self.faults.append(Fault(kind, launch, newest, hosts,
                                  trained=_trained(beats, since)))
         decision = restart_in_allocation(self.faults, since, max_restarts=self.recovery.max_restarts,
                                          ever_trained=attempts.ever_trained(timeline),

@@ -24,6 +24,7 @@ class Progress:
     done: bool = False
     failure: str | None = None
     last_stop: dict | None = None
+    last_resume: dict | None = None  # the newest resume event's tier and step
     data: dict | None = None  # the newest data event (the worker's table: examples, long-example policy counts)
     cancelled: bool = False  # `fsdpjob cancel` asked for it (its cancel event)
     faults: list[dict] = field(default_factory=list)  # the supervisor's fault events (crashes, hangs)
@@ -47,7 +48,9 @@ class Progress:
         keys = ("kind", "reason", "ranks", "hosts", "top_frames", "stacks", "decision", "launch", "time")
         excluded = sorted({h for f in self.faults for h in f.get("exclude") or ()})
         return {"restarts": self.restarts_in_allocation, "faults": len(self.faults),
-                "last_fault": {k: last.get(k) for k in keys if last.get(k) is not None}, "excluded_nodes": excluded}
+                "last_fault": {k: last.get(k) for k in keys if last.get(k) is not None}, "excluded_nodes": excluded,
+                # Which checkpoint tier (memory, durable) and step the newest start resumed from.
+                "last_resume": self.last_resume}
 
 
 # How much of each file's end status reads: enough for the newest values on a long run.
@@ -78,6 +81,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.starts += 1
             prog.done, prog.failure = False, None
         elif kind in (runlog.RESUME, runlog.READY):
+            if kind == runlog.RESUME:
+                prog.last_resume = {"tier": ev.get("tier", "durable"), "step": ev.get("step")}
             # Where an attempt starts training: a resume's step, or 0 after a crash before any checkpoint.
             prog.steps_lost += max(0, reached - int(ev.get("step", 0)))
             reached = int(ev.get("step", 0))

@@ -48,7 +48,8 @@ def _fault(e: dict) -> str:
 # Event kind -> its line's text (after "[kind] "); kinds not here (data) are not streamed.
 _EVENTS: dict[str, Callable[[dict], str]] = {
     runlog.START: _start,
-    runlog.RESUME: lambda e: f"resumed from step {e.get('step')} ({e.get('checkpoint')})",
+    runlog.RESUME: lambda e: (f"resumed from step {e.get('step')} ("
+                              + ("memory tier: " if e.get("tier") == "memory" else "") + f"{e.get('checkpoint')})"),
     runlog.READY: lambda e: f"training from step {e.get('step')} after {_secs(e.get('setup_s'))} of set-up",
     runlog.CHECKPOINT: lambda e: f"step {e.get('step')} saved ({e.get('reason')}, {_secs(e.get('save_s'))} blocking)",
     runlog.STOP: _stop,

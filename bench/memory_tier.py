@@ -1,0 +1,145 @@
+"""The memory checkpoint tier's cost in the loop: the stall of one snapshot against the step time, A/B inside the
+same two processes.
+
+    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5]
+
+Two gloo ranks (torchrun, one thread each) emulate two nodes (SLURMD_NODENAME n1, n2), so every snapshot also
+sends its replica to the other rank. One model, optimizer and batch stream; blocks of steps alternate between
+``off`` (no tier) and ``on`` (jobs/checkpoint/memory.py's MemoryTier.save every ``--every`` steps, into a
+folder under /dev/shm), the order reversed every other block, so both share the load and the clock. Reported:
+
+- ``stall per snapshot``: the loop's own time in save() plus the optimizer's wait for the background copy
+  (MemoryTier.waited_s), median over snapshots, and as a fraction of the median ``off`` step (target <= 0.05);
+- ``on``/``off`` ms per step (medians of blocks): what the background copy, the write and the replica cost the
+  steps around them on 2 shared cores (they run on the same cores as the step);
+- the tier's bytes per node (own shards + the replica).
+
+Steps lost per crash are the dev cluster's (tests/slurm/test_memory_tier_slurm.py reports them; bench/RESULTS.md).
+Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="19M", help="a size of bench/worker_throughput.py (0.1M, 19M)")
+    parser.add_argument("--blocks", type=int, default=6, help="turns per variant")
+    parser.add_argument("--steps-per-block", type=int, default=10)
+    parser.add_argument("--every", type=int, default=5, help="memory_interval_steps")
+    parser.add_argument("--model", help="(set by the launcher) model folder")
+    parser.add_argument("--data", help="(set by the launcher) JSONL text")
+    parser.add_argument("--shm", help="(set by the launcher) the tier's base folder")
+    return parser.parse_args(argv)
+
+
+def launch(args: argparse.Namespace) -> int:
+    from common import free_port, make_assets
+    from worker_throughput import SIZES
+
+    with tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-bench-", dir="/dev/shm") as shm:
+        model, data = make_assets(Path(tmp), SIZES[args.size])
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               __file__, "--model", str(model), "--data", str(data), "--blocks", str(args.blocks),
+               "--steps-per-block", str(args.steps_per_block), "--every", str(args.every), "--size", args.size,
+               "--shm", shm]  # fmt: skip
+        return subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False).returncode
+
+
+def run(args: argparse.Namespace) -> None:
+    import bare_fsdp2
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpjob.jobs.checkpoint.memory import MemoryTier
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState, RNGState
+    from fsdpjob.jobs.data import MicroBatch, count_tokens
+    from fsdpjob.jobs.dist import DistEnv
+    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.step import train_step
+    from fsdpjob.orchestrator.core.memtier import TierKey
+    from fsdpjob.orchestrator.core.sidecar import RunFacts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
+    micro, per = 4, args.steps_per_block
+    rows = bare_fsdp2.packed_rows(args.model, args.data, 128, micro * world * per)
+    cpu = torch.device("cpu")
+    env = DistEnv(rank, world, rank, world, "127.0.0.1", 0, "gloo", cpu)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = load_model(args.model, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
+                       mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=False,
+                       cpu_offload=False).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    state = {"model": ModelOptimState(model, optimizer), "rng": RNGState(0, rank, world),
+             "train": {"step": 0, "tokens_seen": 0}}
+    tier = MemoryTier(args.shm, TierKey("bench", 0, "bench"), rank=rank, world_size=world, interval_steps=args.every,
+                      run=RunFacts.of({}))
+    tokens = count_tokens(rows[: micro * world])
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    stalls: list[float] = []
+    step = 0
+    for block in range(args.blocks):
+        for name in ("off", "on") if block % 2 == 0 else ("on", "off"):
+            dist.barrier()
+            start = time.perf_counter()
+            for s in range(per):
+                step += 1
+                first = s * micro * world + rank * micro
+                train_step(model, optimizer, [MicroBatch(rows[first: first + micro], rows[first: first + micro],
+                                                         None, None)], cpu, tokens=tokens, max_grad_norm=1.0)
+                state["train"] = {"step": step, "tokens_seen": step * tokens}
+                if name == "on" and step % args.every == 0:
+                    before = tier.waited_s
+                    tier.save(step, state)
+                    stalls.append(before)
+            if name == "on":
+                tier.wait()  # the block's last snapshot is committed inside the block's time
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / per * 1000)
+    # waited_s is cumulative: the stall of snapshot i is the growth between consecutive saves' starts (each save's
+    # own time plus its copy's wait, which the next save's wait() adds).
+    marks = stalls + [tier.waited_s]
+    per_save = [(b - a) * 1000 for a, b in zip(marks, marks[1:])]
+    held = sum(p.stat().st_size for p in tier.folder.rglob("__*_0.distcp"))
+    tier.close(remove=True)
+    if rank == 0:
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        stall = statistics.median(per_save)
+        print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), {micro * world} x 128 tokens per "
+              f"step, fp32; {args.blocks} blocks of {per} steps per variant, snapshot every {args.every} steps")
+        print(f"  off {off:8.1f} ms/step   on {on:8.1f} ms/step   on/off {on / off:5.3f}")
+        print(f"  stall per snapshot (save() + the optimizer's wait for the copy): median {stall:.1f} ms = "
+              f"{stall / off:.3f} of a step; all: {' '.join(f'{v:.0f}' for v in per_save)} ms")
+        print(f"  tier on node n1 at the end: {held / 2**20:.1f} MiB (own shard + replica)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    args = parse_args()
+    if "RANK" not in os.environ:
+        return launch(args)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Issue 27 on the real dev cluster (2 nodes x 2 tasks): a rank SIGKILLed at a random step, with the durable
+checkpoint far away and the memory tier every 5 steps, restarts in the allocation from the memory tier, loses at
+most 5 steps, completes, and ends with the uninterrupted run's bits; the tier is gone at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from slurm.slurm_helpers import status, submit
+from slurm.test_fsdp_slurm import assert_same_weights
+from slurm.test_recovery_slurm import _events, _finished, _kill_at, _one_allocation
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+EVERY = 5
+
+
+def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_path):
+    shm = tmp_path / "shm"  # node-local on the dev cluster's one host; its own per test (/dev/shm is shared)
+    run = submit(reference["spec"], "--set", "checkpoint.interval_steps=1000", "--set", "checkpoint.interval_minutes=0",
+                 "--set", f"checkpoint.memory_interval_steps={EVERY}", "--set", "recovery.stall_floor_s=5",
+                 "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
+    step = random.Random().randint(12, 40)
+    rank = random.Random().choice([1, 2])
+    _kill_at(run, launch=0, step=step, rank=rank)
+    done = _finished(run)
+    [fault] = _one_allocation(run, launches=2)
+    assert fault["kind"] == "crash", fault
+    [resume] = [e for e in _events(run["run_dir"]) if e["event"] == "resume"]
+    assert resume["tier"] == "memory" and resume["step"] % EVERY == 0 and resume["step"] >= step - EVERY, resume
+    # status's steps lost: the furthest step trained before the crash, less the step the restart resumed from.
+    assert done["steps_lost"] <= EVERY, (done["steps_lost"], resume, step)
+    assert done["recovery"]["last_resume"] == {"tier": "memory", "step": resume["step"]}, done["recovery"]
+    assert not checkpoints_between(run["run_dir"], 1, 59), "a durable interval save happened"
+    assert_same_weights(reference, run["run_dir"])
+    assert not (shm / run["job_id"]).exists() or not any((shm / run["job_id"]).iterdir())
+    assert status(run["run_id"])["phase"] == "COMPLETED"
+
+
+def checkpoints_between(run_dir: str, first: int, last: int) -> list[int]:
+    return [e["step"] for e in _events(run_dir) if e["event"] == "checkpoint" and first <= e["step"] <= last]

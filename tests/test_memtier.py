@@ -1,0 +1,116 @@
+"""The memory tier's pure parts (orchestrator/core/memtier.py) on real folders: which step a restart may take
+(the newest one whose every shard some surviving node holds), the markers that make a step count, and the tiers
+that are never chosen (another job's, a missing or short part, no metadata)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdpjob.orchestrator.core.ckptlayout import MARKER, SIDECAR, step_dir_name
+from fsdpjob.orchestrator.core.memtier import (
+    METADATA,
+    Holding,
+    TierKey,
+    buddies,
+    choose_step,
+    marker_text,
+    newest_committed,
+    part_name,
+    remove_job,
+    scan_node,
+    shard_name,
+)
+
+KEY = TierKey(job="42", restart=0, spec_hash="abc")
+
+
+def _write_step(folder: Path, step: int, ranks: list[int], *, world: int = 4, key: TierKey = KEY,
+                committed: bool = True, metadata: bool = True) -> Path:
+    """A node folder's step as the worker leaves it: shard files, parts, metadata and sidecar, marker."""
+    step_dir = folder / step_dir_name(step)
+    step_dir.mkdir(parents=True)
+    files = {}
+    for rank in ranks:
+        (step_dir / shard_name(rank)).write_bytes(bytes(100 + rank))
+        files[shard_name(rank)] = 100 + rank
+    for rank in ranks:
+        record = {"step": step, "job": key.job, "restart": key.restart, "spec_hash": key.spec_hash, "rank": rank,
+                  "files": {shard_name(rank): files[shard_name(rank)]}}
+        (step_dir / part_name(rank)).write_text(json.dumps(record))
+    if metadata:
+        (step_dir / METADATA).write_bytes(b"m")
+        (step_dir / SIDECAR).write_text("{}")
+    if committed:
+        (step_dir / MARKER).write_text(marker_text(step, key, world, ["n1", "n1", "n2", "n2"]))
+    return step_dir
+
+
+def test_newest_step_whose_every_shard_survives_on_some_node(tmp_path):
+    n1, n2 = tmp_path / "n1", tmp_path / "n2"
+    _write_step(n1, 10, [0, 1, 2, 3])  # own shards 0, 1 and the replicas of n2's 2, 3
+    _write_step(n2, 10, [2, 3, 0, 1])
+    _write_step(n1, 15, [0, 1])  # step 15: n1 lost the replicas (say it was killed mid-copy)...
+    _write_step(n2, 15, [2, 3])
+    found = [scan_node(n1, KEY), scan_node(n1, KEY), scan_node(n2, KEY), scan_node(n2, KEY)]
+    choice, skipped = choose_step(found)
+    # ...yet n2 and n1 together hold every shard of 15: it is chosen, the lowest holder sends each file.
+    assert choice is not None and choice.step == 15 and choice.world_size == 4
+    assert {name: min(r) for name, r in choice.holders.items()} == {
+        shard_name(0): 0, shard_name(1): 0, shard_name(2): 2, shard_name(3): 2}
+    assert skipped == []
+    # n2 lost: on n1 alone 15 lacks shards 2 and 3, so the older 10 (with n2's replicas) is taken.
+    choice, skipped = choose_step([scan_node(n1, KEY), scan_node(n1, KEY)])
+    assert choice is not None and choice.step == 10
+    assert skipped == [f"step 15: no surviving node holds {shard_name(2)}, {shard_name(3)}"]
+
+
+def test_stale_damaged_and_uncommitted_tiers_are_never_chosen(tmp_path):
+    n1 = tmp_path / "n1"
+    _write_step(n1, 5, [0, 1], world=2)
+    _write_step(n1, 10, [0, 1], world=2, key=TierKey(job="41", restart=0, spec_hash="abc"))  # an earlier job's
+    _write_step(n1, 15, [0, 1], world=2, key=TierKey(job="42", restart=1, spec_hash="abc"))  # after a requeue
+    _write_step(n1, 20, [0, 1], world=2, key=TierKey(job="42", restart=0, spec_hash="other"))  # another spec
+    _write_step(n1, 25, [0, 1], world=2, committed=False)  # a save cut short
+    short = _write_step(n1, 30, [0, 1], world=2)
+    (short / shard_name(1)).write_bytes(b"x")  # a part shorter than its record: damaged
+    _write_step(n1, 35, [0, 1], world=2)
+    (n1 / step_dir_name(35) / shard_name(0)).unlink()  # a missing part
+    _write_step(n1, 40, [0, 1], world=2, metadata=False)
+    assert [h.step for h in scan_node(n1, KEY)] == [5, 30, 35, 40]
+    choice, skipped = choose_step([scan_node(n1, KEY)] * 2)
+    assert choice is not None and choice.step == 5
+    assert [s.split(":")[0] for s in skipped] == ["step 40", "step 35", "step 30"]
+    assert "no node holds its .metadata" in skipped[0] and shard_name(1) in skipped[2]
+
+
+def test_world_size_disagreement_and_nothing_at_all():
+    assert choose_step([[], []]) == (None, [])
+    mixed = [[Holding(5, 2, {shard_name(0): 1, shard_name(1): 1}, True)], [Holding(5, 4, {}, True)]]
+    choice, skipped = choose_step(mixed)
+    assert choice is None and "disagree" in skipped[0]
+
+
+def test_buddies_are_on_another_node():
+    assert buddies(["n1", "n1", "n2", "n2"]) == [2, 3, 0, 1]
+    assert buddies(["a", "a", "b", "b", "c", "c"]) == [2, 3, 4, 5, 0, 1]
+    assert buddies(["n1", "n1"]) == [None, None]  # one node: no other node to keep a replica
+    hosts = ["a", "b", "c", "d"]
+    assert all(hosts[b] != hosts[r] for r, b in enumerate(buddies(hosts)))
+
+
+def test_remove_job_takes_every_node_folder(tmp_path):
+    _write_step(tmp_path / "42" / "n1", 5, [0])
+    _write_step(tmp_path / "42" / "n2", 5, [1])
+    _write_step(tmp_path / "43" / "n1", 5, [0])
+    remove_job(tmp_path, "42")
+    assert [p.name for p in tmp_path.iterdir()] == ["43"]
+
+
+def test_the_supervisor_counts_the_newest_committed_snapshot_as_progress(tmp_path):
+    assert newest_committed(tmp_path, "42") is None
+    _write_step(tmp_path / "42" / "n1", 10, [0])
+    _write_step(tmp_path / "42" / "n2", 15, [1])
+    _write_step(tmp_path / "42" / "n2", 20, [1], committed=False)
+    _write_step(tmp_path / "43" / "n1", 25, [0])
+    assert newest_committed(tmp_path, "42") == 15
