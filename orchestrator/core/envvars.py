@@ -16,6 +16,10 @@ VARIABLES: dict[str, str] = {
                            "side only (suggested in messages, not read unless named; orchestrator/notify.py)",
     # -- set by fsdpjob for the job
     "FSDPJOB_RUN_DIR": "the run folder, exported to the batch script and the local workers (slurm/, local/)",
+    "FSDPJOB_RUN_DIRS": "a sweep's array job script: the bash array of its tasks' run folders, indexed by "
+                        "SLURM_ARRAY_TASK_ID to set FSDPJOB_RUN_DIR (a shell variable; slurm/arrayrender.py)",
+    "FSDPJOB_ARRAY_TASK_RUN_DIR": "no variable: the placeholder run folder a sweep's task plan is rendered with, "
+                                  "replaced by the task's $FSDPJOB_RUN_DIR in the script (slurm/arrayrender.py)",
     "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",
     "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
     "FSDPJOB_NODE_ADDRS": "'node=addr,...': the supervisor's NodeAddr of each node whose name does not resolve, "
