@@ -169,7 +169,9 @@ def test_a_crash_past_the_restart_budget_is_requeued_by_the_failure_policy_and_r
                  *in_container)
     wait_for(lambda: (b := _beat(run["run_dir"], 1)).get("launch") == 0 and b.get("step", 0) >= 12,
              timeout_s=480, interval_s=0.5, what="step 12")
-    os.kill(_beat(run["run_dir"], 1)["pid"], signal.SIGKILL)
+    beat = _beat(run["run_dir"], 1)
+    assert in_its_own_container(beat["pid"]), beat  # no scontrol in its root: the requeue runs outside
+    os.kill(beat["pid"], signal.SIGKILL)
     queued = wait_phase(run["run_id"], {"REQUEUED", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
     assert queued["phase"] == "REQUEUED" and "restart budget spent" in queued["recovery"]["last_fault"]["decision"], queued
 
