@@ -14,7 +14,8 @@ from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError
 _WILL_RUN = re.compile(r"Job (?P<job>\d+) to start at (?P<start>.+?) using (?P<cpus>\d+) processors on nodes "
                        r"(?P<nodes>\S+)(?: in partition (?P<partition>\S+))?")
 # sbatch's words when there is no Slurm to ask (not installed, no configuration, slurmctld down or slow).
-_UNREACHABLE = ("not found on PATH", "configuration source", "contact", "timed out", "Connection refused")
+_UNREACHABLE = ("not found on PATH", "configuration source", "contact", "timed out", "Connection refused",
+                "fetch_config", "DNS SRV")
 _SHAPE = re.compile(r"(?P<nodes>[1-9]\d*)x(?P<gpus>\d+)")
 
 
@@ -121,7 +122,10 @@ def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
             return sbatch_test_only(script, timeout=15)
         except FsdpjobError as exc:
             if any(word in str(exc) for word in _UNREACHABLE):
-                failed.append(" ".join(str(exc).split()))
+                # sbatch's own lines (config look-ups, DNS) say little to a user: name the situation instead
+                failed.append(" ".join(str(exc).split()) if "not found on PATH" in str(exc) else
+                              "no Slurm controller reachable from here: sbatch --test-only failed")
+                raise FsdpjobError(failed[0]) from None
             raise
 
     asked = (job.eff.nodes, job.eff.gpus_per_node or 0)
