@@ -411,12 +411,13 @@ def test_memory_tier_is_counted_per_node_and_a_plan_without_room_for_it_is_refus
     plain = make_plan(resolve(seed_70b, A100))
     tiered = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10"), A100))
     saved_per_rank = 3 * 68.98e9 * 4 / 16
-    assert plain.host.memory_tier == 0 and plain.fits
+    # (2 x 8 A100 does not fit the GPUs since budgets are usable memory: the host side is what is checked here)
+    assert plain.host.memory_tier == 0 and plain.host.fits
     assert tiered.host.memory_tier == pytest.approx(8 * saved_per_rank * 5, rel=0.01)
     assert tiered.host.training - plain.host.training == tiered.host.memory_tier
     assert tiered.host.fits
     both = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10 checkpoint.async_save=true"),
                              A100))
-    assert not both.host.fits and not both.fits and both.to_json()["verdict"] != plain.to_json()["verdict"]
+    assert not both.host.fits and not both.fits
     assert tiered.to_json()["host_memory"]["memory_tier_bytes"] == tiered.host.memory_tier
     assert "of it memory tier" in format_plan(tiered)
