@@ -421,3 +421,31 @@ def test_memory_tier_is_counted_per_node_and_a_plan_without_room_for_it_is_refus
     assert not both.host.fits and not both.fits
     assert tiered.to_json()["host_memory"]["memory_tier_bytes"] == tiered.host.memory_tier
     assert "of it memory tier" in format_plan(tiered)
+
+
+def test_a_profile_with_the_fabric_bandwidth_adds_the_collectives_time_to_a_multi_node_step(seed_70b: JobSpec) -> None:
+    """Without fabric_bandwidth_gbps the step is compute and says communication is assumed hidden; with it, the
+    collectives' bytes per node over the fabric give a time, and the step is the longer of the two."""
+    from fsdpjob.orchestrator.planner.timing import COMMUNICATION, fabric_bytes
+
+    spec = with_changes(seed_70b, "resources.nodes=3")
+    plain = make_plan(resolve(spec, A100))
+    assert plain.timing.comm_s is None and COMMUNICATION in plain.timing.throughput_note
+    fast = make_plan(resolve(spec, A100.model_copy(update={"fabric_bandwidth_gbps": 200.0})))
+    u = fast.setup
+    assert u.nodes == 3 and u.replicate_degree == 1
+    weights, trained = fast.trainable.weights, fast.trainable.trained
+    gathers = (2 if u.reshard else 1) * weights * u.compute_bytes * u.grad_accum
+    reduces = trained * 4 * (1 if u.defer_grad_sync else u.grad_accum)
+    expected = (gathers + reduces) * (u.world - 1) / u.world
+    assert fabric_bytes(u, weights, trained) == pytest.approx(expected, rel=1e-9)
+    assert fast.timing.comm_s == pytest.approx(expected / 200e9, rel=1e-9)
+    assert fast.timing.step_s == pytest.approx(max(fast.timing.compute_s, fast.timing.comm_s))
+    assert "over the fabric at 200 GB/s per node" in fast.timing.throughput_note
+    slow = make_plan(resolve(spec, A100.model_copy(update={"fabric_bandwidth_gbps": 0.5})))
+    assert slow.timing.comm_s > slow.timing.compute_s and slow.timing.step_s == pytest.approx(slow.timing.comm_s)
+    assert "the step is bound by the fabric" in format_plan(slow)
+    assert slow.to_json()["step"]["communication_s"] == pytest.approx(slow.timing.comm_s)
+    one = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1 fsdp.cpu_offload=true"),
+                            A100.model_copy(update={"fabric_bandwidth_gbps": 0.5})))
+    assert one.timing.comm_s is None and "one node: collectives over NVLink" in one.timing.throughput_note

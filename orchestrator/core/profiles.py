@@ -72,6 +72,11 @@ class ClusterProfile(Strict):
     sinfo answers (a login node), validate, plan and submit also ask it how many nodes the partition has."""
     storage_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)] = 1.0
     """Checkpoint storage write bandwidth in GB/s per node (planning: save time)."""
+    fabric_bandwidth_gbps: Annotated[float, Field(strict=True, gt=0)] | None = None
+    """Inter-node bandwidth per node in GB/s (bytes, like storage_bandwidth_gbps; 8 x 200 Gb/s InfiniBand NICs are
+    ~200 GB/s; measure with nccl-tests' all_gather_perf busbw across 2 nodes). With it, the planner adds the
+    FSDP collectives' time over the fabric to a multi-node GPU step (overlapped with compute); without it,
+    communication is assumed hidden, and the plan says so."""
     setup: list[str] = []
     """Shell lines run before the workers start (module load, venv or container activation). Each line is one
     command: words and $VAR / ${VAR} are kept, everything else ($(...), backticks, ;, &&, |, >) is literal."""

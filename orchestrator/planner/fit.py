@@ -95,7 +95,7 @@ class FitPlan:
           to peak_bytes; on GPUs "CUDA runtime (assumed)" is an estimate), moments {name: bytes on top of the state}
         - host_memory (per node): budget_bytes, load_rank0_bytes (at load, on rank 0's node), load_every_rank_bytes,
           training_bytes, offloaded_per_rank_bytes, fits, own_shards (each rank reads only its own weight shards)
-        - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, assumption
+        - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, communication_s, assumption
         - signal: lead_s, needed_s
         - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it)
         - fixes [{change, peak_bytes, saves_bytes, why}], cheapest first; warnings [str]
@@ -131,7 +131,7 @@ class FitPlan:
             },
             "checkpoint": {"bytes": t.checkpoint_bytes, "save_s": t.save_s},
             "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
-                     "assumption": t.throughput_note},
+                     "communication_s": t.comm_s, "assumption": t.throughput_note},
             "signal": {"lead_s": t.signal_lead_s, "needed_s": t.needed_lead_s},
             "step_plan": self.worker_facts(),
             "fixes": [

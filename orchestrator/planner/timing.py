@@ -22,9 +22,10 @@ MFU = 0.40  # assumed model FLOPs utilisation on GPUs
 GPU_PEAK_FLOPS = {"a100": {2: 312e12, 4: 19.5e12}, "h100": {2: 989e12, 4: 67e12}, "h200": {2: 989e12, 4: 67e12}}
 # Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
 CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
-# FSDP2 prefetches the next layer's all-gather and overlaps the reduce-scatters with the backward; the profiles
-# give no fabric bandwidth, so no communication term is added. Said with every GPU step time.
+# FSDP2 prefetches the next layer's all-gather and overlaps the reduce-scatters with the backward. Without the
+# profile's fabric_bandwidth_gbps no communication term is added; said with every GPU step time.
 COMMUNICATION = "communication assumed hidden behind compute (no fabric bandwidth modelled)"
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (jobs/model/build.py's MixedPrecisionPolicy reduce_dtype)
 SIGNAL_MARGIN_S = 10  # the lead must cover the wait for the ranks' agreement + a save + this (or 25 %)
 # After the stop checkpoint: the workers exit, srun's step ends, and the supervisor asks scontrol what the stop
 # was and requeues (slurm/stop.py). The stop event's handoff_s: 1-4.4 s on the 2-core dev cluster under a test
@@ -40,10 +41,17 @@ class Timing:
     flops_per_s: float | None  # assumed per rank; None: unknown device
     throughput_note: str
     signal_lead_s: int
+    comm_s: float | None = None  # one step's collectives over the fabric (None: not modelled)
+
+    @property
+    def compute_s(self) -> float | None:
+        return self.flops_per_rank / self.flops_per_s if self.flops_per_s else None
 
     @property
     def step_s(self) -> float | None:
-        return self.flops_per_rank / self.flops_per_s if self.flops_per_s else None
+        """Compute, or the fabric's time where that is longer: FSDP2 overlaps the two, so the longer one bounds."""
+        compute = self.compute_s
+        return max(compute, self.comm_s or 0.0) if compute is not None else None
 
     @property
     def needed_lead_s(self) -> int:
@@ -70,6 +78,42 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
     return None, f"unknown for gpu_type {profile.gpu_type!r}"
 
 
+def fabric_bytes(u: Setup, weights: int, trained: int) -> int:
+    """Bytes one optimizer step moves over the inter-node fabric, per node (0 on one node: NVLink, hidden).
+
+    A ring collective of S bytes over W ranks moves S x (W-1)/W through each node's NICs. Per micro-batch FSDP2
+    all-gathers the weights in the compute dtype for the forward and, when the layers reshard after it, again for
+    the backward; the fp32 reduce-scatter of the gradients runs per micro-batch, or once a step when gradient sync
+    is deferred. With HSDP the gathers and reduce-scatters stay within a shard group (on one node when it fits
+    there) and the replicas all-reduce the gradient shards (2 x (R-1)/R)."""
+    if u.nodes <= 1:
+        return 0
+    gathers = (2 if u.reshard else 1) * weights * u.compute_bytes * u.grad_accum
+    reduces = trained * REDUCE_BYTES * (1 if u.defer_grad_sync else u.grad_accum)
+    shard, replicas = u.shard_degree, u.replicate_degree
+    moved = 0.0
+    if shard > u.tasks_per_node:  # the shard group spans nodes
+        moved += (gathers + reduces) * (shard - 1) / shard
+    if replicas > 1:
+        syncs = 1 if u.defer_grad_sync else u.grad_accum
+        moved += 2 * trained * REDUCE_BYTES / shard * (replicas - 1) / replicas * u.tasks_per_node * syncs
+    return int(moved)
+
+
+def _communication(u: Setup, weights: int, trained: int, profile: ClusterProfile, compute_s: float | None
+                   ) -> tuple[float | None, str]:
+    """(seconds of fabric time per step, the note said with the step time) for a GPU plan."""
+    bandwidth = profile.fabric_bandwidth_gbps
+    if u.nodes <= 1:
+        return None, "one node: collectives over NVLink, assumed hidden behind compute"
+    if bandwidth is None:
+        return None, COMMUNICATION
+    comm = fabric_bytes(u, weights, trained) / (bandwidth * GB)
+    how = "hidden behind compute" if compute_s is not None and comm <= compute_s else "longer than compute: the " \
+        "step is bound by the fabric"
+    return comm, f"collectives {comm:.2g} s per step over the fabric at {bandwidth:g} GB/s per node, {how}"
+
+
 def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, cpus: int | None, lead: int) -> Timing:
     tr = trainable(s, p, u.lora)
     matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
@@ -80,6 +124,10 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     # packing_efficiency) of these; unpacked rows of short examples fall further below.
     tokens = u.micro_batch * u.grad_accum * u.seq_len
     rate, note = _throughput(u, profile, cpus)
+    comm = None
+    if u.on_gpu and rate is not None:
+        comm, said = _communication(u, tr.weights, tr.trained, profile, per_token * tokens / rate)
+        note = note.replace(COMMUNICATION, said)
     ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
     save = ckpt / (profile.storage_bandwidth_gbps * GB * u.nodes)
-    return Timing(ckpt, save, per_token * tokens, rate, note, lead)
+    return Timing(ckpt, save, per_token * tokens, rate, note, lead, comm)
