@@ -36,18 +36,24 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, qu
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` spawned processes; return results by rank.
-
-    ``fn`` must be importable (a module-level function). The environment carries MASTER_ADDR/PORT,
-    RANK and WORLD_SIZE, as the product's launchers set them; ``fn`` creates its own process group.
-    """
+def _spawn(fn: Callable, world_size: int, kwargs: dict) -> tuple[list, Any]:
+    """Start ``world_size`` spawned ranks of ``fn`` on one free port; (processes, the queue they report to)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
+    return procs, queue
+
+
+def run_ranks(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[Any]:
+    """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` spawned processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function). The environment carries MASTER_ADDR/PORT,
+    RANK and WORLD_SIZE, as the product's launchers set them; ``fn`` creates its own process group.
+    """
+    procs, queue = _spawn(fn, world_size, kwargs)
     results: dict[int, Any] = {}
     errors = []
     try:
@@ -126,12 +132,7 @@ def node_worker(rank: int, world_size: int, run_dir: str, env: dict, nodes: list
 
 def exit_codes(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[int | None]:
     """Like run_ranks, for ranks that leave by os._exit (a crash): their exit codes, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, _ = _spawn(fn, world_size, kwargs)
     for p in procs:
         p.join(timeout=timeout)
         if p.is_alive():
