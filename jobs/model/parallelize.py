@@ -57,6 +57,13 @@ def apply_fsdp(
         # tests/worker/test_model.py counts them). After the AC wrapper, so the recomputed region is compiled.
         # No fullgraph: a family whose block breaks the graph still trains (slower), not a crash at step 1.
         backend = compile_layers if isinstance(compile_layers, str) else "inductor"
+        if activation_checkpointing and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            # transformers (5.x, with its `kernels` dependency) routes each block's kernels through a context
+            # variable it sets and resets inside the block's forward. Dynamo refuses a side effect inside the
+            # checkpointed region (eager AC would replay it in the backward) and runs the whole block eagerly,
+            # graph break and all. Not replaying that set/reset pair in the recomputation changes nothing: it
+            # routes calls, it computes nothing.
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         for layer in layers:
             layer.forward = torch.compile(layer.forward, backend=backend)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
