@@ -24,6 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
     packages some tests need are installed before collection (their modules look for the tools when they
     load), instead of those tests skipping. FSDPJOB_NO_INSTALL=1 turns this off."""
     missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller installed them before it started
+        return
     if not missing or os.environ.get("FSDPJOB_NO_INSTALL") == "1" or os.geteuid() != 0 or not shutil.which("apt-get"):
         return
     from fsdpjob.orchestrator.core.errors import FsdpjobError
@@ -34,6 +36,50 @@ def pytest_configure(config: pytest.Config) -> None:
         manage.ensure_packages(echo=True)
     except FsdpjobError as exc:  # the tests that need them skip (or fail under FSDPJOB_REQUIRE_SLURM=1)
         print(f"fsdpjob tests: could not install them: {exc}", file=sys.stderr)
+
+
+# The suite runs on two xdist workers (pyproject's addopts: -n 2 --dist loadgroup). The tests of one dev cluster
+# are one group, so they run one after another on one worker (the cluster has two nodes: two 2-node jobs at once
+# would queue behind each other and outlast their tests' waits); the groups come first, so one worker starts on
+# the main cluster's tests (mostly waiting on Slurm: holds, grace periods, polling) while the other takes
+# everything else a test at a time. The slow ungrouped tests go first so the two end together.
+CLUSTER_GROUPS = (("slurm_cluster_session", "cluster"), ("slurm_cluster_noacct_session", "cluster-noacct"),
+                  ("slurm_cluster4_session", "cluster4"))
+
+
+def cluster_group(fixturenames: list[str]) -> str | None:
+    return next((group for fixture, group in CLUSTER_GROUPS if fixture in fixturenames), None)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marked as each test is collected: before any plugin's collection_modifyitems (xdist's reads the mark)."""
+    group = cluster_group(getattr(item, "fixturenames", []))
+    if group:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = {group: i for i, (_, group) in enumerate(CLUSTER_GROUPS)}
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        group = cluster_group(getattr(item, "fixturenames", []))
+        return order.get(group, len(order)), 0 if item.get_closest_marker("slow") else 1
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker, the groups must have reached the node ids (xdist's mark of a group); a pytest that
+    xdist does not know how to rename (pytest 9.2 and xdist 3.8) would silently spread one cluster's tests over
+    both workers, which then queue behind each other's jobs and fail their waits."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist did not group the cluster tests ({lost[0]}): install the test extra's "
+                                "pytest (pyproject.toml), or run with -n 0")
 
 
 @pytest.fixture(autouse=True)

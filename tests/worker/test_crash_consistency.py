@@ -16,7 +16,10 @@ from crash_consistency import Plan, run_trial  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-SEED = int(os.environ.get("FSDPJOB_CRASH_SEED") or random.randrange(1 << 30))
+# One draw per test run: xdist's workers each import this module and must collect the same tests, so under xdist
+# the draw comes from the run's id, which every worker shares.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+SEED = int(os.environ.get("FSDPJOB_CRASH_SEED") or (int(_RUN[:7], 16) if _RUN else random.randrange(1 << 30)))
 # Every mode once (hook pause / timer, one rank / all, sync / async), then two random draws.
 PLANS = [
     Plan(seed=1, mode="pause", victims="one", rank=0, step=3, delay_s=0.2, async_save=False),
