@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,7 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
         mesh = build_mesh(env, spec.fsdp.replicate_degree)
         ckpt = open_checkpoints(spec, meta.checkpoint_root(paths), env, mesh, hooks)
-        tier = open_memory_tier(spec, ckpt, env, worker, paths)
+        tier = open_memory_tier(spec, ckpt, env, worker, paths, meta.profile.get("expected_interruptions_per_day"))
         source = find_resume_source(ckpt, tier, meta.resume_from)
         parts = build(spec, paths, env, report, mesh,
                       # A full fine-tune's checkpoint holds every weight: a resume reads no base weights (at 70B,
@@ -169,8 +169,11 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
             gcpolicy.after_step(state.step)
             if evaluator:
                 evaluator.maybe_run(state.step)
-            if tier is not None and tier.due(state.step, train.max_steps):
-                tier.save(state.step, app_state)
+            if tier is not None:
+                if tier.due(state.step, train.max_steps):
+                    tier.save(state.step, app_state)
+                if choice := tier.take_auto_choice():  # once per launch, with memory_interval_steps: auto
+                    report.event(runlog.MEMORY_TIER, at_step=state.step, **asdict(choice))
             hooks.maybe_exit(state.step)
             if signum := saver.after_step(state.step, app_state):
                 # Every rank leaves here (SystemExit), the way rank 0 decided; the supervisor requeues.
@@ -296,7 +299,7 @@ def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
 
 
 def open_memory_tier(spec: JobSpec, ckpt: CheckpointManager, env: DistEnv, worker: WorkerEnv,
-                     paths: RunPaths) -> MemoryTier | None:
+                     paths: RunPaths, interruptions_per_day: float | None = None) -> MemoryTier | None:
     """The memory tier (checkpoint.memory_interval_steps), keyed by this job and Slurm attempt: a requeue (a new
     allocation) resumes from the durable tier. Outside Slurm the run folder stands for the job."""
     if not spec.checkpoint.memory_interval_steps:
@@ -307,7 +310,8 @@ def open_memory_tier(spec: JobSpec, ckpt: CheckpointManager, env: DistEnv, worke
     key = memtier.TierKey(job=job, restart=worker.restart_count, spec_hash=ckpt.run.spec_hash or "")
     base = os.environ.get(memtier.BASE_VAR) or memtier.DEFAULT_BASE
     return MemoryTier(base, key, rank=env.rank, world_size=env.world_size,
-                      interval_steps=spec.checkpoint.memory_interval_steps, run=ckpt.run)
+                      interval_steps=spec.checkpoint.memory_interval_steps, run=ckpt.run,
+                      interruptions_per_day=interruptions_per_day)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
+from fsdpjob.orchestrator.core import memtier
 from fsdpjob.orchestrator.core.attempts import cap_reached
 from fsdpjob.orchestrator.core.heartbeat import STEP, Beat
 from fsdpjob.orchestrator.core.spec import CheckpointSpec, PreemptionSpec, RecoverySpec
@@ -315,22 +316,14 @@ def durable_advice(cfg: SimConfig) -> interval.IntervalAdvice:
     return interval.advise(cfg.durable_stall_s, mtbi, cfg.durable_interval_s, "interval_minutes default")
 
 
-# The snapshot stall may take at most this share of the training time (issue 27: "bounded to a few percent").
-MAX_MEMORY_STALL_SHARE = 0.05
-
-
 def auto_memory_interval_steps(cfg: SimConfig) -> int:
-    """checkpoint.memory_interval_steps: auto, as issue 27 describes it: Young/Daly (planner/interval.advise) from
-    the snapshot stall and the mean time between the faults the memory tier recovers (crashes and hangs; lost
-    nodes too where the run may go on without a node), in whole steps, no more often than keeps the stall
-    under MAX_MEMORY_STALL_SHARE of the time."""
+    """checkpoint.memory_interval_steps: auto, the worker's rule (core/memtier.auto_interval) with the simulated
+    snapshot stall and the mean time between the faults the memory tier recovers (crashes and hangs; lost nodes
+    too where the run may go on without a node)."""
     covered = cfg.rates.crash + cfg.rates.hang + (cfg.rates.node_loss if (cfg.min_nodes or cfg.nodes) < cfg.nodes else 0)
-    mtbi = DAY_S / (covered * cfg.nodes) if covered else math.inf
-    if math.isinf(mtbi):
+    if not covered:  # a simulated fleet without such faults (the worker, without a rate, takes the stall bound)
         return 10**9
-    optimal_s = interval.advise(cfg.memory_stall_s, mtbi, cfg.memory_interval_s).optimal_s
-    floor_s = cfg.memory_stall_s / MAX_MEMORY_STALL_SHARE
-    return max(1, round(max(optimal_s, floor_s) / cfg.step_s))
+    return memtier.auto_interval(cfg.memory_stall_s, cfg.step_s, memtier.mtbi_s(covered, cfg.nodes)).steps
 
 
 def with_rates(cfg: SimConfig, factor: float) -> SimConfig:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from fsdpjob.orchestrator import faultsim
+from fsdpjob.orchestrator.core import memtier
 from fsdpjob.orchestrator.faultsim import DAY_S, Rates, SimConfig
 
 NONE = Rates(crash=0.0, hang=0.0, node_loss=0.0, preempt=0.0)
@@ -99,7 +100,7 @@ def test_auto_memory_interval_is_young_daly_and_keeps_the_stall_small():
     a, b = faultsim.auto_memory_interval_steps(small), faultsim.auto_memory_interval_steps(large)
     assert a > b >= 1  # more faults, more frequent snapshots
     for cfg, steps in ((small, a), (large, b)):
-        assert cfg.memory_stall_s / (steps * cfg.step_s) <= faultsim.MAX_MEMORY_STALL_SHARE
+        assert cfg.memory_stall_s / (steps * cfg.step_s) <= memtier.MAX_STALL_SHARE
     assert faultsim.auto_memory_interval_steps(SimConfig(gpus=16, rates=NONE)) > 10**6
 
 

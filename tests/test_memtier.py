@@ -114,3 +114,29 @@ def test_the_supervisor_counts_the_newest_committed_snapshot_as_progress(tmp_pat
     _write_step(tmp_path / "42" / "n2", 20, [1], committed=False)
     _write_step(tmp_path / "43" / "n1", 25, [0])
     assert newest_committed(tmp_path, "42") == 15
+
+
+def test_auto_interval_is_young_daly_in_steps_never_above_the_stall_bound():
+    from fsdpjob.orchestrator.core.memtier import MAX_STALL_SHARE, auto_interval, mtbi_s
+
+    # 0.2 s stall, 1 s steps, a fault every 10 h: Young/Daly sqrt(2 x 0.2 x 36000) = 120 s -> 120 steps.
+    assert auto_interval(0.2, 1.0, 36000.0).steps == 120
+    # A fault every 20 s: the optimum (2.8 s) would stall more than 5 %: the bound, 0.2 / 0.05 = 4 s -> 4 steps.
+    assert auto_interval(0.2, 1.0, 20.0).steps == round(0.2 / MAX_STALL_SHARE)
+    # No rate in the profile: the bound alone; a free snapshot: every step.
+    assert auto_interval(0.2, 1.0, None).steps == 4 and auto_interval(0.0, 1.0, None).steps == 1
+    assert "no expected_interruptions_per_day" in auto_interval(0.2, 1.0, None).text()
+    assert mtbi_s(0.5, 4) == 43200.0 and mtbi_s(None, 4) is None
+
+
+def test_spec_takes_auto_or_a_count_for_the_memory_interval():
+    import pytest
+    from pydantic import ValidationError
+
+    from fsdpjob.orchestrator.core.spec import CheckpointSpec
+
+    assert CheckpointSpec(memory_interval_steps="auto").memory_interval_steps == "auto"
+    assert CheckpointSpec(memory_interval_steps=7).memory_interval_steps == 7
+    for bad in ("often", -1, 2.5):
+        with pytest.raises(ValidationError):
+            CheckpointSpec(memory_interval_steps=bad)

@@ -33,12 +33,17 @@ import torch.distributed as dist
 from fsdpjob.orchestrator.core.ckptlayout import MARKER, SIDECAR, step_dir_name, step_dirs
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.memtier import (
+    AUTO,
     METADATA,
+    PROBE_STEPS,
+    AutoInterval,
     TierChoice,
     TierKey,
+    auto_interval,
     buddies,
     choose_step,
     marker_text,
+    mtbi_s,
     node_dir,
     node_name,
     part_name,
@@ -65,15 +70,24 @@ def _write_bytes(path: Path, data: bytes | memoryview) -> None:
 class MemoryTier:
     """Snapshots into ``<base>/<job>/<node>/`` every ``interval_steps`` steps; every method is collective.
 
+    ``interval_steps`` "auto": the first snapshot PROBE_STEPS steps into the launch, and PROBE_STEPS steps later
+    the interval from what it cost and the job's mean time between faults (``interruptions_per_day`` per node, the
+    profile's rate; core/memtier.auto_interval), agreed by all ranks.
     The constructor creates the tier's gloo group and learns every rank's node (for the buddies)."""
 
-    def __init__(self, base: str | Path, key: TierKey, *, rank: int, world_size: int, interval_steps: int,
-                 run: RunFacts) -> None:
-        self.key, self.rank, self.world_size, self.interval_steps, self.run = key, rank, world_size, interval_steps, run
+    def __init__(self, base: str | Path, key: TierKey, *, rank: int, world_size: int, interval_steps: int | str,
+                 run: RunFacts, interruptions_per_day: float | None = None) -> None:
+        self.key, self.rank, self.world_size, self.run = key, rank, world_size, run
+        self.auto = interval_steps == AUTO
+        self.interval_steps: int | None = None if self.auto else int(interval_steps)
+        self._untold: AutoInterval | None = None  # auto's decision, until the loop takes it for its event
+        self._probe: tuple[int, float, float] | None = None  # auto: (first step seen, its clock, waited_s then)
+        self._last_saved: int | None = None
         self.node = node_name()
         self.folder = node_dir(base, key.job, self.node)
         self._pg = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self.hosts = self._gather(self.node)
+        self.mtbi_s = mtbi_s(interruptions_per_day, len(set(self.hosts)))
         pairs = buddies(self.hosts)
         self.buddy = pairs[rank]
         self.sources = [r for r, b in enumerate(pairs) if b == rank]
@@ -99,11 +113,43 @@ class MemoryTier:
     # -- save ------------------------------------------------------------------------------------
 
     def due(self, step: int, max_steps: int) -> bool:
-        return self.enabled and step % self.interval_steps == 0 and step < max_steps
+        """Whether to snapshot after ``step``; called after every step (auto measures between the calls)."""
+        if not self.enabled or step >= max_steps:
+            return False
+        if not self.auto:
+            return step % self.interval_steps == 0
+        if self._probe is None:
+            self._probe = (step, time.monotonic(), self.waited_s)
+        first = self._probe[0]
+        if self.interval_steps is None:
+            if step == first + 2 * PROBE_STEPS:
+                self._decide(step)
+            return step == first + PROBE_STEPS
+        return step - (self._last_saved or first) >= self.interval_steps
+
+    def _decide(self, step: int) -> None:
+        """auto: the interval from the probe snapshot's stall (the loop's waits since the probe began, the copy's
+        wait in the next steps included) and the step time without it; the slowest rank's figures, so that every
+        rank computes the same interval."""
+        first, clock, waited = self._probe
+        stall = self.waited_s - waited
+        step_s = (time.monotonic() - clock - stall) / (step - first)
+        figures = torch.tensor([stall, step_s], dtype=torch.float64)
+        if self._pg is not None:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self._pg)
+        choice = auto_interval(float(figures[0]), float(figures[1]), self.mtbi_s)
+        self.interval_steps, self._untold = choice.steps, choice
+        if self.rank == 0:
+            log.info("%s, from step %d", choice.text(), step)
+
+    def take_auto_choice(self) -> AutoInterval | None:
+        choice, self._untold = self._untold, None
+        return choice
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Start the snapshot of ``step`` (the previous one is finished first); returns once it is staged."""
         started = time.monotonic()
+        self._last_saved = step
         self.wait()
         if not self.enabled:
             return

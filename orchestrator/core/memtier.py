@@ -190,3 +190,40 @@ def remove_step(step_dir: Path) -> None:
 def remove_job(base: str | Path, job: str) -> None:
     """The job's whole tier on this host (every node folder under it): the supervisor's clean-up at the end."""
     shutil.rmtree(Path(base) / job, ignore_errors=True)
+
+
+# --- checkpoint.memory_interval_steps: auto --------------------------------------------------------------------
+
+AUTO = "auto"
+PROBE_STEPS = 5  # auto: the first snapshot this many steps into a launch, its cost measured over as many more
+MAX_STALL_SHARE = 0.05  # auto: snapshots may stall the loop for at most this share of the training time
+
+
+@dataclass(frozen=True)
+class AutoInterval:
+    steps: int
+    stall_s: float  # the loop's wait per snapshot, measured
+    step_s: float  # one training step without the snapshots' waits, measured
+    mtbi_s: float | None  # mean time between the faults the tier recovers; None where the profile gives no rate
+
+    def text(self) -> str:
+        why = (f"Young/Daly sqrt(2 x stall {self.stall_s:.3g} s x MTBI {self.mtbi_s / 3600:.3g} h)"
+               if self.mtbi_s else "the profile gives no expected_interruptions_per_day")
+        return (f"memory tier every {self.steps} steps (auto: {why}, at least the {MAX_STALL_SHARE:.0%} stall bound, "
+                f"step {self.step_s:.3g} s)")
+
+
+def auto_interval(stall_s: float, step_s: float, mtbi_s: float | None) -> AutoInterval:
+    """Young/Daly's optimum sqrt(2 x stall x MTBI) in whole steps, but no more often than keeps the snapshots'
+    stall under MAX_STALL_SHARE of the time; without an MTBI (no interruption rate in the profile), that bound
+    alone: the most often the tier may snapshot at that cost, which is what a crash at an unknown rate favours."""
+    step_s, stall_s = max(step_s, 1e-6), max(stall_s, 0.0)
+    floor_s = stall_s / MAX_STALL_SHARE
+    optimal_s = (2.0 * stall_s * mtbi_s) ** 0.5 if mtbi_s else 0.0
+    return AutoInterval(steps=max(1, round(max(optimal_s, floor_s) / step_s)), stall_s=stall_s, step_s=step_s,
+                        mtbi_s=mtbi_s)
+
+
+def mtbi_s(interruptions_per_node_day: float | None, nodes: int) -> float | None:
+    """The profile's rate of interruptions without warning (per node and day) as the job's mean time between them."""
+    return 86400.0 / (interruptions_per_node_day * nodes) if interruptions_per_node_day and nodes else None

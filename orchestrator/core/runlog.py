@@ -30,10 +30,12 @@ FAILED = "failed"  # an attempt failed: error or reason, retryable, step, rank (
 CANCEL = "cancel"  # `fsdpjob cancel` asked the scheduler to stop the run for good: by
 GPU_WAIT = "gpu_wait"  # before a relaunch, the wait for the GPUs to be free: launch, waited_s, busy, skipped
 FAULT = "fault"  # the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart, decision, exclude, step
+MEMORY_TIER = "memory_tier"  # checkpoint.memory_interval_steps auto chose its interval: steps, stall_s, step_s, mtbi_s, at_step
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, EXPORT, DONE)
+EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, MEMORY_TIER, EXPORT,
+          DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

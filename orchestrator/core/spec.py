@@ -231,8 +231,8 @@ class CheckpointSpec(Strict):
     """At the end of the job, export a Hugging Face folder (safetensors) to <run>/export."""
     keep_best: bool = False
     """Also keep the committed checkpoint with the lowest eval loss (needs train.eval_every)."""
-    memory_interval_steps: NonNegativeInt = 0
-    """Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or $FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there (0: off)."""
+    memory_interval_steps: Literal["auto"] | NonNegativeInt = 0
+    """Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or $FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there (0: off). auto: the first snapshot 5 steps into each launch, then as often as Young/Daly says for its measured stall and the profile's expected_interruptions_per_day, never more than a 5% stall."""
 
     _dir = field_validator("dir")(path_value)
 

@@ -160,7 +160,7 @@ def _setup(spec: JobSpec, eff: Effective, model_type: str) -> Setup:
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
         async_save=spec.checkpoint.async_save,
-        memory_tier=spec.checkpoint.memory_interval_steps > 0,
+        memory_tier=bool(spec.checkpoint.memory_interval_steps),
     )
 
 
