@@ -53,16 +53,39 @@ class SlurmAllocation:
     def from_env(cls) -> SlurmAllocation:
         return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurmenv.job_id_from_env())
 
+    @staticmethod
+    def _node_names(excluded: tuple[str, ...] = ()) -> list[str]:
+        try:
+            return [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in excluded]
+        except FsdpjobError:
+            return []
+
+    def remove_on_nodes(self, folder: Path) -> list[str]:
+        """Remove ``folder`` on every node of the allocation that still answers (the memory tier's node-local
+        files, at the end), one ``srun --overlap`` per node in parallel, outside any container; the nodes where it
+        ran. Bounded and best effort: a job at its end may refuse new steps, and a lost node holds nothing."""
+        if self.job_id is None:
+            return []
+        job_id = self.job_id
+
+        def remove(node: str) -> bool:
+            try:
+                slurm_cli.on_node(job_id, node, ["rm", "-rf", "--", str(folder)], timeout=PROBE_TIMEOUT_S)
+                return True
+            except FsdpjobError:
+                return False
+
+        nodes = self._node_names()
+        with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
+            return [n for n, ok in zip(nodes, pool.map(remove, nodes)) if ok]
+
     def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
         """After a crash: the nodes of the allocation that no longer run a trivial command in this job (a dead
         slurmd, a node gone), probed in parallel (srun's --kill-on-bad-exit ends every rank within a second, so
         the heartbeats alone cannot always tell which node went first), and the job's partition, read once."""
         if self.job_id is None:
             return NodeFacts((), _never_refused)
-        try:
-            nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in excluded]
-        except FsdpjobError:
-            nodes = []
+        nodes = self._node_names(excluded)
         job_id = self.job_id
 
         def gone(node: str) -> bool:
@@ -93,10 +116,7 @@ class SlurmAllocation:
         ``srun --overlap`` (the probe step gets the job's GPUs, so nvidia-smi sees them)."""
         if self.job_id is None:
             return GpuWait(0.0, {}, ())
-        try:
-            nodes = [n for n in slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) if n not in excluded]
-        except FsdpjobError:
-            nodes = []
+        nodes = self._node_names(excluded)
         job_id = self.job_id
         return wait_gpus_free(nodes, lambda node: slurm_cli.on_node(job_id, node, ["sh", "-c", GPU_QUERY],
                                                                     timeout=PROBE_TIMEOUT_S))
@@ -164,6 +184,9 @@ class LocalAllocation:
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         return None  # no requeue path to compare with: a local run restarts or gives up
+
+    def remove_on_nodes(self, folder: Path) -> list[str]:
+        return []  # one node: the supervisor's own removal covers it
 
     def worker_env(self) -> dict[str, str]:
         return {}

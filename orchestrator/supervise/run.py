@@ -75,10 +75,13 @@ class Supervisor:
             return self._run()
         finally:
             # The memory tier serves restarts in this allocation only (a requeue resumes from the durable tier):
-            # whatever ended the loop, it goes. The workers of a completed run removed theirs already; this
-            # covers the crashes given up on, on this host (a node folder per emulated node on a dev cluster).
+            # whatever ended the loop, it goes, from every node. The workers of a completed run removed theirs
+            # already; this covers the crashes given up on and the stops. This host's first (a node folder per
+            # emulated node on a dev cluster), then the others through the allocation.
             if self.memory_tier and self.job_id:
                 memtier.remove_job(self.memory_tier, self.job_id)
+                if self.nodes > 1:
+                    self.allocation.remove_on_nodes(Path(self.memory_tier) / self.job_id)
 
     def _run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):

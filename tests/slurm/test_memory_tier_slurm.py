@@ -5,8 +5,10 @@ most 5 steps, completes, and ends with the uninterrupted run's bits; the tier is
 from __future__ import annotations
 
 import random
+import subprocess
 
 import pytest
+from helpers import wait_for
 from slurm.slurm_helpers import status, submit
 from slurm.test_fsdp_slurm import assert_same_weights
 from slurm.test_recovery_slurm import _events, _finished, _kill_at, _one_allocation
@@ -36,6 +38,13 @@ def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_
     assert_same_weights(reference, run["run_dir"])
     assert not (shm / run["job_id"]).exists() or not any((shm / run["job_id"]).iterdir())
     assert status(run["run_id"])["phase"] == "COMPLETED"
+    # The supervisor removed the tier on every node too (one host holds both node folders here, so Slurm's
+    # accounting is what shows it ran on each): an `rm` step per node.
+    def rm_steps() -> set[str]:
+        out = subprocess.run(["sacct", "-j", run["job_id"], "-n", "-P", "--format=JobName,NodeList"],
+                             capture_output=True, text=True).stdout
+        return {line.split("|")[1] for line in out.splitlines() if line.startswith("rm|")}
+    assert wait_for(lambda: rm_steps() == {"n1", "n2"}, timeout_s=30, interval_s=1.0, what="the rm steps"), rm_steps()
 
 
 def checkpoints_between(run_dir: str, first: int, last: int) -> list[int]:

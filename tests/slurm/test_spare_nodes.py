@@ -1,13 +1,14 @@
 """Issue 27 part 5, on the 4-node dev cluster (partition `wide` on n[1-4]; the 2-node clusters and their tests are
 untouched): what needs spare nodes. A lost node of a job that cannot go on without it (min_nodes = nodes) is left
 behind by a requeue that excludes it, and the job lands on the other nodes and completes; a 4-node job with
-min_nodes 3 loses one node and goes on with 3 in its allocation, from the durable checkpoint. One task per node,
-the tiny model, 24 steps: the CI cost stays small."""
+min_nodes 3 loses one node (its slurmd, its rank and its shared memory) and goes on with 3 in its allocation,
+resharded from the memory tier's replicas. One task per node, the tiny model, 24 steps: the CI cost stays small."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -96,9 +97,15 @@ def test_lost_node_without_spare_in_the_allocation_requeues_onto_other_nodes(slu
         resume, fault)
 
 
-def test_one_node_of_four_lost_goes_on_with_three(slurm_cluster4, make_spec):
-    run = submit(_spec(make_spec, "shrink", nodes=4, min_nodes=3), *FAST)
+def test_one_node_of_four_lost_goes_on_with_three_from_the_memory_tiers_replicas(slurm_cluster4, make_spec, tmp_path):
+    every = 4
+    shm = tmp_path / "shm"  # the emulated nodes share one host's /dev/shm: a folder per node, this test's own
+    run = submit(_spec(make_spec, "shrink", nodes=4, min_nodes=3), "--set", "checkpoint.interval_steps=1000",
+                 "--set", "checkpoint.interval_minutes=0", "--set", f"checkpoint.memory_interval_steps={every}",
+                 "--set", "recovery.stall_floor_s=5", "--set", "recovery.setup_timeout_s=120",
+                 "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
     victim = _lose_last_node(slurm_cluster4, run, step=12)
+    shutil.rmtree(shm / run["job_id"] / victim)  # the node's memory went with it: only its buddy's replica is left
     try:
         wait_for(lambda: (status(run["run_id"])["recovery"] or {}).get("restarts") == 1, timeout_s=180,
                  interval_s=1.0, what=f"the restart without {victim}")
@@ -111,8 +118,11 @@ def test_one_node_of_four_lost_goes_on_with_three(slurm_cluster4, make_spec):
     assert fault["exclude"] == [victim] and fault["restart"] is True, fault
     assert not [e for e in events if e["event"] == "requeue"], events
     resume = [e for e in events if e["event"] == "resume"][-1]
-    # The newest durable checkpoint (the fault names it), resharded from 4 ranks onto 3, the global batch of 12
-    # kept (3 ranks x 4 micro-batches).
-    assert resume["step"] == fault["step"] >= 5 and resume["world_size"] == 3 and resume["grad_accum_steps"] == 4, (
-        resume, fault)
-    assert status(run["run_id"])["recovery"]["excluded_nodes"] == [victim]
+    # A snapshot of the memory tier (no durable checkpoint before the end), the victim's shard from its buddy's
+    # replica, resharded from 4 ranks onto 3, the global batch of 12 kept (3 ranks x 4 micro-batches).
+    assert resume["tier"] == "memory" and resume["step"] % every == 0 and resume["step"] >= 8, resume
+    assert resume["world_size"] == 3 and resume["grad_accum_steps"] == 4, resume
+    assert not [e for e in events if e["event"] == "checkpoint" and e["step"] < 24], events
+    final = status(run["run_id"])
+    assert final["recovery"]["excluded_nodes"] == [victim], final["recovery"]
+    assert final["recovery"]["last_resume"] == {"tier": "memory", "step": resume["step"]}, final["recovery"]

@@ -1,0 +1,155 @@
+"""Steps lost per crash with and without the memory tier (issue 27), on the dev cluster's 2 nodes x 2 tasks:
+
+    SLURM_CONF=/tmp/fsdpjob-devcluster/etc/slurm.conf python bench/memory_tier_kills.py [--kills 5]
+
+Needs the dev cluster (`fsdpjob dev-cluster up`). Per kill, one quickstart-model run with the durable interval
+at 20 steps, and the same with the memory tier every 5 steps too (the durable one then far away, 1,000 steps);
+one rank SIGKILLed at a random step between 25 and 45 (the same draws for both), the supervisor restarts the
+workers in the allocation. Read from the run log, per run:
+- steps lost: the furthest step trained before the kill less the step the restart resumed from;
+- kill -> first trained step after the restart, and the resume's load time (the `resume` event's load_s);
+- the tier's bytes per node in shared memory (the peak of the node folders, sampled every 0.2 s while the run
+  trains) against the plan's `memory_tier_bytes` (`fsdpjob plan --json`), which also counts each rank's stager
+  copy (process memory, not sampled here).
+Prints one JSON line per run and a table of medians. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from devjobs import cli, poll, status  # bench/devjobs.py (this folder is on sys.path)
+
+EVERY = 5
+
+
+def spec_file(root: Path, assets: dict, case: str, shm: Path) -> Path:
+    spec = {
+        "name": f"kill-{case}", "profile": "test-cluster",
+        "resources": {"nodes": 2, "time_limit": "30:00"},
+        "model": {"path": assets["model_path"]},
+        "data": {"path": assets["data_path"], "seq_len": 64},
+        "train": {"max_steps": 400, "micro_batch_size": 2, "lr": 3e-3, "log_every": 1},
+        "fsdp": {"mixed_precision": "fp32"},
+        "checkpoint": {"interval_steps": 20, "interval_minutes": 0},
+    }
+    if case == "memory":
+        spec["checkpoint"] = {"interval_steps": 1000, "interval_minutes": 0, "memory_interval_steps": EVERY}
+        spec["env"] = {"FSDPJOB_MEMORY_TIER_DIR": str(shm)}
+    path = root / f"{case}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _tier_bytes(folder: Path) -> dict[str, int]:
+    """Bytes in each node folder of the job's tier (the files of every step there)."""
+    out = {}
+    for node in folder.iterdir() if folder.is_dir() else []:
+        total = 0
+        for dirpath, _, names in os.walk(node):
+            for name in names:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except OSError:
+                    pass  # removed meanwhile (an older step dropped)
+        out[node.name] = total
+    return out
+
+
+def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int | None) -> dict:
+    shm = root / "shm"
+    path = spec_file(root, assets, case, shm)
+    out = cli("submit", str(path), "--json")
+    run = json.loads(out[out.index("{"): out.index("}") + 1])
+    run_dir = Path(run["run_dir"])
+    peak: dict[str, int] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for node, size in _tier_bytes(shm / run["job_id"]).items():
+                peak[node] = max(peak.get(node, 0), size)
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    poll(lambda: (status(run["run_id"])["step"] or 0) >= kill_step, 600, f"{case}: step {kill_step}")
+    beat = json.loads((run_dir / "heartbeat" / "rank-3.json").read_text())
+    at = time.time()
+    os.kill(beat["pid"], signal.SIGKILL)
+
+    def first_step_after():
+        metrics, events = _lines(run_dir / "metrics.jsonl"), _lines(run_dir / "events.jsonl")
+        ready = [e for e in events if e["event"] == "ready" and e["time"] > at]
+        after = [m for m in metrics if ready and m["time"] > ready[0]["time"] and "loss" in m]
+        return (after[0], metrics, events) if after else None
+
+    first, metrics, events = poll(first_step_after, 600, f"{case}: training after the kill")
+    done.set()
+    sampler.join()
+    subprocess.run(["scancel", run["job_id"]], capture_output=True)
+    poll(lambda: not subprocess.run(["squeue", "-h", "-j", run["job_id"]], capture_output=True, text=True).stdout.strip(),
+         120, f"{case}: the cancelled job to leave the queue")
+    furthest = max(m["step"] for m in metrics if "loss" in m and m["time"] <= at)
+    resume = [e for e in events if e["event"] == "resume" and e["time"] > at][0]
+    row = {"case": case, "kill_after_step": furthest, "resumed_from": resume["step"], "tier": resume.get("tier"),
+           "steps_lost": furthest - resume["step"], "kill_to_first_step_s": round(first["time"] - at, 2),
+           "load_s": resume.get("load_s")}
+    if case == "memory":
+        row["tier_peak_bytes_per_node"] = max(peak.values()) if peak else 0
+        row["plan_tier_bytes_per_node"] = plan_tier
+    return row
+
+
+def plan_tier_bytes(root: Path, assets: dict) -> int | None:
+    out = cli("plan", str(spec_file(root, assets, "memory", root / "shm")), "--json")
+    return json.loads(out[out.index("{"):])["host_memory"].get("memory_tier_bytes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=27)
+    args = parser.parse_args()
+    if not os.environ.get("SLURM_CONF"):
+        sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
+    from fsdpjob.jobs.quickstart import make_quickstart
+
+    steps = [random.Random(args.seed).randint(25, 45) for _ in range(args.kills)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fsdpjob-tier-kills-", ignore_cleanup_errors=True) as tmp:
+        root = Path(tmp)
+        os.environ["FSDPJOB_HOME"] = str(root / "home")
+        assets = make_quickstart(root / "assets")
+        plan = plan_tier_bytes(root, assets)
+        for step in steps:
+            for case in ("durable", "memory"):
+                rows.append(run_kill(root, assets, case, step, plan))
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"kills at steps {steps}; medians:")
+    print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'load s':>7} {'tier MB/node':>12} {'plan MB/node':>12}")
+    for case in ("durable", "memory"):
+        mine = [r for r in rows if r["case"] == case]
+        med = lambda k: statistics.median(r[k] for r in mine) if all(r.get(k) is not None for r in mine) else float("nan")  # noqa: E731, B023 - used in this iteration
+        print(f"{case:<8} {med('steps_lost'):>10.1f} {med('kill_to_first_step_s'):>12.1f} {med('load_s'):>7.2f} "
+              f"{med('tier_peak_bytes_per_node') / 1e6:>12.1f} {med('plan_tier_bytes_per_node') / 1e6:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
