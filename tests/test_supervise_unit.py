@@ -242,6 +242,23 @@ def test_crash_blames_the_rank_that_died_not_its_peers() -> None:
     assert blame_crash(quiet, [], gone=(1,)).ranks == (1,)
 
 
+def test_a_teardown_line_srun_printed_first_blames_nobody() -> None:
+    """Seen in a loaded run (launch 2 of tests/slurm/test_recovery_slurm.py's hang-then-crashes test, the workers in
+    the test image): rank 2 on n2 SIGKILLed; srun printed n1's teardown first. Rank 1, in that line, had failed
+    after a peer: the line is the teardown's, and the next line names the rank that died."""
+    from fsdpjob.orchestrator.supervise.blame import srun_task_exit
+
+    reset = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+             "[127.0.0.1]:27312: Connection reset by peer.")
+    events = [_failed(3, 1796321409.178417, reset), _failed(1, 1796321409.1784744, reset)]
+    beats = [beat(r, 22, t=1796321408.8, host="n1" if r < 2 else "n2") for r in range(4)]
+    lines = ["srun: error: n1: tasks 0-1: Killed", "srun: error: n2: task 2: Exited with exit code 137",
+             "srun: error: n2: task 3: Killed"]
+    found = blame_crash(beats, events, gone=(0, 1, 2, 3), srun=[srun_task_exit(x) for x in lines])
+    assert found.ranks == (2,) and found.hosts == ("n2",) and found.casualties == (1, 3), found
+    assert found.exits[2].startswith("srun reported it first"), found.exits
+
+
 def test_heartbeat_file_round_trip(tmp_path) -> None:
     hb = Heartbeat(tmp_path, rank=3, launch=2, interval_s=0.05)
     hb.at_step(7, NEXT_BATCH)

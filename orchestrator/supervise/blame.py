@@ -5,14 +5,18 @@ by peer" or "Connection closed by peer", an NCCL remote error, a store or collec
 casualties: blaming their nodes would count a healthy node as faulty (and, blamed twice, exclude it).
 
 What the supervisor has to go on, per rank of the launch:
-- srun's own report, in the order srun learnt it: ``srun: error: n1: task 1: Killed`` comes before the
-  lines of the tasks it then tore down (``--kill-on-bad-exit``), on whichever node they ran;
+- srun's own report, mostly in the order srun learnt it: ``srun: error: n1: task 1: Killed`` comes before the
+  lines of the tasks it then tore down (``--kill-on-bad-exit``), on whichever node they ran. Mostly: on a loaded
+  machine one node's teardown line (``n1: tasks 0-1: Killed``) was printed before the other node's line of the
+  rank that died first (``n2: task 2: Exited with exit code 137``);
 - its heartbeat (node, and when its thread last wrote: a dead process stops writing);
 - the ``failed`` event the worker writes from its exception handler (error class and message, time). A rank
   killed by a signal (SIGKILL, SIGSEGV, the OOM killer) writes none, which is itself the sign.
 The rules:
 - a rank whose error is a peer-connection error is a casualty and blames nothing;
-- the ranks of srun's first report that are not casualties are the cause;
+- the ranks of srun's first report that are not casualties are the cause, skipping a report that names a
+  casualty: those ranks ended together, and one of them was still alive after a peer had failed, so that line
+  is the teardown's;
 - a rank that wrote no error and whose heartbeat stopped no later than the first error of any rank died by
   a signal before its peers failed: it is the cause (a rank still beating after that was torn down later by
   srun's --kill-on-bad-exit: a casualty);
@@ -84,8 +88,10 @@ def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (
 
 
 def _first_in_srun(srun, casualties, alive, failed, exits) -> list[int]:
-    """The ranks of srun's first task report that are not casualties."""
+    """The ranks of srun's first task report that names no casualty (one that does reports the teardown)."""
     for ranks, how in srun:
+        if any(r in casualties for r in ranks):
+            continue
         causes = [r for r in ranks if r not in casualties and r in alive]
         if causes:
             for rank in causes:
