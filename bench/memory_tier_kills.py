@@ -8,9 +8,9 @@ one rank SIGKILLed at a random step between 25 and 45 (the same draws for both),
 workers in the allocation. Read from the run log, per run:
 - steps lost: the furthest step trained before the kill less the step the restart resumed from;
 - kill -> first trained step after the restart, and the resume's load time (the `resume` event's load_s);
-- the tier's bytes per node in shared memory (the peak of the node folders, sampled every 0.2 s while the run
-  trains) against the plan's `memory_tier_bytes` (`fsdpjob plan --json`), which also counts each rank's stager
-  copy (process memory, not sampled here).
+- the tier's bytes per node in shared memory (the peak of the node folders' allocated blocks, sampled every
+  0.2 s while the run trains, the resume's sparse load copies included) against the plan's `memory_tier_bytes`
+  (`fsdpjob plan --json`), which also counts each rank's stager copy (process memory, not sampled here).
 Prints one JSON line per run and a table of medians. Nothing is asserted.
 """
 
@@ -58,14 +58,15 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _tier_bytes(folder: Path) -> dict[str, int]:
-    """Bytes in each node folder of the job's tier (the files of every step there)."""
+    """Bytes each node folder of the job's tier takes in shared memory (allocated blocks: a resume's per-rank
+    copies there are sparse, holding only the byte ranges the rank loads)."""
     out = {}
     for node in folder.iterdir() if folder.is_dir() else []:
         total = 0
         for dirpath, _, names in os.walk(node):
             for name in names:
                 try:
-                    total += os.stat(os.path.join(dirpath, name)).st_size
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512  # a load copy links the shards it holds
                 except OSError:
                     pass  # removed meanwhile (an older step dropped)
         out[node.name] = total
@@ -79,12 +80,18 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
     run = json.loads(out[out.index("{"): out.index("}") + 1])
     run_dir = Path(run["run_dir"])
     peak: dict[str, int] = {}
+    at_peak: dict[str, list[str]] = {}  # what the node folder held at its peak (steps, load copies)
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             for node, size in _tier_bytes(shm / run["job_id"]).items():
-                peak[node] = max(peak.get(node, 0), size)
+                if size > peak.get(node, 0):
+                    peak[node] = size
+                    try:
+                        at_peak[node] = sorted(p.name for p in (shm / run["job_id"] / node).iterdir())
+                    except OSError:
+                        pass
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -113,6 +120,7 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
            "load_s": resume.get("load_s")}
     if case == "memory":
         row["tier_peak_bytes_per_node"] = max(peak.values()) if peak else 0
+        row["tier_at_peak"] = at_peak
         row["plan_tier_bytes_per_node"] = plan_tier
     return row
 
@@ -131,7 +139,8 @@ def main() -> None:
         sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
     from fsdpjob.jobs.quickstart import make_quickstart
 
-    steps = [random.Random(args.seed).randint(25, 45) for _ in range(args.kills)]
+    rng = random.Random(args.seed)
+    steps = [rng.randint(25, 45) for _ in range(args.kills)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="fsdpjob-tier-kills-", ignore_cleanup_errors=True) as tmp:
         root = Path(tmp)
