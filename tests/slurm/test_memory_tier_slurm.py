@@ -1,9 +1,11 @@
 """Issue 27 on the real dev cluster (2 nodes x 2 tasks): a rank SIGKILLed at a random step, with the durable
 checkpoint far away and the memory tier every 5 steps, restarts in the allocation from the memory tier, loses at
-most 5 steps, completes, and ends with the uninterrupted run's bits; the tier is gone at the end."""
+most 5 steps, completes, and ends with the uninterrupted run's bits; the tier is gone at the end, from every node.
+A tier spoiled after a crash (parts missing, a stale job id) is never chosen: the durable checkpoint serves."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 
@@ -49,3 +51,33 @@ def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_
 
 def checkpoints_between(run_dir: str, first: int, last: int) -> list[int]:
     return [e["step"] for e in _events(run_dir) if e["event"] == "checkpoint" and first <= e["step"] <= last]
+
+
+def test_a_damaged_or_stale_tier_is_never_chosen_and_the_durable_checkpoint_serves(slurm_cluster, reference, tmp_path):
+    """The tier every 3 steps, durable checkpoints every 10. Right after a rank is SIGKILLed, every snapshot left in
+    shared memory is spoiled before the supervisor's next launch scans it: on n1 the parts are gone (no file is
+    known complete), on n2 the COMMITTED marker names another job (a stale tier). The restart resumes from the
+    newest durable checkpoint and ends with the uninterrupted run's bits."""
+    shm = tmp_path / "shm"
+    run = submit(reference["spec"], "--set", "checkpoint.interval_steps=10", "--set", "checkpoint.interval_minutes=0",
+                 "--set", "checkpoint.memory_interval_steps=3", "--set", "recovery.stall_floor_s=5",
+                 "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
+    _kill_at(run, launch=0, step=24, rank=2)
+    job = shm / run["job_id"]
+    spoiled = []
+    for step_dir in sorted(job.glob("n1/step-*")):
+        for part in step_dir.glob("part-*.json"):
+            part.unlink()
+        spoiled.append(("n1", step_dir.name))
+    for marker in sorted(job.glob("n2/step-*/COMMITTED")):
+        record = json.loads(marker.read_text())
+        marker.write_text(json.dumps({**record, "job": "999999"}) + "\n")
+        spoiled.append(("n2", marker.parent.name))
+    assert {node for node, _ in spoiled} == {"n1", "n2"}, spoiled
+    done = _finished(run)
+    [fault] = _one_allocation(run, launches=2)
+    assert fault["kind"] == "crash", fault
+    [resume] = [e for e in _events(run["run_dir"]) if e["event"] == "resume"]
+    assert resume["tier"] == "durable" and resume["step"] % 10 == 0 and resume["step"] >= 20, (resume, spoiled)
+    assert done["recovery"]["last_resume"] == {"tier": "durable", "step": resume["step"]}, done["recovery"]
+    assert_same_weights(reference, run["run_dir"])
