@@ -135,6 +135,9 @@ class MemoryTier:
         stall = self.waited_s - waited
         step_s = (time.monotonic() - clock - stall) / (step - first)
         figures = torch.tensor([stall, step_s], dtype=torch.float64)
+        # The probe's commit runs collectives on this group in the tier's thread: it must be over before this
+        # thread runs one there (measured before, so the decision does not count this wait).
+        self.wait()
         if self._pg is not None:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self._pg)
         choice = auto_interval(float(figures[0]), float(figures[1]), self.mtbi_s)
