@@ -30,21 +30,13 @@ import time
 from pathlib import Path
 
 import yaml
-from devjobs import cli, poll, status  # bench/devjobs.py (this folder is on sys.path)
+from devjobs import cli, poll, recovery_spec, status  # bench/devjobs.py (this folder is on sys.path)
 
 EVERY = 5
 
 
 def spec_file(root: Path, assets: dict, case: str, shm: Path) -> Path:
-    spec = {
-        "name": f"kill-{case}", "profile": "test-cluster",
-        "resources": {"nodes": 2, "time_limit": "30:00"},
-        "model": {"path": assets["model_path"]},
-        "data": {"path": assets["data_path"], "seq_len": 64},
-        "train": {"max_steps": 400, "micro_batch_size": 2, "lr": 3e-3, "log_every": 1},
-        "fsdp": {"mixed_precision": "fp32"},
-        "checkpoint": {"interval_steps": 20, "interval_minutes": 0},
-    }
+    spec = recovery_spec(f"kill-{case}", assets)
     if case == "memory":
         spec["checkpoint"] = {"interval_steps": 1000, "interval_minutes": 0, "memory_interval_steps": EVERY}
         spec["env"] = {"FSDPJOB_MEMORY_TIER_DIR": str(shm)}
