@@ -259,6 +259,29 @@ def test_a_teardown_line_srun_printed_first_blames_nobody() -> None:
     assert found.exits[2].startswith("srun reported it first"), found.exits
 
 
+def test_srun_reports_after_the_supervisors_signal_are_the_teardowns() -> None:
+    """Seen in CI (launch 1 of the hang-then-crashes test, the workers in the test image): rank 1 SIGKILLed while
+    its peers wrote no error yet; the supervisor saw its pid gone and signalled the step, and srun then reported
+    rank 0 (which ended on the SIGTERM) before bubblewrap's exit for rank 1. Rank 1 is the cause, not rank 0."""
+    from fsdpjob.orchestrator.supervise.blame import srun_task_exit
+
+    beats = [beat(r, 17, t=100.0 if r == 1 else 100.9, host="n1" if r < 2 else "n2") for r in range(4)]
+    lines = ["srun: error: n1: task 0: Exited with exit code 143", "srun: error: n1: task 1: Exited with exit code 137",
+             "srun: error: n2: tasks 2-3: Terminated"]
+    reports = [srun_task_exit(x) for x in lines]
+    found = blame_crash(beats, [], gone=(1,), srun=reports, srun_untouched=0)
+    assert found.ranks == (1,) and found.hosts == ("n1",) and found.casualties == (), found
+    assert "saw its process end first" in found.exits[1], found.exits
+    # The same reports printed before any signal are srun's own order: its first line names the cause.
+    assert blame_crash(beats, [], gone=(1,), srun=reports).ranks == (0,)
+    # A report that came before the signal outranks the ranks seen gone (on a real cluster the supervisor sees its
+    # own node's ranks torn down by srun's --kill-on-bad-exit after a rank on another node died).
+    first = [srun_task_exit("srun: error: n2: task 2: Exited with exit code 137"), *reports]
+    assert blame_crash(beats, [], gone=(0, 1), srun=first, srun_untouched=1).ranks == (2,)
+    # Nothing but the ranks seen gone, and no srun at all (the local controller): those ranks.
+    assert blame_crash(beats, [], gone=(1,)).ranks == (1,)
+
+
 def test_heartbeat_file_round_trip(tmp_path) -> None:
     hb = Heartbeat(tmp_path, rank=3, launch=2, interval_s=0.05)
     hb.at_step(7, NEXT_BATCH)

@@ -16,13 +16,18 @@ The rules:
 - a rank whose error is a peer-connection error is a casualty and blames nothing;
 - the ranks of srun's first report that are not casualties are the cause, skipping a report that names a
   casualty: those ranks ended together, and one of them was still alive after a peer had failed, so that line
-  is the teardown's;
-- a rank that wrote no error and whose heartbeat stopped no later than the first error of any rank died by
-  a signal before its peers failed: it is the cause (a rank still beating after that was torn down later by
+  is the teardown's. Only reports srun printed before the supervisor signalled the step count here: after its
+  SIGTERM every rank ends, and a rank that reacted faster than the dead one's container runtime was reported
+  first (seen in CI: n1's bubblewrap of the SIGKILLed rank 1 reported after rank 0, which wrote no error);
+- else, a rank that wrote no error and whose heartbeat stopped no later than the first error of any rank died
+  by a signal before its peers failed: it is the cause (a rank still beating after that was torn down later by
   srun's --kill-on-bad-exit: a casualty);
-- otherwise the first rank that failed with any other error is the cause;
-- with no error written at all (every rank killed, a node lost), the ranks whose heartbeat stopped clearly
-  before the others' are blamed, else the ones the supervisor saw gone, else nobody.
+- else the first rank that failed with any other error is the cause;
+- else (every rank killed, a node lost) the ranks without an error whose heartbeat stopped clearly before the
+  others' (a node lost with its ranks: the supervisor on another node may see its own ranks torn down first);
+- else the ranks the supervisor saw gone itself (by their pid, on its own machine) at the poll that made it end
+  the step, less casualties;
+- else srun's reports after the signal, by the first rule; else nobody.
 """
 
 from __future__ import annotations
@@ -69,10 +74,11 @@ def is_peer_error(error: str) -> bool:
 
 
 def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (),
-                srun: list[tuple[tuple[int, ...], str]] = ()) -> CrashBlame:
+                srun: list[tuple[tuple[int, ...], str]] = (), srun_untouched: int | None = None) -> CrashBlame:
     """``beats``: the launch's last heartbeats; ``events``: the run-log events since the launch started;
-    ``gone``: ranks whose process the supervisor saw end (on its own machine), first seen first; ``srun``:
-    srun's task exit reports in order (``srun_task_exit``)."""
+    ``gone``: ranks whose process the supervisor saw end (on its own machine) before it signalled the step;
+    ``srun``: srun's task exit reports in order (``srun_task_exit``), of which the first ``srun_untouched`` came
+    before the supervisor signalled the step (None: it never did)."""
     alive = {b.rank: b for b in beats if b.phase != EXITED}
     failed: dict[int, dict] = {}
     for e in events:
@@ -80,8 +86,12 @@ def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (
             failed[e["rank"]] = e
     casualties = tuple(sorted(r for r, e in failed.items() if is_peer_error(str(e.get("error")))))
     exits = {r: f"failed after a peer: {_short(e)}" for r, e in failed.items() if r in casualties}
-    causes = (_first_in_srun(srun, casualties, alive, failed, exits)
-              or (_from_errors(alive, failed, casualties, exits) if failed else _from_heartbeats(alive, gone, exits)))
+    untouched = len(srun) if srun_untouched is None else srun_untouched
+    causes = (_first_in_srun(srun[:untouched], casualties, alive, failed, exits)
+              or (_from_errors(alive, failed, casualties, exits) if failed else [])
+              or _from_heartbeats(alive, failed, exits)
+              or _seen_gone(gone, casualties, alive, failed, exits)
+              or _first_in_srun(srun[untouched:], casualties, alive, failed, exits))
     causes = sorted(set(causes))
     hosts = tuple(sorted({alive[r].host for r in causes}))
     return CrashBlame(tuple(causes), hosts, casualties, dict(sorted(exits.items())))
@@ -98,6 +108,14 @@ def _first_in_srun(srun, casualties, alive, failed, exits) -> list[int]:
                 exits[rank] = f"srun reported it first: {how}" + (f" ({_short(failed[rank])})" if rank in failed else "")
             return causes
     return []
+
+
+def _seen_gone(gone, casualties, alive, failed, exits) -> list[int]:
+    """The ranks whose end made the supervisor end the step, less those that wrote a peer's error."""
+    causes = [r for r in gone if r in alive and r not in casualties]
+    for rank in causes:
+        exits[rank] = "the supervisor saw its process end first" + (f" ({_short(failed[rank])})" if rank in failed else "")
+    return causes
 
 
 def _from_errors(alive, failed, casualties, exits) -> list[int]:
@@ -118,12 +136,13 @@ def _from_errors(alive, failed, casualties, exits) -> list[int]:
     return causes or [rank for _, rank in own[:1]]
 
 
-def _from_heartbeats(alive, gone, exits) -> list[int]:
-    """No error written at all: the heartbeats that stopped clearly first, else the ranks seen gone first."""
+def _from_heartbeats(alive, failed, exits) -> list[int]:
+    """The ranks that wrote no error and whose heartbeats stopped clearly before the others'."""
     newest = max((b.time for b in alive.values()), default=0.0)
-    causes = [r for r, b in alive.items() if newest - b.time > STOPPED_FIRST_S] or [r for r in gone if r in alive]
+    causes = [r for r, b in alive.items() if r not in failed and newest - b.time > STOPPED_FIRST_S]
     for rank in alive:
-        exits[rank] = "stopped first, no error written" if rank in causes else "no error written"
+        if rank not in failed:
+            exits[rank] = "stopped first, no error written" if rank in causes else "no error written"
     return causes
 
 

@@ -122,6 +122,7 @@ class Supervisor:
         self.proc = subprocess.Popen(self._command(), env=env, start_new_session=True,
                                      stderr=subprocess.PIPE if srun else None)
         self._srun_exits: list[tuple[tuple[int, ...], str]] = []
+        self._srun_untouched: int | None = None  # how many of them srun printed before the supervisor's signal
         self._relay = threading.Thread(target=self._relay_stderr, args=(self.proc.stderr,), daemon=True) if srun else None
         if self._relay is not None:
             self._relay.start()
@@ -177,6 +178,10 @@ class Supervisor:
     def _end_step(self, grace_s: float = TERM_GRACE_S) -> int:
         """SIGTERM, a grace, then the allocation's hard kill (allocation.py)."""
         proc = self.proc
+        if self._srun_untouched is None:
+            # srun's reports from here on may be of the teardown this starts (blame.py). A line srun printed just
+            # before and the relay thread has not read yet counts as after: the rank seen gone outranks it.
+            self._srun_untouched = len(self._srun_exits)
         self._signal_group(signal.SIGTERM)
         try:
             return proc.wait(grace_s)
@@ -215,7 +220,7 @@ class Supervisor:
             # The rank that died first, not the peers that failed after it (blame.py).
             if self._relay is not None:
                 self._relay.join(timeout=2.0)  # srun has exited: its last lines are on their way
-            found = blame_crash(beats, since, self._gone, self._srun_exits)
+            found = blame_crash(beats, since, self._gone, self._srun_exits, self._srun_untouched)
             kind, hosts = "crash", found.hosts
             info = {"reason": f"the workers' step exited {rc}", "detected_at": seen, "ranks": list(found.ranks),
                     "casualties": list(found.casualties), "exits": {str(r): w for r, w in found.exits.items()}}
