@@ -122,9 +122,10 @@ class MemoryTier:
             self._probe = (step, time.monotonic(), self.waited_s)
         first = self._probe[0]
         if self.interval_steps is None:
-            if step == first + 2 * PROBE_STEPS:
-                self._decide(step)
-            return step == first + PROBE_STEPS
+            if step != first + 2 * PROBE_STEPS:
+                return step == first + PROBE_STEPS
+            self._decide(step)
+        # Decided at this step: a snapshot the new interval makes due now is taken now, not a step late.
         return step - (self._last_saved or first) >= self.interval_steps
 
     def _decide(self, step: int) -> None:

@@ -62,7 +62,9 @@ def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(sl
         assert time.monotonic() < deadline, now
         time.sleep(1)
 
-    assert most == 2 and preempted and released
+    # `released` is not asserted: when the save outlasted the grace, Slurm requeued the task itself, and it may
+    # start again at once without the hold (seen in CI: never PENDING at a poll); the restart is asserted below.
+    assert most == 2 and preempted
     assert all(r["phase"] == "COMPLETED" and r["step"] == 24 for r in now.values()), now
     # The preempted task came back alone: its restart is the only one, the others never stopped.
     # "requeue" when the save outlasted the preemption's grace and Slurm had requeued the task itself (a loaded

@@ -110,7 +110,8 @@ def test_auto_interval_probes_then_snapshots_as_its_measured_cost_says(tmp_path,
     assert choice["steps"] == max(1, round(bound / choice["step_s"])), choice
     assert run_ranks(node_worker, 2, run_dir=str(run_dir), env=env, nodes=NODES) == [0, 0]
     [resume] = _events(run_dir, "resume")
+    # The probe, then every `steps` from it, the first no earlier than the decision (taken at it when due).
     probe = first + PROBE_STEPS
-    snapshots = [probe] + list(range(probe + choice["steps"], 14, choice["steps"]))
+    snapshots = [probe] + list(range(max(choice["at_step"], probe + choice["steps"]), 14, choice["steps"]))
     assert resume["tier"] == "memory" and resume["step"] in snapshots[-2:], (resume, snapshots)
     assert [e["step"] for e in _events(run_dir, "done")] == [20]
