@@ -18,6 +18,11 @@ LRS = ("1e-3", "3e-3", "1e-2")
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
 
+# Long enough that task 0 is still training when the preempting job gets its node (seen in CI: 24 steps, and task 0
+# finished before the high-tier job was scheduled, with no restart).
+STEPS = 48
+
+
 def tasks_now(array_job: str) -> dict[str, tuple[str, str]]:
     """squeue's tasks of the array job: id -> (state, node); a pending rest shows as one row (7_[1-2%2])."""
     out = subprocess.run(["squeue", "-h", "-j", array_job, "-o", "%i|%T|%N"], capture_output=True, text=True).stdout
@@ -31,7 +36,7 @@ def sweep_status(ref: str) -> dict:
 def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(slurm_cluster, make_spec, in_container,
                                                                               tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
-    spec = make_spec("lrsweep", resources__nodes=1, train__max_steps=24, train__eval_every=8, train__eval_batches=2,
+    spec = make_spec("lrsweep", resources__nodes=1, train__max_steps=STEPS, train__eval_every=8, train__eval_batches=2,
                      data__eval_fraction=0.1)
     out = fsdpjob("sweep", str(spec), "--grid", f"train.lr={','.join(LRS)}", "--max-parallel", "2", "--json",
                   *in_container, check=True).stdout
@@ -47,7 +52,7 @@ def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(sl
         assert len(running) <= 2, running
         now = {r["sweep_index"]: r for r in sweep_status(sweep["name"])["runs"]}
         first = now[0]
-        if preempted is None and first["phase"] == "RUNNING" and (first["step"] or 0) >= 4:
+        if preempted is None and first["phase"] == "RUNNING" and (first["step"] or 0) >= 2:
             node = tasks_now(array)[f"{array}_0"][1]
             preempted = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "-p", "high", "-N1", "-w", node,
                                         "--exclusive", "--wrap", "sleep 3"], capture_output=True, text=True,
@@ -65,7 +70,7 @@ def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(sl
     # `released` is not asserted: when the save outlasted the grace, Slurm requeued the task itself, and it may
     # start again at once without the hold (seen in CI: never PENDING at a poll); the restart is asserted below.
     assert most == 2 and preempted
-    assert all(r["phase"] == "COMPLETED" and r["step"] == 24 for r in now.values()), now
+    assert all(r["phase"] == "COMPLETED" and r["step"] == STEPS for r in now.values()), now
     # The preempted task came back alone: its restart is the only one, the others never stopped.
     # "requeue" when the save outlasted the preemption's grace and Slurm had requeued the task itself (a loaded
     # machine): stop.classify then sees Restarts grown. Either way the workers' stop checkpoint came first.
