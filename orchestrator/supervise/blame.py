@@ -105,7 +105,7 @@ def _first_in_srun(srun, casualties, alive, failed, exits) -> list[int]:
         causes = [r for r in ranks if r not in casualties and r in alive]
         if causes:
             for rank in causes:
-                exits[rank] = f"srun reported it first: {how}" + (f" ({_short(failed[rank])})" if rank in failed else "")
+                exits[rank] = _with_error(f"srun reported it first: {how}", rank, failed)
             return causes
     return []
 
@@ -114,7 +114,7 @@ def _seen_gone(gone, casualties, alive, failed, exits) -> list[int]:
     """The ranks whose end made the supervisor end the step, less those that wrote a peer's error."""
     causes = [r for r in gone if r in alive and r not in casualties]
     for rank in causes:
-        exits[rank] = "the supervisor saw its process end first" + (f" ({_short(failed[rank])})" if rank in failed else "")
+        exits[rank] = _with_error("the supervisor saw its process end first", rank, failed)
     return causes
 
 
@@ -144,6 +144,10 @@ def _from_heartbeats(alive, failed, exits) -> list[int]:
         if rank not in failed:
             exits[rank] = "stopped first, no error written" if rank in causes else "no error written"
     return causes
+
+
+def _with_error(why: str, rank: int, failed: dict) -> str:
+    return why + (f" ({_short(failed[rank])})" if rank in failed else "")
 
 
 def _short(event: dict) -> str:

@@ -180,7 +180,8 @@ class Supervisor:
         proc = self.proc
         if self._srun_untouched is None:
             # srun's reports from here on may be of the teardown this starts (blame.py). A line srun printed just
-            # before and the relay thread has not read yet counts as after: the rank seen gone outranks it.
+            # before and the relay thread has not read yet counts as after: the errors, heartbeats and the ranks
+            # seen gone are weighed before it.
             self._srun_untouched = len(self._srun_exits)
         self._signal_group(signal.SIGTERM)
         try:
