@@ -5,6 +5,9 @@ in docs/development.md."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 VARIABLES: dict[str, str] = {
     # -- the login node
     "FSDPJOB_HOME": "the registry and, by default, the run folders (default ~/.fsdpjob; core/paths.py)",
@@ -46,3 +49,18 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_SKIP_FINAL_SAVE": "'1': no checkpoint at the end of training (bench/gpu.py)",
     "FSDPJOB_FAKE_GPUS": "'1': GPUs the scheduler granted are fakes (the dev cluster's /dev/null GPUs): train on CPU",
 }  # fmt: skip
+
+
+def get(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The one reader of fsdpjob's own variables: ``name`` must be listed above (a typo fails at once, not as
+    a silently unset switch). ``environ`` defaults to this process's environment; the batch side passes the
+    environment it is about to hand on. An empty value reads as unset."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not an fsdpjob variable (core/envvars.py lists them)")
+    value = (os.environ if environ is None else environ).get(name)
+    return value if value else default
+
+
+def is_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A '1' switch."""
+    return get(name, environ=environ) == "1"

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import envvars
+
 
 def fsdpjob_home() -> Path:
     """$FSDPJOB_HOME, default ~/.fsdpjob: the registry and, unless --runs-dir says otherwise, the runs."""
-    return Path(os.environ.get("FSDPJOB_HOME") or Path.home() / ".fsdpjob").expanduser()
+    return Path(envvars.get("FSDPJOB_HOME") or Path.home() / ".fsdpjob").expanduser()
 
 
 def runs_root() -> Path:
-    return Path(os.environ.get("FSDPJOB_RUNS") or fsdpjob_home() / "runs").expanduser()
+    return Path(envvars.get("FSDPJOB_RUNS") or fsdpjob_home() / "runs").expanduser()
 
 
 def new_run_id(name: str, now: float | None = None) -> str:

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from . import envvars
 from .container import ContainerSpec, Runtime
 from .errors import ProfileError
 from .notifyspec import NotifySpec
@@ -189,7 +190,7 @@ def _builtin_dir() -> Path:
 
 def profile_dirs() -> list[Path]:
     """User folders from $FSDPJOB_PROFILES (':'-separated) first, then the shipped profiles."""
-    dirs = [Path(p).expanduser() for p in os.environ.get("FSDPJOB_PROFILES", "").split(os.pathsep) if p]
+    dirs = [Path(p).expanduser() for p in (envvars.get("FSDPJOB_PROFILES") or "").split(os.pathsep) if p]
     return dirs + [_builtin_dir()]
 
 
