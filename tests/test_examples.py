@@ -175,7 +175,7 @@ def test_llama2_70b_on_two_nodes_does_not_fit_the_usable_memory(tmp_path: Path) 
     mem = plan["device_memory"]
     assert plan["topology"]["world_size"] == 16 and mem["budget_bytes"] < mem["peak_bytes"] < 80 * 2**30, mem
     changes = [f["change"] for f in plan["fixes"]]
-    assert changes == ["fsdp.cpu_offload=true", "resources.nodes=3"], changes
+    assert changes == ["model.dtype=bfloat16", "fsdp.cpu_offload=true", "resources.nodes=3"], changes
     args = [a for s in [*sets, "resources.nodes=2"] for a in ("--set", s)]
     text = fsdpjob("plan", "examples/llama2-70b-3x8-a100.yaml", *args)
     assert text.returncode == 2 and "DOES NOT FIT" in text.stdout, text.stdout

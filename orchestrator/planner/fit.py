@@ -199,6 +199,10 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
+    if u.model_bytes > 2:
+        # The seed recipe's own choice (Llama 2 70B with FSDP kept its weights in bf16): half the sharded state,
+        # no slower step. Offered after the changes that cost nothing in accuracy.
+        consider("model.dtype=bfloat16", replace(u, model_bytes=2), BF16_WEIGHTS_COST)
     offloaded = replace(u, cpu_offload=True)
     # The spec refuses offload with HSDP; the plan refuses it where rank 0 would broadcast the weights over gloo.
     if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1 and not offload_broadcast_conflict(s, p, offloaded, env or {}):
@@ -214,6 +218,12 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             more = replace(u, nodes=nodes)
             consider(f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit")
     return out
+
+
+# What bf16 master weights cost (in the fix's "why"): AdamW updates smaller than bf16's 8-bit mantissa can resolve
+# round away, so long runs at small learning rates can drift from an fp32 run.
+BF16_WEIGHTS_COST = ("bf16 master weights, gradients and AdamW state: half the state, no slower; updates below "
+                     "bf16's precision round away (watch the loss against an fp32 run on long, low-lr runs)")
 
 
 def _boundary(candidates: range, fits) -> int | None:
