@@ -19,6 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data.packing import count_tokens
+from .model.varlen import NAME as VARLEN_NAME
+from .model.varlen import SeqLens, model_kwargs, seq_lens
+
+# Attention implementations that take a packed micro-batch flattened, with its boundaries as kwargs.
+VARLEN_IMPLEMENTATIONS = (VARLEN_NAME, "flash_attention_2")
 
 
 class StepValues:
@@ -63,17 +68,20 @@ class OnDevice(NamedTuple):
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor | None  # boundary-aware packing's per-example positions; None otherwise
+    seq_lens: SeqLens | None = None  # the same boundaries for varlen attention, computed on the host
 
 
 def to_device(mb, device: torch.device) -> OnDevice:
     """A micro-batch's input ids, labels and position ids on ``device``. On CUDA, pinned and copied non-blocking:
     the copy is queued on the current stream (ordered before the forward that reads it) and the pinned buffer is
     kept by the caching host allocator until the copy has run. The position ids (boundary-aware packing, the
-    default) go the same way: a pageable copy of them alone would sync the host once per micro-batch."""
+    default) go the same way: a pageable copy of them alone would sync the host once per micro-batch. Their
+    example boundaries are read here, from the host copy, once per micro-batch (varlen.seq_lens)."""
     tensors = (mb.input_ids, mb.labels, mb.position_ids)
+    lens = seq_lens(mb.position_ids) if mb.position_ids is not None else None
     if not copy_is_async(device):
-        return OnDevice(*(t if t is None else t.to(device) for t in tensors))
-    return OnDevice(*(t if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors))
+        return OnDevice(*(t if t is None else t.to(device) for t in tensors), lens)
+    return OnDevice(*(t if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors), lens)
 
 
 def _prefetched(micro_batches, device: torch.device):
@@ -86,23 +94,27 @@ def _prefetched(micro_batches, device: torch.device):
 
 
 def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device,
-                   *, flatten: bool | None = None) -> torch.Tensor:
+                   *, flatten: bool | None = None, lens: SeqLens | None = None) -> torch.Tensor:
     """The model's logits [B, L, V] for ``input_ids`` on ``device``.
 
-    With boundary-aware packing (``position_ids`` given, no attention mask), transformers reads the example
-    boundaries from where the positions restart and attends within each example only: a block-diagonal causal
-    mask for sdpa and eager, per row. Its flash_attention_2 varlen path reads them from a batch of one row only,
-    so there the rows go in as one flattened row (every row's first example starts at position 0, so rows stay
-    apart too) and the logits come back in rows; ``flatten`` overrides that choice (tests).
+    With boundary-aware packing (``position_ids`` given, no attention mask), transformers' sdpa and eager paths
+    read the example boundaries from where the positions restart and build a dense block-diagonal causal mask
+    per row. The varlen paths (fsdpjob's varlen attention, flash_attention_2) take the rows as one flattened row
+    (every row's first example starts at position 0, so rows stay apart) with the boundaries computed once on the
+    host (``lens``; from ``position_ids`` if not given), and the logits come back in rows; ``flatten``
+    overrides that choice (tests).
     """
     if position_ids is None:
         return model(input_ids=input_ids, use_cache=False).logits
     position_ids = position_ids.to(device)
     if flatten is None:
-        flatten = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+        flatten = getattr(model.config, "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
     if not flatten:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False).logits
+    if lens is None:
+        lens = seq_lens(position_ids.cpu())
+    logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False,
+                   **model_kwargs(lens, device)).logits
     return logits.view(*input_ids.shape, logits.size(-1))
 
 
@@ -119,10 +131,10 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
-    for i, (input_ids, labels, position_ids) in enumerate(_prefetched(micro_batches, device)):
+    for i, (input_ids, labels, position_ids, lens) in enumerate(_prefetched(micro_batches, device)):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
-        logits = forward_logits(model, input_ids, position_ids, device)
+        logits = forward_logits(model, input_ids, position_ids, device, lens=lens)
         # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         token_loss = F.cross_entropy(
@@ -148,8 +160,8 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
     try:
         with torch.no_grad():
             for mb in micro_batches:
-                input_ids, labels, position_ids = to_device(mb, device)
-                logits = forward_logits(model, input_ids, position_ids, device)
+                input_ids, labels, position_ids, lens = to_device(mb, device)
+                logits = forward_logits(model, input_ids, position_ids, device, lens=lens)
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
                 token_loss = F.cross_entropy(
                     logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,

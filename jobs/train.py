@@ -229,6 +229,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
         read_weights=read_weights,
+        packed=packing_mode(spec.data.packing) == "boundary",
     )
     model.train()
     train = spec.train

@@ -454,3 +454,34 @@ def test_a_profile_with_the_fabric_bandwidth_adds_the_collectives_time_to_a_mult
     one = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1 fsdp.cpu_offload=true"),
                             A100.model_copy(update={"fabric_bandwidth_gbps": 0.5})))
     assert one.timing.comm_s is None and "one node: collectives over NVLink" in one.timing.throughput_note
+
+
+def test_packed_batches_take_varlen_attention_on_gpus_and_a_dense_mask_is_counted(seed_70b: JobSpec) -> None:
+    """The default attention (auto) on a GPU with boundary-aware packing in bf16 is varlen (no mask); sdpa asked
+    for by name builds a dense [B, 1, S, S] mask, which the plan counts (and warns about); naive packing or fp32
+    compute keeps sdpa, which then needs no mask or cannot run the flash kernel."""
+    spec = with_changes(seed_70b, "resources.nodes=3 data.seq_len=4096")
+    auto = make_plan(resolve(spec, A100))
+    assert spec.model.attn_implementation == "auto" and auto.setup.attn == "varlen" and not auto.setup.dense_mask
+    sdpa = make_plan(resolve(with_changes(spec, "model.attn_implementation=sdpa"), A100))
+    assert sdpa.setup.attn == "sdpa" and sdpa.setup.dense_mask
+    # One layer's bias (bf16) kept while its recompute runs, plus the shared bool mask: at least S^2 x 3 bytes.
+    assert sdpa.device.peak - auto.device.peak >= 4096**2 * 3
+    assert any("dense 4096 x 4096 mask" in w for w in sdpa.warnings) and not any("mask" in w for w in auto.warnings)
+    naive = make_plan(resolve(with_changes(spec, "data.packing=naive"), A100))
+    assert naive.setup.attn == "sdpa" and not naive.setup.dense_mask
+    fp32 = make_plan(resolve(with_changes(spec, "fsdp.mixed_precision=fp32"), A100))
+    assert fp32.setup.attn == "sdpa"
+
+
+def test_attention_rule_is_one_for_planner_and_worker() -> None:
+    from fsdpjob.orchestrator.core.families import attention_for, windowed
+
+    gpu = {"on_gpu": True, "packed": True, "half": True}
+    assert attention_for("llama", "auto", **gpu) == "varlen"
+    assert attention_for("llama", "auto", **{**gpu, "on_gpu": False}) == "sdpa"  # CPU: no flash kernel to miss
+    assert attention_for("llama", "auto", **gpu, windowed=True) == "sdpa"
+    assert attention_for("gemma2", "auto", **gpu) == "eager"  # no sdpa path, soft-capping: neither varlen
+    assert attention_for("llama", "sdpa", **gpu) == "sdpa" and attention_for("llama", "varlen") == "varlen"
+    assert windowed({"sliding_window": 4096}) and not windowed({"sliding_window": 4096, "use_sliding_window": False})
+    assert windowed({"layer_types": ["full_attention", "sliding_attention"]}) and not windowed({})

@@ -13,10 +13,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core.families import attention_for
+from fsdpjob.orchestrator.core.families import attention_for, windowed
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weight_files
 
 from ..dist import DistEnv
+from . import varlen
 from .lora import attach_lora
 from .parallelize import apply_fsdp
 from .weightload import load_sharded
@@ -65,8 +66,28 @@ def _check_attn_implementation(attn_implementation: str) -> None:
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise RuntimeError(
             "model.attn_implementation is flash_attention_2 but the flash-attn package is not installed on the "
-            "worker; install it (pip install flash-attn, CUDA only) or use sdpa"
+            "worker; install it (pip install flash-attn, CUDA only) or use auto"
         )
+
+
+def resolve_attention(config, requested: str, *, device: torch.device, packed: bool, mixed_precision: str) -> str:
+    """The implementation name the model is built with (core/families.attention_for's rule, then this torch):
+    ``varlen`` becomes fsdpjob's registered varlen attention; auto's varlen falls back to sdpa on a torch
+    without the CUDA varlen kernel (older than 2.10), an explicit varlen on a GPU refuses."""
+    on_gpu = device.type == "cuda"
+    chosen = attention_for(config.model_type, requested, on_gpu=on_gpu, packed=packed,
+                           half=mixed_precision == "bf16", windowed=windowed(config.to_dict()))
+    if chosen != "varlen":
+        return chosen
+    if on_gpu and not varlen.cuda_kernel_available():
+        if requested == "auto":
+            log.warning("torch %s has no varlen flash attention (torch >= 2.10): packed batches use sdpa with a "
+                        "dense mask", torch.__version__)
+            return attention_for(config.model_type, "sdpa")
+        raise RuntimeError(f"model.attn_implementation varlen needs torch >= 2.10 on CUDA (this is "
+                           f"{torch.__version__}); use auto")
+    varlen.register()
+    return varlen.NAME
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -212,6 +233,7 @@ def load_model(
     lora: Any = None,
     compile_layers: bool | str = False,
     read_weights: bool = True,
+    packed: bool = False,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False
     uninitialized (the caller loads a checkpoint that holds every weight).
@@ -227,7 +249,8 @@ def load_model(
     _check_attn_implementation(attn_implementation)
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    attn_implementation = attention_for(config.model_type, attn_implementation)
+    attn_implementation = resolve_attention(config, attn_implementation, device=env.device, packed=packed,
+                                            mixed_precision=mixed_precision)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)

@@ -10,6 +10,7 @@ model's own ``_no_split_modules`` names (``model.layers`` in most, ``transformer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -101,9 +102,27 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
-def attention_for(model_type: str, requested: str) -> str:
-    """The attention implementation a family trains with: the spec's, except sdpa on a family transformers
-    cannot run it for, which runs eager (transformers would refuse sdpa at the first forward). The worker
-    builds the model with it and the planner counts its memory."""
+def windowed(config: Mapping) -> bool:
+    """Whether a config.json's attention is more than causal within each example: a sliding window in use, logit
+    soft-capping or ALiBi. Varlen attention (jobs/model/varlen.py) implements none of them."""
+    sliding = config.get("sliding_window") and config.get("use_sliding_window", True)
+    layer_types = config.get("layer_types") or ()
+    return bool(sliding or "sliding_attention" in layer_types or config.get("attn_logit_softcapping")
+                or config.get("alibi"))
+
+
+def attention_for(model_type: str, requested: str, *, on_gpu: bool = False, packed: bool = False,
+                  half: bool = False, windowed: bool = False) -> str:
+    """The attention implementation a family trains with; the worker builds the model with it and the planner
+    counts its memory.
+
+    ``auto`` (the default) takes varlen attention where it runs and matters: on GPUs, with boundary-aware
+    packing (``packed``), in bf16 compute (``half``: the flash kernel has no fp32), for plain causal attention
+    (not ``windowed``); everywhere else sdpa, which on a packed GPU batch would build a dense S x S mask and
+    miss the flash kernel. sdpa on a family transformers cannot run it for runs eager (transformers would
+    refuse sdpa at the first forward)."""
     family = FAMILIES.get(model_type)
+    if requested == "auto":
+        varlen = on_gpu and packed and half and not windowed and (family is None or family.sdpa)
+        requested = "varlen" if varlen else "sdpa"
     return "eager" if requested == "sdpa" and family is not None and not family.sdpa else requested

@@ -143,9 +143,8 @@ class ModelSpec(Strict):
     """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual choice."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel. flash_attention_2 needs the flash-attn package on CUDA. sdpa runs eager on the families
-    transformers has no sdpa path for (gemma2)."""
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel. auto: varlen on GPUs for boundary-aware packing in bf16 (each example attends to itself with torch's flash varlen kernel, no mask, no package to install), else sdpa. varlen: that kernel wherever asked (on CPU: SDPA per example). sdpa on a packed batch builds a dense S x S mask (counted by the plan) and runs eager on the families transformers has no sdpa path for (gemma2). flash_attention_2 needs the flash-attn package on CUDA."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
     compile: bool = False
@@ -263,6 +262,8 @@ _ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sour
                  "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile"),
                  "resources": ("min_nodes",)}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
+# Defaults that changed name: a spec that leaves the field alone hashes as it did under the old default's value.
+_RENAMED_DEFAULTS = {("model", "attn_implementation"): ("auto", "sdpa")}
 
 
 class JobSpec(Strict):
@@ -313,10 +314,11 @@ class JobSpec(Strict):
     @model_validator(mode="after")
     def _gpu_combinations(self) -> JobSpec:
         """Combinations that fail on GPUs only, refused before they reach one."""
-        if self.model.attn_implementation == "flash_attention_2" and self.fsdp.mixed_precision != "bf16":
-            raise field_error("model.attn_implementation", "flash_attention_2 computes in bf16/fp16 only and errors "
-                                                           "at the first forward with fp32 q/k/v; set "
-                                                           "fsdp.mixed_precision: bf16 or attn_implementation: sdpa")
+        if self.model.attn_implementation in ("flash_attention_2", "varlen") and self.fsdp.mixed_precision != "bf16":
+            raise field_error("model.attn_implementation", f"{self.model.attn_implementation} computes in bf16/fp16 "
+                                                           "only on GPUs and errors at the first forward with fp32 "
+                                                           "q/k/v; set fsdp.mixed_precision: bf16 or "
+                                                           "attn_implementation: auto")
         if self.fsdp.replicate_degree > 1 and self.fsdp.cpu_offload:
             # DeviceMesh's dimension groups may be NCCL-only (torch-version dependent): the offloaded CPU gradients'
             # clip-norm reduction would find no CPU backend. Untested on GPUs, so refused.
@@ -360,6 +362,9 @@ class JobSpec(Strict):
             for key in keys:
                 if getattr(getattr(self, section), key) == fields[key].default:
                     del dumped[section][key]
+        for (section, key), (now, before) in _RENAMED_DEFAULTS.items():
+            if dumped[section][key] == now:
+                dumped[section][key] = before
         for section in _ADDED_SECTIONS:
             if getattr(self, section) == type(self).model_fields[section].default_factory():
                 del dumped[section]

@@ -142,8 +142,9 @@ class FitPlan:
         }
 
 
-def _setup(spec: JobSpec, eff: Effective, model_type: str) -> Setup:
+def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
     on_gpu = eff.gpus_per_node > 0
+    packed = spec.data.packing is True  # boundary-aware: each example attends to itself only
     return Setup(
         nodes=eff.nodes,
         tasks_per_node=eff.tasks_per_node,
@@ -155,7 +156,10 @@ def _setup(spec: JobSpec, eff: Effective, model_type: str) -> Setup:
         micro_batch=spec.train.micro_batch_size,
         grad_accum=spec.train.grad_accum_steps,
         activation_checkpointing=spec.model.activation_checkpointing,
-        attn=attention_for(model_type, spec.model.attn_implementation),  # what the worker will run
+        # What the worker will run (jobs/model/build.resolve_attention, by the same rule).
+        attn=attention_for(shape.model_type, spec.model.attn_implementation, on_gpu=on_gpu, packed=packed,
+                           half=spec.fsdp.mixed_precision == "bf16", windowed=shape.windowed),
+        packed=packed,
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
@@ -244,7 +248,7 @@ def make_plan(job: Resolved) -> FitPlan:
     spec, profile, eff = job.spec, job.profile, job.eff
     shape = read_model_shape(spec.model.path)
     params = count_params(shape)
-    u = _setup(spec, eff, shape.model_type)
+    u = _setup(spec, eff, shape)
     if u.grad_accum > 1 and _fits(shape, params, replace(u, defer_grad_sync=True), profile)[0]:
         # One reduce-scatter per step instead of one per micro-batch, where the unsharded gradients fit.
         u = replace(u, defer_grad_sync=True)
@@ -345,9 +349,13 @@ def _warnings(plan: FitPlan, spec: JobSpec, profile: ClusterProfile, fixes: tupl
             "no single change makes it fit: combine activation checkpointing, a smaller micro-batch, CPU offload "
             "and more nodes, or use a profile with more memory"
         )
-    if plan.setup.attn != spec.model.attn_implementation:
+    if plan.setup.attn == "eager" and spec.model.attn_implementation != "eager":
         out.append(f"{plan.model.model_type} has no sdpa attention in transformers: it trains with "
                    f"{plan.setup.attn} attention (counted above); flash_attention_2 is the faster choice on GPUs")
+    if plan.setup.dense_mask and d.kind != "cpu":
+        out.append(f"packed batches with sdpa attention build a dense {plan.setup.seq_len} x {plan.setup.seq_len} "
+                   "mask (counted above) and miss the flash kernel: model.attn_implementation: auto takes varlen "
+                   "attention in bf16" + ("" if not plan.model.windowed else " where the model has no sliding window"))
     if spec.fsdp.cpu_offload and d.kind == "cpu":
         out.append("fsdp.cpu_offload has no effect on CPU workers (everything is in host memory already)")
     if plan.model.estimate:

@@ -122,6 +122,13 @@ class Setup:
     lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
     async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
     memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
+    packed: bool = False  # boundary-aware packing: with sdpa, transformers builds a dense block-diagonal mask
+
+    @property
+    def dense_mask(self) -> bool:
+        """sdpa on packed rows: a [B, 1, S, S] bool mask per forward, which SDPA turns into a bias in the compute
+        dtype per layer and keeps for backward (no flash kernel takes a mask); varlen attention needs none."""
+        return self.packed and self.attn == "sdpa"
 
     @property
     def world(self) -> int:
@@ -142,11 +149,14 @@ def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
         scores = b * s.heads * u.seq_len**2 * (4 + (c if c < 4 else 0))
     else:
         per_token += 3 * c * s.q_dim + 2 * c * s.kv_dim
+        if u.dense_mask:
+            scores = b * u.seq_len**2 * c  # the layer's bias from the packed mask, saved for backward
     if s.qk_norm:
         per_token += (4 + c) * (s.q_dim + s.kv_dim)
     per_token += adapter_activations(s, u.lora, c)
-    working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if scores else 0)
-    return t * per_token + scores, working + 2 * 4 * t * s.hidden
+    working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if u.attn == "eager" else 0)
+    mask = b * u.seq_len**2 if u.dense_mask else 0  # the bool mask itself, shared by the layers
+    return t * per_token + scores, working + 2 * 4 * t * s.hidden + mask
 
 
 def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[Moment]]:

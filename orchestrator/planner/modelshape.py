@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.families import FAMILIES, Family
+from fsdpjob.orchestrator.core.families import FAMILIES, Family, windowed
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, read_header, weight_files
 
 # Families whose parameter count from config.json alone is checked against transformers (tests); for the
@@ -77,6 +77,7 @@ class ModelShape:
     lm_head_bias: bool = False
     experts: int = 1  # MoE: every expert counts
     shared_expert: int = 0  # intermediate size of an always-on expert (Qwen2-MoE)
+    windowed: bool = False  # attention beyond causal-per-example (sliding window, soft-capping): no varlen kernel
     counted: ParamCount | None = None  # exact, from the safetensors headers
     # safetensors weights in the folder (by name only): each worker reads just its own shards of them
     safetensors: bool = False
@@ -236,6 +237,7 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         lm_head_bias=f.lm_head_bias, experts=experts,
         shared_expert=(cfg.get("shared_expert_intermediate_size") or 0) if f.shared_expert else 0,
         safetensors=(folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file(),
+        windowed=windowed(cfg),
     )  # fmt: skip
     tensors = _weight_headers(folder)
     counted = _count_from_headers(tensors, layers, tied) if tensors else None

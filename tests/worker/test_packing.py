@@ -161,6 +161,75 @@ def test_each_packed_example_gives_the_logits_it_gives_alone(tmp_path, family):
         assert rel_error(logits[start : start + len(second)], alone) > 1e-2
 
 
+VARLEN_FAMILIES = ("llama", "qwen2", "gpt2", "phi3")  # plain causal attention (no window, no soft-capping)
+
+
+@pytest.mark.parametrize("family", VARLEN_FAMILIES)
+def test_varlen_attention_gets_the_boundaries_once_and_gives_each_example_its_own_logits(tmp_path, family, monkeypatch):
+    """The default GPU path for packed batches (model.attn_implementation auto -> varlen): the rows go in as one,
+    the boundaries computed on the host reach every attention call as transformers' varlen kwargs, and no mask
+    is built; the logits equal each example's alone. On CPU the same function runs SDPA per example."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdpjob.jobs.model import varlen
+    from fsdpjob.jobs.model.build import resolve_attention
+
+    save_tiny_family(tmp_path / family, family)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / family, attn_implementation="sdpa",
+                                                 dtype=torch.float32).eval()
+    # Explicitly asked for, varlen runs on CPU too; auto keeps sdpa there (no dense-mask cost worth avoiding).
+    assert resolve_attention(model.config, "varlen", device=torch.device("cpu"), packed=True,
+                             mixed_precision="fp32") == varlen.NAME
+    assert resolve_attention(model.config, "auto", device=torch.device("cpu"), packed=True,
+                             mixed_precision="bf16") == "sdpa"
+    model.set_attn_implementation(varlen.NAME)
+    seen = []
+    real = varlen.attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs["cu_seq_lens_q"], kwargs["max_length_q"]))
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(varlen, "attention", spy)
+    varlen.register()
+    table = build_sequences(chat_like(12, seed=2), SEQ, True, pad_id=0)
+    rows = torch.arange(len(table))
+    batch = micro_batch(table, rows, rows)
+    with torch.no_grad():
+        packed = forward_logits(model, batch.input_ids, batch.position_ids, torch.device("cpu"))
+        assert len(seen) == model.config.num_hidden_layers  # one call per layer, every one with the kwargs
+        cu = seen[0][1]
+        assert all(mask is None and c is cu and m == SEQ for mask, c, m in seen)  # the same host-made tensor
+        starts = [int(x) for x in cu[:-1]]
+        assert starts == [i for i, p in enumerate(batch.position_ids.reshape(-1).tolist()) if p == 0]
+        checked = 0
+        for r in range(len(table)):
+            for start, end in segments(table.position_ids[r], int(table.lengths[r])):
+                alone = model(input_ids=table.input_ids[r : r + 1, start:end], use_cache=False,
+                              **varlen.model_kwargs(varlen.seq_lens(torch.arange(end - start)[None]),
+                                                    torch.device("cpu"))).logits[0]
+                assert rel_error(packed[r, start:end], alone) <= 1e-5, (family, r, start)
+                checked += 1
+        assert checked == 12
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dense = forward_logits(model, batch.input_ids, batch.position_ids, torch.device("cpu"))
+    assert rel_error(packed, dense) <= 1e-5  # and the same as transformers' dense-mask path
+
+
+def test_varlen_attention_refuses_what_it_does_not_implement():
+    from fsdpjob.jobs.model import varlen
+
+    q = torch.zeros(1, 2, 4, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        varlen.attention(None, q, q, q, None, cu_seq_lens_q=cu, max_length_q=4, sliding_window=2)
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        varlen.attention(None, q, q, q, None)
+    with pytest.raises(ValueError, match="dropout"):
+        varlen.attention(None, q, q, q, None, dropout=0.1, cu_seq_lens_q=cu, max_length_q=4)
+
+
 # ---------------------------------------------------------------- loss and eval loss
 
 

@@ -21,14 +21,15 @@ def test_only_cuda_copies_are_pinned_and_non_blocking():
 
 def test_cpu_path_uses_the_tensors_as_they_are():
     mb = _mb(7)
-    input_ids, labels, position_ids = to_device(mb, torch.device("cpu"))
+    input_ids, labels, position_ids, lens = to_device(mb, torch.device("cpu"))
+    assert lens is not None and lens.cu_seq_lens[0] == 0 and lens.cu_seq_lens[-1] == mb.input_ids.numel()
     assert input_ids is mb.input_ids and labels is mb.labels and position_ids is mb.position_ids  # no copy
     unpacked = MicroBatch(mb.input_ids, mb.labels, mb.sample_ids, mb.sequence_ids)
     assert to_device(unpacked, torch.device("cpu")).position_ids is None
 
 
 def test_prefetch_hands_out_every_micro_batch_once_in_order():
-    got = [int(ids[0, 0]) for ids, _, _ in _prefetched([_mb(v) for v in (1, 2, 3)], torch.device("cpu"))]
+    got = [int(ids[0, 0]) for ids, *_ in _prefetched([_mb(v) for v in (1, 2, 3)], torch.device("cpu"))]
     assert got == [1, 2, 3]
     assert list(_prefetched([], torch.device("cpu"))) == []
 
@@ -48,7 +49,7 @@ def test_the_next_copy_is_issued_before_the_current_micro_batch_is_handed_out(mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copy_comes_from_pinned_memory_without_a_host_sync():
     mb = _mb(5)
-    input_ids, labels, position_ids = to_device(mb, torch.device("cuda", 0))
+    input_ids, labels, position_ids, _ = to_device(mb, torch.device("cuda", 0))
     assert input_ids.is_cuda and labels.is_cuda and position_ids.is_cuda
     assert not mb.input_ids.is_pinned()  # the batch itself stays as the data stream made it
     torch.cuda.synchronize()
