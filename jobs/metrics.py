@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.flops import train_flops_per_token
+from fsdpjob.orchestrator.core.flops import peak_flops, train_flops_per_token
 
 if TYPE_CHECKING:
     from fsdpjob.orchestrator.core.spec import JobSpec
@@ -91,25 +91,11 @@ def model_flops_per_token(config: Any, *, seq_len: int | None = None, trained_pa
     )
 
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s; matched as substrings of the device name,
-# most specific first.
-_PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("MI300X", 1307e12),
-)
-
-
 def peak_flops_for_name(device_name: str) -> float:
-    """Dense bf16 peak of the named accelerator; NaN when it is not in the table (MFU then reads nan)."""
-    return next((peak for key, peak in _PEAK_BF16_FLOPS if key in device_name), math.nan)
+    """Dense bf16 peak of the named accelerator (core/flops.PEAK_FLOPS); NaN when it is not in the table (MFU then
+    reads nan)."""
+    peak = peak_flops(device_name)
+    return math.nan if peak is None else peak
 
 
 def device_peak_flops(device: torch.device) -> float:

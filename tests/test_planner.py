@@ -485,3 +485,18 @@ def test_attention_rule_is_one_for_planner_and_worker() -> None:
     assert attention_for("llama", "sdpa", **gpu) == "sdpa" and attention_for("llama", "varlen") == "varlen"
     assert windowed({"sliding_window": 4096}) and not windowed({"sliding_window": 4096, "use_sliding_window": False})
     assert windowed({"layer_types": ["full_attention", "sliding_attention"]}) and not windowed({})
+
+
+@pytest.mark.parametrize("gpu_type, bf16", [("H100-SXM5-80GB", 989e12), ("H100-PCIe-80GB", 756e12),
+                                            ("H100-NVL-94GB", 835e12), ("H200-NVL-141GB", 835e12),
+                                            ("H200-SXM-141GB", 989e12), ("H800-SXM-80GB", 989e12),
+                                            ("A100-80GB", 312e12)])
+def test_the_planner_and_the_worker_read_one_peak_table(gpu_type: str, bf16: float) -> None:
+    """A profile's gpu_type and torch's device name find the same row (core/flops.PEAK_FLOPS): a PCIe or NVL card
+    is not planned at the SXM card's peak, and the worker's MFU uses the figure the plan did."""
+    from fsdpjob.jobs.metrics import peak_flops_for_name
+    from fsdpjob.orchestrator.core.flops import peak_flops
+
+    assert peak_flops(gpu_type) == bf16 and peak_flops(gpu_type, 4) < bf16 / 10
+    assert peak_flops_for_name("NVIDIA " + gpu_type.rsplit("-", 1)[0].replace("-", " ")) == bf16
+    assert peak_flops("H1000") is None and peak_flops("fake (CPU compute; torch sees no CUDA)") is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core.flops import train_flops_per_token
+from fsdpjob.orchestrator.core.flops import peak_flops, train_flops_per_token
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
@@ -18,8 +18,6 @@ from .memory import Setup
 from .modelshape import ModelShape, ParamCount
 
 MFU = 0.40  # assumed model FLOPs utilisation on GPUs
-# Dense peak FLOP/s per GPU by compute dtype (bf16 tensor cores; fp32 without TF32, torch's default for matmul).
-GPU_PEAK_FLOPS = {"a100": {2: 312e12, 4: 19.5e12}, "h100": {2: 989e12, 4: 67e12}, "h200": {2: 989e12, 4: 67e12}}
 # Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
 CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
 # FSDP2 prefetches the next layer's all-gather and overlaps the reduce-scatters with the backward. Without the
@@ -70,12 +68,10 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
         rate = CPU_FLOPS_PER_CORE[c] * cores
         basis = f"{count_text(cores, 'core')} x {CPU_FLOPS_PER_CORE[c] / 1e9:.0f}, {dtype}, measured on CPU"
         return rate, f"{rate / 1e9:.0f} GFLOP/s per rank ({basis})"
-    gpu = (profile.gpu_type or "").lower()
-    for key, peaks in GPU_PEAK_FLOPS.items():
-        if key in gpu:
-            return peaks[c] * MFU, (f"{MFU:.0%} MFU of {peaks[c] / 1e12:.0f} TFLOP/s {dtype} ({profile.gpu_type}); "
-                                    f"{COMMUNICATION}")
-    return None, f"unknown for gpu_type {profile.gpu_type!r}"
+    peak = peak_flops(profile.gpu_type or "", c)  # dense, by compute dtype: core/flops.PEAK_FLOPS
+    if peak is None:
+        return None, f"unknown for gpu_type {profile.gpu_type!r}"
+    return peak * MFU, f"{MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s {dtype} ({profile.gpu_type}); {COMMUNICATION}"
 
 
 def fabric_bytes(u: Setup, weights: int, trained: int) -> int:

@@ -320,7 +320,9 @@ def test_model_flops_per_token_is_six_n_plus_causal_attention_and_four_n_for_fro
 
 @pytest.mark.parametrize(
     "name, peak",
-    [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12)],
+    [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12),
+     ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H800", 989e12), ("NVIDIA H100 NVL", 835e12),
+     ("NVIDIA L40S", 362e12), ("NVIDIA A100-SXM4-80GB", 312e12)],
 )
 def test_peak_flops_are_looked_up_by_the_most_specific_device_name(name, peak):
     assert peak_flops_for_name(name) == peak
