@@ -1,6 +1,6 @@
 """Where a data source's records are and how to read them: JSONL files, parquet files and folders written by
 datasets' save_to_disk, found from a file, a folder or a glob. Both sides use it: the login node checks the
-columns and the first rows of every source (``check_data``), the worker reads them all (jobs/datasources.py)
+columns and the first rows of every source (``check_data``), the worker reads them all (jobs/data/sources.py)
 and the data cache hashes the files it lists.
 
 Tables are read with pyarrow (what `datasets` reads them with), imported only when a source is a table, so
