@@ -241,6 +241,6 @@ def close_distributed(*, abort: bool = False) -> None:
         try:
             _abort_process_group()
             return
-        except Exception:  # noqa: BLE001 - an abort that fails falls back to the ordinary destroy
+        except Exception:  # an abort that fails falls back to the ordinary destroy
             log.exception("aborting the NCCL process group failed; destroying it instead")
     dist.destroy_process_group()

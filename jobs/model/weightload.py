@@ -194,7 +194,7 @@ def load_sharded(model: nn.Module, path: Path, expected: set[str], tie_groups: l
     """
     try:
         planned = plan_pieces(model, path, expected, tie_groups)
-    except Exception as exc:  # noqa: BLE001 - an unreadable header: the rank-0 path reports it its own way
+    except Exception as exc:  # an unreadable header: the rank-0 path reports it its own way
         planned = f"{type(exc).__name__}: {exc}"
     reasons = _agree(planned if isinstance(planned, str) else None)
     if reasons:
@@ -205,7 +205,7 @@ def load_sharded(model: nn.Module, path: Path, expected: set[str], tie_groups: l
     failure = None
     try:
         nbytes = read_pieces(planned)
-    except Exception as exc:  # noqa: BLE001 - relayed to every rank below
+    except Exception as exc:  # relayed to every rank below
         failure = f"{type(exc).__name__}: {exc}"
     errors = _agree(failure)
     if errors:
