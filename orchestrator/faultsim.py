@@ -351,7 +351,8 @@ def auto_memory_interval_steps(cfg: SimConfig) -> int:
     """checkpoint.memory_interval_steps: auto, the worker's rule (core/memtier.auto_interval) with the simulated
     snapshot stall and the mean time between the faults the memory tier recovers (crashes and hangs; lost nodes
     too where the run may go on without a node)."""
-    covered = cfg.rates.crash + cfg.rates.hang + (cfg.rates.node_loss if (cfg.min_nodes or cfg.nodes) < cfg.nodes else 0)
+    shrinks = (cfg.min_nodes or cfg.nodes) < cfg.nodes
+    covered = cfg.rates.crash + cfg.rates.hang + (cfg.rates.node_loss if shrinks else 0)
     if not covered:  # a simulated fleet without such faults (the worker, without a rate, takes the stall bound)
         return 10**9
     return memtier.auto_interval(cfg.memory_stall_s, cfg.step_s, memtier.mtbi_s(covered, cfg.nodes)).steps
