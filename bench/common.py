@@ -103,7 +103,7 @@ def launch_ranks(argv: list[str], world: int, log_dir: Path, *, timeout: float =
     for rank in range(world):
         rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        log = open(log_dir / f"rank{rank}.log", "w", encoding="utf-8")  # noqa: SIM115 - closed after wait
+        log = open(log_dir / f"rank{rank}.log", "w", encoding="utf-8")  # closed after wait
         proc = subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=log, stderr=subprocess.STDOUT)
         procs.append((proc, log))
     try:

@@ -1,8 +1,8 @@
 """Issue 27 part 6: the scale picture by simulation (orchestrator/faultsim.py, fsdpjob's own recovery policy).
 
     python bench/fault_sim.py [--seeds 20] [--seed 0] [--days 7] [--step-s 5] [--rate-scale 1]
-                              [--node-loss-share 0.78] [--memory-interval-steps 10] [--memory-stall-s 0.2] [--memory-restore-s 5]
-                              [--replica-survival 1.0]
+                              [--node-loss-share 0.78] [--memory-interval-steps 10] [--memory-stall-s 0.2]
+                              [--memory-restore-s 5] [--replica-survival 1.0]
 
 Prints, for jobs of 16, 1,024 and 16,384 GPUs (8 per node), the mean goodput (useful training time / wall time)
 over ``--seeds`` synthetic fault traces per tier: durable checkpoints only (interval_minutes 30), the memory tier

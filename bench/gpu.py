@@ -172,7 +172,7 @@ def planned_peak_mb(spec, args: argparse.Namespace) -> float | None:
         fields.update(gpu_type=torch.cuda.get_device_name(0), gpu_memory_gb=usable, gpu_usable_memory_gb=usable)
     try:
         plan = make_plan(resolve(spec, ClusterProfile.model_validate(fields)))
-    except Exception as exc:  # noqa: BLE001 - a figure of the table, not the bench's result
+    except Exception as exc:  # a figure of the table, not the bench's result
         print(f"planner: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     return plan.device.peak / 2**20
@@ -204,7 +204,7 @@ def run_case(case: str, root: Path, model: str, data: str, args: argparse.Namesp
     started = time.time()
     try:
         r = run_bare(root, model, data, args) if case == "bare" else run_fsdpjob(root, model, data, args, case, steps)
-    except Exception as exc:  # noqa: BLE001 - one failing case is recorded and the others still run
+    except Exception as exc:  # one failing case is recorded and the others still run
         return {"case": case, "error": f"{type(exc).__name__}: {exc}"[:2000], "wall_s": time.time() - started}
     ends, warmup = r["ends"], min(args.warmup, steps - 1)
     r["rate"] = (steps - warmup) * args.micro_batch * args.seq / (ends[steps] - ends[warmup]) if warmup else None

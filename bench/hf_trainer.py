@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bare_fsdp2 import packed_rows, parse_args  # noqa: E402
+from bare_fsdp2 import packed_rows, parse_args
 
 
 def main() -> None:

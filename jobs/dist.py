@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core import slurmenv
+from fsdpjob.orchestrator.core import envvars, slurmenv
 
 from .workerenv import WorkerEnv
 
@@ -74,7 +74,7 @@ def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
     if not torch.cuda.is_available():
         # FSDPJOB_FAKE_GPUS=1: the GPUs Slurm hands out are not real (the dev cluster's are /dev/null devices).
-        if (granted := granted_gpus(os.environ)) and os.environ.get("FSDPJOB_FAKE_GPUS") != "1":
+        if (granted := granted_gpus(os.environ)) and not envvars.is_on("FSDPJOB_FAKE_GPUS"):
             # A CPU-only torch (or a driver that does not match it) on a GPU node would train on the CPU over gloo.
             raise RuntimeError(
                 f"this task was given GPUs ({granted}) but torch {torch.__version__} sees none (CUDA build: "
@@ -90,7 +90,7 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
 def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> str:
     """``node``'s address as the supervisor resolved it on the batch side (FSDPJOB_NODE_ADDRS: Slurm node names
     need not be host names, and a worker in a container cannot ask scontrol), else ``node`` itself."""
-    addr = slurmenv.node_addrs(environ.get("FSDPJOB_NODE_ADDRS")).get(node)
+    addr = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=environ)).get(node)
     if addr is not None:
         return addr
     try:
@@ -98,7 +98,7 @@ def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> s
     except socket.gaierror:
         raise RuntimeError(
             f"the job's first node {node!r} does not resolve and the supervisor passed no address for it "
-            f"(FSDPJOB_NODE_ADDRS={environ.get('FSDPJOB_NODE_ADDRS', '(unset)')}); make node names resolvable "
+            f"(FSDPJOB_NODE_ADDRS={envvars.get('FSDPJOB_NODE_ADDRS', '(unset)', environ)}); make node names resolvable "
             "(DNS or /etc/hosts) on every node, or set NodeAddr in slurm.conf"
         ) from None
     return node
@@ -241,6 +241,6 @@ def close_distributed(*, abort: bool = False) -> None:
         try:
             _abort_process_group()
             return
-        except Exception:  # noqa: BLE001 - an abort that fails falls back to the ordinary destroy
+        except Exception:  # an abort that fails falls back to the ordinary destroy
             log.exception("aborting the NCCL process group failed; destroying it instead")
     dist.destroy_process_group()

@@ -123,7 +123,7 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
+            except Exception:  # TensorBoard is optional
                 self._tb = None
 
     def open_trackers(self, spec: JobSpec) -> None:

@@ -167,14 +167,14 @@ class Trackers:
             self._open[name] = make()
         except TrackerError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a tracker must not stop a training run
+        except Exception as exc:  # a tracker must not stop a training run
             log.warning("%s is off for this start: it failed to open (%s: %s)", name, type(exc).__name__, exc)
 
     def _each(self, what: str, *args: Any) -> None:
         for name, tracker in list(self._open.items()):
             try:
                 getattr(tracker, what)(*args)
-            except Exception as exc:  # noqa: BLE001 - a tracker must not stop a training run
+            except Exception as exc:  # a tracker must not stop a training run
                 log.warning("%s is off for this start: %s failed (%s: %s)", name, what, type(exc).__name__, exc)
                 del self._open[name]
 

@@ -195,98 +195,129 @@ def simulate(cfg: SimConfig, tier: str, events: list[TraceEvent], seed: int = 0)
     """Replay ``events`` for one tier ("durable", "memory" or "both")."""
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
-    rng = random.Random(seed * 7919 + 1)  # replica survival draws
-    every_d = cfg.durable_interval_s if tier in ("durable", "both") else None
-    every_m = cfg.memory_interval_s if tier in ("memory", "both") else None
-    stall_d, stall_m = cfg.durable_stall_s, cfg.memory_stall_s
-    detect = {"crash": cfg.crash_detect_s, "hang": hang_detection_s(cfg),
-              "node_loss": cfg.crash_detect_s + PROBE_TIMEOUT_S}
-    nodes, min_nodes = cfg.nodes, cfg.min_nodes or cfg.nodes
+    replay = _Replay(cfg, tier, seed)
     end = cfg.horizon_days * DAY_S
     limit = cfg.time_limit_h * 3600.0 or math.inf
-    out = Outcome(tier=tier, goodput=0.0)
-    generation = [0] * nodes  # a lost node's position is refilled by another node at the next allocation
-    alloc = _Alloc()
-    work = ckpt_d = ckpt_m = 0.0  # training seconds (full speed): done, and restorable from each tier
-    seg_start, pending = 0.0, list(events)
-    pending.reverse()
+    seg_start, pending = 0.0, list(reversed(events))
+    while True:
+        replay.drop_unseen(pending, seg_start)
+        fault = pending[-1] if pending else None
+        stop_at = min(fault.time if fault else math.inf, replay.alloc.start + limit, end)
+        trained = replay.train(stop_at - seg_start)
+        if stop_at >= end:
+            break
+        if fault is None or stop_at < fault.time or fault.kind == "preempt":
+            if fault is not None and stop_at == fault.time:  # a warned preemption
+                pending.pop()
+                replay.out.faults += 1
+            seg_start = replay.stop(stop_at)
+            continue
+        pending.pop()
+        replay.out.faults += 1
+        seg_start = replay.recover(fault, trained)
+    replay.out.goodput = replay.work / end
+    return replay.out
 
-    def name(slot: int) -> str:
-        return f"n{slot}.{generation[slot]}"
 
-    def requeue(at: float, restore_s: float) -> float:
-        nonlocal alloc, work, ckpt_m
+class _Replay:
+    """One tier's run through a trace: its allocation, and the training seconds (at full speed) done and
+    restorable from each tier."""
+
+    def __init__(self, cfg: SimConfig, tier: str, seed: int):
+        self.cfg = cfg
+        self.every_d = cfg.durable_interval_s if tier in ("durable", "both") else None
+        self.every_m = cfg.memory_interval_s if tier in ("memory", "both") else None
+        self.rng = random.Random(seed * 7919 + 1)  # replica survival draws
+        self.detect = {"crash": cfg.crash_detect_s, "hang": hang_detection_s(cfg),
+                       "node_loss": cfg.crash_detect_s + PROBE_TIMEOUT_S}
+        self.out = Outcome(tier=tier, goodput=0.0)
+        self.generation = [0] * cfg.nodes  # a lost node's position is refilled by another node at the next allocation
+        self.alloc = _Alloc()
+        self.work = self.ckpt_d = self.ckpt_m = 0.0
+
+    def name(self, slot: int) -> str:
+        return f"n{slot}.{self.generation[slot]}"
+
+    def drop_unseen(self, pending: list[TraceEvent], seg_start: float) -> None:
+        """Drop the faults during a recovery, or on a node this allocation left out (``pending``: newest first)."""
+        while pending and (pending[-1].time < seg_start or self.name(pending[-1].slot) in self.alloc.excluded):
+            pending.pop()
+
+    def train(self, elapsed: float) -> float:
+        """Train for ``elapsed`` wall seconds on the allocation's nodes, saving each tier at its interval; the
+        training seconds this segment added."""
+        cfg, every_d, every_m = self.cfg, self.every_d, self.every_m
+        stall_d, stall_m = cfg.durable_stall_s, cfg.memory_stall_s
+        base, speed = self.work, (cfg.nodes - len(self.alloc.excluded)) / cfg.nodes
+
+        def work_at(x: float) -> float:
+            return base + speed * (x - _saves(x, every_d) * stall_d - _saves(x, every_m) * stall_m)
+
+        self.work = work_at(elapsed)
+        self.out.stall_s += _saves(elapsed, every_d) * stall_d + _saves(elapsed, every_m) * stall_m
+        if (n := _saves(elapsed, every_d)) > 0:
+            self.ckpt_d = max(self.ckpt_d, work_at(n * every_d))
+        if (n := _saves(elapsed, every_m)) > 0:
+            self.ckpt_m = max(self.ckpt_m, work_at(n * every_m))
+        self.ckpt_m = max(self.ckpt_m, self.ckpt_d)
+        return self.work - base
+
+    def stop(self, at: float) -> float:
+        """The time limit or a warned preemption: a stop checkpoint (nothing lost), then a requeue. When
+        training goes on."""
+        self.out.stall_s += self.cfg.stop_save_s
+        self.ckpt_d = self.work
+        start = self.requeue(at + self.cfg.stop_save_s)
+        self.out.recovery_s += start - at - self.cfg.stop_save_s
+        return start
+
+    def recover(self, fault: TraceEvent, trained: float) -> float:
+        """A crash, hang or lost node: the supervisor's policy restarts in the allocation or gives up (a
+        requeue). When training goes on."""
+        cfg, alloc, host = self.cfg, self.alloc, self.name(fault.slot)
+        restorable = self.ckpt_m if self.every_m else self.ckpt_d
+        alloc.faults.append(Fault(kind="hang" if fault.kind == "hang" else "crash", launch=alloc.launch,
+                                  committed=int(restorable / cfg.step_s), hosts=(host,),
+                                  trained=int(trained / cfg.step_s)))
+        decision = restart_in_allocation(alloc.faults, [], max_restarts=cfg.max_restarts, ever_trained=True,
+                                         can_exclude=True, dead=(host,) if fault.kind == "node_loss" else (),
+                                         excluded=tuple(sorted(alloc.excluded)), nodes=cfg.nodes,
+                                         min_nodes=cfg.min_nodes or cfg.nodes, requeue_refuses=lambda _: None)
+        detected = fault.time + self.detect[fault.kind]
+        alloc.gone |= {slot for slot in range(cfg.nodes) if self.name(slot) in decision.exclude}
+        if decision.restart:
+            alloc.excluded |= set(decision.exclude)
+            start = detected + cfg.relaunch_s + self.restore(fault)
+            alloc.launch += 1
+            self.out.restarts += 1
+        else:
+            self.out.lost_s += self.work - self.ckpt_d
+            start = self.requeue(detected)
+        self.out.recovery_s += start - fault.time
+        return start
+
+    def restore(self, fault: TraceEvent) -> float:
+        """Restart in the allocation from the newest complete tier: memory (a lost node's shards from its
+        buddy's replica) or durable. The load's seconds."""
+        cfg = self.cfg
+        memory_ok = self.every_m is not None and (fault.kind != "node_loss" or self.rng.random() < cfg.replica_survival)
+        resume, load = (self.ckpt_m, cfg.memory_restore_s) if memory_ok else (self.ckpt_d, cfg.durable_load_s)
+        self.out.lost_s += self.work - resume
+        self.work, self.ckpt_m = resume, max(resume, self.ckpt_d)
+        return load
+
+    def requeue(self, at: float) -> float:
+        """A new allocation on other nodes, from the durable tier only. When it starts training."""
+        cfg, out = self.cfg, self.out
         # Slurm's restart count before this requeue is the number of requeues so far.
         if out.cap_day is None and cap_reached(out.requeues, cfg.max_requeues):
             out.cap_day = at / DAY_S  # the failure policy would have failed the run here; we go on as if resubmitted
         out.requeues += 1
-        for slot in alloc.gone:
-            generation[slot] += 1  # Slurm's exclude list: the new allocation has another node there
-        work = ckpt_m = ckpt_d  # a new allocation: other nodes, the durable tier only
-        alloc = _Alloc(start=at + cfg.requeue_s + cfg.relaunch_s + restore_s)
-        return alloc.start
-
-    while True:
-        while pending and (pending[-1].time < seg_start or name(pending[-1].slot) in alloc.excluded):
-            pending.pop()  # during a recovery, or on a node this allocation left out
-        active = nodes - len(alloc.excluded)
-        speed = active / nodes
-        fault = pending[-1] if pending else None
-        stop_at = min(fault.time if fault else math.inf, alloc.start + limit, end)
-        elapsed = stop_at - seg_start
-        base = work
-
-        def work_at(x: float, base: float = base, speed: float = speed) -> float:
-            return base + speed * (x - _saves(x, every_d) * stall_d - _saves(x, every_m) * stall_m)
-
-        work = work_at(elapsed)
-        out.stall_s += _saves(elapsed, every_d) * stall_d + _saves(elapsed, every_m) * stall_m
-        if (n := _saves(elapsed, every_d)) > 0:
-            ckpt_d = max(ckpt_d, work_at(n * every_d))
-        if (n := _saves(elapsed, every_m)) > 0:
-            ckpt_m = max(ckpt_m, work_at(n * every_m))
-        ckpt_m = max(ckpt_m, ckpt_d)
-        if stop_at >= end:
-            break
-        if fault is None or stop_at < fault.time or fault.kind == "preempt":
-            # The time limit or a warned preemption: a stop checkpoint (nothing lost), then a requeue.
-            if fault is not None and stop_at == fault.time:
-                pending.pop()
-                out.faults += 1
-            out.stall_s += cfg.stop_save_s
-            ckpt_d = work
-            seg_start = requeue(stop_at + cfg.stop_save_s, cfg.durable_load_s)
-            out.recovery_s += seg_start - stop_at - cfg.stop_save_s
-            continue
-        pending.pop()
-        out.faults += 1
-        host = name(fault.slot)
-        restorable = ckpt_m if every_m else ckpt_d
-        alloc.faults.append(Fault(kind="hang" if fault.kind == "hang" else "crash", launch=alloc.launch,
-                                  committed=int(restorable / cfg.step_s), hosts=(host,),
-                                  trained=int((work - base) / cfg.step_s)))
-        dead = (host,) if fault.kind == "node_loss" else ()
-        decision = restart_in_allocation(alloc.faults, [], max_restarts=cfg.max_restarts, ever_trained=True,
-                                         can_exclude=True, dead=dead, excluded=tuple(sorted(alloc.excluded)),
-                                         nodes=nodes, min_nodes=min_nodes, requeue_refuses=lambda _: None)
-        detected = fault.time + detect[fault.kind]
-        alloc.gone |= {slot for slot in range(nodes) if name(slot) in decision.exclude}
-        if decision.restart:
-            alloc.excluded |= set(decision.exclude)
-            # The newest complete tier: memory (a lost node's shards from its buddy's replica) or durable.
-            memory_ok = every_m is not None and (fault.kind != "node_loss" or rng.random() < cfg.replica_survival)
-            resume, load = (ckpt_m, cfg.memory_restore_s) if memory_ok else (ckpt_d, cfg.durable_load_s)
-            out.lost_s += work - resume
-            work, ckpt_m = resume, max(resume, ckpt_d)
-            alloc.launch += 1
-            out.restarts += 1
-            seg_start = detected + cfg.relaunch_s + load
-        else:
-            out.lost_s += work - ckpt_d
-            seg_start = requeue(detected, cfg.durable_load_s)
-        out.recovery_s += seg_start - fault.time
-    out.goodput = work / end
-    return out
+        for slot in self.alloc.gone:
+            self.generation[slot] += 1  # Slurm's exclude list: the new allocation has another node there
+        self.work = self.ckpt_m = self.ckpt_d
+        self.alloc = _Alloc(start=at + cfg.requeue_s + cfg.relaunch_s + cfg.durable_load_s)
+        return self.alloc.start
 
 
 def run(cfg: SimConfig, seeds: int = 20, seed: int = 0, tiers: tuple[str, ...] = TIERS) -> dict[str, Outcome]:
@@ -320,7 +351,8 @@ def auto_memory_interval_steps(cfg: SimConfig) -> int:
     """checkpoint.memory_interval_steps: auto, the worker's rule (core/memtier.auto_interval) with the simulated
     snapshot stall and the mean time between the faults the memory tier recovers (crashes and hangs; lost nodes
     too where the run may go on without a node)."""
-    covered = cfg.rates.crash + cfg.rates.hang + (cfg.rates.node_loss if (cfg.min_nodes or cfg.nodes) < cfg.nodes else 0)
+    shrinks = (cfg.min_nodes or cfg.nodes) < cfg.nodes
+    covered = cfg.rates.crash + cfg.rates.hang + (cfg.rates.node_loss if shrinks else 0)
     if not covered:  # a simulated fleet without such faults (the worker, without a rate, takes the stall bound)
         return 10**9
     return memtier.auto_interval(cfg.memory_stall_s, cfg.step_s, memtier.mtbi_s(covered, cfg.nodes)).steps

@@ -32,7 +32,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, qu
         torch.set_num_threads(1)
         result = fn(rank, world_size, **kwargs)
         queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:  # report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
 

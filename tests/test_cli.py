@@ -10,6 +10,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+from specs import llama2_70b_spec
 from specs import write_spec as write_spec_file
 
 TESTS = Path(__file__).resolve().parent
@@ -238,18 +239,12 @@ def test_unknown_command_is_a_usage_error():
 EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml") if p.name != "quickstart.yaml")
 
 
-def seed_spec(tmp_path: Path, nodes: int) -> Path:
-    from test_submit_preflight import make_70b_spec
-
-    return make_70b_spec(tmp_path, nodes=nodes)
-
-
 @pytest.mark.parametrize(
     ("nodes", "sets", "verdict"),
     [(3, [], "FITS"), (2, [], "DOES NOT FIT"), (3, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
 )
 def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdict):
-    spec = str(seed_spec(tmp_path, nodes))
+    spec = str(llama2_70b_spec(tmp_path, nodes))
     plan = fsdpjob("plan", spec, *sets, cwd=tmp_path)
     dry = fsdpjob("submit", spec, "--dry-run", *sets, cwd=tmp_path)
     dry_json = fsdpjob("submit", spec, "--dry-run", "--json", *sets, cwd=tmp_path)
@@ -265,7 +260,7 @@ def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdic
 
 
 def test_dry_run_json_is_the_request(tmp_path):
-    spec = str(seed_spec(tmp_path, 3))
+    spec = str(llama2_70b_spec(tmp_path, 3))
     done = fsdpjob("submit", spec, "--dry-run", "--json", "--set", "env.HF_TOKEN=hush", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     request = json.loads(done.stdout)
@@ -296,7 +291,8 @@ def test_local_dry_run_shows_the_worker_commands_and_environment(tmp_path):
                    "resources.tasks_per_node=2", "--set", "env.HF_TOKEN=hush", "--run-dir", "/runs/local")  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert f"{sys.executable} -m fsdpjob.orchestrator.supervise /runs/local --world-size 2 --scheduler local" in lines[2]
+    supervisor = f"{sys.executable} -m fsdpjob.orchestrator.supervise /runs/local --world-size 2 --scheduler local"
+    assert supervisor in lines[2]
     assert lines[4] == f"{sys.executable} -u -m submitit.core._submit /runs/local/submitit"
     for exported in ("export FSDPJOB_RUN_DIR=/runs/local", "export HF_TOKEN=<secret>", "export OMP_NUM_THREADS=1",
                      "export SUBMITIT_LOCAL_NTASKS=2", "export CUDA_VISIBLE_DEVICES=''"):
@@ -316,7 +312,7 @@ def test_every_command_exits_2_on_a_bad_option():
 
 
 def test_an_existing_run_dir_is_a_usage_error(tmp_path):
-    spec = seed_spec(tmp_path, 3)
+    spec = llama2_70b_spec(tmp_path, 3)
     done = fsdpjob("submit", str(spec), "--run-dir", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == f"--run-dir: run folder {tmp_path} already exists; pick another"

@@ -11,11 +11,19 @@ from pathlib import Path
 import pytest
 from helpers import fsdpjob
 
-from fsdpjob.orchestrator.core.container import ContainerSpec, Mount, auto_mounts, parse_mount, shadowing
+from fsdpjob.orchestrator.core.container import (
+    RUNTIME_ROWS,
+    ContainerSpec,
+    Mount,
+    RuntimeRow,
+    auto_mounts,
+    parse_mount,
+    shadowing,
+)
 from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.planner.containers import container_of, input_folders
+from fsdpjob.orchestrator.planner.containers import container_of, input_folders, runtime_problems
 from fsdpjob.orchestrator.planner.jobload import load_job
-from fsdpjob.orchestrator.slurm.containerline import oci_bundle_config
+from fsdpjob.orchestrator.slurm.containerline import ContainerLaunch, container_launch, oci_bundle_config
 from fsdpjob.orchestrator.slurm.render import build_plan
 
 VALID = Path(__file__).resolve().parent / "data" / "specs" / "valid"
@@ -74,7 +82,8 @@ def test_the_workers_python_is_the_images_and_the_supervisors_the_hosts(monkeypa
         "/usr/bin/python")
     apptainer = build_plan(load_job(str(VALID / "apptainer-container.yaml"), check_files=False), RunPaths(Path("/r")))
     assert apptainer.with_command("PY -u -m submitit").command.startswith("apptainer exec --nv --bind ")
-    assert apptainer.with_command("PY -u -m submitit").command.endswith("/proj/images/pytorch-24.12.sif PY -u -m submitit")
+    assert apptainer.with_command("PY -u -m submitit").command.endswith(
+        "/proj/images/pytorch-24.12.sif PY -u -m submitit")
 
 
 def test_the_oci_bundle_keeps_the_hosts_network_pid_and_ipc_and_mounts_the_run():
@@ -93,11 +102,13 @@ def test_the_oci_bundle_keeps_the_hosts_network_pid_and_ipc_and_mounts_the_run()
 def test_the_bubblewrap_line_mounts_the_image_read_only_and_the_run_on_a_tmpfs(monkeypatch):
     monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
     plan = build_plan(load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False), RunPaths(Path("/tmp/r")))
-    assert plan.launcher.startswith("sh -c \"trap '' TERM USR2; exec \\\"\\$@\\\"\" bwrap-task bwrap --die-with-parent ")
+    assert plan.launcher.startswith("sh -c \"trap '' TERM USR2; exec \\\"\\$@\\\"\" bwrap-task "
+                                    "bwrap --die-with-parent ")
     words = plan.launcher.split()
     assert words[11:14] == ["--ro-bind", "/tmp/fsdpjob-devcluster/images/fsdpjob-test", "/"], words
     assert words.index("--tmpfs") < words.index("/tmp/r") and words[-1] == "--"
-    assert "--bind /tmp/r /tmp/r" in plan.launcher and "--ro-bind /tmp/models/tiny /tmp/models/tiny" in plan.launcher
+    assert "--bind /tmp/r /tmp/r" in plan.launcher
+    assert "--ro-bind /tmp/models/tiny /tmp/models/tiny" in plan.launcher
 
 
 def test_submit_writes_the_oci_bundle_into_the_run_folder(tmp_path, monkeypatch):
@@ -127,10 +138,23 @@ def test_a_container_that_would_fail_on_the_node_is_refused_at_validate(change, 
     assert done.stderr.startswith(where), done.stderr
 
 
+def test_a_runtime_is_one_row_of_the_table(monkeypatch):
+    """A new runtime is a row of core/container.RUNTIME_ROWS: the launch line and the checks read it."""
+    row = RuntimeRow(image_kind="a test image", line="launcher", head=("run-in",), binds=("-v", "{binds}"),
+                     workdir_words=("-w", "{workdir}"), env_each=("-e", "{key}={value}"), tail=("{image}",))
+    monkeypatch.setitem(RUNTIME_ROWS, "test", row)
+    container = ContainerSpec.model_construct(runtime="test", image="/i", workdir="/w", env={"A": "1"}, name="x")
+    launch = container_launch(container, [Mount(source="/r", destination="/r")], run_dir="/r", gpus=True,
+                              stop_signal="USR2", literal=str, with_vars=str)
+    assert launch == ContainerLaunch((), ("run-in", "-v", "/r:/r", "-w", "/w", "-e", "A=1", "/i"), (), None)
+    assert [field for field, _ in runtime_problems(container)] == ["name"]  # takes no name (pyxis does)
+    assert [field for field, _ in runtime_problems(container.model_copy(update={"image": None}))] == ["name", "image"]
+
+
 def test_a_container_name_is_for_pyxis_only():
     done = fsdpjob("validate", str(VALID / "apptainer-container.yaml"), "--no-file-checks", "--set", "container.name=x")
-    assert done.returncode == 2 and done.stderr.startswith("--set container.name=x: container.name: a container name is "
-                                                           "pyxis's"), done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("--set container.name=x: container.name: a container name is pyxis's"), done.stderr
 
 
 def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_path):

@@ -8,8 +8,6 @@ The CLI runs in-process (``cli.main``), which is ~50x faster than a subprocess p
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import os
 import re
@@ -19,9 +17,11 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from specs import quickstart_spec, write_spec
 from test_hostile import (
     CONTROL,
     FIELDS,
@@ -38,7 +38,6 @@ from test_hostile import (
 )
 from test_hostile import check_rejection as hostile_rejection
 
-from fsdpjob.orchestrator.cli import main
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -86,10 +85,9 @@ RAW_YAML = st.lists(st.one_of(YAML_BITS, st.text(max_size=10)), max_size=25).map
 
 
 def base_spec(assets: dict) -> dict[str, Any]:
-    return {"name": "fuzz", "profile": "local", "resources": {"tasks_per_node": 2, "time_limit": "30:00"},
-            "model": {"path": assets["model_path"]}, "data": {"path": assets["data_path"], "seq_len": 64},
-            "train": {"max_steps": 10, "lr": 1e-3}, "env": {"A": "1", "HF_TOKEN": "t"},
-            "checkpoint": {"interval_steps": 5}}  # fmt: skip
+    return quickstart_spec(assets, name="fuzz", profile="local", resources={"tasks_per_node": 2, "time_limit": "30:00"},
+                           train={"max_steps": 10, "lr": 1e-3}, env={"A": "1", "HF_TOKEN": "t"},
+                           checkpoint={"interval_steps": 5})
 
 
 def mutated(spec: dict[str, Any], path: str, action: str, value: Any) -> dict[str, Any]:
@@ -143,21 +141,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory):
 _serial = itertools.count()
 
 
-def write_spec(folder: Path, content: str | bytes) -> str:
-    path = folder / f"spec-{next(_serial)}.yaml"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8", "surrogatepass"))
-    return str(path)
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+def new_spec(folder: Path, content: str | bytes) -> str:
+    """``content`` as a spec file of its own (hypothesis calls a test many times in one folder)."""
+    return str(write_spec(folder / f"spec-{next(_serial)}.yaml", content))
 
 
 def faults(code: int, out: str, err: str) -> list[str]:
@@ -183,7 +169,7 @@ def faults(code: int, out: str, err: str) -> list[str]:
 
 def check_cli(kind: str, argv: list[str]) -> None:
     TRIED[kind] += 1
-    code, out, err = run_cli(argv)
+    code, out, err = run_cli(*argv)
     found = faults(code, out, err)
     TRIED["TRACEBACKS"] += "traceback" in found
     assert not found, f"{found}\nargv={argv!r}\nexit {code}\nstderr={err!r}"
@@ -193,34 +179,34 @@ def check_cli(kind: str, argv: list[str]) -> None:
 @given(doc=st.dictionaries(KEYS, VALUES, max_size=8), command=COMMANDS, sets=SET_ARGS)
 def test_random_documents(folder: Path, doc: dict, command: list[str], sets: list[str]) -> None:
     text = yaml.safe_dump(doc, allow_unicode=True, width=10**9)
-    spec = write_spec(folder, text)
+    spec = new_spec(folder, text)
     check_cli("random document", [*command, spec, *[a for s in sets for a in ("--set", s)]])
 
 
 @FUZZ
 @given(content=st.one_of(RAW_YAML, st.binary(max_size=200), st.text(max_size=200)), command=COMMANDS)
 def test_random_text_and_bytes(folder: Path, content: str | bytes, command: list[str]) -> None:
-    check_cli("raw text or bytes", [*command, write_spec(folder, content)])
+    check_cli("raw text or bytes", [*command, new_spec(folder, content)])
 
 
 @FUZZ
 @given(path=st.sampled_from(PATHS), action=st.sampled_from(["set", "set", "delete", "extra"]), value=VALUES,
        command=COMMANDS)  # fmt: skip
 def test_near_valid_specs(folder: Path, assets: dict, path: str, action: str, value: Any, command: list[str]) -> None:
-    spec = write_spec(folder, yaml.safe_dump(mutated(base_spec(assets), path, action, value), allow_unicode=True))
+    spec = new_spec(folder, yaml.safe_dump(mutated(base_spec(assets), path, action, value), allow_unicode=True))
     check_cli("near-valid spec", [*command, spec])
 
 
 @FUZZ
 @given(sets=SET_ARGS.filter(bool), command=COMMANDS)
 def test_set_values_on_a_valid_spec(folder: Path, assets: dict, sets: list[str], command: list[str]) -> None:
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
     check_cli("--set values", [*command, spec, *[a for s in sets for a in ("--set", s)]])
 
 
 def test_the_valid_base_spec_passes(folder: Path, assets: dict) -> None:
     """The fuzzers start from a spec that is valid, so their mutations test one fault at a time."""
-    code, out, err = run_cli(["validate", write_spec(folder, yaml.safe_dump(base_spec(assets)))])
+    code, out, err = run_cli(*["validate", new_spec(folder, yaml.safe_dump(base_spec(assets)))])
     assert code == 0 and ": ok (profile local, world size 2" in out and err == "", (out, err)
 
 
@@ -244,15 +230,15 @@ def test_the_valid_base_spec_passes(folder: Path, assets: dict) -> None:
 def test_found_by_fuzzing(folder: Path, assets: dict, argv: list[str]) -> None:
     """Inputs the fuzzers found (all were tracebacks, stray line breaks or lines without WHERE), and one that must
     pass, as fixed cases."""
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
     (folder / "complex-key.yaml").write_text("? {name: x}\n: y\n? [a]\n: z\n")
     check_cli("regression", [a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv])
 
 
 @pytest.mark.parametrize("key", ["int", "str", "[", "literal['auto']", "function-after"])
 def test_unknown_key_named_like_a_pydantic_tag_is_named(folder: Path, assets: dict, key: str) -> None:
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
-    code, _, err = run_cli(["validate", spec, "--set", f"train.{key}=1"])
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(*["validate", spec, "--set", f"train.{key}=1"])
     assert code == 2 and f": train.{key}: unknown key" in err, err
 
 
@@ -385,11 +371,11 @@ def hostile_case(folder: Path, field: str, template: str) -> tuple[Case, LoadedJ
     ],
 )  # fmt: skip
 def test_fails_at_validate_not_on_the_node(folder: Path, assets: dict, argv: list[str], expected: str) -> None:
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
     (folder / "empty").mkdir(exist_ok=True)
     (folder / "run" / "checkpoints" / "step-00000010").mkdir(parents=True, exist_ok=True)
     (folder / "a-file").write_text("")
-    code, _, err = run_cli([a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv])
+    code, _, err = run_cli(*[a.replace("SPEC", spec).replace("DIR", str(folder)) for a in argv])
     assert code == 2 and expected.replace("DIR", str(folder)) in err, err
     assert not faults(code, "", err), err
 
@@ -398,14 +384,14 @@ def test_a_quoted_number_is_refused_with_the_fix_to_write_it_unquoted(folder: Pa
     """Counts and rates stay strict (a string is no number), but the message says what to write instead."""
     text = yaml.safe_dump(base_spec(assets))
     text = re.sub(r"(?m)^(\s+)lr: .*$", r'\1lr: "1e-4"', text).replace("max_steps: 10", "max_steps: '10'")
-    spec = write_spec(folder, text)
-    code, _, err = run_cli(["validate", spec])
+    spec = new_spec(folder, text)
+    code, _, err = run_cli(*["validate", spec])
     lr, steps = (f"{spec}:{n}:" for n in (text.splitlines().index('  lr: "1e-4"') + 1,
                                            text.splitlines().index("  max_steps: '10'") + 1))
     assert code == 2 and not faults(code, "", err), err
     assert f"{lr} train.lr: Input should be a valid number (got '1e-4'); write it without quotes: 1e-4" in err, err
     assert f"{steps} train.max_steps: Input should be a valid integer (got '10'); write it without quotes: 10" in err
-    code, _, err = run_cli(["validate", spec, "--set", "train.lr=1e-4", "--set", "train.max_steps=10"])
+    code, _, err = run_cli(*["validate", spec, "--set", "train.lr=1e-4", "--set", "train.max_steps=10"])
     assert code == 0, err
 
 
@@ -413,8 +399,8 @@ def test_a_quoted_number_is_refused_with_the_fix_to_write_it_unquoted(folder: Pa
 def test_an_unwritable_checkpoint_dir_fails_at_validate(folder: Path, assets: dict) -> None:
     locked = folder / "locked"
     locked.mkdir(mode=0o500, exist_ok=True)
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
-    code, _, err = run_cli(["validate", spec, "--set", f"checkpoint.dir={locked}/ckpt"])
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(*["validate", spec, "--set", f"checkpoint.dir={locked}/ckpt"])
     assert code == 2 and f"{locked} is not writable by you" in err, err
 
 
@@ -422,8 +408,8 @@ def test_a_committed_checkpoint_is_accepted_by_resume_from(folder: Path, assets:
     step = folder / "done" / "step-00000004"
     step.mkdir(parents=True, exist_ok=True)
     (step / "COMMITTED").write_text("")
-    spec = write_spec(folder, yaml.safe_dump(base_spec(assets)))
-    code, _, err = run_cli(["submit", spec, "--dry-run", "--resume-from", str(folder / "done")])
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(*["submit", spec, "--dry-run", "--resume-from", str(folder / "done")])
     assert code == 0, err
 
 
@@ -445,9 +431,9 @@ def test_a_committed_checkpoint_is_accepted_by_resume_from(folder: Path, assets:
 def test_yaml_size_and_alias_limits_answer_at_once(folder: Path, content: str, expected: str) -> None:
     import time
 
-    spec = write_spec(folder, content)
+    spec = new_spec(folder, content)
     started = time.monotonic()
-    code, _, err = run_cli(["validate", spec])
+    code, _, err = run_cli(*["validate", spec])
     assert time.monotonic() - started < 1.0
     assert code == 2 and expected in err and not faults(code, "", err), err
 
@@ -458,8 +444,8 @@ def test_yaml_size_and_alias_limits_answer_at_once(folder: Path, content: str, e
 def test_plan_answers_in_under_a_second_for_any_size(sets: list[str]) -> None:
     import time
 
-    run_cli(["plan", "examples/llama2-70b-3x8-a100.yaml"])  # imports and caches out of the timing
+    run_cli(*["plan", "examples/llama2-70b-3x8-a100.yaml"])  # imports and caches out of the timing
     started = time.monotonic()
-    code, out, err = run_cli(["plan", "examples/llama2-70b-3x8-a100.yaml", *[a for s in sets for a in ("--set", s)]])
+    code, out, err = run_cli(*["plan", "examples/llama2-70b-3x8-a100.yaml", *[a for s in sets for a in ("--set", s)]])
     assert time.monotonic() - started < 1.0
     assert code in (0, 2) and "verdict: " in out, err

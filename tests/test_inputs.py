@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from specs import write_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
@@ -38,14 +39,12 @@ def make_model(folder: Path, *, model_type: str = "llama", max_pos: int = 512, c
     return folder
 
 
-def write_spec(tmp_path: Path, lines: list[str] | None = None, extra_data: str = "") -> tuple:
+def write_inputs(tmp_path: Path, lines: list[str] | None = None, extra_data: str = "") -> tuple:
     """Spec + model folder + data file in tmp_path; returns (spec, doc, data_path)."""
     make_model(tmp_path / "model")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(line + "\n" for line in (lines if lines is not None else ['{"text": "a"}'])))
-    spec_file = tmp_path / "job.yaml"
-    spec_file.write_text(SPEC.format(extra_data=extra_data))
-    spec, doc = load_spec(spec_file)
+    spec, doc = load_spec(write_spec(tmp_path / "job.yaml", SPEC.format(extra_data=extra_data)))
     return spec, doc, data
 
 
@@ -60,13 +59,13 @@ def expect_error(spec, doc, *parts: str) -> InputError:
 
 
 def test_good_inputs_pass(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     check_inputs(spec, doc)
     check_inputs(spec)  # without the YAML document too
 
 
 def test_model_folder_missing_points_at_spec_line(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     for child in (tmp_path / "model").iterdir():
         child.unlink()
     (tmp_path / "model").rmdir()
@@ -76,20 +75,20 @@ def test_model_folder_missing_points_at_spec_line(tmp_path):
 
 
 def test_model_path_is_a_file(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(tmp_path / "data.jsonl")})})
     expect_error(spec, doc, "is not a folder")
 
 
 def test_config_json_malformed_names_its_line(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     (tmp_path / "model" / "config.json").write_text('{\n  "model_type": "llama",\n  oops\n}')
     err = expect_error(spec, doc, "config.json is not valid JSON")
     assert (err.file, err.line) == (str(tmp_path / "model" / "config.json"), 3)
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     make_model(tmp_path / "model", model_type="t5")
     err = expect_error(spec, doc, "model_type 't5'", "not supported", "llama, mistral", "qwen2", "gpt2",
                        "_no_split_modules")
@@ -97,7 +96,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 def test_not_a_causal_lm(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]}
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     expect_error(spec, doc, "no *ForCausalLM")
@@ -116,7 +115,7 @@ def test_not_a_causal_lm(tmp_path):
     ],
 )
 def test_model_folder_files(tmp_path, remove, add, words):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     (tmp_path / "model" / remove).unlink()
     if add:
         (tmp_path / "model" / add).write_bytes(b"")
@@ -128,7 +127,7 @@ def test_model_folder_files(tmp_path, remove, add, words):
 
 
 def test_sharded_index_with_missing_shard(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     model = tmp_path / "model"
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
@@ -138,7 +137,7 @@ def test_sharded_index_with_missing_shard(tmp_path):
 
 def test_chat_data_needs_a_chat_template(tmp_path):
     line = '{"messages": [{"role": "user", "content": "hi"}]}'
-    spec, doc, _ = write_spec(tmp_path, [line], "  messages_field: messages\n")
+    spec, doc, _ = write_inputs(tmp_path, [line], "  messages_field: messages\n")
     check_inputs(spec, doc)
     make_model(tmp_path / "model", chat=False)
     err = expect_error(spec, doc, "needs a chat template")
@@ -146,26 +145,26 @@ def test_chat_data_needs_a_chat_template(tmp_path):
 
 
 def test_seq_len_beyond_max_positions(tmp_path):
-    spec, doc, _ = write_spec(tmp_path)
+    spec, doc, _ = write_inputs(tmp_path)
     make_model(tmp_path / "model", max_pos=64)
     err = expect_error(spec, doc, "data.seq_len 128", "max_position_embeddings 64", "at most 64")
     assert (err.loc, err.line) == ("data.seq_len", 6)
 
 
 def test_data_file_missing(tmp_path):
-    spec, doc, data = write_spec(tmp_path)
+    spec, doc, data = write_inputs(tmp_path)
     data.unlink()
     err = expect_error(spec, doc, "does not exist")
     assert (err.loc, err.line) == ("data.path", 5)
 
 
 def test_data_file_empty(tmp_path):
-    spec, doc, _ = write_spec(tmp_path, [])
+    spec, doc, _ = write_inputs(tmp_path, [])
     expect_error(spec, doc, "is empty")
 
 
 def test_data_file_only_blank_lines(tmp_path):
-    spec, doc, _ = write_spec(tmp_path, ["", "   "])
+    spec, doc, _ = write_inputs(tmp_path, ["", "   "])
     expect_error(spec, doc, "no examples")
 
 
@@ -179,14 +178,14 @@ def test_data_file_only_blank_lines(tmp_path):
     ],
 )
 def test_bad_data_line_names_file_and_line(tmp_path, lines, line, words):
-    spec, doc, data = write_spec(tmp_path, lines)
+    spec, doc, data = write_inputs(tmp_path, lines)
     err = expect_error(spec, doc, words)
     assert (err.file, err.line) == (str(data), line)
     assert str(err).startswith(f"{data}:{line}: ")
 
 
 def test_bad_utf8_line(tmp_path):
-    spec, doc, data = write_spec(tmp_path)
+    spec, doc, data = write_inputs(tmp_path)
     data.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     err = expect_error(spec, doc, "not valid UTF-8")
     assert err.line == 2
@@ -194,7 +193,7 @@ def test_bad_utf8_line(tmp_path):
 
 def test_prompt_completion_fields_checked(tmp_path):
     extra = "  prompt_field: q\n  completion_field: a\n"
-    spec, doc, _ = write_spec(tmp_path, ['{"q": "1+1", "a": "2"}', '{"q": "2+2"}'], extra)
+    spec, doc, _ = write_inputs(tmp_path, ['{"q": "1+1", "a": "2"}', '{"q": "2+2"}'], extra)
     err = expect_error(spec, doc, "missing field 'a' (set by data.completion_field)")
     assert err.line == 2
 
@@ -209,14 +208,14 @@ def test_prompt_completion_fields_checked(tmp_path):
     ],
 )
 def test_bad_messages(tmp_path, messages, words):
-    spec, doc, _ = write_spec(tmp_path, [f'{{"messages": {messages}}}'], "  messages_field: messages\n")
+    spec, doc, _ = write_inputs(tmp_path, [f'{{"messages": {messages}}}'], "  messages_field: messages\n")
     err = expect_error(spec, doc, words)
     assert err.line == 1
 
 
 def test_scans_only_the_first_lines(tmp_path):
     lines = ['{"text": "a"}'] * SCAN_LINES + ["not json"]
-    spec, doc, _ = write_spec(tmp_path, lines)
+    spec, doc, _ = write_inputs(tmp_path, lines)
     check_inputs(spec, doc)  # line SCAN_LINES + 1 is the worker's to find
 
 
@@ -235,7 +234,7 @@ def test_every_file_problem_is_reported_at_once(tmp_path):
     """No weights, no tokenizer and no data file: three lines, not the first one only (as the README promises)."""
     from fsdpjob.orchestrator.core.validation import SpecErrors
 
-    spec, doc, data = write_spec(tmp_path)
+    spec, doc, data = write_inputs(tmp_path)
     for name in ("model.safetensors", "tokenizer.json"):
         (tmp_path / "model" / name).unlink()
     data.unlink()

@@ -31,7 +31,7 @@ class Hook:
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):  # http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 hook.requests += 1
                 if hook.requests <= failures:

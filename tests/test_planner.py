@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from specs import build, job_spec
+from specs import plan_spec, write_config
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.profiles import load_profile
@@ -44,18 +44,6 @@ LLAMA2_70B = {
 }
 
 
-def write_config(folder: Path, cfg: dict) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-def make_spec(model_dir: Path, **sections: dict) -> JobSpec:
-    base = {"name": "plan-test", "model": {"path": str(model_dir)}, "data": {"path": "train.jsonl"},
-            "train": {"max_steps": 500}}
-    return job_spec(build(base, **sections))
-
-
 def with_changes(spec: JobSpec, change: str) -> JobSpec:
     """Apply a fix's `a.b=v a.c=w` change the way `--set` would."""
     return JobSpec.model_validate(apply_overrides(spec.model_dump(mode="json"), change.split()))
@@ -64,7 +52,7 @@ def with_changes(spec: JobSpec, change: str) -> JobSpec:
 @pytest.fixture
 def seed_70b(tmp_path: Path) -> JobSpec:
     """The seed recipe: Llama-2-70B, 2 nodes x 8 A100-80GB, fp32 master weights, bf16 compute, AC, seq 2048, mb 1."""
-    return make_spec(
+    return plan_spec(
         write_config(tmp_path / "llama-2-70b", LLAMA2_70B),
         resources={"nodes": 2},
         model={"activation_checkpointing": True},
@@ -244,7 +232,7 @@ def test_every_fix_fits_and_they_come_cheapest_first(seed_70b: JobSpec) -> None:
 
 def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
     eight_layers = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 8})
-    spec = make_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
+    spec = plan_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
     plan = make_plan(resolve(spec, A100))
     first_keys = [f.change.split()[0] for f in plan.fixes]
     assert first_keys == ["model.activation_checkpointing=true", "train.micro_batch_size=3"]
@@ -293,7 +281,7 @@ def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
                                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                                    "vocab_size": 4096, "torch_dtype": "float32"})
     local = load_profile("local")
-    plan = make_plan(resolve(make_spec(tiny, resources={"tasks_per_node": 2}), local))
+    plan = make_plan(resolve(plan_spec(tiny, resources={"tasks_per_node": 2}), local))
     assert plan.device.kind == "cpu" and plan.fits
     assert plan.device.budget == int(local.host_ram_gb * GiB / 2)
     assert "CUDA runtime (assumed)" not in [i.name for i in plan.device.breakdown]
@@ -303,7 +291,7 @@ def test_cpu_profile_plans_host_memory_per_rank(tmp_path: Path) -> None:
 
 def test_cpu_profile_too_small_proposes_activation_checkpointing(tmp_path: Path) -> None:
     big = write_config(tmp_path, {**LLAMA2_70B, "num_hidden_layers": 6, "torch_dtype": "bfloat16"})
-    spec = make_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
+    spec = plan_spec(big, data={"seq_len": 4096}, train={"micro_batch_size": 4})
     profile = load_profile("local").model_copy(update={"host_ram_gb": 140.0})
     plan = make_plan(resolve(spec, profile))
     assert not plan.fits and any("per rank (host RAM / tasks_per_node)" in w for w in plan.warnings)
@@ -329,8 +317,8 @@ def test_hsdp_shards_over_the_group_only(seed_70b: JobSpec) -> None:
 def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None:
     out = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1"), A100)).to_json()
     assert json.loads(json.dumps(out)) == out
-    assert set(out) == {"verdict", "fits", "refusal", "model", "params", "topology", "device_memory", "host_memory", "checkpoint", "step",
-                        "signal", "step_plan", "checkpoint_interval", "fixes", "warnings"}
+    assert set(out) == {"verdict", "fits", "refusal", "model", "params", "topology", "device_memory", "host_memory",
+                        "checkpoint", "step", "signal", "step_plan", "checkpoint_interval", "fixes", "warnings"}
     assert out["fits"] is False and out["params"]["total"] == 68_976_648_192
     assert out["device_memory"]["peak_bytes"] == sum(i["bytes"] for i in out["device_memory"]["breakdown"])
     assert {"change", "peak_bytes", "saves_bytes", "why"} == set(out["fixes"][0])
@@ -338,8 +326,8 @@ def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None
 
 def test_text_report_shows_the_breakdown_and_verdict(seed_70b: JobSpec) -> None:
     text = format_plan(make_plan(resolve(with_changes(seed_70b, "resources.nodes=3"), A100)))
-    for needle in ("parameters", "AdamW state", "gradients", "CUDA runtime (assumed)", "rank-0 loading", "every rank loading",
-                   "checkpoint:", "signal lead:", "verdict: FITS"):
+    for needle in ("parameters", "AdamW state", "gradients", "CUDA runtime (assumed)", "rank-0 loading",
+                   "every rank loading", "checkpoint:", "signal lead:", "verdict: FITS"):
         assert needle in text, needle
 
 
@@ -358,7 +346,7 @@ def test_gradient_sync_is_deferred_to_the_last_micro_batch_only_where_it_fits(tm
     tiny = write_config(tmp_path / "tiny", {**LLAMA2_70B, "hidden_size": 256, "intermediate_size": 688,
                                             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                                             "vocab_size": 4096})
-    small = make_plan(resolve(make_spec(tiny, train={"grad_accum_steps": 4}), A100))
+    small = make_plan(resolve(plan_spec(tiny, train={"grad_accum_steps": 4}), A100))
     assert small.setup.defer_grad_sync and small.worker_facts() == {"defer_grad_sync": True}
     held = {i.name: i.bytes for i in small.device.moments[0].items}
     assert held["accumulated gradients"] == small.params.total * 4
@@ -368,7 +356,7 @@ def test_gradient_sync_is_deferred_to_the_last_micro_batch_only_where_it_fits(tm
     assert not big.setup.defer_grad_sync and big.worker_facts() == {"defer_grad_sync": False}
     assert "gradient sync: every micro-batch" in format_plan(big)
     # Without accumulation there is nothing to defer.
-    assert not make_plan(resolve(make_spec(tiny), A100)).setup.defer_grad_sync
+    assert not make_plan(resolve(plan_spec(tiny), A100)).setup.defer_grad_sync
 
 
 def test_async_save_staging_and_cuda_processes_are_in_the_host_plan(seed_70b: JobSpec) -> None:
@@ -381,7 +369,8 @@ def test_async_save_staging_and_cuda_processes_are_in_the_host_plan(seed_70b: Jo
     assert staged.staged_per_rank == pytest.approx(3 * 68.98e9 * 4 / 16, rel=0.01)  # fp32 params + 2 moments / 16
     assert staged.training - sync.training == 8 * staged.staged_per_rank  # ~0.4 TB per node
     assert staged.training == pytest.approx(0.41e12 + 8 * CUDA_PROCESS_BYTES, rel=0.02)
-    assert "async-save staging" in format_plan(make_plan(resolve(with_changes(seed_70b, "checkpoint.async_save=true"), A100)))
+    async_save = with_changes(seed_70b, "checkpoint.async_save=true")
+    assert "async-save staging" in format_plan(make_plan(resolve(async_save, A100)))
 
 
 def test_gpu_step_time_says_communication_is_assumed_hidden(seed_70b: JobSpec) -> None:

@@ -10,14 +10,13 @@ import json
 import os
 import re
 import shutil
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from test_report_picture import EVENTS, METRICS
 
 from fsdpjob.orchestrator import registry
-from fsdpjob.orchestrator.cli import main
 from fsdpjob.orchestrator.registry import JobRecord
 
 HOSTILE = "r<script>alert(1)</script>&\"'"
@@ -36,26 +35,17 @@ def run_folder(tmp_path: Path, run_id: str = "html-1") -> JobRecord:
     return rec
 
 
-def fsdpjob(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_.value.code, out, err
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> tuple[Path, Path, int, str, str]:
     """`fsdpjob report RUN --html FILE --plot FILE` once for this module (drawing takes seconds): the page, the
     PNG, the exit code, stdout and stderr."""
     tmp = tmp_path_factory.mktemp("report")
     page_file, plot_file = tmp / "report.html", tmp / "report.png"
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, redirect_stdout(out), redirect_stderr(err):
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FSDPJOB_HOME", str(tmp / "home"))  # the per-test home is not there yet in a module fixture
         rec = run_folder(tmp)
-        with pytest.raises(SystemExit) as exit_:
-            main(["report", rec.run_id, "--html", str(page_file), "--plot", str(plot_file)])
-    return page_file, plot_file, exit_.value.code, out.getvalue(), err.getvalue()
+        code, out, err = run_cli("report", rec.run_id, "--html", str(page_file), "--plot", str(plot_file))
+    return page_file, plot_file, code, out, err
 
 
 def test_html_is_one_self_contained_page_with_the_picture_breakdown_and_interruptions(written):
@@ -88,16 +78,16 @@ def test_user_strings_are_escaped(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["--html", "--plot"])
-def test_an_output_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys, option):
+def test_an_output_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, option):
     rec = run_folder(tmp_path)
-    code, out, err = fsdpjob(capsys, "report", rec.run_id, option, str(tmp_path / "nodir" / "x.out"))
+    code, out, err = run_cli("report", rec.run_id, option, str(tmp_path / "nodir" / "x.out"))
     assert (code, out) == (2, "")
     assert err.splitlines() == [f"{option}: cannot write {tmp_path / 'nodir' / 'x.out'}: there is no folder "
                                 f"{tmp_path / 'nodir'}; create it first or name a file in a folder that exists"]
-    code, out, err = fsdpjob(capsys, "report", rec.run_id, option, str(tmp_path))
+    code, out, err = run_cli("report", rec.run_id, option, str(tmp_path))
     assert (code, out, err) == (2, "", f"{option}: {tmp_path} is a folder; name a file to write\n")
     # A write that fails (here a full disk: /dev/full, which refuses root too) is the user's to fix, in one line.
-    code, out, err = fsdpjob(capsys, "report", rec.run_id, option, "/dev/full")
+    code, out, err = run_cli("report", rec.run_id, option, "/dev/full")
     assert (code, out, err) == (2, "", f"{option}: cannot write /dev/full: No space left on device\n")
 
 

@@ -20,7 +20,7 @@ import helpers
 import pytest
 from helpers import ONE_THREAD, wait_for
 from slurm.conftest import slurm_cluster, slurm_cluster_session  # noqa: F401 - fixtures for the Slurm case
-from specs import write_spec as write_yaml
+from specs import quickstart_spec, write_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -43,22 +43,21 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return make_quickstart(tmp_path_factory.mktemp("assets"))
 
 
-def write_spec(folder: Path, assets: dict, profile: str) -> Path:
-    spec = {
-        "name": "secrets",
-        "profile": profile,
-        "env": {**SECRETS, **PUBLIC},
-        "secret_env": ["MY_CREDENTIAL"],
-        "resources": {"time_limit": "10:00"} | ({"tasks_per_node": 2} if profile == "local" else {}),
-        "model": {"path": assets["model_path"]},
-        "data": {"path": assets["data_path"], "seq_len": 64},
-        "train": {"max_steps": 2, "micro_batch_size": 2, "log_every": 1},
-        "fsdp": {"mixed_precision": "fp32"},
-        "checkpoint": {"interval_steps": 1},
+def secrets_spec(folder: Path, assets: dict, profile: str) -> Path:
+    spec = quickstart_spec(
+        assets,
+        name="secrets",
+        profile=profile,
+        env={**SECRETS, **PUBLIC},
+        secret_env=["MY_CREDENTIAL"],
+        resources={"time_limit": "10:00"} | ({"tasks_per_node": 2} if profile == "local" else {}),
+        train={"max_steps": 2, "micro_batch_size": 2, "log_every": 1},
+        fsdp={"mixed_precision": "fp32"},
+        checkpoint={"interval_steps": 1},
         # The trackers hold the run's config and run with WANDB_API_KEY in their environment: their files too.
-        "logging": {"wandb": {"project": "secrets", "mode": "offline"}, "mlflow": {}},
-    }
-    return write_yaml(folder / "secrets.yaml", spec)
+        logging={"wandb": {"project": "secrets", "mode": "offline"}, "mlflow": {}},
+    )
+    return write_spec(folder / "secrets.yaml", spec)
 
 
 def worker_environments(run_dir: str, ranks: int, timeout_s: float = 180) -> list[dict[str, str]]:
@@ -148,13 +147,13 @@ def check_run(spec: Path, ranks: int) -> dict:
 
 
 def test_local_run_keeps_secrets_out_of_everything_it_writes(tmp_path: Path, assets: dict) -> None:
-    check_run(write_spec(tmp_path, assets, "local"), ranks=2)
+    check_run(secrets_spec(tmp_path, assets, "local"), ranks=2)
 
 
 @pytest.mark.slurm
 def test_slurm_run_keeps_secrets_out_of_script_and_run_folder(
     slurm_cluster, tmp_path: Path, assets: dict  # noqa: F811 - the fixture imported above
 ) -> None:
-    run = check_run(write_spec(tmp_path, assets, "test-cluster"), ranks=2)
+    run = check_run(secrets_spec(tmp_path, assets, "test-cluster"), ranks=2)
     script = (Path(run["run_dir"]) / "job.sbatch").read_bytes()
     assert PUBLIC["PLAIN_SETTING"].encode() in script and leaks({"job.sbatch": script}) == []

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from specs import write_spec
+from helpers import run_cli
+from specs import quickstart_spec, write_spec
 from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
 
-from fsdpjob.orchestrator.cli import main
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
@@ -77,40 +77,32 @@ def tiny_spec(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("sweep")
     assets = make_quickstart(folder / "assets")
-    return write_spec(folder / "lr.yaml", {
-        "name": "lr", "profile": "test-cluster", "resources": {"nodes": 1, "time_limit": "10:00"},
-        "model": {"path": assets["model_path"]}, "data": {"path": assets["data_path"], "seq_len": 64},
-        "train": {"max_steps": 4, "micro_batch_size": 2, "lr": 3e-3}, "fsdp": {"mixed_precision": "fp32"}})
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as done:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
+    return write_spec(folder / "lr.yaml", quickstart_spec(
+        assets, name="lr", profile="test-cluster", resources={"nodes": 1, "time_limit": "10:00"},
+        train={"max_steps": 4, "micro_batch_size": 2, "lr": 3e-3}, fsdp={"mixed_precision": "fp32"}))
 
 
 @pytest.mark.parametrize(("grid", "expected"), [
-    ("train.lr=1e-3,abc", "sweep variant 1 of 2 (train.lr=abc): --set train.lr=abc: train.lr: Input should be a valid number"),
+    ("train.lr=1e-3,abc", "sweep variant 1 of 2 (train.lr=abc): --set train.lr=abc: train.lr: Input should be a "
+                          "valid number"),
     ("train.lrr=1e-3,3e-3", "sweep variant 0 of 2 (train.lrr=1e-3): --set train.lrr=1e-3: train.lrr: unknown key"),
     ("train.max_steps=4,0", "sweep variant 1 of 2 (train.max_steps=0): --set train.max_steps=0: train.max_steps: "),
     ("resources.nodes=1,2", "sweep variant 1 of 2 (resources.nodes=2) changes the job's shape: #SBATCH --nodes=2 "
                             "where variant 0 has --nodes=1; one Slurm array job has one shape"),
     ("env.FOO=a,b", "sweep variant 1 of 2 (env.FOO=b) changes the job's shape: the job's environment (FOO)"),
 ])
-def test_one_bad_variant_refuses_the_whole_sweep_and_submits_nothing(tiny_spec, tmp_path, monkeypatch, capsys,
-                                                                     grid, expected):
+def test_one_bad_variant_refuses_the_whole_sweep_and_submits_nothing(tiny_spec, tmp_path, monkeypatch, grid, expected):
     monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch: a sweep that got as far as submitting would fail otherwise
-    code, out, err = run_cli(capsys, "sweep", str(tiny_spec), "--grid", grid)
+    code, out, err = run_cli("sweep", str(tiny_spec), "--grid", grid)
     assert code == 2 and out == "", err
     assert expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "home" / "runs").exists() and not (tmp_path / "home" / "registry").exists()
 
 
-def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_path, monkeypatch, capsys):
+def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
-    code, out, err = run_cli(capsys, "sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3,1e-2",
+    code, out, err = run_cli("sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3,1e-2",
                              "--max-parallel", "2", "--dry-run", "--json")
     data = json.loads(out)
     assert code in (0, None) and [v["name"] for v in data["variants"]] == ["lr-0", "lr-1", "lr-2"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_planner import A100, LLAMA2_70B, make_spec, write_config
+from specs import plan_spec, write_config
+from test_planner import A100, LLAMA2_70B
 
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
@@ -17,7 +18,7 @@ def _plan(folder: Path, weights: str | None, **cfg):
     write_config(folder, {**LLAMA2_70B, **cfg})
     if weights:
         (folder / weights).write_bytes(b"")  # the listing decides; an unreadable header only stops the exact count
-    return make_plan(resolve(make_spec(folder, resources={"nodes": 2}), A100))
+    return make_plan(resolve(plan_spec(folder, resources={"nodes": 2}), A100))
 
 
 def test_safetensors_weights_need_no_full_copy_on_rank_0(tmp_path: Path) -> None:

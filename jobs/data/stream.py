@@ -129,7 +129,8 @@ class BatchStream:
             batches.append(micro_batch(self.table, row, pos))
         return StepBatch(batches, tokens, processed)
 
-    # Keys added after checkpoints were already written (absent from older ones; see ckpt_state.DictState).
+    # Keys added after checkpoints were already written (absent from older ones; see DictState in
+    # jobs/checkpoint/state.py).
     ADDED = ("packing",)
 
     def state_dict(self) -> dict[str, Any]:

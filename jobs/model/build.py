@@ -147,7 +147,7 @@ def _read_through_transformers(path: Path, expected: set[str]) -> dict[str, torc
 
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
-    except Exception:  # noqa: BLE001 - the caller names the mismatch instead
+    except Exception:  # the caller names the mismatch instead
         return None
     if info.get("missing_keys") or info.get("mismatched_keys") or info.get("error_msgs"):
         return None
@@ -162,7 +162,7 @@ def _read_on_rank0(env: DistEnv, path: Path, expected: set[str], tie_groups: lis
     if env.is_main:
         try:
             full = read_full_state_dict(path, expected, tie_groups)
-        except Exception as e:  # noqa: BLE001 - relayed to the other ranks, re-raised below
+        except Exception as e:  # relayed to the other ranks, re-raised below
             failure = e
     message = [f"{type(failure).__name__}: {failure}" if failure else None]
     dist.broadcast_object_list(message, src=0)

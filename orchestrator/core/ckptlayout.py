@@ -13,8 +13,9 @@ import os
 import re
 from pathlib import Path
 
-# The rule lives with spec.json (core/runmeta.py); jobs/ckpt_verify.py reads it under this name.
-from .runmeta import checkpoint_root as run_checkpoint_root  # noqa: F401
+# The rule lives with spec.json (core/runmeta.py); jobs/checkpoint/verify.py and views/sweepview.py read it under
+# this name.
+from .runmeta import checkpoint_root as run_checkpoint_root
 
 MARKER = "COMMITTED"
 SIDECAR = "fsdpjob.json"

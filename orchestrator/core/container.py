@@ -11,22 +11,78 @@ from __future__ import annotations
 
 import posixpath
 import re
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from pydantic import field_validator
 
 from .validation import Strict, check_env, single_line
 
-Runtime = Literal["pyxis", "apptainer", "oci", "bubblewrap"]
-RUNTIMES: tuple[str, ...] = get_args(Runtime)
-# What each runtime's `image` is (said in errors and the docs).
-IMAGE_KINDS = {
-    "pyxis": "an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
-    "apptainer": "a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
-    "oci": "an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
-    "bubblewrap": "a root file system folder (an unpacked image, such as an OCI bundle's rootfs/)",
+
+@dataclass(frozen=True)
+class RuntimeRow:
+    """One container runtime: what its `image` is, which settings it takes, and the words its launch carries
+    them in. The launch is srun options (``srun``) or words before the worker's command (``launcher``). Word
+    templates get the setting, quoted where it is the user's: {image}, {name}, {binds} (SRC:DST[:ro],...),
+    {workdir}, {names} (the env's names), {key} and {value}, {bundle}."""
+
+    image_kind: str  # what `image` is: said in errors and the docs
+    line: Literal["srun", "launcher"]
+    folder_image: bool = False  # the image is a folder on the nodes: an absolute path
+    head: tuple[str, ...] = ()  # the launch's first words
+    image_words: tuple[str, ...] = ()  # when an image is given
+    name_words: tuple[str, ...] = ()  # takes `name` (then no image is needed: the container is on the nodes)
+    gpu_words: tuple[str, ...] = ()  # takes `gpu` (default: on when the nodes have GPUs)
+    binds: tuple[str, ...] = ()  # every mount in one list
+    bind_each: tuple[str, str] | None = None  # or a (read-write, read-only) flag before each mount's SRC DST
+    workdir_words: tuple[str, ...] = ()
+    remap_root_words: tuple[str, str] | None = None  # takes `remap_root`: the word for true, for false
+    env_names: tuple[str, ...] = ()  # the env's names, when it has any
+    env_each: tuple[str, ...] = ()  # or words for each name and value
+    tail: tuple[str, ...] = ()  # the launch's last words
+    exports_env: bool = False  # the env is exported in the batch script (the tasks inherit the job's environment)
+    stop_trap: str | None = None  # the name of a shell that runs the launcher ignoring SIGTERM and the stop signal
+    bundle: bool = False  # an OCI bundle in the run folder holds the mounts, workdir and env
+
+    @property
+    def named(self) -> bool:
+        return bool(self.name_words)
+
+
+# In the order errors and the docs list them. Every runtime keeps the host's network, PID and IPC namespaces and
+# /dev (slurm/containerline.py says why).
+RUNTIME_ROWS: dict[str, RuntimeRow] = {
+    "pyxis": RuntimeRow(  # srun's own options (enroot)
+        image_kind="an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
+        line="srun", image_words=("--container-image={image}",),
+        # the restarts in this allocation reuse the container pyxis made on each node
+        name_words=("--container-name={name}",),
+        binds=("--container-mounts={binds}",), workdir_words=("--container-workdir={workdir}",),
+        remap_root_words=("--container-remap-root", "--no-container-remap-root"),
+        env_names=("--container-env={names}",),  # pyxis lets these names override the image's own values
+        exports_env=True),
+    "apptainer": RuntimeRow(
+        image_kind="a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
+        line="launcher", head=("apptainer", "exec"), gpu_words=("--nv",), binds=("--bind", "{binds}"),
+        workdir_words=("--pwd", "{workdir}"),
+        env_each=("--env={key}={value}",),  # the image's %environment would otherwise win over the job's value
+        tail=("{image}",)),
+    "oci": RuntimeRow(  # Slurm's own srun --container, with oci.conf
+        image_kind="an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
+        line="srun", folder_image=True, head=("--container={bundle}",), exports_env=True, bundle=True),
+    "bubblewrap": RuntimeRow(  # Debian's bwrap, in every task
+        image_kind="a root file system folder (an unpacked image, such as an OCI bundle's rootfs/)",
+        # Slurm signals every process of the step: bwrap itself must outlive the stop signal and SIGTERM while
+        # the worker saves, and --die-with-parent ends the worker when Slurm's SIGKILL ends bwrap. The read-only
+        # image gets a tmpfs /tmp, mounted before the binds so that a run folder under /tmp lands on top of it.
+        line="launcher", folder_image=True, stop_trap="bwrap-task",
+        head=("bwrap", "--die-with-parent", "--ro-bind", "{image}", "/", "--dev-bind", "/dev", "/dev",
+              "--proc", "/proc", "--ro-bind", "/sys", "/sys", "--tmpfs", "/tmp"),
+        bind_each=("--bind", "--ro-bind"), workdir_words=("--chdir", "{workdir}"),
+        env_each=("--setenv", "{key}", "{value}"), tail=("--",)),
 }
-FOLDER_IMAGES = ("oci", "bubblewrap")  # runtimes whose image is a folder on the nodes: an absolute path
+Runtime = Literal[tuple(RUNTIME_ROWS)]  # the table's names, checked by pydantic
+RUNTIMES: tuple[str, ...] = get_args(Runtime)
 
 
 class Mount(Strict):

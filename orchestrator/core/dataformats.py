@@ -1,6 +1,6 @@
 """Where a data source's records are and how to read them: JSONL files, parquet files and folders written by
 datasets' save_to_disk, found from a file, a folder or a glob. Both sides use it: the login node checks the
-columns and the first rows of every source (``check_data``), the worker reads them all (jobs/datasources.py)
+columns and the first rows of every source (``check_data``), the worker reads them all (jobs/data/sources.py)
 and the data cache hashes the files it lists.
 
 Tables are read with pyarrow (what `datasets` reads them with), imported only when a source is a table, so
@@ -152,8 +152,8 @@ def eval_data(data: DataSpec) -> DataSpec:
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.ipc  # noqa: F401 - submodules pyarrow does not import itself
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.ipc  # submodules pyarrow does not import itself
+        import pyarrow.parquet
     except ImportError:
         message = "reading parquet or save_to_disk data needs pyarrow: pip install 'fsdpjob[datasets]'"
         raise SourceProblem(message) from None
@@ -317,7 +317,7 @@ def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception:  # noqa: BLE001 - no tokenizer.json or package: the worker still counts them (data event)
+    except Exception:  # no tokenizer.json or package: the worker still counts them (data event)
         return []
     warnings = []
     for source in data.inputs():

@@ -74,7 +74,7 @@ class RunPaths:
 
     @property
     def cache_dir(self) -> Path:
-        """The tokenized, packed data set, reused by every later start of the run (jobs/datacache.py)."""
+        """The tokenized, packed data set, reused by every later start of the run (jobs/data/cache.py)."""
         return self.run_dir / "cache"
 
     @property

@@ -172,6 +172,6 @@ class SpecErrors(SpecError):
         self.errors = errors
         super().__init__(errors[0].message, file=errors[0].file, line=errors[0].line, loc=errors[0].loc)
 
-    def format(self) -> str:  # noqa: D401 - one line per error
+    def format(self) -> str:  # one line per error
         errs = getattr(self, "errors", None)
         return "\n".join(e.format() for e in errs) if errs else super().format()

@@ -27,7 +27,7 @@ class _LineLoader(yaml.SafeLoader):
     def _too_deep(self, line: int) -> InputError:
         return InputError(f"{TOO_DEEP} (more than {MAX_DEPTH} levels)", file=self.file, line=line + 1)
 
-    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's own signature
+    def compose_node(self, parent, index):  # PyYAML's own signature
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -36,7 +36,7 @@ class _LineLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def fetch_flow_collection_start(self, TokenClass):  # noqa: N803, ANN001, ANN201 - PyYAML's own signature
+    def fetch_flow_collection_start(self, TokenClass):  # PyYAML's own signature
         # The scanner looks ahead up to 1024 characters for a possible key at every [ or { (slow over thousands of
         # them), before the composer sees the first: deep flow nesting is refused here, where it is scanned.
         if self.flow_level >= MAX_DEPTH:

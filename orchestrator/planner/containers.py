@@ -6,8 +6,7 @@ import posixpath
 import re
 
 from fsdpjob.orchestrator.core.container import (
-    FOLDER_IMAGES,
-    IMAGE_KINDS,
+    RUNTIME_ROWS,
     RUNTIMES,
     ContainerSpec,
     Mount,
@@ -75,17 +74,8 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         out.append((at("runtime"),
                     f"profile {profile.name!r} lists container_runtimes: [{have}]; {container.runtime!r} cannot launch "
                     "tasks there (use one it lists, or add it to the profile once the cluster has it)"))
-    if container.name is not None and container.runtime not in (None, "pyxis"):
-        out.append((at("name"), f"a container name is pyxis's (--container-name); the {container.runtime} runtime "
-                                "takes none: drop it"))
-    if container.image is None and container.runtime is not None and not (container.runtime == "pyxis" and container.name):
-        out.append((at("image"),
-                    f"a {container.runtime} container needs an image: {IMAGE_KINDS[container.runtime]}"
-                    + (" (or a `name` of a container already on the nodes)" if container.runtime == "pyxis" else "")))
-    elif container.runtime in FOLDER_IMAGES and container.image is not None and not container.image.startswith("/"):
-        out.append((at("image"),
-                    f"image {container.image!r}: the {container.runtime} runtime takes "
-                    f"{IMAGE_KINDS[container.runtime]}, as an absolute path"))
+    if container.runtime is not None:
+        out += [(at(field), message) for field, message in runtime_problems(container)]
     user = [parse_mount(m) for m in container.mounts]
     needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
     for mount, hidden in shadowing(user, needed):
@@ -93,4 +83,20 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         out.append((at("mounts"),
                     f"mount {mount.spec()} would hide {what} inside the container (fsdpjob mounts it at the same "
                     "path); mount somewhere else, or mount the same folder at the same path"))
+    return out
+
+
+def runtime_problems(container: ContainerSpec) -> list[tuple[str, str]]:
+    """(field, message) for what the runtime's row (core/container.RUNTIME_ROWS) does not take."""
+    runtime, row = container.runtime, RUNTIME_ROWS[container.runtime]
+    out = []
+    if container.name is not None and not row.named:
+        named = " or ".join(f"{n}'s ({r.name_words[0].split('=')[0]})" for n, r in RUNTIME_ROWS.items() if r.named)
+        out.append(("name", f"a container name is {named}; the {runtime} runtime takes none: drop it"))
+    if container.image is None and not (row.named and container.name):
+        out.append(("image", f"a {runtime} container needs an image: {row.image_kind}"
+                             + (" (or a `name` of a container already on the nodes)" if row.named else "")))
+    elif row.folder_image and container.image is not None and not container.image.startswith("/"):
+        out.append(("image", f"image {container.image!r}: the {runtime} runtime takes {row.image_kind}, as an "
+                             "absolute path"))
     return out

@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fsdpjob.orchestrator.core import envvars
 from fsdpjob.orchestrator.core.families import attention_for
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.spec import JobSpec
@@ -272,7 +273,7 @@ RANK0_BROADCAST_LIMIT_S = 300
 def rank0_load_reason(s: ModelShape, u: Setup, env: dict[str, str]) -> str | None:
     """Why the workers will read the weights on rank 0 and broadcast them (jobs/model/build.py), where that is
     known from the spec and config.json; None where each rank reads its own shards (or the folder does not say)."""
-    if env.get("FSDPJOB_WEIGHT_LOAD") == "rank0":
+    if envvars.get("FSDPJOB_WEIGHT_LOAD", environ=env) == "rank0":
         return "FSDPJOB_WEIGHT_LOAD=rank0"
     if u.lora is not None:
         return "model.lora"

@@ -3,9 +3,9 @@
 Units. Memory is in bytes internally and shown in GiB: a profile's ``gpu_memory_gb`` and ``host_ram_gb`` are read
 as GiB (an "80GB" A100 has 80 GiB; Slurm's ``G`` is GiB).
 
-What is modelled is the worker (jobs/model.py, jobs/parallelize.py, jobs/train.py): meta init, ``fully_shard`` on
-each decoder layer with fsdp.reshard_after_forward, then the root (embedding, final norm, lm_head), which stays
-gathered from the forward into the backward (it is the first unit the backward needs),
+What is modelled is the worker (jobs/model/build.py, jobs/model/parallelize.py, jobs/train.py): meta init,
+``fully_shard`` on each decoder layer with fsdp.reshard_after_forward, then the root (embedding, final norm,
+lm_head), which stays gathered from the forward into the backward (it is the first unit the backward needs),
 ``param_dtype`` = compute dtype c (2 bytes bf16, 4 fp32), gradients reduced in fp32, master weights, gradients
 and both AdamW moments in model.dtype m; the loss code keeps the logits and upcasts them to fp32. The
 optimizer is fused (``AdamW(fused=True)``, on GPUs and CPUs alike): it updates in place and holds no temporaries
@@ -391,15 +391,16 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
     if not u.memory_tier:
         return 0
     tr = trainable(s, p, u.lora)
-    saved = math.ceil(tr.weights / u.shard_degree) * u.model_bytes + 2 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes
+    saved = (math.ceil(tr.weights / u.shard_degree) * u.model_bytes
+             + 2 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes)
     copies = 2 if u.nodes > 1 else 1  # own + replica
     return u.tasks_per_node * saved * (2 * copies + 1)
 
 
 def reads_own_shards(s: ModelShape, u: Setup) -> bool:
-    """Whether the workers read the weights each rank its own shards (jobs/weightload.py): safetensors weights,
-    except where transformers converts the stored names on load (MoE experts, gpt_neox's embed_out) and LoRA,
-    which rank 0 reads whole and broadcasts."""
+    """Whether the workers read the weights each rank its own shards (jobs/model/weightload.py): safetensors
+    weights, except where transformers converts the stored names on load (MoE experts, gpt_neox's embed_out) and
+    LoRA, which rank 0 reads whole and broadcasts."""
     return s.safetensors and u.lora is None and s.experts == 1 and s.model_type != "gpt_neox"
 
 

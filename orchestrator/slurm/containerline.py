@@ -1,11 +1,8 @@
-"""The workers' srun line inside a container, per runtime (pure). Only the workers' tasks are in it: the batch
-script and the supervisor (which run every Slurm command) stay on the host.
-
-- pyxis (enroot): srun --container-image=IMAGE --container-mounts=... [--container-workdir] [--container-env]
-- apptainer: srun ... apptainer exec [--nv] --bind ... [--pwd] [--env K=V] IMAGE <worker command>
-- oci (Slurm's own, oci.conf): srun --container=<run>/container, a bundle fsdpjob writes: its root is the
-  image's rootfs/, its mounts the run's;
-- bubblewrap (Debian's bwrap): srun ... bwrap --ro-bind IMAGE / ... -- <worker command>, in every task.
+"""The workers' srun line inside a container (pure). Only the workers' tasks are in it: the batch script and the
+supervisor (which run every Slurm command) stay on the host. The words per runtime are its row in
+core/container.RUNTIME_ROWS: srun options (pyxis: --container-image, --container-mounts, ...; oci: --container=
+<run>/container, a bundle fsdpjob writes, its root the image's rootfs/, its mounts the run's), or a launcher before
+the worker's command in every task (apptainer exec ... IMAGE; bwrap --ro-bind IMAGE / ... --).
 Every runtime keeps the host's network (gloo and NCCL reach the other nodes), PID (the supervisor finds a hung
 rank's process by its heartbeat's pid) and IPC namespaces and /dev (/dev/shm between the ranks of a node), as
 enroot and Apptainer do by default.
@@ -18,7 +15,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core.container import ContainerSpec, Mount
+from fsdpjob.orchestrator.core.container import RUNTIME_ROWS, ContainerSpec, Mount, RuntimeRow
 
 BUNDLE_DIR = "container"  # in the run folder: the oci runtime's bundle (config.json)
 
@@ -34,53 +31,49 @@ class ContainerLaunch:
 def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool, stop_signal: str,
                      literal: Callable[[str], str], with_vars: Callable[[str], str]) -> ContainerLaunch:
     """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR;
-    ``stop_signal`` is the preemption signal's name (USR2)."""
-    runtime, image = container.runtime, container.image or ""
+    ``stop_signal`` is the preemption signal's name (USR2). The words are the runtime's row's
+    (core/container.RUNTIME_ROWS)."""
+    if container.runtime not in RUNTIME_ROWS:
+        raise ValueError(f"unknown container runtime {container.runtime!r}")
+    row = RUNTIME_ROWS[container.runtime]
     env = tuple(sorted((k, with_vars(v)) for k, v in container.env.items()))
-    binds = ",".join(m.spec() for m in mounts)
-    if runtime == "pyxis":
-        opts = [f"--container-image={literal(image)}"] if container.image else []
-        if container.name:  # the restarts in this allocation reuse the container pyxis made on each node
-            opts.append(f"--container-name={container.name}")
-        opts.append(f"--container-mounts={literal(binds)}")
-        if container.workdir:
-            opts.append(f"--container-workdir={literal(container.workdir)}")
-        if container.remap_root is not None:
-            opts.append("--container-remap-root" if container.remap_root else "--no-container-remap-root")
-        if container.env:  # pyxis lets these names override the image's own values
-            opts.append(f"--container-env={','.join(sorted(container.env))}")
-        return ContainerLaunch(tuple(opts), (), env, None)
-    if runtime == "apptainer":
-        words = ["apptainer", "exec"]
-        if container.gpu if container.gpu is not None else gpus:
-            words.append("--nv")
-        words += ["--bind", literal(binds)]
-        if container.workdir:
-            words += ["--pwd", literal(container.workdir)]
-        # --env: the image's %environment would otherwise win over the job's value
-        words += [f"--env={k}={v}" for k, v in env]
-        words.append(literal(image))
-        return ContainerLaunch((), tuple(words), (), None)
-    if runtime == "bubblewrap":
-        # Slurm signals every process of the step: bwrap itself must outlive the stop signal and SIGTERM (it
-        # ignores them, and so does the worker until its own handlers are set) while the worker saves, and
-        # --die-with-parent ends the worker when Slurm's SIGKILL ends bwrap. The read-only image gets a tmpfs
-        # /tmp, mounted before the binds so that a run folder under /tmp lands on top of it.
-        words = ["sh", "-c", literal(f"trap '' TERM {stop_signal}; exec \"$@\""), "bwrap-task",
-                 "bwrap", "--die-with-parent", "--ro-bind", literal(image), "/", "--dev-bind", "/dev", "/dev",
-                 "--proc", "/proc", "--ro-bind", "/sys", "/sys", "--tmpfs", "/tmp"]
-        for m in mounts:
-            words += ["--ro-bind" if m.read_only else "--bind", literal(m.source), literal(m.destination)]
-        if container.workdir:
-            words += ["--chdir", literal(container.workdir)]
-        for k, v in env:
-            words += ["--setenv", k, v]
-        words.append("--")
-        return ContainerLaunch((), tuple(words), (), None)
-    if runtime == "oci":
-        bundle = posixpath.join(run_dir, BUNDLE_DIR)
-        return ContainerLaunch((f"--container={literal(bundle)}",), (), env, oci_bundle_config(container, mounts))
-    raise ValueError(f"unknown container runtime {runtime!r}")
+    values = {"image": literal(container.image or ""), "name": container.name or "",
+              "workdir": literal(container.workdir or ""), "binds": literal(",".join(m.spec() for m in mounts)),
+              "names": ",".join(sorted(container.env)), "bundle": literal(posixpath.join(run_dir, BUNDLE_DIR))}
+
+    def fill(words: tuple[str, ...], **more: str) -> list[str]:
+        return [word.format(**values, **more) for word in words]
+
+    gpu = container.gpu if container.gpu is not None else gpus
+    words = [*_stop_trap(row, stop_signal, literal), *fill(row.head)]
+    words += fill(row.image_words) if container.image else []
+    words += fill(row.name_words) if container.name else []
+    words += fill(row.gpu_words) if gpu else []
+    words += fill(row.binds) + [w for m in mounts for w in _bind(row, m, literal)]
+    words += fill(row.workdir_words) if container.workdir else []
+    if row.remap_root_words and container.remap_root is not None:
+        words.append(row.remap_root_words[0 if container.remap_root else 1])
+    words += fill(row.env_names) if container.env else []
+    words += [w for k, v in env for w in fill(row.env_each, key=k, value=v)]
+    words += fill(row.tail)
+    srun = row.line == "srun"
+    return ContainerLaunch(tuple(words) if srun else (), () if srun else tuple(words), env if row.exports_env else (),
+                           oci_bundle_config(container, mounts) if row.bundle else None)
+
+
+def _stop_trap(row: RuntimeRow, stop_signal: str, literal: Callable[[str], str]) -> list[str]:
+    """Words that run the launcher under a shell that ignores SIGTERM and the stop signal (which it passes on
+    ignored): the worker's own handlers, set once it starts, decide when it ends."""
+    if row.stop_trap is None:
+        return []
+    return ["sh", "-c", literal(f"trap '' TERM {stop_signal}; exec \"$@\""), row.stop_trap]
+
+
+def _bind(row: RuntimeRow, mount: Mount, literal: Callable[[str], str]) -> list[str]:
+    """One mount's words, for a runtime that takes a flag before each mount's SRC DST."""
+    if row.bind_each is None:
+        return []
+    return [row.bind_each[mount.read_only], literal(mount.source), literal(mount.destination)]
 
 
 def oci_bundle_config(container: ContainerSpec, mounts: list[Mount]) -> str:

@@ -255,7 +255,7 @@ def best_checkpoint(row: VariantRow) -> tuple[Path, str]:
     for step, folder in steps:
         try:
             loss = Sidecar.read(folder).eval_loss
-        except Exception:  # noqa: BLE001 - a damaged sidecar is no candidate; export verifies the folder itself
+        except Exception:  # a damaged sidecar is no candidate; export verifies the folder itself
             continue
         if loss is not None and math.isfinite(loss):
             scored.append((loss, step, folder))

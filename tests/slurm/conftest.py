@@ -23,7 +23,7 @@ from typing import NoReturn
 import pytest
 from helpers import wait_for
 from slurm.slurm_helpers import final_weights, submit, wait_phase
-from specs import build, write_spec
+from specs import build, quickstart_spec, write_spec
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.devcluster import manage
@@ -182,16 +182,15 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
     tmp_path = tmp_path_factory.mktemp("specs")
 
     def make(name: str, **overrides) -> Path:
-        base = {
-            "name": name,
-            "profile": "test-cluster",
-            "resources": {"nodes": 2, "time_limit": "10:00"},
-            "model": {"path": assets["model_path"]},
-            "data": {"path": assets["data_path"], "seq_len": 64},
-            "train": {"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
-            "fsdp": {"mixed_precision": "fp32"},
-            "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
-        }
+        base = quickstart_spec(
+            assets,
+            name=name,
+            profile="test-cluster",
+            resources={"nodes": 2, "time_limit": "10:00"},
+            train={"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
+            fsdp={"mixed_precision": "fp32"},
+            checkpoint={"interval_steps": 0, "interval_minutes": 0},
+        )
         return write_spec(tmp_path / f"{name}.yaml", build(base, **overrides))
 
     return make

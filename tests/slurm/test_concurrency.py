@@ -10,10 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from concurrency import cancel_all, held_spec, squeue_ids, storm  # noqa: E402
+from concurrency import cancel_all, held_spec, squeue_ids, storm
 
-from fsdpjob.orchestrator import submit  # noqa: E402
-from fsdpjob.orchestrator.core.errors import InputError  # noqa: E402
+from fsdpjob.orchestrator import submit
+from fsdpjob.orchestrator.core.errors import InputError
 
 SUBMITS = 50
 

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from crash_consistency import Plan, run_trial  # noqa: E402
+from crash_consistency import Plan, run_trial
 
 pytestmark = pytest.mark.distributed
 

@@ -49,7 +49,7 @@ def _train_families(rank: int, world_size: int, folders: dict[str, str]) -> dict
                 losses.append(value.item())
             layers = find_decoder_layers(model)
             out[family] = {"losses": losses, "blocks": len(layers), "error": None}
-        except Exception as exc:  # noqa: BLE001 - one family's failure is its own test's failure
+        except Exception as exc:  # one family's failure is its own test's failure
             out[family] = {"losses": [], "blocks": 0, "error": f"{type(exc).__name__}: {exc}"}
     close_distributed()
     return out

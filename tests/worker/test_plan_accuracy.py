@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from plan_accuracy import QUICK, Case, measure, predict, write_model  # noqa: E402
+from plan_accuracy import QUICK, Case, measure, predict, write_model
 
 pytestmark = pytest.mark.distributed
 
