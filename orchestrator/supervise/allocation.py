@@ -154,7 +154,8 @@ class SlurmAllocation:
     def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
         """The workers committed a stop checkpoint: what it was and the requeue (slurm/stop.py), the record
         (stopfinish.py)."""
-        settled = slurm_stop.settle(self.job_id or "", restart_count=slurmenv.restart_count(), max_requeues=max_requeues)
+        settled = slurm_stop.settle(self.job_id or "", restart_count=slurmenv.restart_count(),
+                                    max_requeues=max_requeues)
         return stopfinish.finish_stop(run_dir, handoff, settled)
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:

@@ -67,7 +67,8 @@ def _send_entry(run_dir: Path, notify: NotifySpec, url: str, entry: dict) -> lis
             continue
         why = webhook.post(url, payload(run_dir, event, step, reason))
         if why is not None:
-            webhook.log(f"webhook for event {event!r} not delivered after {webhook.TRIES} tries ({why}); giving up on it")
+            webhook.log(f"webhook for event {event!r} not delivered after {webhook.TRIES} tries ({why}); "
+                        "giving up on it")
     return events
 
 

@@ -9,8 +9,8 @@ One launch at a time: clear the heartbeats, start COMMAND (env FSDPJOB_LAUNCH=<n
 the heartbeats (stall.py). The launch ends by itself (exit 0: done, or a stop checkpoint the workers handed
 over, core/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
 (stacks.py), then the step gets SIGTERM, a short grace, and a hard kill. A hand-off ends the loop: the
-allocation asks Slurm what the stop was and requeues the job (slurm/stop.py, stopfinish.py); the workers run no Slurm
-command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
+allocation asks Slurm what the stop was and requeues the job (slurm/stop.py), and records it (stopfinish.py);
+the workers run no Slurm command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
 (this exits non-zero and the batch script's failure policy requeues or fails the job as before).
 A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` locally) is passed on and ends it.
 """
