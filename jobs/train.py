@@ -391,7 +391,7 @@ def _export_final(spec: JobSpec, paths: RunPaths, ckpt: CheckpointManager, env: 
 def _retryable(exc: BaseException) -> bool:
     """Whether a crash may pass on a new attempt: a lost peer or connection, yes; errors of the job itself
     (data, resume refused, out of memory, bugs) or an interrupt, no. The batch script's failure policy
-    (orchestrator/slurm/failure.py) also requires that the attempt made progress."""
+    (orchestrator/supervise/failure.py) also requires that the attempt made progress."""
     if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError)):
         return False
     if isinstance(exc, dist.DistError):

@@ -5,7 +5,7 @@ only, or both. Pure and torch-free: a seed in, numbers out (`bench/fault_sim.py`
 What is fsdpjob's own, imported rather than re-implemented:
 - restart or give up after each fault: supervise/policy.restart_in_allocation (the restart budget
   recovery.max_restarts, "two restarts without a new checkpoint", a node blamed twice or lost, min_nodes);
-- how long a hang goes unnoticed: supervise/watch.Watch, fed the heartbeats of a run that stops advancing;
+- how long a hang goes unnoticed: supervise/stall.Watch, fed the heartbeats of a run that stops advancing;
 - how long a lost node takes to be found: supervise/allocation.PROBE_TIMEOUT_S;
 - the requeue cap: core/attempts.cap_reached with preemption.max_requeues;
 - the defaults (max_restarts, stall bounds, max_requeues, the durable interval) from core/spec.py's models;
@@ -42,7 +42,7 @@ from fsdpjob.orchestrator.core.spec import CheckpointSpec, PreemptionSpec, Recov
 from fsdpjob.orchestrator.planner import interval
 from fsdpjob.orchestrator.supervise.allocation import PROBE_TIMEOUT_S
 from fsdpjob.orchestrator.supervise.policy import Fault, restart_in_allocation
-from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
+from fsdpjob.orchestrator.supervise.stall import Bounds, Watch
 
 DAY_S = 86400.0
 KINDS = ("crash", "hang", "node_loss", "preempt")
@@ -158,7 +158,7 @@ def trace(cfg: SimConfig, seed: int) -> list[TraceEvent]:
 
 
 def hang_detection_s(cfg: SimConfig) -> float:
-    """Seconds from a hang to the supervisor's verdict: supervise/watch.Watch fed the heartbeats (one a second)
+    """Seconds from a hang to the supervisor's verdict: supervise/stall.Watch fed the heartbeats (one a second)
     of a rank that trains steps of ``step_s`` and then stops advancing, its heartbeat thread still running."""
     return _hang_detection_s(cfg.step_s, cfg.stall_floor_s, cfg.stall_factor)
 

@@ -5,7 +5,6 @@ and the array script slurm/arrayrender.py's."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from fsdpjob.orchestrator import submit as submission
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused, SubmissionError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.core.sweepstate import SweepState, SweepTask
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.registry import JobRecord
 from fsdpjob.orchestrator.sweep import SweepSpec, Variant, array_range
@@ -142,10 +142,8 @@ def submit_array(plan: SweepPlan, spec_source: str) -> list[JobRecord]:
             )
             registry.save(record)
             records.append(record)
-        write_atomic(sweep_dir / "sweep.json", json.dumps(
-            {"id": plan.sweep_id, "name": plan.name, "job_id": array_job, "array": plan.array,
-             "runs": [{"index": r.sweep["index"], "run_id": r.run_id, "values": r.sweep["values"]} for r in records]},
-            indent=1))
+        SweepState(id=plan.sweep_id, name=plan.name, job_id=array_job, array=plan.array,
+                   runs=tuple(SweepTask(r.sweep["index"], r.run_id, r.sweep["values"]) for r in records)).write(sweep_dir)
     return records
 
 

@@ -1,6 +1,6 @@
-"""Which crashed attempts are requeued (slurm/failure.py::requeue_after_crash), on recorded event timelines."""
+"""Which crashed attempts are requeued (supervise/failure.py::requeue_after_crash), on recorded event timelines."""
 
-from fsdpjob.orchestrator.slurm.failure import requeue_after_crash
+from fsdpjob.orchestrator.supervise.failure import requeue_after_crash
 
 
 def attempt(restart, *events, t0=0):

@@ -1,4 +1,4 @@
-"""Goodput breakdown (orchestrator/views/goodput.py) over hand-built run logs, and scheduler times from sacct
+"""Goodput breakdown (orchestrator/core/goodputaccount.py, through views/goodput.py) over hand-built run logs, and scheduler times from sacct
 output recorded on the real dev cluster: every category, parts adding up to the allocated time, interruptions
 and how they were recovered, the checkpoint interval advice."""
 
@@ -100,6 +100,19 @@ PREEMPT_EVENTS = [
     ev("checkpoint", 184, step=40, reason="final", save_s=1.0), ev("done", 185, step=40),
 ]
 PREEMPT_METRICS = [metric(10, 20), metric(20, 30), metric(30, 172), metric(40, 182)]
+
+
+def test_the_batch_side_counts_from_spec_json_what_the_views_count_from_the_record():
+    """The notifier has no registry record: spec.json's facts give the same split (submit time aside)."""
+    from fsdpjob.orchestrator.core import goodputaccount
+    from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
+
+    meta = RunMeta(spec={"name": "r"}, profile={"gpus_per_node": 2}, effective=EffectiveFacts(nodes=1, tasks_per_node=2))
+    batch = goodputaccount.goodput(meta.run_facts("r-1"), None, CRASH_EVENTS, CRASH_METRICS)
+    views = goodput(record(1000), None, CRASH_EVENTS, CRASH_METRICS)
+    assert (batch.units, batch.unit, batch.source) == (views.units, views.unit, views.source) == (2, "GPU", "events")
+    assert batch.unit_seconds == views.unit_seconds and batch.goodput == views.goodput is not None
+    assert batch.submitted_at == 1015  # not known there: the first start stands in
 
 
 def test_preemption_with_a_stop_checkpoint_loses_nothing_from_events_alone():

@@ -1,5 +1,5 @@
 """Notifications without a cluster: the notify section (bad input, profile defaults), the webhook's retries and
-bounds against a real local HTTP server, and the watcher's order. The real run is tests/slurm/test_chains_slurm.py."""
+bounds against a real local HTTP server (supervise/webhook.py), and the notifier's order (supervise/notifier.py). The real run is tests/slurm/test_chains_slurm.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from helpers import fsdpjob
 
-from fsdpjob.orchestrator import notify
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.notifyspec import NotifySpec, notify_of
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.sweepstate import SweepState, SweepTask
+from fsdpjob.orchestrator.supervise import notifier, webhook
 
 VALID = Path(__file__).resolve().parent / "data" / "specs" / "valid"
 
@@ -106,7 +107,7 @@ def test_profile_defaults_merge_under_the_spec():
 def test_a_failing_webhook_is_retried_then_delivered():
     h = Hook(failures=2)
     try:
-        assert notify.post(h.url, {"event": "done"}) is None
+        assert webhook.post(h.url, {"event": "done"}) is None
         assert h.requests == 3 and h.got == [{"event": "done"}]
     finally:
         h.close()
@@ -117,9 +118,9 @@ def test_an_unreachable_webhook_gives_up_in_bounded_time_and_never_names_the_url
     url = h.url
     h.close()  # nothing listens there any more
     started = time.monotonic()
-    why = notify.post(url, {"event": "done"})
+    why = webhook.post(url, {"event": "done"})
     assert why is not None and "s3cr3t" not in why and "127.0.0.1" not in why
-    assert time.monotonic() - started < notify.TRIES * notify.TIMEOUT_S + sum(notify.BACKOFF_S)
+    assert time.monotonic() - started < webhook.TRIES * webhook.TIMEOUT_S + sum(webhook.BACKOFF_S)
 
 
 def _run_folder(tmp_path: Path, events: list[str]) -> Path:
@@ -131,11 +132,11 @@ def _run_folder(tmp_path: Path, events: list[str]) -> Path:
     return run_dir
 
 
-def test_the_watcher_sends_the_chosen_events_in_order_and_only_new_ones(tmp_path, hook, monkeypatch, capsys):
+def test_the_notifier_sends_the_chosen_events_in_order_and_only_new_ones(tmp_path, hook, monkeypatch, capsys):
     monkeypatch.setenv("FSDPJOB_TEST_HOOK", hook.url)
     run_dir = _run_folder(tmp_path, ["start", "fault", "restart", "done"])
     runlog.append(run_dir, runlog.DONE, step=1)  # an earlier attempt's: told about then
-    watcher = notify.watch(run_dir)
+    told = notifier.start(run_dir)
     runlog.append(run_dir, runlog.START, restart=1, launch=0)
     runlog.append(run_dir, runlog.FAILED, rank=1, error="boom")  # a rank's: the supervisor decides
     runlog.append(run_dir, runlog.FAULT, kind="crash", reason="the workers' step exited 1", restart=True,
@@ -143,7 +144,7 @@ def test_the_watcher_sends_the_chosen_events_in_order_and_only_new_ones(tmp_path
     runlog.append(run_dir, runlog.CHECKPOINT, step=3)
     runlog.append(run_dir, runlog.STOP, reason="preemption", requeued=True, step=3)  # requeue: not chosen
     runlog.append(run_dir, runlog.DONE, step=4)
-    watcher.close()
+    told.close()
     assert [(p["event"], p["step"]) for p in hook.got] == [("start", None), ("fault", 2), ("restart", 2), ("done", 4)]
     assert hook.got[0]["run"] == run_dir.name and hook.got[1]["reason"] == "crash: the workers' step exited 1"
     assert set(hook.got[-1]) == {"run", "event", "step", "reason", "goodput", "time"}
@@ -152,7 +153,7 @@ def test_the_watcher_sends_the_chosen_events_in_order_and_only_new_ones(tmp_path
 
 def test_no_webhook_no_thread_and_an_unset_variable_is_said_without_a_value(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FSDPJOB_TEST_HOOK", raising=False)
-    assert notify.watch(_run_folder(tmp_path, ["done"])) is None
+    assert notifier.start(_run_folder(tmp_path, ["done"])) is None
     assert "$FSDPJOB_TEST_HOOK is not set in the job's environment" in capsys.readouterr().err
 
 
@@ -160,8 +161,8 @@ def test_an_event_without_a_run_log_is_told_directly(hook, monkeypatch):
     """sweep_done comes from the code that sees a sweep end, not from one run's log."""
     monkeypatch.setenv("FSDPJOB_TEST_HOOK", hook.url)
     chosen = NotifySpec(webhook_url_env="FSDPJOB_TEST_HOOK", events=["sweep_done"])
-    assert notify.tell(chosen, "lr-sweep", "sweep_done", reason="3 of 3 completed") is None
-    assert notify.tell(chosen, "lr-sweep", "done") is None  # not chosen: nothing sent
+    assert webhook.tell(chosen, "lr-sweep", "sweep_done", reason="3 of 3 completed") is None
+    assert webhook.tell(chosen, "lr-sweep", "done") is None  # not chosen: nothing sent
     assert [(p["run"], p["event"], p["reason"]) for p in hook.got] == [("lr-sweep", "sweep_done", "3 of 3 completed")]
 
 
@@ -174,14 +175,25 @@ def test_the_last_task_of_a_sweep_to_end_tells_sweep_done_once(tmp_path, hook, m
     for index in range(3):
         run_dir = _run_folder(sweep_dir, ["done", "failed", "sweep_done"]).rename(sweep_dir / f"lr-{index}")
         runs.append(run_dir)
-    (sweep_dir / "sweep.json").write_text(json.dumps(
-        {"id": sweep_dir.name, "name": "lr", "runs": [{"index": i, "run_id": r.name} for i, r in enumerate(runs)]}))
+    SweepState(id=sweep_dir.name, name="lr", job_id="7", array="0-2",
+               runs=tuple(SweepTask(i, r.name, {"lr": i}) for i, r in enumerate(runs))).write(sweep_dir)
     chosen = NotifySpec(webhook_url_env="FSDPJOB_TEST_HOOK", events=["done", "failed", "sweep_done"])
-    notify.send(runs[0], chosen, hook.url, [{"event": "done", "step": 4}])
-    notify.send(runs[2], chosen, hook.url, [{"event": "failed", "step": 2, "reason": "boom"}])
+    notifier.send(runs[0], chosen, hook.url, [{"event": "done", "step": 4}])
+    notifier.send(runs[2], chosen, hook.url, [{"event": "failed", "step": 2, "reason": "boom"}])
     assert [p["event"] for p in hook.got] == ["done", "failed"]  # one task still runs
-    notify.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])
-    notify.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])  # told twice (a retry): no second one
+    notifier.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])
+    notifier.send(runs[1], chosen, hook.url, [{"event": "done", "step": 4}])  # told twice (a retry): no second one
     assert [p["event"] for p in hook.got] == ["done", "failed", "done", "sweep_done", "done"]
     assert hook.got[3]["run"] == "lr" and hook.got[3]["reason"] == "2 of 3 completed"
-    assert notify.sweep_ended(tmp_path / "alone", "done") is None  # a run of no sweep
+    assert notifier.sweep_ended(tmp_path / "alone", "done") is None  # a run of no sweep
+
+
+def test_the_sweep_file_reads_back_what_was_written_and_refuses_a_stranger(tmp_path):
+    """sweep.json crosses from `fsdpjob sweep` to each task's batch side: one typed module writes and reads it."""
+    state = SweepState(id="lr-sweep-1", name="lr", job_id="7", array="0-1%1",
+                       runs=(SweepTask(0, "lr-0", {"optim.lr": 0.1}), SweepTask(1, "lr-1", {"optim.lr": 0.2})))
+    state.write(tmp_path)
+    assert SweepState.read(tmp_path) == state and state.run_ids == {"lr-0", "lr-1"}
+    (tmp_path / "sweep.json").write_text(json.dumps({"id": 3, "runs": [{"index": 0, "run_id": "x"}]}))
+    with pytest.raises(ValueError, match="not a sweep's file"):
+        SweepState.read(tmp_path)

@@ -68,7 +68,7 @@ def test_an_empty_run_folder(tmp_path):
 
 def test_steps_lost_to_a_crash_count_even_when_the_metrics_lie_beyond_the_tail(tmp_path):
     # A long run: metrics.jsonl is far larger than the tail status reads, so the crash's step comes from
-    # the failure policy's requeue event (slurm/failure.py records the step the attempt reached).
+    # the failure policy's requeue event (supervise/failure.py records the step the attempt reached).
     filler = "x" * 200
     write_lines(tmp_path / "metrics.jsonl", [{"step": s, "loss": 1.0, "time": 10 + s, "note": filler}
                                              for s in range(1, 1001)])

@@ -19,6 +19,7 @@ from fsdpjob.orchestrator.core.errors import SlurmCommandError
 from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm import stop
+from fsdpjob.orchestrator.supervise import stopfinish
 
 RECORDED = Path(__file__).parent / "data" / "slurm-22.05"
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
@@ -82,7 +83,7 @@ def finish(tmp_path, monkeypatch, *, requeue, state="RUNNING", info=None, restar
     monkeypatch.setattr(slurm_cli, "scontrol_job", lambda job_id: info if info is not None else {"Restarts": "0"})
     monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", requeue)
     monkeypatch.setattr(slurm_cli, "job_state", lambda job_id: state)
-    rc = stop.finish_stop(tmp_path, handoff(), job_id="7", restart_count=restarts, max_requeues=cap)
+    rc = stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=restarts, max_requeues=cap))
     return rc, events(tmp_path)
 
 
@@ -122,7 +123,7 @@ def test_finish_stop_without_scontrol_still_requeues(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slurm_cli, "scontrol_job", broken)
     monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", lambda job_id: None)
-    assert stop.finish_stop(tmp_path, handoff(), job_id="7", restart_count=0, max_requeues=5) == 0
+    assert stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=0, max_requeues=5)) == 0
     assert [(e["reason"], e["requeued"]) for e in events(tmp_path)] == [("signal", True)]
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's pure parts: stall detection over heartbeats (watch.py) and the restart rules (policy.py),
+"""The supervisor's pure parts: stall detection over heartbeats (stall.py) and the restart rules (policy.py),
 the heartbeat file round trip, and py-spy's top frame. The supervisor on real processes: test_recovery_local.py
 and tests/slurm/test_recovery_slurm.py."""
 
@@ -13,7 +13,7 @@ from fsdpjob.orchestrator.core.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, He
 from fsdpjob.orchestrator.supervise.blame import blame_crash
 from fsdpjob.orchestrator.supervise.policy import BLAME_FORGOTTEN_AFTER_STEPS, Fault, restart_in_allocation
 from fsdpjob.orchestrator.supervise.stacks import top_frame
-from fsdpjob.orchestrator.supervise.watch import Bounds, Watch
+from fsdpjob.orchestrator.supervise.stall import Bounds, Watch
 
 
 def beat(rank: int, step: int, phase: str = STEP, *, t: float, since: float | None = None, host: str = "n1",

@@ -16,7 +16,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
     "FSDPJOB_TEST_IMAGE": "printed (not read) by `dev-cluster up --containers`: the test image's OCI bundle folder",
     "FSDPJOB_WEBHOOK_URL": "the usual name for notify.webhook_url_env's variable: the webhook URL, read by the batch "
-                           "side only (suggested in messages, not read unless named; orchestrator/notify.py)",
+                           "side only (suggested in messages, not read unless named; supervise/webhook.py)",
     # -- set by fsdpjob for the job
     "FSDPJOB_RUN_DIR": "the run folder, exported to the batch script and the local workers (slurm/, local/)",
     "FSDPJOB_RUN_DIRS": "a sweep's array job script: the bash array of its tasks' run folders, indexed by "
@@ -31,7 +31,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
                            "reads its own shards (jobs/model/weightload.py)",
     "FSDPJOB_MEMORY_TIER_DIR": "the node-local folder of the memory checkpoint tier (default /dev/shm/fsdpjob; "
-                               "core/memtier.py)",
+                               "core/memtier.py; the supervisor reads it from the spec's env, supervise/run.py)",
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
@@ -64,3 +64,10 @@ def get(name: str, default: str | None = None, environ: Mapping[str, str] | None
 def is_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """A '1' switch."""
     return get(name, environ=environ) == "1"
+
+
+def named_by_user(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """A variable whose name the user chose in the spec or profile (notify.webhook_url_env, e.g.
+    FSDPJOB_WEBHOOK_URL): any name, so ``get``'s list cannot vouch for it. An empty value reads as unset."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value if value else None

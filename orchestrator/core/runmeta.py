@@ -38,6 +38,22 @@ class EffectiveFacts:
 
 
 @dataclass(frozen=True)
+class RunFacts:
+    """A run's size and submit time: what its goodput accounting needs besides its log (core/goodputaccount.py).
+    From a registry record on the login side (views/goodput.py), from spec.json on the batch side."""
+
+    run_id: str
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int | None  # 0: a CPU profile; None: not known (records written before it was kept)
+    submitted_at: float | None = None  # None: not known here (the batch side): the first start stands in
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True)
 class RunMeta:
     """One run's spec.json. ``worker_facts`` are the planner's decisions that depend on memory
     (planner/fit.FitPlan.worker_facts, e.g. defer_grad_sync); files written before the rename call them "plan"."""
@@ -77,6 +93,12 @@ class RunMeta:
             resume_from=data.get("resume_from"),
             worker_facts=data.get("worker_facts", data.get("plan")) or {},  # "plan": runs queued before the rename
         )
+
+    def run_facts(self, run_id: str) -> RunFacts:
+        """The allocation submit resolved, and the profile's GPUs per node (when it was submitted: not kept here)."""
+        eff = self.effective
+        return RunFacts(run_id=run_id, nodes=eff.nodes or 1, tasks_per_node=eff.tasks_per_node or 1,
+                        gpus_per_node=self.profile.get("gpus_per_node"))
 
     # -- single fields, for readers that do not validate the spec -------------------------------------
     def section(self, name: str) -> dict[str, Any]:

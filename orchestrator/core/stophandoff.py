@@ -1,7 +1,8 @@
 """The workers' stop hand-off: after a stop checkpoint committed on every rank, rank 0 writes what it knows
 (the step, the signal, the save's seconds) to the run folder's ``stop.json`` and every rank exits 0. The
 supervisor, on the batch side and outside any container, reads it, asks Slurm what the stop was, requeues the
-job once and records the ``stop`` event (orchestrator/slurm/stop.py). Workers never run a Slurm command.
+job once (orchestrator/slurm/stop.py) and records the ``stop`` event (orchestrator/supervise/stopfinish.py).
+Workers never run a Slurm command.
 
 A local run has no scheduler to ask: its rank 0 records the stop itself (``record_stop``) and submitit's
 controller restarts the workers. Both sides record a stop through ``record_stop``.
@@ -10,6 +11,7 @@ controller restarts the workers. Both sides record a stop through ``record_stop`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -19,6 +21,14 @@ from .paths import RunPaths
 
 # How a stop ends (the supervisor's, or a local rank 0's, decision).
 REQUEUED, CANCELLED, NOT_REQUEUED = "requeued", "cancelled", "not_requeued"
+
+
+class Settled(NamedTuple):
+    """How the scheduler's end settled a stop (slurm/stop.py): what it was, how it ended (above), and why."""
+
+    reason: str  # preemption, time_limit, requeue or signal
+    outcome: str
+    detail: str
 
 
 class StopHandoff(BaseModel):

@@ -1,20 +1,18 @@
-"""The batch side of a stop checkpoint: what the stop was, the one requeue, and its record.
+"""The Slurm end of a stop checkpoint: what the stop was, and the one requeue (the record is the batch side's,
+supervise/stopfinish.py).
 
 The workers committed a stop checkpoint and handed the stop over (core/stophandoff.py); the supervisor, outside
-any container, calls ``finish_stop``. Slurm tells the kind of stop only here, through scontrol: PreemptTime is
-set only for a preemption, Restarts has grown before the SIGTERM of an external `scontrol requeue`, and a time
-limit is what is left (the remaining time is misleading during a grace period: squeue's %L ignores it).
+any container, calls ``settle`` (supervise/allocation.py). Slurm tells the kind of stop only here, through
+scontrol: PreemptTime is set only for a preemption, Restarts has grown before the SIGTERM of an external
+`scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period: squeue's %L ignores it).
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 
-from fsdpjob.orchestrator.core import stophandoff
 from fsdpjob.orchestrator.core.attempts import cap_reached
-from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, StopHandoff
+from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, Settled
 
 from . import commands as slurm_cli
 
@@ -52,22 +50,15 @@ def requeue(job_id: str, *, restart_count: int, max_requeues: int) -> tuple[str,
     return REQUEUED, f"requeued Slurm job {job_id}"
 
 
-def finish_stop(run_dir: Path, handoff: StopHandoff, *, job_id: str, restart_count: int, max_requeues: int) -> int:
-    """Classify, requeue, record; the supervisor's exit code (1 only when the job is not requeued and not
-    cancelled: the batch script's failure policy then finds the not-retryable failure and leaves it)."""
+def settle(job_id: str, *, restart_count: int, max_requeues: int) -> Settled:
+    """Classify and requeue (once, unless cancelled or capped): what the batch side records."""
     try:
         info = slurm_cli.scontrol_job(job_id) or {}
     except Exception as exc:  # noqa: BLE001 - the classification is informational; the requeue still matters
         print(f"fsdpjob supervisor: could not ask scontrol about job {job_id}: {exc}", file=sys.stderr, flush=True)
         info = {}
     reason = classify(info, restart_count)
-    outcome, detail = requeue(job_id, restart_count=restart_count, max_requeues=max_requeues)
-    # The requeue makes Slurm SIGTERM this batch step: the supervisor's handler only notes it, and KillWait
-    # leaves the time for this record.
-    stophandoff.record_stop(run_dir, handoff, reason="cancelled" if outcome == CANCELLED else reason,
-                            outcome=outcome, detail=detail, handoff_s=round(time.time() - handoff.committed_at, 3))
-    print(f"fsdpjob supervisor: {reason} stop at step {handoff.step}: {detail}", file=sys.stderr, flush=True)
-    return 1 if outcome == NOT_REQUEUED else 0
+    return Settled(reason, *requeue(job_id, restart_count=restart_count, max_requeues=max_requeues))
 
 
 def _job_state(job_id: str) -> str | None:

@@ -21,6 +21,7 @@ from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm import stop as slurm_stop
 
+from . import stopfinish
 from .gpufree import QUERY as GPU_QUERY
 from .gpufree import GpuWait, wait_gpus_free
 
@@ -151,9 +152,11 @@ class SlurmAllocation:
         return {"FSDPJOB_NODE_ADDRS": slurmenv.format_node_addrs(addrs)} if addrs else {}
 
     def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
-        """The workers committed a stop checkpoint: what it was, the requeue, the record (slurm/stop.py)."""
-        return slurm_stop.finish_stop(run_dir, handoff, job_id=self.job_id or "", restart_count=slurmenv.restart_count(),
-                                      max_requeues=max_requeues)
+        """The workers committed a stop checkpoint: what it was and the requeue (slurm/stop.py), the record
+        (stopfinish.py)."""
+        settled = slurm_stop.settle(self.job_id or "", restart_count=slurmenv.restart_count(),
+                                    max_requeues=max_requeues)
+        return stopfinish.finish_stop(run_dir, handoff, settled)
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""

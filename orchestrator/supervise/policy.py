@@ -1,6 +1,6 @@
 """After a crash or a stall inside the allocation: restart the workers here, or give up (pure).
 
-Giving up hands the attempt to the batch script's failure policy (slurm/failure.py), which requeues or fails
+Giving up hands the attempt to the batch script's failure policy (supervise/failure.py), which requeues or fails
 it as before. The rules, in order:
 - a cancel, a stop checkpoint (preemption, time limit, external requeue: the workers requeued the job or,
   past preemption.max_requeues, failed it), or a worker error marked not retryable (bad data, a refused

@@ -6,11 +6,11 @@ On Slurm, COMMAND is the batch script's ``srun ...`` line and this runs in the b
 locally it is submitit's controller. No torch here: it must start in milliseconds and survive what it watches.
 
 One launch at a time: clear the heartbeats, start COMMAND (env FSDPJOB_LAUNCH=<n>), then once a second read
-the heartbeats (watch.py). The launch ends by itself (exit 0: done, or a stop checkpoint the workers handed
+the heartbeats (stall.py). The launch ends by itself (exit 0: done, or a stop checkpoint the workers handed
 over, core/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
 (stacks.py), then the step gets SIGTERM, a short grace, and a hard kill. A hand-off ends the loop: the
-allocation asks Slurm what the stop was and requeues the job (slurm/stop.py); the workers run no Slurm
-command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
+allocation asks Slurm what the stop was and requeues the job (slurm/stop.py), and records it (stopfinish.py);
+the workers run no Slurm command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
 (this exits non-zero and the batch script's failure policy requeues or fails the job as before).
 A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` locally) is passed on and ends it.
 """
@@ -28,17 +28,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator import notify
-from fsdpjob.orchestrator.core import attempts, heartbeat, memtier, runlog, stophandoff
+from fsdpjob.orchestrator.core import attempts, envvars, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.spec import JobSpec
 
-from . import stacks
+from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
 from .policy import Fault, restart_in_allocation
-from .watch import Bounds, Verdict, Watch
+from .stall import Bounds, Verdict, Watch
 
 POLL_S = 1.0
 TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, a save cannot happen anyway
@@ -53,7 +52,8 @@ class Supervisor:
         self.run_dir, self.command, self.world_size = run_dir, command, world_size
         spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
         self.recovery = spec.recovery
-        self.memory_tier = (spec.env.get(memtier.BASE_VAR) or memtier.DEFAULT_BASE
+        # The workers' folder, as the spec's env hands it to them (not this process's environment).
+        self.memory_tier = (envvars.get("FSDPJOB_MEMORY_TIER_DIR", memtier.DEFAULT_BASE, environ=spec.env)
                             if spec.checkpoint.memory_interval_steps else None)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
@@ -309,10 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scheduler", choices=("slurm", "local"), default="slurm")
     opts = parser.parse_args(args[:split])
     supervisor = Supervisor(Path(opts.run_dir), args[split + 1:], world_size=opts.world_size, scheduler=opts.scheduler)
-    # Webhooks (notify.py): a thread here reads the run log and posts; the workers never do.
-    watcher = notify.watch(Path(opts.run_dir))
+    # Webhooks (notifier.py): a thread here follows the run log and posts; the workers never do.
+    told = notifier.start(Path(opts.run_dir))
     try:
         return supervisor.run()
     finally:
-        if watcher is not None:
-            watcher.close()
+        if told is not None:
+            told.close()

@@ -79,7 +79,7 @@ class StatusReport:
     failure_reason: str | None
     # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
     last_stop: dict | None = None
-    # The goodput headline (views/goodput.py): goodput, ettr, allocated_unit_s, productive_unit_s (unit-seconds:
+    # The goodput headline (core/goodputaccount.py): goodput, ettr, allocated_unit_s, productive_unit_s (unit-seconds:
     # GPU-seconds, or CPU rank-seconds), unit, units, source, interruptions (their count).
     goodput: dict | None = None
     # The in-allocation supervisor (orchestrator/supervise): restarts (in this allocation, beside `restarts`,
