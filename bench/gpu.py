@@ -22,7 +22,7 @@ over at least 10 steps after its warm-up. The two groups each fit one device cal
 - ``save-async`` (1) / ``save-sync`` (2): one checkpoint mid-run, with checkpoint.async_save / written
   synchronously (save-sync then runs again and resumes from it: the load's seconds);
 - ``fsdpjob-compile`` (2): ``model.compile: true`` (torch.compile of each decoder block), with dynamo's counters;
-- ``offload`` (2): fsdp.cpu_offload (the host-side AdamW is slow: the short step count);
+- ``offload`` (2): fsdp.cpu_offload (the host-side AdamW is slow: the short step count, 13 with 3 untimed, as the save cases);
 - ``fsdpjob-naive`` (no group): the worker on the bare loop's naive rows, like for like with ``bare``.
 
 Writes one JSON per case into --out, and results-groupN.json (every case, the probe, the settings) and
@@ -49,12 +49,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_table import render_table  # bench/ is this script's folder: on sys.path
+from gpu_table import LONG_CASES, render_table  # bench/ is this script's folder: on sys.path
 
 HERE = Path(__file__).resolve().parent
 GROUPS = {1: ("bare", "fsdpjob", "save-async"), 2: ("fsdpjob-compile", "offload", "save-sync")}
 CASES = (*GROUPS[1], *GROUPS[2], "fsdpjob-naive")
-LONG_CASES = ("bare", "fsdpjob", "fsdpjob-naive", "fsdpjob-compile")  # --steps; the others --short-steps
 # The spec changes of each worker case, over the default one (fsdpjob).
 WORKER_CASES = {
     "fsdpjob": {},
@@ -213,14 +212,14 @@ def plan_figures(spec, args: argparse.Namespace) -> dict[str, float | None]:
 
 def run_case(case: str, root: Path, model: str, data: str, args: argparse.Namespace) -> dict:
     """One case in its own process(es); a failure is recorded, not raised."""
-    steps = args.steps if case in LONG_CASES else args.short_steps
+    steps, warmup = (args.steps, args.warmup) if case in LONG_CASES else (args.short_steps, args.short_warmup)
     started = time.time()
     try:
         r = run_bare(root, model, data, args, steps) if case == "bare" else run_fsdpjob(root, model, data, args, case,
                                                                                       steps)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one failing case is recorded and the others still run
         return {"case": case, "error": f"{type(exc).__name__}: {exc}"[:2000], "wall_s": time.time() - started}
-    ends, warmup = r["ends"], args.warmup
+    ends = r["ends"]
     seconds = ends[steps] - ends[warmup]
     r["rate"] = (steps - warmup) * args.micro_batch * args.seq / seconds
     # Real (target) tokens/s from the worker's own cumulative count: what packing with padding is judged on.
@@ -241,8 +240,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group", type=int, choices=sorted(GROUPS), help="the cases of one device call")
     parser.add_argument("--cases", nargs="+", choices=CASES, help="these cases instead (default: both groups)")
     parser.add_argument("--steps", type=int, help=f"steps of {', '.join(LONG_CASES)} (default 40; --tiny 13)")
-    parser.add_argument("--short-steps", type=int, help="steps of the save and offload cases (default 20; --tiny 13)")
+    parser.add_argument("--short-steps", type=int, help="steps of the save and offload cases (default 13)")
     parser.add_argument("--warmup", type=int, help="first steps left out of tokens/s (default 10; --tiny 3)")
+    parser.add_argument("--short-warmup", type=int, default=3, help="the same for the save and offload cases")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--port", type=int, default=29533)
@@ -254,11 +254,12 @@ def parse_args() -> argparse.Namespace:
     args.cases = list(GROUPS[args.group]) if args.group else args.cases or [*GROUPS[1], *GROUPS[2]]
     args.warmup = args.warmup if args.warmup is not None else 3 if args.tiny else 10
     args.steps = args.steps or (13 if args.tiny else 40)
-    args.short_steps = args.short_steps or (13 if args.tiny else 20)
-    if min(args.steps, args.short_steps) - args.warmup < MIN_TIMED or args.warmup < 1:
+    args.short_steps = args.short_steps or 13
+    if min(args.steps - args.warmup, args.short_steps - args.short_warmup) < MIN_TIMED or args.warmup < 1:
         parser.error(
             f"each case is timed over at least {MIN_TIMED} steps after a warm-up of at least 1: "
-            f"--steps {args.steps} and --short-steps {args.short_steps} less --warmup {args.warmup}"
+            f"--steps {args.steps} less --warmup {args.warmup}, --short-steps {args.short_steps} less "
+            f"--short-warmup {args.short_warmup}"
         )
     args.seq = 128 if args.tiny else args.seq_len
     return args

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+LONG_CASES = ("bare", "fsdpjob", "fsdpjob-naive", "fsdpjob-compile")  # gpu.py's --steps; the others --short-steps
+
 HEADER = ("| case | tok/s (target) | / bare | TFLOP/s | MFU nominal / measured peak | alloc / reserved / device MiB "
           "| plan - runtime MiB (vs reserved) | plan MiB (vs device) | device - reserved MiB (plan's runtime) "
           "| host VmHWM MiB (plan) | start-up s | first step s | save s (blocking) | load s "
@@ -20,9 +22,9 @@ def render_table(results: dict[str, dict], args: argparse.Namespace) -> str:
         f"peak     nominal dense bf16 {nominal} TFLOP/s; measured {probe['matmul']} matmul "
         f"{probe['matmul_flops'] / 1e12:.1f} TFLOP/s",
         f"model    llama {shape}, bf16 mixed precision, activation checkpointing, fused AdamW",
-        f"batch    {args.micro_batch} x {args.seq} tokens per step; steps after {args.warmup} timed "
-        f"({args.steps} steps: {', '.join(c for c in results if c in ('bare', 'fsdpjob', 'fsdpjob-naive', 'fsdpjob-compile'))}; "
-        f"{args.short_steps}: the others)",
+        f"batch    {args.micro_batch} x {args.seq} tokens per step; {args.steps} steps, the first {args.warmup} "
+        f"untimed ({', '.join(c for c in results if c in LONG_CASES)}); {args.short_steps}, the first "
+        f"{args.short_warmup} untimed (the others)",
         "",
         HEADER,
         "|" + "---|" * HEADER.count(" | ") + "---|",

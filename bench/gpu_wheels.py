@@ -141,7 +141,7 @@ def install(wheels: Path, site: Path) -> str | None:
                 f"{', '.join(changed[:3])}): run bench/gpu --prepare again")  # fmt: skip
     missing = _first_missing(PRESENT, None)
     if missing:
-        return f"this machine lacks {missing}, which bench/gpu does not carry (a PyTorch image has it)"
+        return f"{missing}: bench/gpu carries no such package (a PyTorch image has it)"
     files = [str(wheels / w["file"]) for w in manifest["wheels"]]
     env = dict(os.environ, PIP_NO_INDEX="1")
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",

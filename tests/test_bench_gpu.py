@@ -94,15 +94,18 @@ def _wheel_name(wheel: Path) -> str:
     return name.split(":", 1)[1].strip().lower().replace("_", "-")
 
 
+# What the bare H200 machine lacks (its image's package list): its transformers and typer need
+# no pydantic; this machine's typer does, for its command line, which the worker path never imports.
+LACKING = {"pydantic", "pydantic-core", "annotated-types", "typing-inspection", "submitit"}
+
+
 def _closure(roots: tuple[str, ...]) -> set[str]:
-    """The installed distributions ``roots`` need, themselves included (extras left out), less what bench/gpu carries:
-    the bare machine lacks those (its older transformers and typer need no pydantic; this one's typer does, for
-    its command line, which the worker path never imports)."""
+    """The installed distributions ``roots`` need, themselves included (extras left out), less LACKING."""
     seen: set[str] = set()
     todo = list(roots)
     while todo:
         name = todo.pop().lower().replace("_", "-")
-        if name in seen or name in gpu_wheels.CARRIED:
+        if name in seen or name in LACKING:
             continue
         seen.add(name)
         for line in metadata.requires(name) or []:
