@@ -109,6 +109,20 @@ def train_step(model, optimizer, batch) -> float:
     return loss.item()
 
 
+def vmhwm_mb() -> float | None:
+    """This process's peak resident memory (bench/gpu.py's host column)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:")), None)
+
+
+def _cuda_memory() -> dict[str, float]:
+    """The worker's other two memory figures (jobs/metrics.py memory_figures), so bench/gpu.py compares like for like."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20, "device_used_mb": (total - free) / 2**20}
+
+
 def main() -> None:
     args = parse_args()
     import torch
@@ -137,7 +151,8 @@ def main() -> None:
     if rank == 0 and args.out:
         info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
                 "model_type": type(model).__name__, "params": sum(p.numel() for p in model.parameters()),  # DTensor: global
-                "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None}
+                "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None,
+                "vmhwm_mb": vmhwm_mb(), **(_cuda_memory() if args.device == "cuda" else {})}
         args.out.write_text(json.dumps({"times": times, "losses": (mean / world).tolist(),
                                         "tokens_per_step": per_step * args.seq_len, "info": info}))
     dist.barrier()  # no rank tears gloo down while another still talks to it
