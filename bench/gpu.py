@@ -53,11 +53,12 @@ from gpu_table import LONG_CASES, render_table  # bench/ is this script's folder
 
 HERE = Path(__file__).resolve().parent
 GROUPS = {1: ("bare", "fsdpjob", "save-async"), 2: ("fsdpjob-compile", "offload", "save-sync")}
-CASES = (*GROUPS[1], *GROUPS[2], "fsdpjob-naive")
+CASES = (*GROUPS[1], *GROUPS[2], "fsdpjob-naive", "fsdpjob-sdpa")
 # The spec changes of each worker case, over the default one (fsdpjob).
 WORKER_CASES = {
     "fsdpjob": {},
     "fsdpjob-naive": {"data": {"packing": "naive"}},  # the bare loop's rows: like for like
+    "fsdpjob-sdpa": {"model": {"attn_implementation": "sdpa"}},  # packed rows through transformers' dense mask
     "fsdpjob-compile": {"model": {"compile": True}},
     "save-sync": {"checkpoint": {"async_save": False}},
     "save-async": {"checkpoint": {"async_save": True}},

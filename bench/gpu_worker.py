@@ -36,7 +36,7 @@ class _Count(logging.Handler):
 def watch_dynamo() -> _Count:
     """Count recompiles (dynamo's 'recompiles' log artifact) and recompile-limit hits (its warning)."""
     import torch
-    import torch._dynamo  # noqa: F401 - its loggers exist once imported
+    import torch._dynamo
 
     torch._logging.set_logs(recompiles=True)  # the artifact is off unless asked for; it also prints the reasons
     handler = _Count(("Recompiling function", "torch._dynamo hit config."))
@@ -68,7 +68,7 @@ def main() -> None:
     if args.backend:
         compile_ = torch.compile
 
-        def compile_with(fn=None, *rest, backend=None, **kw):  # noqa: ARG001 - the worker names inductor
+        def compile_with(fn=None, *rest, backend=None, **kw):
             return compile_(fn, *rest, backend=args.backend, **kw)
 
         torch.compile = compile_with
