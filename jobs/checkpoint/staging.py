@@ -115,8 +115,9 @@ def stage_in_background(cuda: bool) -> Any:
         def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
             if self._staging_stream is not None and self._ready is not None:
                 self._staging_stream.wait_event(self._ready)
-            # torch 2.11's stager deep-copies with a dispatch table that lacks classes (KeyError: <class 'type'> on
-            # an H200 at the second async save; 2.13 has the entry): a class is copied as itself, as copy.deepcopy does.
+            # torch 2.11's stager deep-copies with a dispatch table that lacks classes (KeyError: <class 'type'>
+            # on an H200 at the second async save; 2.13 has the entry): a class is copied as itself, as
+            # copy.deepcopy does. Its copiers are called with non_blocking= as well.
             dispatch = getattr(getattr(self, "_state_dict_stager", None), "_deepcopy_dispatch", None)
             if isinstance(dispatch, dict):
                 dispatch.setdefault(type, _as_itself)
@@ -127,7 +128,7 @@ def stage_in_background(cuda: bool) -> Any:
                                        use_non_blocking_copy=cuda and background))  # fmt: skip
 
 
-def _as_itself(value: Any, memo: Any) -> Any:
+def _as_itself(value: Any, memo: Any, **_copy_options: Any) -> Any:
     return value
 
 
