@@ -15,14 +15,14 @@ from specs import write_spec
 from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
 
 from fsdpjob.orchestrator.cli import main
+from fsdpjob.orchestrator.cli.sweepspec import make_sweep, split_values
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm import commands
-from fsdpjob.orchestrator.slurm.arrayrender import PLACEHOLDER, ArrayTask, array_plan
+from fsdpjob.orchestrator.slurm.arrayrender import PLACEHOLDER, ArrayTask, array_plan, array_range
 from fsdpjob.orchestrator.slurm.backend import views_from_sacct
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script
-from fsdpjob.orchestrator.sweep import array_range, make_sweep, split_values
 from fsdpjob.orchestrator.views.sweepview import VariantRow, ranked
 
 
