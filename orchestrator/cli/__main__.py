@@ -2,4 +2,5 @@
 
 from .main import main
 
-main()
+if __name__ == "__main__":  # not when a walk over the modules imports it (tests/test_import_boundary.py)
+    main()

@@ -26,7 +26,7 @@ class LoadedJob(Resolved):
 
     doc: YamlDoc
     source: str
-    dependency: str | None = None  # sbatch --dependency (submit --after: orchestrator/chain.py)
+    dependency: str | None = None  # sbatch --dependency (submit --after: orchestrator/cli/chain.py)
 
 
 def load_job(
