@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from fsdpjob.orchestrator.planner.jobload import LoadedJob
     from fsdpjob.orchestrator.registry import JobRecord
 
-# The optional capabilities, as Unsupported names them.
-ARRAYS = "job arrays"
-CHAINS = "chains (--after)"
+# The optional capabilities a backend may refuse, as Unsupported names them (every backend has job arrays: the
+# local one runs the tasks one after another).
+CHAINS = "chains"
 START_ESTIMATES = "start estimates"
 EXPORT_JOBS = "export jobs"
 
