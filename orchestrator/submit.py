@@ -7,13 +7,14 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpjob.orchestrator import registry
-from fsdpjob.orchestrator.backend import Request, backend_for
+from fsdpjob.orchestrator.backend import ArrayMember, ArrayRequest, Request, Submitted, backend_for, job_environment
 from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.errors import InputError, SubmissionError
+from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, SubmissionError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
@@ -25,22 +26,6 @@ from fsdpjob.orchestrator.registry import JobRecord
 class Submission:
     record: JobRecord
     paths: RunPaths
-
-
-@contextlib.contextmanager
-def job_environment(env: dict[str, str]):
-    """Environment for the submission call: sbatch exports it to the job (secrets travel this way, never
-    through a file), and submitit's local executor passes it to the workers."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -109,7 +94,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
            worker_facts: dict | None = None, extra: dict | None = None) -> Submission:
     """Create the run folder, submit, record. On failure nothing is recorded and the folder is removed.
     ``worker_facts`` (the planner's, planner/fit.FitPlan.worker_facts) go to the workers through spec.json;
-    ``extra`` goes into the record's extra (a chain's parent, orchestrator/chain.py)."""
+    ``extra`` goes into the record's extra (a chain's parent, orchestrator/cli/chain.py)."""
     backend = backend_for(job.profile.scheduler)
     with owner_only():
         paths = _claim_run_folder(job.spec.name, run_dir)
@@ -125,24 +110,79 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
         except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise SubmissionError(f"submission failed, nothing was recorded: {sbatch_reason(exc)}") from None
-        record = JobRecord(
-            run_id=paths.run_id,
-            name=job.spec.name,
-            run_dir=str(paths.run_dir),
-            scheduler=backend.name,
-            job_id=submitted.job_id,
-            profile=job.profile.name,
-            submitted_at=time.time(),
-            spec_hash=job.spec.spec_hash(),
-            nodes=job.eff.nodes,
-            tasks_per_node=job.eff.tasks_per_node,
-            gpus_per_node=job.eff.gpus_per_node,
-            max_steps=job.spec.train.max_steps,
-            **submitted.record_fields,
-        )
+        record = _record(job, paths, backend.name, submitted)
         record.extra.update(extra or {})
         registry.save(record)
         return Submission(record=record, paths=paths)
+
+
+def _record(job: LoadedJob, paths: RunPaths, scheduler: str, submitted: Submitted) -> JobRecord:
+    return JobRecord(
+        run_id=paths.run_id,
+        name=job.spec.name,
+        run_dir=str(paths.run_dir),
+        scheduler=scheduler,
+        job_id=submitted.job_id,
+        profile=job.profile.name,
+        submitted_at=time.time(),
+        spec_hash=job.spec.spec_hash(),
+        nodes=job.eff.nodes,
+        tasks_per_node=job.eff.tasks_per_node,
+        gpus_per_node=job.eff.gpus_per_node,
+        max_steps=job.spec.train.max_steps,
+        **submitted.record_fields,
+    )
+
+
+def dry_run_array(array: ArrayRequest) -> Request:
+    """What a submit of the array would send, touching nothing (refusals of its tasks come from here)."""
+    return backend_for(array.tasks[0].job.profile.scheduler).dry_run_array(array)
+
+
+def submit_array(array: ArrayRequest, on_submitted: Callable[[JobRecord], None] | None = None) -> list[JobRecord]:
+    """A job array through its backend: every task's run folder written first, then the hand-over; a record per
+    task as it is handed over (``on_submitted`` follows each). On failure what was not recorded is removed
+    (all of it, where the scheduler takes the array in one call)."""
+    backend = backend_for(array.tasks[0].job.profile.scheduler)
+    request = backend.dry_run_array(array)  # refusals come before any folder is made
+    records: list[JobRecord] = []
+
+    def each(task: ArrayMember, submitted: Submitted) -> None:
+        record = _record(task.job, task.paths, backend.name, submitted)
+        record.sweep = {**task.sweep, "job_id": submitted.array_id}
+        registry.save(record)
+        records.append(record)
+        if on_submitted is not None:
+            on_submitted(record)
+
+    with owner_only():
+        array.folder.mkdir(parents=True, mode=0o700)
+        try:
+            for task in array.tasks:
+                task.paths.run_dir.mkdir(mode=0o700)
+                write_run_folder(task.job, task.paths, request.script, None, task.worker_facts)
+            with job_environment(request.env):
+                backend.submit_array(array, request, each)
+        except Exception as exc:  # noqa: BLE001 - whatever sbatch says, in one line, and nothing left behind
+            _remove_unrecorded(array, records)
+            if isinstance(exc, FsdpjobError):
+                raise
+            raise SubmissionError(f"sweep submission failed, {_kept(records)}: {sbatch_reason(exc)}") from None
+    return records
+
+
+def _remove_unrecorded(array: ArrayRequest, records: list[JobRecord]) -> None:
+    if not records:
+        shutil.rmtree(array.folder, ignore_errors=True)
+        return
+    recorded = {r.run_dir for r in records}
+    for task in array.tasks:
+        if str(task.paths.run_dir) not in recorded:
+            shutil.rmtree(task.paths.run_dir, ignore_errors=True)
+
+
+def _kept(records: list[JobRecord]) -> str:
+    return f"{len(records)} run(s) were recorded before it" if records else "nothing was recorded"
 
 
 def cancel(record: JobRecord) -> str:

@@ -12,11 +12,12 @@ import pytest
 from helpers import fsdpjob, tiny_model_folder
 from test_render import PYTHON, assert_golden, render
 
-from fsdpjob.orchestrator.chain import chain_state, parse_after
+from fsdpjob.orchestrator.cli.chain import parse_after
+from fsdpjob.orchestrator.cli.estimate import estimate, format_estimates, parse_shapes, parse_test_only
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.profiles import load_profile
-from fsdpjob.orchestrator.estimate import estimate, format_estimates, parse_shapes, parse_test_only
 from fsdpjob.orchestrator.slurm.exportscript import build_export_plan, render_export
+from fsdpjob.orchestrator.views.chains import chain_state
 
 TESTS = Path(__file__).resolve().parent
 RECORDED = TESTS / "data" / "slurm-22.05"
@@ -49,7 +50,7 @@ def test_bad_after_on_the_command_line_exits_2_before_anything_is_submitted(tmp_
     done = fsdpjob("submit", spec, "--after", "no-such-run", "--dry-run", "--no-file-checks", env=home)
     assert done.returncode == 2 and "--after: no run 'no-such-run' in the registry" in done.stderr
     done = fsdpjob("submit", spec, "--after", "x", "--dry-run", "--no-file-checks", "-p", "local", env=home)
-    assert done.returncode == 2 and "a chain needs Slurm" in done.stderr
+    assert done.returncode == 2 and "--after: the local scheduler does not support chains" in done.stderr
     assert not (tmp_path / "runs").exists()
 
 

@@ -324,7 +324,7 @@ def test_render_says_how_the_script_is_really_submitted():
 
 def test_prune_trusts_a_failure_only_from_the_scheduler(tmp_path):
     """A worker's failure event with no word from the scheduler (unreachable) may still be followed by a requeue."""
-    from fsdpjob.orchestrator.prune import settled_phase
+    from fsdpjob.orchestrator.cli.prune import settled_phase
     from fsdpjob.orchestrator.views.status import build_report
 
     record = make_run(tmp_path, "a-1", completed=False)

@@ -15,14 +15,14 @@ from helpers import run_cli
 from specs import quickstart_spec, write_spec
 from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
 
+from fsdpjob.orchestrator.cli.sweepspec import make_sweep, split_values
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm import commands
-from fsdpjob.orchestrator.slurm.arrayrender import PLACEHOLDER, ArrayTask, array_plan
+from fsdpjob.orchestrator.slurm.arrayrender import PLACEHOLDER, ArrayTask, array_plan, array_range
 from fsdpjob.orchestrator.slurm.backend import views_from_sacct
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script
-from fsdpjob.orchestrator.sweep import array_range, make_sweep, split_values
 from fsdpjob.orchestrator.views.sweepview import VariantRow, ranked
 
 
@@ -108,6 +108,35 @@ def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_pat
     assert code in (0, None) and [v["name"] for v in data["variants"]] == ["lr-0", "lr-1", "lr-2"]
     assert data["array"] == "0-2%2" and "#SBATCH --array=0-2%2" in data["script"]
     assert not (tmp_path / "home" / "runs").exists()
+
+
+def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec, tmp_path, monkeypatch, capsys):
+    """The local profile's array: each task submitted, recorded and followed before the next; the runs' folders in
+    the sweep's folder beside its sweep.json, as on Slurm (the workers themselves are faked here)."""
+    from fsdpjob.orchestrator import registry
+    from fsdpjob.orchestrator.backend import Submitted
+    from fsdpjob.orchestrator.local.backend import LocalBackend
+
+    monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
+    started: list[str] = []
+
+    def fake_submit(self, job, request):
+        started.append(str(request.paths.run_dir))
+        return Submitted(job_id=str(999_999_990 + len(started)))  # no such process: each "ends" at once
+
+    followed: list[str] = []
+    monkeypatch.setattr(LocalBackend, "submit", fake_submit)
+    monkeypatch.setattr("fsdpjob.orchestrator.views.follow.wait_for", lambda record: followed.append(record.run_id) or 0)
+    code, out, err = run_cli(capsys, "sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3", "-p", "local",
+                             "--max-parallel", "2")
+    assert code == 0, err
+    assert "--max-parallel is ignored" in err
+    records = registry.sweep_records("lr")
+    assert [r.run_id for r in records] == followed and len(started) == 2
+    assert [r.sweep["index"] for r in records] == [0, 1] and all(r.sweep["job_id"] is None for r in records)
+    sweep_dir = Path(records[0].run_dir).parent
+    assert [str(Path(r.run_dir).parent) for r in records] == [str(sweep_dir)] * 2 and started == [r.run_dir for r in records]
+    assert json.loads((sweep_dir / "sweep.json").read_text())["runs"][1]["run_id"] == records[1].run_id
 
 
 def array_script(monkeypatch) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -26,10 +27,24 @@ _SHELL_KEYWORDS = frozenset(
 )
 
 
-# What each scheduler kind allows, as data: the planner and the resolver read these instead of branching
-# on the scheduler's name (the backends in orchestrator/slurm and orchestrator/local hold the behaviour).
-MAX_NODES = {"slurm": None, "local": 1}  # None: as many as the cluster has
-WHERE = {"slurm": "the cluster's nodes", "local": "this machine"}
+@dataclass(frozen=True)
+class SchedulerKind:
+    """What a scheduler kind allows, as data: the planner and the resolver read these facts instead of branching
+    on the scheduler's name (the backends in orchestrator/slurm and orchestrator/local hold the behaviour, and
+    orchestrator/backend.py maps a kind to its backend)."""
+
+    max_nodes: int | None  # None: as many as the cluster has
+    where: str  # where its jobs run, as an error names it
+    partitions: bool  # its jobs ask a partition for nodes, whose size the scheduler can tell (a limit names it)
+    containers: bool  # it can start each task in a container (pyxis, apptainer, OCI)
+    this_machine: bool  # it runs the workers on the machine fsdpjob runs on (whose cores the profile has)
+
+
+KINDS = {
+    "slurm": SchedulerKind(max_nodes=None, where="the cluster's nodes", partitions=True, containers=True,
+                           this_machine=False),
+    "local": SchedulerKind(max_nodes=1, where="this machine", partitions=False, containers=False, this_machine=True),
+}
 
 
 class ClusterProfile(Strict):
@@ -106,12 +121,16 @@ class ClusterProfile(Strict):
     @property
     def max_nodes(self) -> int | None:
         """The most nodes a job on this profile can use (None: no limit known here)."""
-        limits = [n for n in (MAX_NODES[self.scheduler], self.partition_nodes) if n is not None]
+        limits = [n for n in (self.kind.max_nodes, self.partition_nodes) if n is not None]
         return min(limits, default=None)
 
     @property
+    def kind(self) -> SchedulerKind:
+        return KINDS[self.scheduler]
+
+    @property
     def where(self) -> str:
-        return WHERE[self.scheduler]
+        return self.kind.where
 
     @field_validator("max_time")
     @classmethod
@@ -207,7 +226,8 @@ def load_profile_file(path: Path) -> ClusterProfile:
     doc = read_yaml(path)
     data = dict(doc.data)
     data.setdefault("name", path.stem)
-    if data.get("scheduler") == "local":
+    kind = KINDS.get(data.get("scheduler"))  # type: ignore[arg-type]
+    if kind is not None and kind.this_machine:
         # A local profile is this machine: its cores, unless the file says otherwise (a shared login node).
         data.setdefault("cpus_per_node", os.cpu_count() or 1)
     try:

@@ -10,10 +10,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
+from fsdpjob.orchestrator import backend as api
+from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted, Unsupported
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.paths import RunPaths
@@ -22,9 +23,21 @@ from fsdpjob.orchestrator.core.paths import RunPaths
 LOCAL_CANCEL_GRACE_S = 15
 
 
+# What the local backend cannot do, in its own words (why, and what to do instead).
+REFUSALS = {
+    api.CHAINS: "a local run starts at once; submit with a Slurm profile, or run the two jobs one after the other",
+    api.START_ESTIMATES: "a local run starts at once; ask with a Slurm profile",
+    api.EXPORT_JOBS: "run `fsdpjob export` without --submit (it exports on this machine now)",
+}
+
+
 class LocalBackend:
     name = "local"
     account = "local"  # the local processes' life: from the submit to their last write (_allocation)
+    # A local run is this terminal's job: Ctrl-C in `submit --wait` stops it (as `fsdpjob cancel` does: a stop
+    # checkpoint), not by the SIGINT, which its own session keeps from the workers; an array runs one at a time.
+    foreground = True
+    host_from_events = True  # the controller's view names this machine only while it runs
 
     def dry_run(self, job, paths: RunPaths) -> Request:
         from fsdpjob.orchestrator.supervise.launchline import describe
@@ -94,6 +107,43 @@ class LocalBackend:
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
 
+    # --- the optional capabilities: an array runs its tasks one after another; the others are refused -------------
+
+    def refusal(self, capability: str) -> Unsupported | None:
+        hint = REFUSALS.get(capability)
+        return Unsupported(self.name, capability, hint) if hint else None
+
+    def dry_run_array(self, array) -> Request:
+        """The tasks one after another: this machine's cores go to one run at a time."""
+        count = len(array.tasks)
+        notes = (("the local profile runs a sweep's variants one after another; --max-parallel is ignored",)
+                 if array.max_parallel and array.max_parallel > 1 else ())
+        return Request(paths=array.tasks[0].paths, text=f"local profile: the {count} runs one after another\n",
+                       script=None, env={}, notes=notes)
+
+    def submit_array(self, array, request: Request, each) -> None:
+        """Each task as a run of its own, started once the one before has ended (``each`` may follow it)."""
+        for task in array.tasks:
+            task_request = self.dry_run(task.job, task.paths)
+            with api.job_environment(task_request.env):
+                submitted = self.submit(task.job, task_request)
+            each(task, submitted)
+            while controller_alive(_Pid(submitted.job_id)):
+                time.sleep(0.5)
+        return None
+
+    def dependency(self, parent, kind: str) -> str:
+        raise self.refusal(api.CHAINS)
+
+    def start_estimate(self, request: Request) -> str:
+        raise self.refusal(api.START_ESTIMATES)
+
+    def submit_export(self, record, profile, out: Path, dtype: str, merge: bool):
+        raise self.refusal(api.EXPORT_JOBS)
+
+    def partition_size(self, partition: str | None) -> None:
+        return None  # one machine, no partitions
+
 
 def _controller_view(record) -> SchedView:
     if controller_alive(record):
@@ -121,6 +171,11 @@ def _allocation(record, state: str) -> AttemptTimes:
         end = max(written, default=record.submitted_at)
     start = record.submitted_at
     return AttemptTimes(queued_at=start, eligible_at=start, start=start, end=end, state=state)
+
+
+@dataclass(frozen=True)
+class _Pid:
+    job_id: str  # what controller_alive reads of a record
 
 
 def controller_alive(record) -> bool:

@@ -62,7 +62,7 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         return (*where, field) if spec.container is not None else where
 
     out: list[tuple[tuple, str]] = []
-    if profile.scheduler != "slurm":
+    if not profile.kind.containers:
         out.append((where, f"profile {profile.name!r} is a {profile.scheduler} profile: containers run on Slurm only "
                            "(drop the container section, or use a Slurm profile)"))
         return out

@@ -26,7 +26,7 @@ class LoadedJob(Resolved):
 
     doc: YamlDoc
     source: str
-    dependency: str | None = None  # sbatch --dependency (submit --after: orchestrator/chain.py)
+    dependency: str | None = None  # sbatch --dependency (submit --after: orchestrator/cli/chain.py)
 
 
 def load_job(
@@ -36,7 +36,7 @@ def load_job(
     overrides: tuple[str, ...] = (),
     check_files: bool | Literal["config"] = True,
     resume_from: str | None = None,
-    ask_partition_size: Callable[[str | None], PartitionSize | None] | None = None,
+    ask_partition_size: Callable[[str, str | None], PartitionSize | None] | None = None,
 ) -> LoadedJob:
     """Validate everything a user can get wrong before anything is written or submitted.
 
@@ -44,8 +44,9 @@ def load_job(
     checks the model folder and the data file (existence, shape, JSON lines); ``"config"`` (``fsdpjob plan``,
     before the download) needs only the model's config.json, not its weights or tokenizer; with either, the
     checkpoint folder must be writable. ``resume_from`` (submit --resume-from) must hold a committed checkpoint.
-    ``ask_partition_size`` (slurm/commands.py partition_size, passed by the commands that check before a submit) is
-    asked once, for a Slurm profile, how many nodes the job's partition has (None: Slurm cannot say here).
+    ``ask_partition_size(kind, partition)`` (the backend's partition_size, passed by the commands that check before
+    a submit) is asked once, for a profile whose scheduler has partitions, how many nodes the job's partition has
+    (None: the scheduler cannot say here).
     """
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
@@ -59,8 +60,8 @@ def load_job(
             raise ProfileError(exc.message, file="--profile") from None
         raise ProfileError.at(doc, ("profile",), exc.message) from None
     size = None
-    if ask_partition_size is not None and prof.scheduler == "slurm":
-        size = ask_partition_size(spec.resources.partition or prof.partition)
+    if ask_partition_size is not None and prof.kind.partitions:
+        size = ask_partition_size(prof.scheduler, spec.resources.partition or prof.partition)
     resolved = resolve(spec, prof, doc, size)
     if resume_from is not None and (problem := resume_problem(Path(resume_from))):
         raise InputError(problem, file="--resume-from")

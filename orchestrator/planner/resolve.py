@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.paths import runs_root
-from fsdpjob.orchestrator.core.profiles import MAX_NODES, ClusterProfile
+from fsdpjob.orchestrator.core.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 from fsdpjob.orchestrator.core.spec import JobSpec
 from fsdpjob.orchestrator.core.validation import SpecErrors
@@ -134,12 +134,12 @@ def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective,
     out: list[tuple[tuple, str]] = []
     r = spec.resources
     # The profile's partition_nodes counts its own partition's nodes, not those of one the spec names instead.
-    limit = profile.max_nodes if r.partition in (None, profile.partition) else MAX_NODES[profile.scheduler]
+    limit = profile.max_nodes if r.partition in (None, profile.partition) else profile.kind.max_nodes
     if limit is not None and eff.nodes > limit:
         where = (f"partition {eff.partition} of profile {profile.name!r} has {limit} node(s) (its partition_nodes)"
-                 if profile.scheduler == "slurm" else f"the {profile.scheduler} profile runs on {profile.where} only")
+                 if profile.kind.partitions else f"the {profile.scheduler} profile runs on {profile.where} only")
         out.append((("resources", "nodes"), f"{where}: nodes must be at most {limit}, got {eff.nodes}"))
-    elif partition_size is not None and profile.scheduler == "slurm" and eff.nodes > partition_size[1]:
+    elif partition_size is not None and profile.kind.partitions and eff.nodes > partition_size[1]:
         name, count = partition_size
         out.append((("resources", "nodes"),
                     f"partition {name} has {count} node(s) (sinfo): nodes must be at most {count}, got {eff.nodes}; "

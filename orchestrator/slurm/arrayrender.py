@@ -111,3 +111,8 @@ def array_plan(tasks: list[ArrayTask], *, name: str, sweep_id: str, sweep_dir: s
         task_lines=task_lines,
     )
 
+
+def array_range(count: int, max_parallel: int | None) -> str:
+    """Slurm's --array value: indices 0..count-1, at most ``max_parallel`` running at once."""
+    cap = f"%{max_parallel}" if max_parallel is not None and max_parallel < count else ""
+    return f"0-{count - 1}{cap}"

@@ -6,16 +6,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted
+from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted, Unsupported
+from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 
-from . import commands
+from . import arrayjob, commands
 from .render import build_plan, render_script
 
 
 class SlurmBackend:
     name = "slurm"
     account = "sacct"
+    foreground = False  # a job goes on without the command that submitted it; `fsdpjob wait` re-attaches
+    host_from_events = False  # a job's nodes come from Slurm alone (rank 0's host is one node of several)
 
     def dry_run(self, job, paths: RunPaths) -> Request:
         plan = build_plan(job, paths, spec_source=job.source, dependency=getattr(job, "dependency", None))
@@ -70,6 +73,36 @@ class SlurmBackend:
 
     def log_path(self, record, rank: int, stream: str) -> Path:
         return RunPaths(Path(record.run_dir)).rank_log(record.job_id, rank, stream)
+
+    # --- the optional capabilities: Slurm has them all ---------------------------------------------------------------
+
+    def refusal(self, capability: str) -> Unsupported | None:
+        return None
+
+    def dry_run_array(self, array) -> Request:
+        return arrayjob.dry_run_array(array)
+
+    def submit_array(self, array, request: Request, each) -> str:
+        return arrayjob.submit_array(array, request, each, accounting_known)
+
+    def dependency(self, parent, kind: str) -> str:
+        """sbatch's --dependency value: ``afterok:123``; only on another Slurm job."""
+        if parent.scheduler != self.name:
+            raise InputError(f"run {parent.run_id} ran locally ({parent.profile}); only a Slurm job can be waited for",
+                             loc="--after")
+        return f"{kind}:{parent.job_id}"
+
+    def start_estimate(self, request: Request) -> str:
+        """sbatch --test-only's answer (its stderr): backfill's guess of the start, from the jobs ahead."""
+        return commands.sbatch_test_only(request.script, timeout=15)
+
+    def submit_export(self, record, profile, out: Path, dtype: str, merge: bool):
+        from .exportjob import submit_export
+
+        return submit_export(record, profile, out, dtype, merge)
+
+    def partition_size(self, partition: str | None) -> tuple[str, int] | None:
+        return commands.partition_size(partition)
 
 
 def _sacct_rows(records) -> list[commands.SacctRow] | None:

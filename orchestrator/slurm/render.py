@@ -103,7 +103,7 @@ def directives(eff: Effective, spec: JobSpec, paths: RunPaths, profile: ClusterP
         "account": eff.account,
         "qos": eff.qos,
         "constraint": eff.constraint,
-        "dependency": dependency,  # submit --after (orchestrator/chain.py)
+        "dependency": dependency,  # submit --after (orchestrator/cli/chain.py)
         **notify_directives(spec, profile),
     }
     flags.update({k: v for k, v in optional.items() if v is not None})

@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
-from fsdpjob.orchestrator.chain import chain_state
 from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.registry import JobRecord
 
+from .chains import chain_state
 from .goodput import goodput
 from .lineage import resumed_from
 from .progress import Progress, read_progress
@@ -90,7 +90,7 @@ class StatusReport:
     data: dict | None = None
     # Lineage (views/lineage.py): {"path": the submit --resume-from, "run_id": the run that wrote it, or None}.
     resumed_from: dict | None = None
-    # A chain (submit --after, orchestrator/chain.py): {"run_id", "job_id", "kind": afterok|afterany, "state":
+    # A chain (submit --after, orchestrator/cli/chain.py): {"run_id", "job_id", "kind": afterok|afterany, "state":
     # waiting|never|released, "message"}; None for a run that waits for no other.
     after: dict | None = None
 
@@ -146,7 +146,7 @@ def build_report(record: JobRecord, view: SchedView | None, parent_phase: str | 
         last_checkpoint_step=progress.last_checkpoint_step,
         steps_lost=progress.steps_lost,
         eta_s=progress.eta_s if phase == "RUNNING" else None,
-        nodes=view.nodes or _local_host(record, progress.events),
+        nodes=view.nodes or _host_from_events(record, progress.events),
         world_size=record.world_size,
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
@@ -160,10 +160,10 @@ def build_report(record: JobRecord, view: SchedView | None, parent_phase: str | 
     )
 
 
-def _local_host(record: JobRecord, events: list[dict]) -> str | None:
+def _host_from_events(record: JobRecord, events: list[dict]) -> str | None:
     """The machine a local run ran on, from its last start event (its controller's view names it only while it
     runs); a Slurm job's nodes come from Slurm alone (rank 0's host is one node of several)."""
-    if record.scheduler != "local":
+    if not backend_for(record.scheduler).host_from_events:
         return None
     starts = [e for e in events if e.get("event") == runlog.START and e.get("host")]
     return str(starts[-1]["host"]) if starts else None

@@ -10,12 +10,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.core.ckptlayout import committed_steps, step_dirs
 from fsdpjob.orchestrator.core.paths import is_within
 from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
 from fsdpjob.orchestrator.core.sidecar import best_step
 from fsdpjob.orchestrator.registry import JobRecord
+
+from .options import command
 
 # Only these are over for good; PENDING, RUNNING, REQUEUED and UNKNOWN may still need their files.
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
@@ -143,3 +147,26 @@ def summary(removals: list[Removal], *, removed: bool) -> list[str]:
     if removed:
         return [*lines, f"freed {total}"]
     return [*lines, f"would free {total}; dry run, nothing removed: add --yes to remove"]
+
+
+@command()
+@click.option(
+    "--older-than", type=click.FloatRange(min=0), metavar="DAYS", help="Only runs submitted more than DAYS days ago."
+)
+@click.option("--keep-last", type=click.IntRange(min=0), metavar="N", help="Keep the N newest finished runs.")
+@click.option(
+    "--checkpoints-only", is_flag=True, help="Keep the runs; remove all but each one's newest committed checkpoint."
+)
+@click.option("--yes", is_flag=True, help="Remove for real (without it: a dry run listing what would go).")
+def prune(older_than: float | None, keep_last: int | None, checkpoints_only: bool, yes: bool) -> None:
+    """Remove finished runs' folders (or their older checkpoints), with the bytes freed; a dry run unless --yes.
+
+    Never touches a pending, running or requeued run, nor a checkpoint such a run was submitted to resume from."""
+    from fsdpjob.orchestrator.views.status import reports
+
+    records = registry.all_records()
+    phases = {r.run_id: settled_phase(r) for r in reports(records)}
+    removals = plan(records, phases, older_than_days=older_than, keep_last=keep_last, checkpoints_only=checkpoints_only)
+    if yes:
+        remove(removals)
+    click.echo("\n".join(summary(removals, removed=yes)))

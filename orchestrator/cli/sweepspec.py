@@ -1,6 +1,6 @@
 """A sweep's variants, pure: `--grid KEY=V1,V2` options and a sweep file -> the list of `--set` overrides of
 each variant, with the messages of bad input (one line each, naming the option or the file). Loading and
-checking each variant against the spec is orchestrator/sweepsubmit.py's; this module touches nothing."""
+checking each variant against the spec is sweepsubmit.py's; this module touches nothing."""
 
 from __future__ import annotations
 
@@ -174,9 +174,3 @@ def _overlaps(sets: list[tuple[str, ...]]):
             if keys.count(key) > 1:
                 yield "a variant of the file and the grid", key
                 return
-
-
-def array_range(count: int, max_parallel: int | None) -> str:
-    """Slurm's --array value: indices 0..count-1, at most ``max_parallel`` running at once."""
-    cap = f"%{max_parallel}" if max_parallel is not None and max_parallel < count else ""
-    return f"0-{count - 1}{cap}"

@@ -1,11 +1,14 @@
-"""Start estimates before submitting: Slurm's own guess (`sbatch --test-only`) of when the job, and alternative
-shapes of it (--shapes 2x8,4x8), would start, beside the planner's step and total time: which finishes first."""
+"""Start estimates before submitting (`plan`, `submit --dry-run`): the scheduler's own guess (the backend's; Slurm's
+`sbatch --test-only`) of when the job, and alternative shapes of it (--shapes 2x8,4x8), would start, beside the
+planner's step and total time: which finishes first."""
 
 from __future__ import annotations
 
 import re
 import time
 from dataclasses import dataclass
+
+import click
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError
 
@@ -53,14 +56,14 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def estimate(label: str, script: str, step_s: float | None, max_steps: int, ask) -> dict:
-    """One row: Slurm's start estimate for ``script`` (``ask`` runs sbatch --test-only), the planner's step and
-    total time, and the finish that follows. ``error``: why there is no estimate (one line)."""
+def estimate(label: str, request, step_s: float | None, max_steps: int, ask) -> dict:
+    """One row: the scheduler's start estimate for ``request`` (``ask``: the backend's, Slurm's sbatch --test-only),
+    the planner's step and total time, and the finish that follows. ``error``: why there is no estimate (one line)."""
     total_s = step_s * max_steps if step_s is not None else None
     row = {"shape": label, "start": None, "nodes": None, "partition": None, "step_s": step_s, "total_s": total_s,
            "finish": None, "error": None}
     try:
-        will = parse_test_only(ask(script))
+        will = parse_test_only(ask(request))
     except FsdpjobError as exc:
         why = " ".join(str(exc).split())
         row["error"] = why if len(why) <= 160 else why[:157] + "..."  # one line: Slurm's own errors run long
@@ -105,21 +108,37 @@ def _duration(seconds: float) -> str:
 
 def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
     """Rows for the job as asked and for each --shapes alternative; ``shaped(nodes, gpus)`` loads and plans the
-    job in another shape (-> (job, fit)). Empty for a local profile (nothing to wait for)."""
-    from fsdpjob.orchestrator.slurm.commands import sbatch_test_only
+    job in another shape (-> (job, fit)). Empty where the scheduler gives no estimates (nothing to wait for)."""
+    from fsdpjob.orchestrator.backend import START_ESTIMATES, backend_for
     from fsdpjob.orchestrator.submit import dry_run
 
-    if job.profile.scheduler != "slurm":
+    backend = backend_for(job.profile.scheduler)
+    if refused := backend.refusal(START_ESTIMATES):
         if shapes_text:
-            raise InputError(f"start estimates come from Slurm; profile {job.profile.name!r} is local", loc="--shapes")
+            raise refused.for_option("--shapes")
         return []
+    ask = _asker(backend)
+    asked = (job.eff.nodes, job.eff.gpus_per_node or 0)
+    rows = [estimate(f"{asked[0]}x{asked[1]}", dry_run(job), fit.timing.step_s, job.spec.train.max_steps, ask)]
+    for nodes, gpus in parse_shapes(shapes_text) if shapes_text else []:
+        if (nodes, gpus) == asked:
+            continue
+        other, other_fit = shaped(nodes, gpus)
+        rows.append(estimate(f"{nodes}x{gpus}", dry_run(other), other_fit.timing.step_s,
+                             other.spec.train.max_steps, ask))
+    return rows
+
+
+def _asker(backend):
+    """The backend's start estimate of a request, asked until the scheduler proves unreachable (then the others
+    would only wait for the same answer: they get its one line at once)."""
     failed: list[str] = []
 
-    def ask(script: str) -> str:
-        if failed:  # Slurm was not reachable for the first: the others would only wait for the same answer
+    def ask(request) -> str:
+        if failed:
             raise FsdpjobError(failed[0])
         try:
-            return sbatch_test_only(script, timeout=15)
+            return backend.start_estimate(request)
         except FsdpjobError as exc:
             if any(word in str(exc) for word in _UNREACHABLE):
                 # sbatch's own lines (config look-ups, DNS) say little to a user: name the situation instead
@@ -128,12 +147,30 @@ def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
                 raise FsdpjobError(failed[0]) from None
             raise
 
-    asked = (job.eff.nodes, job.eff.gpus_per_node or 0)
-    rows = [estimate(f"{asked[0]}x{asked[1]}", dry_run(job).script, fit.timing.step_s, job.spec.train.max_steps, ask)]
-    for nodes, gpus in parse_shapes(shapes_text) if shapes_text else []:
-        if (nodes, gpus) == asked:
-            continue
-        other, other_fit = shaped(nodes, gpus)
-        rows.append(estimate(f"{nodes}x{gpus}", dry_run(other).script, other_fit.timing.step_s,
-                             other.spec.train.max_steps, ask))
-    return rows
+    return ask
+
+
+def start_estimates_for(job, fit, spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | None,
+                        ) -> list[dict]:
+    """The rows for the job and for each of --shapes, each shape loaded and planned from the same spec and --set."""
+    from dataclasses import replace
+
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.jobload import load_job
+
+    def shaped(nodes: int, gpus: int):
+        other = load_job(
+            spec,
+            profile=profile,
+            check_files=False,
+            overrides=(*sets, f"resources.nodes={nodes}", f"resources.gpus_per_node={gpus}"),
+        )
+        return replace(other, dependency=job.dependency), make_plan(other)
+
+    return start_estimates(job, fit, shapes, shaped)
+
+
+def echo_estimates(rows: list[dict], *, err: bool) -> None:
+    """The start estimates for a person (one line when the scheduler could not be asked)."""
+    for line in format_estimates(rows):
+        click.echo(line, err=err)

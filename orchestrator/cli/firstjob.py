@@ -1,5 +1,5 @@
-"""A first job's files: where `fsdpjob quickstart` puts its model and data, and `fsdpjob init` writing a starter
-spec (the side effects of both; the spec's text is planner/starter.py's)."""
+"""A first job's files: `fsdpjob quickstart` (where it puts its model and data) and `fsdpjob init` writing a starter
+spec: the commands and their side effects (the spec's text is planner/starter.py's)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
 from fsdpjob.orchestrator.core.paths import fsdpjob_home
 from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.planner.starter import starter_spec
+
+from .options import command, profile_option
 
 CHECKOUT_SPEC = Path("examples") / "quickstart.yaml"
 
@@ -73,3 +77,42 @@ def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | 
     if data is None and not (out.parent / "data.jsonl").exists():
         todo.append(f"put the training data at {out.parent / 'data.jsonl'} (or set data.path)")
     return StarterWritten(shlex.quote(str(out)), todo)
+
+
+@command()
+@click.argument("directory", required=False, type=click.Path(file_okay=False, path_type=Path))
+def quickstart(directory: Path | None) -> None:
+    """Create the quickstart's tiny Llama model, tokenizer and data set locally (no downloads).
+
+    DIRECTORY: by default examples/quickstart-assets when run in a checkout of fsdpjob (beside
+    examples/quickstart.yaml, which reads it), else $FSDPJOB_HOME/quickstart-assets."""
+    from fsdpjob.jobs.quickstart import make_quickstart
+
+    place = quickstart_place(directory, Path.cwd())
+    made = make_quickstart(place.assets)
+    click.echo(f"model: {made['model_path']}\ndata:  {made['data_path']}")
+    click.echo(f"next:  {place.next_command(made['model_path'], made['data_path'])}")
+
+
+@command()
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@profile_option(default="local", what="Cluster profile name or YAML path the spec is for.")
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="job.yaml",
+    show_default=True,
+    help="Where to write the spec (an existing file is never overwritten).",
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The training data (JSONL) [default: data.jsonl beside the spec].",
+)
+def init(model_dir: Path | None, profile: str, out: Path, data: Path | None) -> None:
+    """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
+    written = write_starter(out, profile, model_dir, data)
+    click.echo(f"wrote {out}; check it with: fsdpjob validate {written.quoted_out}")
+    for todo in written.todo:
+        click.echo(f"then: {todo}", err=True)

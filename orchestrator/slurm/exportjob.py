@@ -1,32 +1,22 @@
-"""Side effects of `fsdpjob export RUN --submit`: write the export script into the run folder and sbatch it
-after the training job (orchestrator/slurm/exportscript.py renders it)."""
+"""The Slurm backend's export job (`fsdpjob export RUN --submit`): write the export script into the run folder and
+sbatch it after the training job (slurm/exportscript.py renders it)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpjob.orchestrator.backend import ExportJob
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.registry import JobRecord
+
+from . import commands
+from .exportscript import build_export_plan, render_export
 
 
-@dataclass(frozen=True)
-class ExportJob:
-    job_id: str
-    after: str | None  # the training job it waits for
-    script: Path
-    log: str
-
-
-def submit_export(record: JobRecord, profile: ClusterProfile, out: Path, dtype: str, merge: bool) -> ExportJob:
-    from fsdpjob.orchestrator.slurm import commands
-    from fsdpjob.orchestrator.slurm.exportscript import build_export_plan, render_export
-
-    if profile.scheduler != "slurm":
-        raise InputError(f"profile {profile.name!r} is local: run `fsdpjob export` without --submit", loc="--submit")
+def submit_export(record, profile: ClusterProfile, out: Path, dtype: str, merge: bool) -> ExportJob:
+    """The export of ``record``'s run as a CPU job on ``profile``'s partition, after the run's job if it still runs."""
     if record.scheduler != "slurm":
         raise InputError(f"run {record.run_id} ran locally; export it now, without --submit", loc="--submit")
     after: str | None = record.job_id
