@@ -110,7 +110,7 @@ def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_pat
     assert not (tmp_path / "home" / "runs").exists()
 
 
-def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec, tmp_path, monkeypatch, capsys):
+def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec, tmp_path, monkeypatch):
     """The local profile's array: each task submitted, recorded and followed before the next; the runs' folders in
     the sweep's folder beside its sweep.json, as on Slurm (the workers themselves are faked here)."""
     from fsdpjob.orchestrator import registry
@@ -127,7 +127,7 @@ def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec,
     followed: list[str] = []
     monkeypatch.setattr(LocalBackend, "submit", fake_submit)
     monkeypatch.setattr("fsdpjob.orchestrator.views.follow.wait_for", lambda record: followed.append(record.run_id) or 0)
-    code, out, err = run_cli(capsys, "sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3", "-p", "local",
+    code, out, err = run_cli("sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3", "-p", "local",
                              "--max-parallel", "2")
     assert code == 0, err
     assert "--max-parallel is ignored" in err
