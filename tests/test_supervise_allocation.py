@@ -24,3 +24,15 @@ def test_local_allocation_is_one_machine_with_nothing_to_exclude_or_probe():
     killed = []
     alloc.kill_step(None, killed.append)
     assert killed == [9]
+
+
+def test_a_step_after_lost_nodes_runs_srun_on_the_nodes_left_and_a_local_step_as_it_was():
+    from fsdpjob.orchestrator.slurm.commands import srun_on_nodes_left
+    from fsdpjob.orchestrator.supervise.allocation import LocalAllocation
+
+    step = ["/usr/bin/srun", "--kill-on-bad-exit=1", "python", "-m", "w"]
+    assert srun_on_nodes_left(step, ("n2",), 3, 4) == [
+        "/usr/bin/srun", "--exclude=n2", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", *step[1:]]
+    assert srun_on_nodes_left(step, (), 3, 4) == step  # nothing lost: the step as the template wrote it
+    assert srun_on_nodes_left(["python", "-m", "w"], ("n2",), 3, 4) == ["python", "-m", "w"]  # not an srun line
+    assert LocalAllocation.step_command(None, step, ("n2",), 3, 4) == step

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError
 
@@ -250,6 +251,16 @@ def _excluded(info: dict) -> list[str]:
 def hostnames(nodelist: str) -> list[str]:
     """A Slurm node list ("n[1-2],gpu07") as node names."""
     return run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def srun_on_nodes_left(command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:
+    """A step's srun line again on the allocation's nodes less ``excluded`` (same tasks per node); a command that
+    is not an srun line (tests launch the workers directly) or nothing excluded: the command as it is."""
+    if not excluded or Path(command[0]).name != "srun":
+        return command
+    left = nodes - len(excluded)
+    return [command[0], f"--exclude={','.join(excluded)}", f"--nodes={left}", f"--ntasks={left * tasks_per_node}",
+            f"--ntasks-per-node={tasks_per_node}", *command[1:]]
 
 
 def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30) -> str:

@@ -158,6 +158,10 @@ class SlurmAllocation:
                                     max_requeues=max_requeues)
         return stopfinish.finish_stop(run_dir, handoff, settled)
 
+    def step_command(self, command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:
+        """The step's command; after nodes were lost, srun on the ones left."""
+        return slurm_cli.srun_on_nodes_left(command, excluded, nodes, tasks_per_node)
+
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""
         proc.send_signal(signal.SIGINT)
@@ -199,6 +203,10 @@ class LocalAllocation:
         stophandoff.record_stop(run_dir, handoff, reason="signal", outcome=NOT_REQUEUED,
                                 detail="no scheduler to requeue the run")
         return 1
+
+    def step_command(self, command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:
+        """One machine: no node is ever left out."""
+        return command
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """A local tree (controller and ranks) gets SIGKILL."""

@@ -158,12 +158,8 @@ class Supervisor:
                 self._srun_exits.append(report)
 
     def _command(self) -> list[str]:
-        """The step's command; after nodes were lost, srun on the ones left (same tasks per node)."""
-        if not self.excluded or Path(self.command[0]).name != "srun":
-            return self.command
-        left = self.nodes - len(self.excluded)
-        return [self.command[0], f"--exclude={','.join(self.excluded)}", f"--nodes={left}",
-                f"--ntasks={left * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}", *self.command[1:]]
+        """The step's command; after nodes were lost, the allocation's launch on the ones left."""
+        return self.allocation.step_command(self.command, tuple(self.excluded), self.nodes, self.tasks_per_node)
 
     def _stall(self, verdict: Verdict, beats: list[heartbeat.Beat], launch: int) -> None:
         detected_at = time.time()
