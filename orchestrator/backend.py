@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from fsdpjob.orchestrator.core.attempts import AttemptTimes  # the scheduler's account of one attempt
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.paths import RunPaths
 
@@ -62,17 +63,6 @@ class Submitted:
     job_id: str
     record_fields: dict = field(default_factory=dict)  # scheduler facts the registry keeps (slurm_conf, extra)
     array_id: str | None = None  # the job array this task is one of, where the scheduler made one
-
-
-@dataclass(frozen=True)
-class AttemptTimes:
-    """One run of a job as the scheduler accounted it (Unix seconds; None: not yet, or not known)."""
-
-    queued_at: float | None  # submitted, or requeued (a restart's queue time starts at its requeue)
-    eligible_at: float | None  # could start from then on (after a requeue: the end of the BeginTime hold)
-    start: float | None  # allocation start
-    end: float | None  # allocation end; None while it runs
-    state: str  # how this run ended (REQUEUED, PREEMPTED, TIMEOUT, COMPLETED...) or its state now
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ again). Where a launch *resumed* is another question, answered by its ready even
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import runlog
 
 
@@ -87,3 +89,14 @@ def cap_reached(restarts: int, max_requeues: int) -> str | None:
     if restarts >= max_requeues:
         return f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
     return None
+
+
+@dataclass(frozen=True)
+class AttemptTimes:
+    """One run of a job as the scheduler accounted it (Unix seconds; None: not yet, or not known)."""
+
+    queued_at: float | None  # submitted, or requeued (a restart's queue time starts at its requeue)
+    eligible_at: float | None  # could start from then on (after a requeue: the end of the BeginTime hold)
+    start: float | None  # allocation start
+    end: float | None  # allocation end; None while it runs
+    state: str  # how this run ended (REQUEUED, PREEMPTED, TIMEOUT, COMPLETED...) or its state now

@@ -25,10 +25,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 from statistics import median
-from typing import Protocol
 
 from . import runlog
-from .attempts import later_starts
+from .attempts import AttemptTimes, later_starts
 from .runmeta import RunFacts
 
 CATEGORIES = ("launch", "startup", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
@@ -39,16 +38,6 @@ _STATE_KINDS = {"PREEMPTED": "preemption", "TIMEOUT": "time_limit", "NODE_FAIL":
                 "REQUEUED": "requeue", "FAILED": "crash", "OUT_OF_MEMORY": "crash", "BOOT_FAIL": "node_fail"}
 _HANG_WORDS = ("timed out", "timeout", "watchdog")  # a failure that says a collective waited too long
 SERIES_POINTS = 2000  # at most this many metric points in the report (and the picture)
-
-
-class SchedulerTimes(Protocol):
-    """One run of a job as the scheduler accounted it (backend.AttemptTimes; the core does not import backends)."""
-
-    queued_at: float | None
-    eligible_at: float | None
-    start: float | None
-    end: float | None
-    state: str
 
 
 @dataclass
@@ -120,7 +109,7 @@ class _Segment:
     kept_until: int | None = None  # the step a later start resumed from (or kept at the end)
 
 
-def goodput(facts: RunFacts, attempts: list[SchedulerTimes] | None, events: list[dict], metrics: list[dict],
+def goodput(facts: RunFacts, attempts: list[AttemptTimes] | None, events: list[dict], metrics: list[dict],
             *, now: float | None = None, account: str = "scheduler") -> GoodputReport:
     """The run's goodput report. ``attempts``: the scheduler's account (None: taken from the events), called
     ``account`` in the report's source (the backend's name for it: "sacct", "local"); ``now``: the run still
@@ -145,7 +134,7 @@ def goodput(facts: RunFacts, attempts: list[SchedulerTimes] | None, events: list
                    account if attempts else "events")
 
 
-def _from_scheduler(attempts: list[SchedulerTimes], now: float | None) -> list[Attempt]:
+def _from_scheduler(attempts: list[AttemptTimes], now: float | None) -> list[Attempt]:
     # A running attempt counts up to now; a pending one has no allocation yet.
     return [_attempt(a.state, a.queued_at, a.eligible_at, a.start,
                      a.end if a.end is not None or a.start is None else now, now) for a in attempts]
