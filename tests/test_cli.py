@@ -241,7 +241,8 @@ EXAMPLES = sorted(p.name for p in (REPO / "examples").glob("*.yaml") if p.name !
 
 @pytest.mark.parametrize(
     ("nodes", "sets", "verdict"),
-    [(3, [], "FITS"), (2, [], "DOES NOT FIT"), (3, ["--set", "recovery.stall_floor_s=1"], "REFUSED")],
+    [(3, [], "FITS"), (2, [], "DOES NOT FIT"),
+     (3, ["--set", "fsdp.cpu_offload=true", "--set", "env.FSDPJOB_WEIGHT_LOAD=rank0"], "REFUSED")],
 )
 def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdict):
     spec = str(llama2_70b_spec(tmp_path, nodes))
@@ -255,7 +256,7 @@ def test_plan_dry_run_and_submit_reach_one_verdict(tmp_path, nodes, sets, verdic
     if verdict != "FITS":  # submit refuses with the same words as the dry run, and the fixes
         done = fsdpjob("submit", spec, *sets, cwd=tmp_path)
         assert done.returncode == 2 and done.stderr.splitlines()[-1] == dry.stderr.splitlines()[-1]
-        assert ("--set" in done.stderr) if verdict == "DOES NOT FIT" else ("stall_floor_s: " in done.stderr)
+        assert ("--set" in done.stderr) if verdict == "DOES NOT FIT" else ("cpu_offload: false" in done.stderr)
     assert "verdict: FITS" not in plan.stdout or verdict == "FITS"
 
 

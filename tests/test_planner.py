@@ -347,7 +347,7 @@ def test_gradient_sync_is_deferred_to_the_last_micro_batch_only_where_it_fits(tm
                                             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                                             "vocab_size": 4096})
     small = make_plan(resolve(plan_spec(tiny, train={"grad_accum_steps": 4}), A100))
-    assert small.setup.defer_grad_sync and small.worker_facts() == {"defer_grad_sync": True}
+    assert small.setup.defer_grad_sync and small.worker_facts()["defer_grad_sync"] is True
     held = {i.name: i.bytes for i in small.device.moments[0].items}
     assert held["accumulated gradients"] == small.params.total * 4
     assert "gradient sync: once per step over 4 micro-batches" in format_plan(small)

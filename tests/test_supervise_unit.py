@@ -301,21 +301,39 @@ def test_top_frame_of_a_pyspy_dump() -> None:
     assert top_frame("nothing") is None
 
 
-def test_planner_refuses_a_stall_floor_a_planned_step_would_cross() -> None:
-    from fsdpjob.orchestrator.core.spec import RecoverySpec
-    from fsdpjob.orchestrator.planner.fit import stall_bound_conflict
-    from fsdpjob.orchestrator.planner.timing import Timing
+def test_a_long_planned_step_or_save_is_bounded_by_the_plan_before_it_is_measured() -> None:
+    """Issue 36: a healthy long step (Llama-2-70B LoRA on 8 H100s plans ~70 s) is no longer refused by the default
+    30 s floor, nor killed: until a step or save was measured, its bound is the setup bound or stall_factor x the
+    planned time, whichever is longer; once measured, the measured p95 governs, above the floor."""
+    bounds = Bounds(setup_s=900, floor_s=30, factor=10, planned_step_s=140.0, planned_save_s=400.0)
+    watch = Watch(1, 0.0, bounds)
+    assert bounds.first(bounds.planned_step_s, bounds.floor_s) == 1400 and bounds.first(None, 30) == 900
+    watch.observe([beat(0, 0, STEP, t=10.0)], 10.0)
+    assert watch.training and watch.bound() == 1400  # the first step: 10 x the planned 140 s
+    watch.observe([beat(0, 1, STEP, t=150.0)], 150.0)
+    watch.observe([beat(0, 2, STEP, t=290.0)], 290.0)
+    assert watch.bound() == 1400  # measured 140 s steps: 10 x p95, the floor far below
+    watch.observe([beat(0, 2, SAVE, t=291.0)], 291.0)
+    assert watch.bound() == 4000  # the first save: 10 x the planned 400 s, not the 900 s setup bound
+    unplanned = Watch(1, 0.0, Bounds(setup_s=900, floor_s=30, factor=10))
+    unplanned.observe([beat(0, 0, STEP, t=1.0)], 1.0)
+    assert unplanned.bound() == 900  # no plan (an older spec.json): as before
 
-    slow = Timing(checkpoint_bytes=10**9, save_s=40.0, flops_per_rank=12e12, flops_per_s=1e12,
-                  throughput_note="", signal_lead_s=120)  # 12 s steps
-    said = stall_bound_conflict(RecoverySpec(stall_floor_s=20), slow)
-    assert said is not None and "2 x 12.0 s = 24.0 s" in said and "recovery.stall_floor_s: 24" in said
-    assert stall_bound_conflict(RecoverySpec(), slow) is None  # the default 30 s floor holds two steps
-    big = Timing(checkpoint_bytes=10**12, save_s=200.0, flops_per_rank=12e12, flops_per_s=1e12,
-                 throughput_note="", signal_lead_s=300)
-    saves = stall_bound_conflict(RecoverySpec(stall_floor_s=25, setup_timeout_s=30), big)
-    assert saves is not None and "planned save (~200 s)" in saves
-    assert stall_bound_conflict(RecoverySpec(stall_floor_s=25), big) is None  # auto: the first save gets 900 s
+
+def test_the_seed_lora_job_with_a_70_s_step_plans_with_the_default_bounds(tmp_path) -> None:
+    from specs import llama2_70b_spec
+
+    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.core.spec import load_spec
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.resolve import resolve
+
+    spec, _ = load_spec(llama2_70b_spec(tmp_path, 1), overrides=["model.lora.r=16", "train.micro_batch_size=8",
+                                                               "train.grad_accum_steps=4"])
+    plan = make_plan(resolve(spec, load_profile("h100")))
+    assert plan.timing.step_s > 2 * spec.recovery.stall_floor_s  # a step well over the default 30 s floor
+    assert plan.refusal is None and plan.verdict == "FITS", plan.warnings
+    assert plan.worker_facts()["planned_step_s"] == plan.timing.step_s  # what the supervisor's bounds read
 
 
 def _supervised(tmp_path, script: str, recovery: dict | None = None) -> tuple[int, list[dict]]:

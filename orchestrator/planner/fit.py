@@ -77,8 +77,10 @@ class FitPlan:
         return trainable(self.model, self.params, self.setup.lora)
 
     def worker_facts(self) -> dict:
-        """What the workers take from the plan (spec.json "plan"): decisions that depend on memory."""
-        return {"defer_grad_sync": self.setup.defer_grad_sync}
+        """What the batch side takes from the plan (spec.json "worker_facts"): decisions that depend on memory,
+        and the planned step and save times, which bound the first step and save before any is measured."""
+        return {"defer_grad_sync": self.setup.defer_grad_sync, "planned_step_s": self.timing.step_s,
+                "planned_save_s": self.timing.save_s}
 
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
@@ -258,7 +260,7 @@ def make_plan(job: Resolved) -> FitPlan:
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
     fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
-    refusal = stall_bound_conflict(spec.recovery, timing) or offload_broadcast_conflict(shape, params, u, spec.env)
+    refusal = offload_broadcast_conflict(shape, params, u, spec.env)
     return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
                    interval=_interval(job, timing), refusal=refusal)
 
@@ -296,24 +298,6 @@ def offload_broadcast_conflict(s: ModelShape, p: ParamCount, u: Setup, env: dict
             f"full tensor goes over gloo (TCP), {full / 1e9:,.0f} GB to each of {u.world - 1} ranks, ~{seconds / 60:,.0f} "
             f"min at an assumed {GLOO_BROADCAST_BYTES_PER_S / 1e9:g} GB/s (over {RANK0_BROADCAST_LIMIT_S} s); set "
             "fsdp.cpu_offload: false (`fsdpjob plan --set fsdp.cpu_offload=false` shows the nodes that fit)")
-
-
-def stall_bound_conflict(recovery, t: Timing) -> str | None:
-    """A stall bound the planned step or save time would cross: the supervisor would kill a healthy run.
-    The training-step bound never goes below ``stall_factor`` x the measured p95 step; these are the parts
-    a user sets outright: the floor (a step must fit twice in it) and the save bound (4 x the floor, later
-    saves ``stall_factor`` x the first: the first save must fit in 4 x the floor)."""
-    floor = recovery.stall_floor_s
-    if t.step_s is not None and floor < 2 * t.step_s:
-        need = math.ceil(2 * t.step_s)
-        return (f"recovery.stall_floor_s {floor} s is shorter than two planned steps (2 x {t.step_s:.1f} s = "
-                f"{2 * t.step_s:.1f} s): a healthy step would count as a hang; set recovery.stall_floor_s: {need}")
-    if 4 * floor < t.save_s and recovery.setup_timeout_s != "auto" and recovery.setup_timeout_s < t.save_s:
-        need = math.ceil(t.save_s / 4)
-        return (f"recovery.setup_timeout_s {recovery.setup_timeout_s} s and 4 x recovery.stall_floor_s "
-                f"({4 * floor} s) are shorter than the planned save (~{t.save_s:.0f} s), which the first save is "
-                f"held to; raise recovery.stall_floor_s to {need} or setup_timeout_s above {math.ceil(t.save_s)}")
-    return None
 
 
 def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:

@@ -50,8 +50,10 @@ KILL_WAIT_S = 15.0
 class Supervisor:
     def __init__(self, run_dir: Path, command: list[str], *, world_size: int, scheduler: str):
         self.run_dir, self.command, self.world_size = run_dir, command, world_size
-        spec = JobSpec.model_validate(RunMeta.read(run_dir).spec)
+        meta = RunMeta.read(run_dir)
+        spec = JobSpec.model_validate(meta.spec)
         self.recovery = spec.recovery
+        self.planned = meta.worker_facts  # the plan's step and save times bound what nothing measured yet
         # The workers' folder, as the spec's env hands it to them (not this process's environment).
         self.memory_tier = (envvars.get("FSDPJOB_MEMORY_TIER_DIR", memtier.DEFAULT_BASE, environ=spec.env)
                             if spec.checkpoint.memory_interval_steps else None)
@@ -128,7 +130,8 @@ class Supervisor:
             self._relay.start()
         world = (self.nodes - len(self.excluded)) * self.tasks_per_node
         watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
-                                             self.recovery.stall_factor))
+                                             self.recovery.stall_factor, self.planned.get("planned_step_s"),
+                                             self.planned.get("planned_save_s")))
         while self.proc.poll() is None and not self.signalled:
             time.sleep(POLL_S)
             beats = heartbeat.read_beats(self.run_dir, launch)

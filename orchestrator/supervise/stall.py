@@ -6,8 +6,10 @@ heartbeat is max(``FROZEN_AFTER_S``, floor) old, once the ranks train, whatever 
 others may wait for it in a save or an eval, whose bounds are for ranks that are alive and in that phase.
 What counts as progress: any rank's (step, phase) changing. What bounds a wait:
 - setup (imports to the first step): ``setup_bound_s`` from the launch, for every rank;
-- a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound;
-- a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound.
+- a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound, or
+  factor x the planned step if longer (nothing measured bounds it yet);
+- a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound,
+  or factor x the planned save if longer.
   "Earlier" counts what the ranks report in their heartbeats (``Beat.longest``) as well as what the watch saw:
   a save of under a second usually falls between two heartbeats, and without the ranks' own figure a stuck
   second save would wait out the setup bound (minutes) instead of ten times the first.
@@ -41,6 +43,14 @@ class Bounds:
     setup_s: float
     floor_s: float
     factor: float
+    # The plan's step and save times (spec.json's worker facts; None: not planned): the first step and the first
+    # save or eval, which nothing measured yet bounds, get at least ``factor`` x them, so a long step or save of a
+    # large model is never taken for a hang before it was measured.
+    planned_step_s: float | None = None
+    planned_save_s: float | None = None
+
+    def first(self, planned: float | None, floor: float) -> float:
+        return max(self.setup_s, floor, self.factor * (planned or 0.0))
 
 
 def _p95(values) -> float:
@@ -100,10 +110,10 @@ class Watch:
         long = {phase for rank, (phase, _) in self._in_long.items() if rank not in self._stale}
         if long:
             if not all(p in self._long_phases for p in long):
-                return max(b.setup_s, 4 * b.floor_s)  # a first save or eval: nothing to compare it with yet
+                return b.first(b.planned_save_s, 4 * b.floor_s)  # a first save or eval: nothing measured yet
             return max(b.factor * max(self._long_phases[p] for p in long), 4 * b.floor_s)
         if not self._step_times:
-            return max(b.setup_s, b.floor_s)  # the first step warms up (allocations, compilation)
+            return b.first(b.planned_step_s, b.floor_s)  # the first step warms up (allocations, compilation)
         return max(b.factor * _p95(self._step_times), b.floor_s)
 
     def step_p95(self) -> float | None:
