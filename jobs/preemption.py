@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fsdpjob.orchestrator.core import runlog, stophandoff
-from fsdpjob.orchestrator.core.attempts import cap_reached
+from fsdpjob.orchestrator.core.attempts import cap_reached, unhealthy_streak
 from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, StopHandoff
 
 from .workerenv import WorkerEnv
@@ -81,7 +81,8 @@ def _stop_here(run_dir: Path, handoff: StopHandoff, worker: WorkerEnv, max_reque
         stophandoff.record_stop(run_dir, handoff, reason="cancelled", outcome=CANCELLED,
                                 detail="fsdpjob cancel: the workers stopped for good")
         return CANCELLED_HERE
-    capped = cap_reached(worker.restart_count, max_requeues)
+    streak = unhealthy_streak(runlog.timeline(run_dir), worker.restart_count, ending_in_failure=False)
+    capped = cap_reached(streak, max_requeues)
     detail = capped or "local: the controller restarts the workers"
     stophandoff.record_stop(run_dir, handoff, reason="signal", outcome=NOT_REQUEUED if capped else REQUEUED,
                             detail=detail)

@@ -234,6 +234,7 @@ class _Replay:
         self.generation = [0] * cfg.nodes  # a lost node's position is refilled by another node at the next allocation
         self.alloc = _Alloc()
         self.work = self.ckpt_d = self.ckpt_m = 0.0
+        self.streak = 0  # requeues in a row that signal a broken job (the cap counts these)
 
     def name(self, slot: int) -> str:
         return f"n{slot}.{self.generation[slot]}"
@@ -267,7 +268,7 @@ class _Replay:
         training goes on."""
         self.out.stall_s += self.cfg.stop_save_s
         self.ckpt_d = self.work
-        start = self.requeue(at + self.cfg.stop_save_s)
+        start = self.requeue(at + self.cfg.stop_save_s, healthy=True)
         self.out.recovery_s += start - at - self.cfg.stop_save_s
         return start
 
@@ -306,11 +307,13 @@ class _Replay:
         self.work, self.ckpt_m = resume, max(resume, self.ckpt_d)
         return load
 
-    def requeue(self, at: float) -> float:
+    def requeue(self, at: float, healthy: bool = False) -> float:
         """A new allocation on other nodes, from the durable tier only. When it starts training."""
         cfg, out = self.cfg, self.out
-        # Slurm's restart count before this requeue is the number of requeues so far.
-        if out.cap_day is None and cap_reached(out.requeues, cfg.max_requeues):
+        # Only requeues that signal a broken job count against the cap (core/attempts.unhealthy_streak): failures
+        # in a row; a stop checkpoint after progress (time limit, maintenance) ends the streak.
+        self.streak = 0 if healthy else self.streak + 1
+        if out.cap_day is None and cap_reached(self.streak, cfg.max_requeues):
             out.cap_day = at / DAY_S  # the failure policy would have failed the run here; we go on as if resubmitted
         out.requeues += 1
         for slot in self.alloc.gone:

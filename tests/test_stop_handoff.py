@@ -18,6 +18,7 @@ from fsdpjob.orchestrator.core import slurmenv, stophandoff
 from fsdpjob.orchestrator.core.errors import SlurmCommandError
 from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
+from fsdpjob.orchestrator.core.attempts import cap_reached
 from fsdpjob.orchestrator.slurm import stop
 from fsdpjob.orchestrator.supervise import stopfinish
 
@@ -79,11 +80,12 @@ def test_classify_on_a_recorded_scontrol_job():
     assert stop.classify(info, 1) == "requeue" and stop.classify(info, 2) == "time_limit"
 
 
-def finish(tmp_path, monkeypatch, *, requeue, state="RUNNING", info=None, restarts=0, cap=5) -> tuple[int, list[dict]]:
+def finish(tmp_path, monkeypatch, *, requeue, state="RUNNING", info=None, restarts=0,
+           capped=None) -> tuple[int, list[dict]]:
     monkeypatch.setattr(slurm_cli, "scontrol_job", lambda job_id: info if info is not None else {"Restarts": "0"})
     monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", requeue)
     monkeypatch.setattr(slurm_cli, "job_state", lambda job_id: state)
-    rc = stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=restarts, max_requeues=cap))
+    rc = stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=restarts, capped=capped))
     return rc, events(tmp_path)
 
 
@@ -112,7 +114,8 @@ def test_finish_stop_when_slurm_is_already_requeueing(tmp_path, monkeypatch):
 
 def test_finish_stop_past_the_cap_fails_the_job(tmp_path, monkeypatch):
     asked = []
-    rc, evs = finish(tmp_path, monkeypatch, requeue=lambda job_id: asked.append(job_id), restarts=2, cap=2)
+    rc, evs = finish(tmp_path, monkeypatch, requeue=lambda job_id: asked.append(job_id), restarts=2,
+                     capped=cap_reached(3, 2))
     assert rc == 1 and asked == []
     assert [e["event"] for e in evs] == ["stop", "failed"] and "requeue cap reached" in evs[0]["detail"]
 
@@ -123,7 +126,7 @@ def test_finish_stop_without_scontrol_still_requeues(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slurm_cli, "scontrol_job", broken)
     monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", lambda job_id: None)
-    assert stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=0, max_requeues=5)) == 0
+    assert stopfinish.finish_stop(tmp_path, handoff(), stop.settle("7", restart_count=0, capped=None)) == 0
     assert [(e["reason"], e["requeued"]) for e in events(tmp_path)] == [("signal", True)]
 
 

@@ -83,11 +83,31 @@ def not_retryable_why(event: dict) -> str:
     return f"not retryable: {event.get('error') or event.get('reason')}"
 
 
-def cap_reached(restarts: int, max_requeues: int) -> str | None:
-    """Why the job may not be requeued again (preemption.max_requeues), or None. The workers' stop path and
-    the batch script's failure policy both ask."""
-    if restarts >= max_requeues:
-        return f"requeue cap reached: {restarts} restarts >= preemption.max_requeues ({max_requeues})"
+def unhealthy_streak(timeline: list[dict], restarts: int, *, ending_in_failure: bool) -> int:
+    """The requeues in a row that would signal a broken job if the attempt with restart count ``restarts`` were
+    requeued now: counting back from it, every attempt that failed or trained nothing. An attempt that trained and
+    ended in a stop (a preemption, the time limit, maintenance) is healthy and ends the streak: those are the
+    cluster's doing, and a long run meets many (bench/fault_sim.py: a 1,024-GPU run needs ~20 in 2.5 weeks)."""
+    cut = dict(attempts(timeline))
+    streak = 0
+    for restart in range(restarts, -1, -1):
+        events = cut.get(restart, [])
+        failed = ending_in_failure if restart == restarts else any(e.get("event") == runlog.FAILED for e in events)
+        if trained(events) and not failed:
+            break
+        streak += 1
+    return streak
+
+
+def cap_reached(streak: int, max_requeues: int) -> str | None:
+    """Why the job may not be requeued again (preemption.max_requeues), or None: ``streak`` is unhealthy_streak's
+    count (failures or requeues without progress in a row, this one included); max_requeues 0 never requeues. The
+    workers' stop path and the batch script's failure policy both ask."""
+    if max_requeues == 0:
+        return "requeue cap reached: preemption.max_requeues is 0 (never requeue)"
+    if streak > max_requeues:
+        return (f"requeue cap reached: {streak} requeues in a row without training progress or after a failure > "
+                f"preemption.max_requeues ({max_requeues})")
     return None
 
 

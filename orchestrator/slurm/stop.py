@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from fsdpjob.orchestrator.core.attempts import cap_reached
 from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, Settled
 
 from . import commands as slurm_cli
@@ -32,9 +31,9 @@ def classify(info: dict[str, str], restart_count: int) -> str:
     return "time_limit"
 
 
-def requeue(job_id: str, *, restart_count: int, max_requeues: int) -> tuple[str, str]:
-    """Requeue the job once, unless it was cancelled or the cap is reached: (outcome, detail)."""
-    if capped := cap_reached(restart_count, max_requeues):
+def requeue(job_id: str, *, capped: str | None) -> tuple[str, str]:
+    """Requeue the job once, unless it was cancelled or the cap is reached (``capped``: why): (outcome, detail)."""
+    if capped:
         return NOT_REQUEUED, capped
     try:
         refused = slurm_cli.requeue_unless_cancelled(job_id)
@@ -50,15 +49,16 @@ def requeue(job_id: str, *, restart_count: int, max_requeues: int) -> tuple[str,
     return REQUEUED, f"requeued Slurm job {job_id}"
 
 
-def settle(job_id: str, *, restart_count: int, max_requeues: int) -> Settled:
-    """Classify and requeue (once, unless cancelled or capped): what the batch side records."""
+def settle(job_id: str, *, restart_count: int, capped: str | None) -> Settled:
+    """Classify and requeue (once, unless cancelled or ``capped``: core/attempts.cap_reached's why): what the
+    batch side records."""
     try:
         info = slurm_cli.scontrol_job(job_id) or {}
     except Exception as exc:  # noqa: BLE001 - the classification is informational; the requeue still matters
         print(f"fsdpjob supervisor: could not ask scontrol about job {job_id}: {exc}", file=sys.stderr, flush=True)
         info = {}
     reason = classify(info, restart_count)
-    return Settled(reason, *requeue(job_id, restart_count=restart_count, max_requeues=max_requeues))
+    return Settled(reason, *requeue(job_id, capped=capped))
 
 
 def _job_state(job_id: str) -> str | None:

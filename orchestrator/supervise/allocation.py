@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import slurmenv, stophandoff
+from fsdpjob.orchestrator.core import attempts, runlog, slurmenv, stophandoff
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
@@ -154,8 +154,10 @@ class SlurmAllocation:
     def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
         """The workers committed a stop checkpoint: what it was and the requeue (slurm/stop.py), the record
         (stopfinish.py)."""
-        settled = slurm_stop.settle(self.job_id or "", restart_count=slurmenv.restart_count(),
-                                    max_requeues=max_requeues)
+        restarts = slurmenv.restart_count()
+        streak = attempts.unhealthy_streak(runlog.timeline(run_dir), restarts, ending_in_failure=False)
+        settled = slurm_stop.settle(self.job_id or "", restart_count=restarts,
+                                    capped=attempts.cap_reached(streak, max_requeues))
         return stopfinish.finish_stop(run_dir, handoff, settled)
 
     def step_command(self, command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:

@@ -57,7 +57,7 @@ def requeue_after_crash(events: list[dict], *, restarts: int, max_requeues: int)
         if restarts - trained[-1] > MAX_SETUP_CRASHES_IN_A_ROW:
             return False, f"{restarts - trained[-1]} attempts in a row crashed before training; giving up"
         why = "a crash during setup after earlier attempts trained (transient); retrying"
-    capped = attempts.cap_reached(restarts, max_requeues)
+    capped = attempts.cap_reached(attempts.unhealthy_streak(events, restarts, ending_in_failure=True), max_requeues)
     return (False, capped) if capped else (True, why)
 
 
