@@ -235,6 +235,7 @@ class _Replay:
         self.alloc = _Alloc()
         self.work = self.ckpt_d = self.ckpt_m = 0.0
         self.streak = 0  # requeues in a row that signal a broken job (the cap counts these)
+        self.ckpt_at_alloc = 0.0  # the durable checkpoint this allocation started from
 
     def name(self, slot: int) -> str:
         return f"n{slot}.{self.generation[slot]}"
@@ -293,7 +294,7 @@ class _Replay:
             self.out.restarts += 1
         else:
             self.out.lost_s += self.work - self.ckpt_d
-            start = self.requeue(detected)
+            start = self.requeue(detected, healthy=self.ckpt_d > self.ckpt_at_alloc)  # kept progress, or not
         self.out.recovery_s += start - fault.time
         return start
 
@@ -310,15 +311,15 @@ class _Replay:
     def requeue(self, at: float, healthy: bool = False) -> float:
         """A new allocation on other nodes, from the durable tier only. When it starts training."""
         cfg, out = self.cfg, self.out
-        # Only requeues that signal a broken job count against the cap (core/attempts.unhealthy_streak): failures
-        # in a row; a stop checkpoint after progress (time limit, maintenance) ends the streak.
+        # Only requeues that signal a broken job count against the cap (core/attempts.unhealthy_streak): an
+        # allocation that kept no progress; a stop checkpoint or a committed save after progress ends the streak.
         self.streak = 0 if healthy else self.streak + 1
         if out.cap_day is None and cap_reached(self.streak, cfg.max_requeues):
             out.cap_day = at / DAY_S  # the failure policy would have failed the run here; we go on as if resubmitted
         out.requeues += 1
         for slot in self.alloc.gone:
             self.generation[slot] += 1  # Slurm's exclude list: the new allocation has another node there
-        self.work = self.ckpt_m = self.ckpt_d
+        self.work = self.ckpt_m = self.ckpt_at_alloc = self.ckpt_d
         self.alloc = _Alloc(start=at + cfg.requeue_s + cfg.relaunch_s + cfg.durable_load_s)
         return self.alloc.start
 

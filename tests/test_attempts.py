@@ -40,23 +40,28 @@ def test_stop_retry_and_cap_facts():
     assert "never requeue" in attempts.cap_reached(0, 0)  # 0: requeue is off, healthy stops too
 
 
-def _attempt(restart: int, *, trained: bool, failed: bool = False, stop: bool = False) -> list[dict]:
+def _attempt(restart: int, *, trained: bool, failed: bool = False, stop: bool = False,
+             saved: bool = False) -> list[dict]:
     events = [{"event": "start", "restart": restart, "launch": 0}, {"event": "ready", "step": 10 * restart}]
     events += [{"event": "metric", "step": 10 * restart + 5}] if trained else []
+    events += [{"event": "checkpoint", "step": 10 * restart + 5}] if saved else []
     events += [{"event": "failed", "error": "boom"}] if failed else []
     return events + ([{"event": "stop", "reason": "preemption"}] if stop else [])
 
 
 def test_only_requeues_that_signal_a_broken_job_count_against_the_cap():
     """Issue 36: time limits, preemptions and maintenance after progress are healthy and end the streak (a long
-    run meets dozens); failures and attempts that trained nothing count, in a row."""
+    run meets dozens), as does a failure after a committed checkpoint; attempts that kept nothing count, in a row."""
     healthy = [e for r in range(30) for e in _attempt(r, trained=True, stop=True)]
     # Thirty preemptions after progress: the 31st stop is still healthy (the old cap of 20 restarts failed here).
     assert attempts.unhealthy_streak(healthy + _attempt(30, trained=True), 30, ending_in_failure=False) == 0
     assert attempts.cap_reached(0, 20) is None
-    # A crash after training counts, and so does each earlier failure or attempt without progress in a row.
+    # A crash before its first checkpoint counts, and so does each earlier one that kept nothing, in a row.
     crashes = healthy + _attempt(30, trained=True, failed=True) + _attempt(31, trained=False, stop=True)
     assert attempts.unhealthy_streak(crashes + _attempt(32, trained=True), 32, ending_in_failure=True) == 3
     assert attempts.unhealthy_streak(crashes + _attempt(32, trained=True), 32, ending_in_failure=False) == 0
+    # A crash after a committed checkpoint kept its progress: the streak ends there.
+    kept = healthy + _attempt(30, trained=True, failed=True, saved=True)
+    assert attempts.unhealthy_streak(kept + _attempt(31, trained=True), 31, ending_in_failure=True) == 1
     # A stop before any progress is a requeue without progress.
     assert attempts.unhealthy_streak(healthy + _attempt(30, trained=False), 30, ending_in_failure=False) == 1

@@ -85,15 +85,18 @@ def not_retryable_why(event: dict) -> str:
 
 def unhealthy_streak(timeline: list[dict], restarts: int, *, ending_in_failure: bool) -> int:
     """The requeues in a row that would signal a broken job if the attempt with restart count ``restarts`` were
-    requeued now: counting back from it, every attempt that failed or trained nothing. An attempt that trained and
-    ended in a stop (a preemption, the time limit, maintenance) is healthy and ends the streak: those are the
-    cluster's doing, and a long run meets many (bench/fault_sim.py: a 1,024-GPU run needs ~20 in 2.5 weeks)."""
+    requeued now: counting back from it, every attempt that made no progress it kept (it trained nothing, or it
+    failed before committing a checkpoint of what it trained). An attempt that trained and ended in a stop (a
+    preemption, the time limit, maintenance: its stop checkpoint keeps the progress), or failed after committing a
+    checkpoint, ends the streak: those are the cluster's doing, and a long run meets many (bench/fault_sim.py: a
+    1,024-GPU run needs ~20 in 2.5 weeks)."""
     cut = dict(attempts(timeline))
     streak = 0
     for restart in range(restarts, -1, -1):
         events = cut.get(restart, [])
-        failed = ending_in_failure if restart == restarts else any(e.get("event") == runlog.FAILED for e in events)
-        if trained(events) and not failed:
+        failed = ending_in_failure if restart == restarts else not any(e.get("event") == runlog.STOP for e in events)
+        committed = any(e.get("event") == runlog.CHECKPOINT for e in events)
+        if trained(events) and (not failed or committed):
             break
         streak += 1
     return streak
@@ -106,7 +109,7 @@ def cap_reached(streak: int, max_requeues: int) -> str | None:
     if max_requeues == 0:
         return "requeue cap reached: preemption.max_requeues is 0 (never requeue)"
     if streak > max_requeues:
-        return (f"requeue cap reached: {streak} requeues in a row without training progress or after a failure > "
+        return (f"requeue cap reached: {streak} requeues in a row without kept training progress > "
                 f"preemption.max_requeues ({max_requeues})")
     return None
 
