@@ -38,7 +38,7 @@ def requeue(job_id: str, *, restart_count: int, max_requeues: int) -> tuple[str,
         return NOT_REQUEUED, capped
     try:
         refused = slurm_cli.requeue_unless_cancelled(job_id)
-    except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled or requeued right now
+    except Exception as exc:  # e.g. the job is being cancelled or requeued right now
         state = _job_state(job_id)
         if state == "CANCELLED":
             return CANCELLED, f"job {job_id} was cancelled while stopping; not requeued"
@@ -54,7 +54,7 @@ def settle(job_id: str, *, restart_count: int, max_requeues: int) -> Settled:
     """Classify and requeue (once, unless cancelled or capped): what the batch side records."""
     try:
         info = slurm_cli.scontrol_job(job_id) or {}
-    except Exception as exc:  # noqa: BLE001 - the classification is informational; the requeue still matters
+    except Exception as exc:  # the classification is informational; the requeue still matters
         print(f"fsdpjob supervisor: could not ask scontrol about job {job_id}: {exc}", file=sys.stderr, flush=True)
         info = {}
     reason = classify(info, restart_count)
@@ -64,5 +64,5 @@ def settle(job_id: str, *, restart_count: int, max_requeues: int) -> Settled:
 def _job_state(job_id: str) -> str | None:
     try:
         return slurm_cli.job_state(job_id)
-    except Exception:  # noqa: BLE001
+    except Exception:  # a state squeue cannot tell is an unknown one
         return None
