@@ -4,7 +4,8 @@ supervise/stopfinish.py).
 The workers committed a stop checkpoint and handed the stop over (core/stophandoff.py); the supervisor, outside
 any container, calls ``settle`` (supervise/allocation.py). Slurm tells the kind of stop only here, through
 scontrol: PreemptTime is set only for a preemption, Restarts has grown before the SIGTERM of an external
-`scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period: squeue's %L ignores it).
+`scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period:
+squeue's %L ignores it).
 """
 
 from __future__ import annotations
