@@ -9,9 +9,10 @@ What a user writes from the PyTorch FSDP2 tutorial, and nothing of fsdpjob: ever
 Face folder with ``from_pretrained`` (fp32), optionally wraps each decoder layer in torch's
 ``checkpoint_wrapper`` (NO_REENTRANT, as jobs/model/parallelize.py does), ``fully_shard`` per decoder layer then
 the root (torch's default resharding: the layers after forward, the root kept; fp32, or with ``--bf16``
-bf16 parameters and fp32 gradient reduction), AdamW (betas 0.9/0.95, no weight
-decay, constant LR; torch's default implementation on CPU, fused with ``--fused`` or on GPUs); a step is forward with ``labels`` (Hugging Face's shifted mean cross-entropy),
-backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``, ``loss.item()``.
+bf16 parameters and fp32 gradient reduction), AdamW (betas 0.9/0.95, no weight decay, constant LR; torch's
+default implementation on CPU, fused with ``--fused`` or on GPUs); a step is forward with ``labels`` (Hugging
+Face's shifted mean cross-entropy), backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``, ``zero_grad``,
+``loss.item()``.
 
 The data: the JSONL's ``text`` field tokenized with the model folder's tokenizer, each line as
 bos + tokens + eos, concatenated and cut into rows of ``seq_len`` (fsdpjob's ``packing: naive``), read in order
@@ -116,7 +117,8 @@ def vmhwm_mb() -> float | None:
 
 
 def _cuda_memory() -> dict[str, float]:
-    """The worker's other two memory figures (jobs/metrics.py memory_figures), so bench/gpu.py compares like for like."""
+    """The worker's other two memory figures (jobs/metrics.py memory_figures), so bench/gpu.py compares like for
+    like."""
     import torch
 
     free, total = torch.cuda.mem_get_info()
@@ -150,7 +152,8 @@ def main() -> None:
     dist.all_reduce(mean)
     if rank == 0 and args.out:
         info = {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                "model_type": type(model).__name__, "params": sum(p.numel() for p in model.parameters()),  # DTensor: global
+                "model_type": type(model).__name__,
+                "params": sum(p.numel() for p in model.parameters()),  # DTensor: global
                 "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None,
                 "vmhwm_mb": vmhwm_mb(), **(_cuda_memory() if args.device == "cuda" else {})}
         args.out.write_text(json.dumps({"times": times, "losses": (mean / world).tolist(),

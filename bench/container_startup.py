@@ -36,7 +36,8 @@ def timings(run: dict) -> dict:
     start = next(e["time"] for e in events if e["event"] == "start")
     ready = next(e["time"] for e in events if e["event"] == "ready")
     first = next(m["time"] for m in metrics if "loss" in m)
-    return {"to_start_s": round(start - t0, 1), "to_ready_s": round(ready - t0, 1), "to_first_step_s": round(first - t0, 1)}
+    return {"to_start_s": round(start - t0, 1), "to_ready_s": round(ready - t0, 1),
+            "to_first_step_s": round(first - t0, 1)}
 
 
 def one(spec: Path, *extra: str) -> dict:

@@ -22,7 +22,8 @@ over at least 10 steps after its warm-up. The two groups each fit one device cal
 - ``save-async`` (1) / ``save-sync`` (2): one checkpoint mid-run, with checkpoint.async_save / written
   synchronously (save-sync then runs again and resumes from it: the load's seconds);
 - ``fsdpjob-compile`` (2): ``model.compile: true`` (torch.compile of each decoder block), with dynamo's counters;
-- ``offload`` (2): fsdp.cpu_offload (the host-side AdamW is slow: the short step count, 13 with 3 untimed, as the save cases);
+- ``offload`` (2): fsdp.cpu_offload (the host-side AdamW is slow: the short step count, 13 with 3 untimed, as the
+  save cases);
 - ``fsdpjob-naive`` (no group): the worker on the bare loop's naive rows, like for like with ``bare``.
 
 Writes one JSON per case into --out, and results-groupN.json (every case, the probe, the settings) and

@@ -59,7 +59,8 @@ def probe(tiny: bool, seq: int) -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if tiny or not torch.cuda.is_available():
         return {**info, "device": "cpu", "name": "cpu", "total_memory_gib": None, "nominal_flops": None,
-                "matmul_flops": matmul_flops("cpu", 512, torch.float32), "matmul": "fp32 512^3", "sdpa": "cpu"}  # fmt: skip
+                "matmul_flops": matmul_flops("cpu", 512, torch.float32), "matmul": "fp32 512^3",
+                "sdpa": "cpu"}  # fmt: skip
     name = torch.cuda.get_device_name(0)
     nominal = peak_flops_for_name(name)
     return {**info, "device": "cuda", "name": name,

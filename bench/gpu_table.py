@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-LONG_CASES = ("bare", "fsdpjob", "fsdpjob-naive", "fsdpjob-sdpa", "fsdpjob-compile")  # gpu.py's --steps; the others --short-steps
+# gpu.py's --steps; the others --short-steps
+LONG_CASES = ("bare", "fsdpjob", "fsdpjob-naive", "fsdpjob-sdpa", "fsdpjob-compile")
 
 HEADER = ("| case | tok/s (target) | / bare | TFLOP/s | MFU nominal / measured peak | alloc / reserved / device MiB "
           "| plan - runtime MiB (vs reserved) | plan MiB (vs device) | device - reserved MiB (plan's runtime) "

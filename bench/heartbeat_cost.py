@@ -59,8 +59,10 @@ def main() -> None:
                 rounds[beat].append(busy_steps(100, work, beat))
         hb.close()
     on, off = statistics.median(rounds[True]), statistics.median(rounds[False])
-    print(f"per-step calls: {per_step * 1e9:.0f} ns = {per_step / FAST_STEP_S:.2e} of a {FAST_STEP_S * 1e3:.0f} ms step")
-    print(f"thread write (every {heartbeat.HEARTBEAT_S:.0f} s): {write * 1e6:.0f} us = {write / heartbeat.HEARTBEAT_S:.2e} of wall time")
+    print(f"per-step calls: {per_step * 1e9:.0f} ns = {per_step / FAST_STEP_S:.2e} of a "
+          f"{FAST_STEP_S * 1e3:.0f} ms step")
+    print(f"thread write (every {heartbeat.HEARTBEAT_S:.0f} s): {write * 1e6:.0f} us = "
+          f"{write / heartbeat.HEARTBEAT_S:.2e} of wall time")
     print(f"100 steps of ~{FAST_STEP_S * 1e3:.0f} ms of Python work, median of 10 alternating rounds: {off:.4f} s "
           f"without, {on:.4f} s with the heartbeat (ratio {on / off:.4f})")
 

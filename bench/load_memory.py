@@ -1,4 +1,5 @@
-"""Peak host memory per rank loading a model into FSDP2: own shards, rank-0 read + broadcast, every rank from_pretrained.
+"""Peak host memory per rank loading a model into FSDP2: own shards, rank-0 read + broadcast, every rank
+from_pretrained.
 
 Run: OMP_NUM_THREADS=1 python bench/load_memory.py [--ranks 2] [--layers 24] [--workdir DIR]
 Builds a random Llama (about 374M parameters with the defaults) saved in fp32 and in bf16, then loads each
@@ -50,7 +51,8 @@ def _worker(method: str, model_dir: str) -> None:
     if method in ("own_shards", "rank0_broadcast"):
         os.environ["FSDPJOB_WEIGHT_LOAD"] = "sharded" if method == "own_shards" else "rank0"
         model = load_model(
-            model_dir, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa", mixed_precision="fp32", **options
+            model_dir, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa", mixed_precision="fp32",
+            **options,
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -115,7 +117,7 @@ def _make_models(workdir: Path, layers: int) -> dict[str, Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24 gives about 374M parameters)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "fsdpjob_load_memory")
@@ -125,7 +127,8 @@ def main() -> None:
         _worker(*args.worker)
         return
     dirs = _make_models(args.workdir, args.layers)
-    header = f"{'method':28} {'stored':6} {'rank':>4} {'base':>7} {'peak':>7} {'above':>7} {'shard':>7} {'anon':>7} {'file':>7} {'s':>6}"
+    header = (f"{'method':28} {'stored':6} {'rank':>4} {'base':>7} {'peak':>7} {'above':>7} {'shard':>7} "
+              f"{'anon':>7} {'file':>7} {'s':>6}")
     print(header + "   (MiB, peaks are VmHWM)")
     summary = []
     for storage, model_dir in dirs.items():
@@ -134,16 +137,19 @@ def main() -> None:
             for r in results:
                 above = r["peak_mib"] - r["baseline_mib"]
                 print(
-                    f"{method:28} {storage:6} {r['rank']:>4} {r['baseline_mib']:7.0f} {r['peak_mib']:7.0f} {above:7.0f} "
-                    f"{r['shard_mib']:7.0f} {r['anon_mib']:7.0f} {r['file_mib']:7.0f} {r['seconds']:6.1f}"
+                    f"{method:28} {storage:6} {r['rank']:>4} {r['baseline_mib']:7.0f} {r['peak_mib']:7.0f} "
+                    f"{above:7.0f} {r['shard_mib']:7.0f} {r['anon_mib']:7.0f} {r['file_mib']:7.0f} {r['seconds']:6.1f}"
                 )
             others = [r for r in results if r["rank"] > 0]
             above = max(r["peak_mib"] - r["baseline_mib"] for r in others)
             overhead = max(r["peak_mib"] - r["baseline_mib"] - r["shard_mib"] for r in others)
-            summary.append((method, storage, above / results[0]["fp32_model_mib"], overhead / results[0]["fp32_model_mib"]))
-    print(f"\nfp32 model: {results[0]['fp32_model_mib']:.0f} MiB; ratios are over it; overhead = peak above baseline - own shard")
+            model_mib = results[0]["fp32_model_mib"]
+            summary.append((method, storage, above / model_mib, overhead / model_mib))
+    print(f"\nfp32 model: {results[0]['fp32_model_mib']:.0f} MiB; ratios are over it; "
+          "overhead = peak above baseline - own shard")
     for method, storage, ratio, overhead in summary:
-        print(f"{method:28} {storage:5} rank>0 peak above baseline / model = {ratio:.2f}   overhead / model = {overhead:.2f}")
+        print(f"{method:28} {storage:5} rank>0 peak above baseline / model = {ratio:.2f}   "
+              f"overhead / model = {overhead:.2f}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def _tier_bytes(folder: Path) -> dict[str, int]:
         for dirpath, _, names in os.walk(node):
             for name in names:
                 try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512  # a load copy links the shards it holds
+                    # a load copy links the shards it holds
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
                 except OSError:
                     pass  # removed meanwhile (an older step dropped)
         out[node.name] = total
@@ -103,7 +104,8 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
     done.set()
     sampler.join()
     subprocess.run(["scancel", run["job_id"]], capture_output=True)
-    poll(lambda: not subprocess.run(["squeue", "-h", "-j", run["job_id"]], capture_output=True, text=True).stdout.strip(),
+    poll(lambda: not subprocess.run(["squeue", "-h", "-j", run["job_id"]],
+                                    capture_output=True, text=True).stdout.strip(),
          120, f"{case}: the cancelled job to leave the queue")
     furthest = max(m["step"] for m in metrics if "loss" in m and m["time"] <= at)
     resume = [e for e in events if e["event"] == "resume" and e["time"] > at][0]
@@ -144,10 +146,13 @@ def main() -> None:
                 rows.append(run_kill(root, assets, case, step, plan))
                 print(json.dumps(rows[-1]), flush=True)
     print(f"kills at steps {steps}; medians:")
-    print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'load s':>7} {'tier MB/node':>12} {'plan MB/node':>12}")
+    print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'load s':>7} {'tier MB/node':>12} "
+          f"{'plan MB/node':>12}")
     for case in ("durable", "memory"):
         mine = [r for r in rows if r["case"] == case]
-        med = lambda k: statistics.median(r[k] for r in mine) if all(r.get(k) is not None for r in mine) else float("nan")  # noqa: E731, B023 - used in this iteration
+        def med(k, of=mine):  # this case's rows, bound now
+            return statistics.median(r[k] for r in of) if all(r.get(k) is not None for r in of) else float("nan")
+
         print(f"{case:<8} {med('steps_lost'):>10.1f} {med('kill_to_first_step_s'):>12.1f} {med('load_s'):>7.2f} "
               f"{med('tier_peak_bytes_per_node') / 1e6:>12.1f} {med('plan_tier_bytes_per_node') / 1e6:>12.1f}")
 

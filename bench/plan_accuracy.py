@@ -185,7 +185,8 @@ def _train(model, case: Case, env, steps: int) -> float:
     from fsdpjob.jobs.step import train_step
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)  # as jobs/train.py
+    # as jobs/train.py
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(env.rank)
     for _ in range(steps):
         start = time.perf_counter()

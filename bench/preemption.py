@@ -55,7 +55,8 @@ def main() -> None:
         preempted_at: list[float] = []
         for i in range(args.preemptions):
             base = status(run["run_id"])["step"] or 0
-            poll(lambda: status(run["run_id"])["phase"] == "RUNNING" and (status(run["run_id"])["step"] or 0) >= base + 10,  # noqa: B023 - polled here
+            poll(lambda: (status(run["run_id"])["phase"] == "RUNNING"
+                          and (status(run["run_id"])["step"] or 0) >= base + 10),  # noqa: B023 - polled here
                  300, f"10 more steps before preemption {i + 1}")
             preempted_at.append(time.time())
             subprocess.run(["sbatch", "--output=/dev/null", "-p", "high", "-N2", "--exclusive", "--wrap", "sleep 2"],
@@ -65,7 +66,8 @@ def main() -> None:
             lift_requeue_hold(job_id)  # bench only: skip Slurm's 120 s BeginTime hold
 
         def finished():
-            if subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip() == "PENDING":
+            state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+            if state.stdout.strip() == "PENDING":
                 lift_requeue_hold(job_id)
             report = status(run["run_id"])
             return report if report["phase"] in ("COMPLETED", "FAILED") else None
@@ -76,13 +78,15 @@ def main() -> None:
     resumes = [e for e in events if e["event"] == "resume"]
     print(f"run {final['phase']} at step {final['step']}, restarts {final['restarts']}, "
           f"steps lost (status) {final['steps_lost']}")
-    print(f"{'#':>2} {'stop step':>9} {'resumed at':>10} {'steps lost':>10} {'signal->commit s':>16} {'preemptor->commit s':>19}")
+    print(f"{'#':>2} {'stop step':>9} {'resumed at':>10} {'steps lost':>10} {'signal->commit s':>16} "
+          f"{'preemptor->commit s':>19}")
     for i, (stop, resume) in enumerate(zip(stops, resumes)):
         lost = stop["step"] - resume["step"]
         print(f"{i + 1:>2} {stop['step']:>9} {resume['step']:>10} {lost:>10} {stop['signal_to_commit_s']:>16.2f} "
               f"{stop['time'] - preempted_at[i]:>19.2f}")
     print(f"median signal->commit {statistics.median(s['signal_to_commit_s'] for s in stops):.2f} s; "
-          f"steps lost per preemption {sum(s['step'] - r['step'] for s, r in zip(stops, resumes)) / max(1, len(stops)):.1f} (target 0)")
+          "steps lost per preemption "
+          f"{sum(s['step'] - r['step'] for s, r in zip(stops, resumes)) / max(1, len(stops)):.1f} (target 0)")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def breakdown(path: str, anchor: str, depth: int) -> tuple[collections.Counter, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
-    parser.add_argument("--anchor", required=True, help="the frame to fold under: its start, e.g. 'main (bare_fsdp2.py'")
+    parser.add_argument("--anchor", required=True,
+                        help="the frame to fold under: its start, e.g. 'main (bare_fsdp2.py'")
     parser.add_argument("--steps", type=int, required=True, help="training steps the run made")
     parser.add_argument("--depth", type=int, default=1, help="frames below the anchor to tell apart")
     parser.add_argument("--ranks", type=int, default=2)

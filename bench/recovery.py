@@ -51,7 +51,8 @@ def run_case(root: Path, assets: dict, case: str) -> dict:
         return (after[0], events) if after else None
     first, events = poll(first_step_after, 600, f"{case}: training after the fault")
     subprocess.run(["scancel", run["job_id"]], capture_output=True)
-    poll(lambda: not subprocess.run(["squeue", "-h", "-j", run["job_id"]], capture_output=True, text=True).stdout.strip(),
+    poll(lambda: not subprocess.run(["squeue", "-h", "-j", run["job_id"]],
+                                    capture_output=True, text=True).stdout.strip(),
          120, f"{case}: the cancelled job to leave the queue")
     fault = next((e for e in events if e["event"] == "fault" and e["time"] > at), None)
     row = {"case": case, "fault_to_first_step_s": first["time"] - at}

@@ -102,11 +102,13 @@ def trial(run: Run, n: int, rng: random.Random) -> dict:
     start = min((e for e in run.events("start") if e["time"] > crash["time"]), key=lambda e: e["time"])
     ready = next(e for e in run.events("ready") if e["time"] > crash["time"])
     spawned = start.get("process_started_at") or start["time"]
-    phases = {"kill->fault": crash["time"] - killed_at, "fault->process": spawned - crash["time"],  # btime-based starts read up to 1 s early before this commit
+    # fault->process: btime-based starts read up to 1 s early before this commit
+    phases = {"kill->fault": crash["time"] - killed_at, "fault->process": spawned - crash["time"],
               "process->start": start["time"] - spawned, "start->ready": ready["time"] - start["time"],
               "ready->step": crash_next - ready["time"]}
     starts = run.events("start")
-    requeues = len(run.events("requeue")) + sum(1 for e in starts if e["restart"] != 0 or e["job_id"] != run.info["job_id"])
+    requeues = len(run.events("requeue")) + sum(1 for e in starts
+                                                if e["restart"] != 0 or e["job_id"] != run.info["job_id"])
     lost = sum(run.step_before(f["time"]) - run.resumed_at(launch + i + 1) for i, f in enumerate((hang, crash)))
     return {"trial": n + 1, "hang_rank": hang_rank, "hang_step": hang_step, "crash_rank": crash_rank,
             "crash_step": crash_step, "detect_s": round(hang["detected_at"] - frozen_at, 1),
@@ -156,15 +158,16 @@ def main() -> int:
     print(f"{'trial':>5} {'hang rank@step':>14} {'detect s':>8} {'hang->step s':>12} {'crash rank@step':>15} "
           f"{'crash->step s':>13} {'requeues':>8} {'steps lost':>10}")
     for r in rows:
-        print(f"{r['trial']:>5} {r['hang_rank']:>8}@{r['hang_step']:<5} {r['detect_s']:>8.1f} {r['hang_to_step_s']:>12.1f} "
-              f"{r['crash_rank']:>9}@{r['crash_step']:<5} {r['crash_to_step_s']:>13.1f} {r['requeues']:>8} "
-              f"{r['steps_lost']:>10}")
+        print(f"{r['trial']:>5} {r['hang_rank']:>8}@{r['hang_step']:<5} {r['detect_s']:>8.1f} "
+              f"{r['hang_to_step_s']:>12.1f} {r['crash_rank']:>9}@{r['crash_step']:<5} {r['crash_to_step_s']:>13.1f} "
+              f"{r['requeues']:>8} {r['steps_lost']:>10}")
     for key in ("detect_s", "hang_to_step_s", "crash_to_step_s", "steps_lost"):
         values = [r[key] for r in rows]
         print(f"{key}: median {statistics.median(values):.1f}, worst {max(values):.1f}")
     print("crash -> next step, medians: " + ", ".join(
         f"{k} {statistics.median(r['crash_phases_s'][k] for r in rows):.1f} s" for k in rows[0]["crash_phases_s"]))
-    ok = [r for r in rows if r["restarted"] and r["requeues"] == 0 and r["detect_s"] <= 60 and r["crash_to_step_s"] <= 30]
+    ok = [r for r in rows
+          if r["restarted"] and r["requeues"] == 0 and r["detect_s"] <= 60 and r["crash_to_step_s"] <= 30]
     print(f"{len(ok)}/{args.trials} trials recovered in the allocation within the targets (seed {seed})")
     return 0 if len(ok) == args.trials else 1
 

@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> None:
               f"AC {'on' if args.ac else 'off'}; {args.blocks} blocks of {per} steps per variant, alternating")
         for name, values in times.items():
             mid = statistics.median(values)
-            print(f"  {name:<11} {mid:7.2f} ms/step  {base / mid:5.3f}x bare  blocks: {' '.join(f'{v:.1f}' for v in values)}")
+            print(f"  {name:<11} {mid:7.2f} ms/step  {base / mid:5.3f}x bare  "
+                  f"blocks: {' '.join(f'{v:.1f}' for v in values)}")
     dist.barrier()
     dist.destroy_process_group()
 

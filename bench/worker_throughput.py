@@ -152,7 +152,8 @@ def torchrun_command(setup: Setup, case: str, size: str, ac: bool, out: Path) ->
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     cmd = [*launcher, "--nproc-per-node", str(RANKS), "--master-addr", "127.0.0.1", "--master-port",
            str(free_port()), str(script), "--model", str(model), "--data", str(data), "--seq-len", str(SEQ_LEN),
-           "--micro-batch", str(MICRO_BATCH), "--steps", str(setup.steps[size][0]), "--out", str(out / "times.json")]  # fmt: skip
+           "--micro-batch", str(MICRO_BATCH), "--steps", str(setup.steps[size][0]),
+           "--out", str(out / "times.json")]  # fmt: skip
     cmd += ["--activation-checkpointing"] if ac else []
     cmd += ["--force-fsdp2"] if case == "hf-fsdp2" else []
     cmd += ["--fused"] if case == "bare-fused" else []
@@ -175,7 +176,8 @@ def fsdpjob_command(setup: Setup, case: str, size: str, ac: bool, out: Path) -> 
                     micro_batch=MICRO_BATCH, max_steps=setup.steps[size][0], resources={"tasks_per_node": RANKS},
                     fsdp={"mixed_precision": "fp32", "collective_timeout_s": 180},
                     train={"grad_accum_steps": 1, "max_grad_norm": 1.0, "weight_decay": 0.0,
-                           "log_every": math.gcd(setup.steps[size][1], default_log_every())})  # the warm-up's end is logged
+                           # the warm-up's end is logged
+                           "log_every": math.gcd(setup.steps[size][1], default_log_every())})
     spec["model"].update(dtype="float32", activation_checkpointing=ac)
     spec["data"]["shuffle"] = False  # the bare loop's order: the same token ids per step
     (out / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
@@ -385,7 +387,8 @@ def inspect_checkout(cli: Path) -> tuple[str, str, dict[str, str], Path | None]:
              "print(p.load_profile('local').model_dump_json()); print(p.available_profiles()['local'])")  # fmt: skip
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=clean_env(), check=False)
     if done.returncode:
-        return f"fsdpjob CLI {cli} (python {python}); could not inspect it: {done.stderr.strip()[-300:]}", str(cli), {}, None
+        why = f"fsdpjob CLI {cli} (python {python}); could not inspect it: {done.stderr.strip()[-300:]}"
+        return why, str(cli), {}, None
     jobs_dir, profile, profile_file = done.stdout.splitlines()[:3]
     checkout = Path(jobs_dir).parent
     commit = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h %cs %s"], capture_output=True,
@@ -394,7 +397,8 @@ def inspect_checkout(cli: Path) -> tuple[str, str, dict[str, str], Path | None]:
                            capture_output=True, text=True, check=False).stdout.count("\n")  # fmt: skip
     fields = {k: v for k, v in json.loads(profile).items() if v not in (None, "", [], {}) and k != "description"}
     text = (f"fsdpjob CLI {cli}\n  checkout {checkout} at {commit or '?'}"
-            f"{f' + {dirty} modified tracked files' if dirty else ''}\n  local profile {profile_file}: {json.dumps(fields)}")
+            f"{f' + {dirty} modified tracked files' if dirty else ''}\n"
+            f"  local profile {profile_file}: {json.dumps(fields)}")
     short = f"{checkout} {commit.split()[0] if commit else '?'}{'+changes' if dirty else ''}"
     return text, short, {k: str(v) for k, v in fields.get("env", {}).items()}, checkout
 
@@ -421,7 +425,8 @@ def what_ran(results: list[Result]) -> list[str]:
             ran = "FSDP2" if i["dtensor_params"] and i["dtensor_params"] == i["param_tensors"] else "NOT FSDP2"
             if i["wrapped_model_type"] == "DistributedDataParallel":
                 ran = "DDP, not FSDP2"
-            lines[r.case, r.ac] = (f"  {r.case:<9} AC {'on ' if r.ac else 'off'}: accelerate {i['accelerate_distributed_type']}, "
+            lines[r.case, r.ac] = (f"  {r.case:<9} AC {'on ' if r.ac else 'off'}: "
+                                   f"accelerate {i['accelerate_distributed_type']}, "
                                    f"fsdp_version {i['fsdp_version']}, model wrapped as {i['wrapped_model_type']}, "
                                    f"{i['dtensor_params']}/{i['param_tensors']} parameters are DTensors, gradient "
                                    f"checkpointing {i['gradient_checkpointing']}: {ran} ran")  # fmt: skip
@@ -469,7 +474,8 @@ def report(results: list[Result], setup: Setup, cases: list[str]) -> None:
         params = next((r.info["params"] for r in results if r.size == size and "params" in r.info), None)
         steps, warmup = setup.steps[size]
         print(f"\n== {size} Llama ({fmt(params, ',')} parameters: {SIZES[size]}); {RANKS} ranks, "
-              f"{MICRO_BATCH * RANKS} x {SEQ_LEN} tokens per step, fp32, AdamW, clip 1.0; steps {warmup + 1}-{steps} ==")
+              f"{MICRO_BATCH * RANKS} x {SEQ_LEN} tokens per step, fp32, AdamW, clip 1.0; "
+              f"steps {warmup + 1}-{steps} ==")
         print(f"{'case':<9}  {'AC':<3} {'tok/s':>7}  {'/bare':>5}  {'/bare no-AC':>11}  {'tok/CPU-s':>9}  "
               f"{'/bare':>5}  {'sys %':>5}  {'faults/step':>11}  {'loss@1':>7}  {'start s':>7}  "
               f"runs: tok/s (/bare in the same round)")  # fmt: skip
@@ -489,7 +495,8 @@ def report(results: list[Result], setup: Setup, cases: list[str]) -> None:
                       f"{fmt(ratio(cpu, med('bare', size, ac, 'cpu_rate')), '.2f'):>5}  "
                       f"{fmt(pct(med(case, size, ac, 'sys_share')), '.0f'):>5}  "
                       f"{fmt(med(case, size, ac, 'faults_per_step'), ',.0f'):>11}  "
-                      f"{fmt(med(case, size, ac, 'loss1'), '.4f'):>7}  {fmt(med(case, size, ac, 'start_s'), '.1f'):>7}  "
+                      f"{fmt(med(case, size, ac, 'loss1'), '.4f'):>7}  "
+                      f"{fmt(med(case, size, ac, 'start_s'), '.1f'):>7}  "
                       f"{', '.join(per_run)}")  # fmt: skip
         for mine, other in [(f, o) for f in ("fsdpjob", "fsdpjob-b") for o in ("fsdpjob-b", "hf-fsdp2", "hf")]:
             if mine != other and mine in cases and other in cases:
@@ -501,16 +508,17 @@ def report(results: list[Result], setup: Setup, cases: list[str]) -> None:
           "with the same AC setting; /bare no-AC: to the bare loop without AC (the user's table); tok/CPU-s: tokens "
           "per CPU-second of both rank processes (every thread; /proc sampled every 0.2 s), steadier than wall time "
           "on a loaded machine; sys %: the kernel's share of that CPU time; faults/step: minor page faults of both "
-          "ranks per step (the allocator's mmap/munmap traffic shows here); loss@1: step 1's loss (same weights and token ids, so equal across cases); "
-          "start s: launch to the end of step 1; A / B lines: ratio of the tok/s medians (of the tok/CPU-s medians).")
+          "ranks per step (the allocator's mmap/munmap traffic shows here); loss@1: step 1's loss (same weights and "
+          "token ids, so equal across cases); start s: launch to the end of step 1; A / B lines: ratio of the tok/s "
+          "medians (of the tok/CPU-s medians).")
     print("\nWhat the HF Trainer cases really ran (rank 0, after step 1):")
     print("\n".join(what_ran(results)) or "  (no HF case ran)")
     print(threads_note(results, setup.threads))
     for case in ("fsdpjob", "fsdpjob-b"):
         versions_seen = list(dict.fromkeys(r.info["code"] for r in results if r.case == case and r.info.get("code")))
         if len(versions_seen) > 1:
-            print(f"WARNING: the {case} checkout changed while the bench ran: {len(versions_seen)} versions of its code "
-                  f"({', '.join(versions_seen)}; per run in --json, info.code)")
+            print(f"WARNING: the {case} checkout changed while the bench ran: {len(versions_seen)} versions of "
+                  f"its code ({', '.join(versions_seen)}; per run in --json, info.code)")
     loads = [r.load for r in results]
     print(f"load average (1 min) at the launches: min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
           f"max {max(loads):.1f} on {os.cpu_count()} CPUs")
@@ -535,7 +543,8 @@ def parse_args() -> argparse.Namespace:
                         help="default: bare fsdpjob hf-fsdp2 hf (fsdpjob-b comes with --compare-cli)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--fsdpjob-repo", type=Path, default=REPO,
-                       help="fsdpjob checkout whose CLI (PATH/.venv/bin/fsdpjob) runs the fsdpjob case (default: this one)")
+                       help="fsdpjob checkout whose CLI (PATH/.venv/bin/fsdpjob) runs the fsdpjob case "
+                            "(default: this one)")
     where.add_argument("--fsdpjob-cli", type=Path, help="the fsdpjob executable to run (e.g. another venv's)")
     parser.add_argument("--compare-cli", type=Path, help="another fsdpjob executable (e.g. an older checkout's "
                         "venv/bin/fsdpjob): adds the case fsdpjob-b, alternated in the same rounds")  # fmt: skip
@@ -588,7 +597,8 @@ def main() -> int:
         report([Result(**r) for r in saved["results"]], setup, saved["cases"])
         return 0
     cases = list(args.cases)
-    if any(c.startswith("hf") for c in cases) and subprocess.run([sys.executable, "-c", "import accelerate"], check=False).returncode:
+    if (any(c.startswith("hf") for c in cases)
+            and subprocess.run([sys.executable, "-c", "import accelerate"], check=False).returncode):
         print("accelerate is not installed (pip install -e '.[bench]'): the HF Trainer cases are left out")
         cases = [c for c in cases if not c.startswith("hf")]
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {versions()}; {load_note()}")
@@ -624,7 +634,8 @@ def main() -> int:
                 result.note = "; ".join(filter(None, [result.note, f"attempt 2; attempt 1 failed: {first[:1500]}"]))
             results.append(result)
             print(f"  round {rnd} {size:>4} AC {'on ' if ac else 'off'} {case:<9} "
-                  f"{fmt(result.rate, '8.0f')} tok/s  loss@1 {fmt(result.loss1, '.4f')}  wall {fmt(result.wall_s, '.0f')} s"
+                  f"{fmt(result.rate, '8.0f')} tok/s  loss@1 {fmt(result.loss1, '.4f')}  "
+                  f"wall {fmt(result.wall_s, '.0f')} s"
                   f"  load {result.load:.1f}{'  FAILED' if result.error else ''}", flush=True)  # fmt: skip
             if args.json:  # after every run: a bench killed half-way keeps what it measured
                 saved = {"cases": cases, "labels": labels, "steps": args.steps, "threads": args.threads,

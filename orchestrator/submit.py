@@ -107,7 +107,7 @@ def submit(job: LoadedJob, *, run_dir: Path | None = None, resume_from: str | No
         try:
             with job_environment(request.env):
                 submitted = backend.submit(job, request)
-        except Exception as exc:  # noqa: BLE001 - whatever sbatch or submitit says, the user gets it in one line
+        except Exception as exc:  # whatever sbatch or submitit says, the user gets it in one line
             shutil.rmtree(paths.run_dir, ignore_errors=True)
             raise SubmissionError(f"submission failed, nothing was recorded: {sbatch_reason(exc)}") from None
         record = _record(job, paths, backend.name, submitted)
@@ -163,7 +163,7 @@ def submit_array(array: ArrayRequest, on_submitted: Callable[[JobRecord], None] 
                 write_run_folder(task.job, task.paths, request.script, None, task.worker_facts)
             with job_environment(request.env):
                 backend.submit_array(array, request, each)
-        except Exception as exc:  # noqa: BLE001 - whatever sbatch says, in one line, and nothing left behind
+        except Exception as exc:  # whatever sbatch says, in one line, and nothing left behind
             _remove_unrecorded(array, records)
             if isinstance(exc, FsdpjobError):
                 raise

@@ -23,7 +23,8 @@ HERE_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 OTHER_PYTHON = "3.12" if HERE_PYTHON != "3.12" else "3.11"
 # The environment of every bench process: one thread (2 shared cores), and no network: any download fails at once.
 NO_NETWORK = {"OMP_NUM_THREADS": "1", "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "HF_HUB_OFFLINE": "1",
-              **{k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}}  # fmt: skip
+              **{k: "http://127.0.0.1:9"
+                 for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}}  # fmt: skip
 
 
 def _records(out: Path, cases: list[str]) -> dict[str, dict]:
@@ -144,7 +145,8 @@ def test_offline_installs_the_wheels_without_a_network_and_runs_group_1(tmp_path
     assert lacks.returncode != 0  # the machine bench/gpu --offline is for
     out = tmp_path / "results"
     done = subprocess.run([str(ROOT / "bench" / "gpu"), "--offline", str(wheels), "--tiny", "--group", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)  # fmt: skip
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "the worker path imports" in done.stdout
     records = _records(out, ["bare", "fsdpjob", "save-async"])

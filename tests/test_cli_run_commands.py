@@ -56,7 +56,8 @@ def make_run(root: Path, run_id: str, *, days_ago: float = 0, completed: bool = 
     submitted = time.time() - days_ago * 86400
     runlog.append(paths.run_dir, runlog.START, restart=0, world_size=1, host=os.uname().nodename)
     for step in (5, 10):
-        runlog.append_metric(paths.run_dir, {"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0, "time": time.time()})
+        runlog.append_metric(paths.run_dir,
+                             {"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0, "time": time.time()})
     if completed:
         runlog.append(paths.run_dir, runlog.DONE, step=10, loss=0.1)
         with open(paths.submitit_dir / f"{job_id}_0_result.pkl", "wb") as f:
@@ -190,7 +191,8 @@ def test_status_watch_redraws_until_ctrl_c(tmp_path, live_pid, monkeypatch):
 
 def test_list_watch_redraws_until_ctrl_c(tmp_path, monkeypatch):
     make_run(tmp_path, "a-1")
-    monkeypatch.setattr("fsdpjob.orchestrator.views.watch.time.sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("fsdpjob.orchestrator.views.watch.time.sleep",
+                        lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
     done = invoke("list", "--watch")
     assert done.exit_code == 0 and re.search(r"^a-1 +999999999 +COMPLETED", done.stdout, re.M), done.output
     refused = invoke("list", "--watch", "--json")
@@ -250,7 +252,8 @@ def test_prune_checkpoints_only_keeps_the_best_checkpoint_that_keep_best_keeps(t
         for step, loss in losses.items():
             Sidecar(step=step, eval_loss=loss).write(Path(run.run_dir) / "checkpoints" / step_dir_name(step))
     dry = invoke("prune", "--checkpoints-only")
-    assert dry.exit_code == 0 and "a-1: checkpoint step 20" not in dry.stdout and "b-2: checkpoint step 20" in dry.stdout
+    assert (dry.exit_code == 0 and "a-1: checkpoint step 20" not in dry.stdout
+            and "b-2: checkpoint step 20" in dry.stdout)
     done = invoke("prune", "--checkpoints-only", "--yes")
     assert done.exit_code == 0, done.output
     left = {r.run_id: sorted(p.name for p in (Path(r.run_dir) / "checkpoints").iterdir()) for r in (best, plain)}
@@ -303,7 +306,8 @@ def test_help_shows_every_command_description_whole():
 def test_quickstart_writes_under_fsdpjob_home_outside_a_checkout(tmp_path, monkeypatch, _isolated_home):
     made: list[Path] = []
     fake = type(sys)("fake_quickstart")
-    fake.make_quickstart = lambda d: made.append(Path(d)) or {"model_path": f"{d}/model", "data_path": f"{d}/data.jsonl"}
+    fake.make_quickstart = lambda d: (made.append(Path(d))
+                                      or {"model_path": f"{d}/model", "data_path": f"{d}/data.jsonl"})
     monkeypatch.setitem(sys.modules, "fsdpjob.jobs.quickstart", fake)
     monkeypatch.chdir(tmp_path)
     done = invoke("quickstart")

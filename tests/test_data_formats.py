@@ -60,7 +60,8 @@ def test_every_format_and_a_mixture_pass(tmp_path):
     parquet(tmp_path / "single" / "only.parquet", ROWS)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
                           "validation": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(tmp_path / "dict"))
-    for data in ["  path: one.parquet\n", "  path: parts\n", "  path: single\n", "  path: 'single/*'\n", "  path: parts/*.parquet\n", "  path: dict\n",
+    for data in ["  path: one.parquet\n", "  path: parts\n", "  path: single\n", "  path: 'single/*'\n",
+                 "  path: parts/*.parquet\n", "  path: dict\n",
                  "  path: dict\n  eval_path: dict\n",  # eval_path's default split: validation
                  "  path: one.parquet\n  format: parquet\n",
                  "  sources:\n    - path: one.parquet\n      weight: 0.3\n    - path: dict\n      weight: 0.7\n"]:

@@ -43,7 +43,8 @@ def test_the_guide_builds_strict_with_every_page(site: Path):
     pages = sorted(p.relative_to(DOCS) for p in DOCS.rglob("*.md"))
     assert pages, "no pages in docs/"
     for page in pages:  # strict mode already refuses a page missing from the nav; each must have been written
-        built = site / page.with_suffix("") / "index.html" if page.name != "index.md" else site / page.with_suffix(".html")
+        built = (site / page.with_suffix("") / "index.html" if page.name != "index.md"
+                 else site / page.with_suffix(".html"))
         assert built.is_file(), f"{page} was not built"
     assert not (site / "hooks").exists(), "the hook is code, not part of the site"
 

@@ -124,7 +124,8 @@ def plan_json(example: str, *sets: str) -> tuple[int, dict]:
 
 
 @pytest.mark.xfail(not PLAN_NEEDS_ONLY_CONFIG, strict=True,
-                   reason="fsdpjob plan still checks weights, tokenizer and data; set PLAN_NEEDS_ONLY_CONFIG")  # fmt: skip
+                   reason="fsdpjob plan still checks weights, tokenizer and data; "
+                          "set PLAN_NEEDS_ONLY_CONFIG")  # fmt: skip
 def test_plan_reads_only_config_json(tmp_path: Path) -> None:
     model = config_only_folder(tmp_path, "qwen2.5-7b", placeholders=False)
     rc, plan = plan_json("qwen2.5-7b-h200.yaml", f"model.path={model}")

@@ -60,7 +60,8 @@ def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path
     events = attempt(0, *TRAINED, t0=0) + attempt(1, {"event": "ready", "step": 5},
                                                    {"event": "checkpoint", "step": 8}, t0=100)
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 100 + s}) + "\n" for s in (6, 9, 11)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time": 100 + s}) + "\n" for s in (6, 9, 11)))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     asked = []

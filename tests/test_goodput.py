@@ -1,6 +1,6 @@
-"""Goodput breakdown (orchestrator/core/goodputaccount.py, through views/goodput.py) over hand-built run logs, and scheduler times from sacct
-output recorded on the real dev cluster: every category, parts adding up to the allocated time, interruptions
-and how they were recovered, the checkpoint interval advice."""
+"""Goodput breakdown (orchestrator/core/goodputaccount.py, through views/goodput.py) over hand-built run logs, and
+scheduler times from sacct output recorded on the real dev cluster: every category, parts adding up to the
+allocated time, interruptions and how they were recovered, the checkpoint interval advice."""
 
 from __future__ import annotations
 
@@ -76,10 +76,10 @@ def test_crash_loses_the_steps_beyond_the_checkpoint_the_next_attempt_resumed_fr
     rep = goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS)
     assert_adds_up(rep)
     first, second = rep.attempts
-    assert first.seconds == pytest.approx({"launch": 0, "startup": 20, "productive": 20, "checkpoint": 2, "lost": 23, "hang": 0,
-                                           "teardown": 7, "unexplained": 0})
-    assert second.seconds == pytest.approx({"launch": 0, "startup": 11, "productive": 31, "checkpoint": 3, "lost": 0, "hang": 0,
-                                            "teardown": 10, "unexplained": 0})
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 20, "productive": 20, "checkpoint": 2, "lost": 23,
+                                           "hang": 0, "teardown": 7, "unexplained": 0})
+    assert second.seconds == pytest.approx({"launch": 0, "startup": 11, "productive": 31, "checkpoint": 3, "lost": 0,
+                                            "hang": 0, "teardown": 10, "unexplained": 0})
     assert (first.queue_wait_s, first.held_s, second.queue_wait_s, second.held_s) == (10, 0, 123, 120)
     assert (first.start_step, first.reached_step, second.start_step, second.reached_step) == (0, 43, 20, 50)
     [cut] = rep.interruptions
@@ -107,7 +107,8 @@ def test_the_batch_side_counts_from_spec_json_what_the_views_count_from_the_reco
     from fsdpjob.orchestrator.core import goodputaccount
     from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
 
-    meta = RunMeta(spec={"name": "r"}, profile={"gpus_per_node": 2}, effective=EffectiveFacts(nodes=1, tasks_per_node=2))
+    meta = RunMeta(spec={"name": "r"}, profile={"gpus_per_node": 2},
+                   effective=EffectiveFacts(nodes=1, tasks_per_node=2))
     batch = goodputaccount.goodput(meta.run_facts("r-1"), None, CRASH_EVENTS, CRASH_METRICS)
     views = goodput(record(1000), None, CRASH_EVENTS, CRASH_METRICS)
     assert (batch.units, batch.unit, batch.source) == (views.units, views.unit, views.source) == (2, "GPU", "events")
@@ -121,8 +122,8 @@ def test_preemption_with_a_stop_checkpoint_loses_nothing_from_events_alone():
     first, second = rep.attempts
     # Without the scheduler's times an attempt spans its first to its last entry.
     assert (first.start, first.end, second.start, second.end) == (5, 36, 160, 185)
-    assert first.seconds == pytest.approx({"launch": 0, "startup": 5, "productive": 24, "checkpoint": 2, "lost": 0, "hang": 0,
-                                           "teardown": 0, "unexplained": 0})
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 5, "productive": 24, "checkpoint": 2, "lost": 0,
+                                           "hang": 0, "teardown": 0, "unexplained": 0})
     assert second.seconds["productive"] == pytest.approx(17) and second.seconds["checkpoint"] == pytest.approx(1)
     assert (first.queue_wait_s, second.queue_wait_s) == (5, 124)
     [cut] = rep.interruptions
@@ -136,8 +137,8 @@ def test_a_hang_counts_from_the_last_progress_to_the_timeout_and_an_eventless_al
     events = [
         ev("start", 10), ev("ready", 20, step=0), ev("checkpoint", 40, step=10, reason="interval", save_s=1.0),
         ev("failed", 400, rank=0, error="RuntimeError: [Gloo] Timed out waiting 300000ms for recv", step=15),
-        ev("start", 560, restart=1), ev("ready", 570, step=10), ev("checkpoint", 600, step=20, reason="final", save_s=1),
-        ev("done", 601, step=20),
+        ev("start", 560, restart=1), ev("ready", 570, step=10),
+        ev("checkpoint", 600, step=20, reason="final", save_s=1), ev("done", 601, step=20),
     ]
     metrics = [metric(5, 30), metric(15, 50), metric(20, 598)]
     rows = [AttemptTimes(0, 0, 5, 410, "FAILED"), AttemptTimes(410, 530, 530, 540, "NODE_FAIL"),
@@ -200,7 +201,8 @@ def test_requeue_wait_from_recorded_sacct_rows():
     events = [ev("start", s0 + 4), ev("ready", s0 + 12, step=0),
               ev("stop", first.end + 6, reason="preemption", step=10, requeued=True, save_s=2.0),
               ev("start", s1 + 4, restart=1), ev("ready", s1 + 12, step=10),
-              ev("checkpoint", second.end - 2, step=60, reason="final", save_s=1.0), ev("done", second.end - 1, step=60)]
+              ev("checkpoint", second.end - 2, step=60, reason="final", save_s=1.0),
+              ev("done", second.end - 1, step=60)]
     rep = goodput(record(first.queued_at, nodes=2), list(times[rows[0].job_id]), events, [])
     assert_adds_up(rep)
     assert rep.attempts[1].queue_wait_s == second.start - second.queued_at > 0

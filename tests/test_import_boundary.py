@@ -80,7 +80,8 @@ def test_plan_submit_dry_run_status_list_and_report_do_not_import_torch(tmp_path
 
     make_model(tmp_path / "model")
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
-    (tmp_path / "job.yaml").write_text("name: b\nmodel:\n  path: model\ndata:\n  path: data.jsonl\ntrain:\n  max_steps: 3\n")
+    (tmp_path / "job.yaml").write_text(
+        "name: b\nmodel:\n  path: model\ndata:\n  path: data.jsonl\ntrain:\n  max_steps: 3\n")
     env = {**os.environ, "FSDPJOB_HOME": str(tmp_path / "home")}
     for args in (["plan", "job.yaml"], ["submit", "job.yaml", "--dry-run"], ["list"], ["list", "--json"]):
         assert probe(*args, cwd=tmp_path, env=env) == {"code": 0, "heavy": []}, args
@@ -90,8 +91,9 @@ def test_plan_submit_dry_run_status_list_and_report_do_not_import_torch(tmp_path
 
     os.environ["FSDPJOB_HOME"], saved = str(tmp_path / "home"), os.environ.get("FSDPJOB_HOME")
     try:
-        registry.save(JobRecord(run_id="b-1", name="b", run_dir=str(tmp_path / "run"), scheduler="local", job_id="999999999",
-                                profile="local", submitted_at=1.0, spec_hash="x", nodes=1, tasks_per_node=1, max_steps=3))
+        registry.save(JobRecord(run_id="b-1", name="b", run_dir=str(tmp_path / "run"), scheduler="local",
+                                job_id="999999999", profile="local", submitted_at=1.0, spec_hash="x", nodes=1,
+                                tasks_per_node=1, max_steps=3))
     finally:
         os.environ.pop("FSDPJOB_HOME") if saved is None else os.environ.update(FSDPJOB_HOME=saved)
     for args in (["status"], ["status", "b-1", "--json"], ["list"], ["report", "b-1"], ["report", "b-1", "--json"]):

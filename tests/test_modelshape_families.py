@@ -102,8 +102,8 @@ def test_plan_needs_only_config_json_and_validate_still_wants_the_files(tmp_path
 def test_buffers_stored_by_older_checkpoints_are_not_parameters(tmp_path: Path) -> None:
     tensors = {"wte.weight": [256, 32], "ln_f.weight": [32], "ln_f.bias": [32]}
     for i in range(2):
-        tensors |= {f"h.{i}.attn.bias": [1, 1, 64, 64], f"h.{i}.attn.masked_bias": [], f"h.{i}.attn.c_attn.weight": [32, 96],
-                    f"h.{i}.attn.c_attn.bias": [96]}  # fmt: skip
+        tensors |= {f"h.{i}.attn.bias": [1, 1, 64, 64], f"h.{i}.attn.masked_bias": [],
+                    f"h.{i}.attn.c_attn.weight": [32, 96], f"h.{i}.attn.c_attn.bias": [96]}  # fmt: skip
     header = json.dumps({k: {"dtype": "F32", "shape": v, "data_offsets": [0, 0]} for k, v in tensors.items()}).encode()
     tiny_config("gpt2").save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)

@@ -1,5 +1,6 @@
 """Notifications without a cluster: the notify section (bad input, profile defaults), the webhook's retries and
-bounds against a real local HTTP server (supervise/webhook.py), and the notifier's order (supervise/notifier.py). The real run is tests/slurm/test_chains_slurm.py."""
+bounds against a real local HTTP server (supervise/webhook.py), and the notifier's order (supervise/notifier.py).
+The real run is tests/slurm/test_chains_slurm.py."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def check_goodput_report(run_id: str, cwd: Path) -> None:
     out = fsdpjob("report", run_id, "--json", "--plot", str(png), cwd=cwd)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    assert abs(sum(rep["unit_seconds"].values()) - rep["allocated_unit_s"]) <= 0.02 * rep["allocated_unit_s"], rep["unit_seconds"]
+    assert (abs(sum(rep["unit_seconds"].values()) - rep["allocated_unit_s"])
+            <= 0.02 * rep["allocated_unit_s"]), rep["unit_seconds"]
     assert rep["productive_unit_s"] > 0 and 0 < rep["goodput"] <= 1 and 0 < rep["ettr"] <= rep["goodput"], rep
     assert rep["unit"] == "CPU rank" and rep["units"] == 2 and rep["interruptions"] == [], rep
     [attempt] = rep["attempts"]

@@ -64,7 +64,8 @@ def test_links_lead_to_pages_of_the_guide():
     nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
     for link in links:
         assert (REPO / link).is_file(), f"README links to {link}, which does not exist"
-        assert link.startswith("docs/") and f": {link.removeprefix('docs/')}" in nav, f"{link} is not in the guide's nav"
+        assert link.startswith("docs/") and f": {link.removeprefix('docs/')}" in nav, (
+            f"{link} is not in the guide's nav")
     assert "FSDPJOB_HOME" in README and "~/.fsdpjob" in README
 
 

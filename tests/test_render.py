@@ -193,7 +193,8 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
     (home / "venvs/fsdpjob/bin/activate").write_text('export VENV_ACTIVATED="$HOME"\n')
     # The profile's python runs the supervisor; the stub records its argv and runs what follows "--", as the
     # supervisor does (the real one is tested in test_recovery_local.py and tests/slurm).
-    (bin_dir / "python").write_text(STUB.format(name="python") + 'while [ "$1" != "--" ]; do shift; done; shift; "$@"\n')
+    (bin_dir / "python").write_text(STUB.format(name="python")
+                                    + 'while [ "$1" != "--" ]; do shift; done; shift; "$@"\n')
     (bin_dir / "python").chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text((GOLDEN / "example-setup.sbatch").read_text().replace(PYTHON, str(bin_dir / "python")))
@@ -205,8 +206,11 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
     assert supervisor[6] == "srun"
     assert (log / "module.argv").read_bytes().split(b"\0")[:-1] == [b"load", b"cuda/12.4"]
     argv = (log / "srun.argv").read_bytes().decode().split("\0")[:-1]
-    assert argv == ["--kill-on-bad-exit=1", "--unbuffered", "--output", "/runs/example-run/submitit/%j_%t_log.out", "--error",
-                    "/runs/example-run/submitit/%j_%t_log.err", "--cpus-per-task=96", "--cpu-bind=none", str(bin_dir / "python"), "-u", "-m",
+    assert argv == ["--kill-on-bad-exit=1", "--unbuffered",
+                    "--output", "/runs/example-run/submitit/%j_%t_log.out",
+                    "--error", "/runs/example-run/submitit/%j_%t_log.err",
+                    "--cpus-per-task=96", "--cpu-bind=none",
+                    str(bin_dir / "python"), "-u", "-m",
                     "submitit.core._submit", "/runs/example-run/submitit"]  # fmt: skip
     seen = dict(item.split("=", 1) for item in (log / "srun.env").read_bytes().decode().split("\0") if "=" in item)
     assert seen["VENV_ACTIVATED"] == str(home)

@@ -17,7 +17,8 @@ from fsdpjob.orchestrator.views.reportpicture import picture, time_unit
 
 def record(run_id: str = "r-1", gpus_per_node: int = 0) -> JobRecord:
     return JobRecord(run_id=run_id, name="r", run_dir="/nonexistent", scheduler="local", job_id="1", profile="local",
-                     submitted_at=0.0, spec_hash="h", nodes=1, tasks_per_node=2, max_steps=20, gpus_per_node=gpus_per_node)
+                     submitted_at=0.0, spec_hash="h", nodes=1, tasks_per_node=2, max_steps=20,
+                     gpus_per_node=gpus_per_node)
 
 
 def ev(event: str, time: float, **fields) -> dict:
@@ -72,7 +73,8 @@ def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_ev
     data, pic, png, drawn = short_run
     assert (pic["unit"], pic["unit_s"]) == ("s", 1.0)
     # Each start of the workers: its own loss curve, and its start-up from the allocation start to ready.
-    assert [(c["label"], c["step"]) for c in pic["training"]] == [("attempt 0", [2, 4, 6, 8]), ("attempt 1", [9, 11, 12])]
+    assert [(c["label"], c["step"]) for c in pic["training"]] == [
+        ("attempt 0", [2, 4, 6, 8]), ("attempt 1", [9, 11, 12])]
     assert [(s["label"], s["begin"], s["end"], s["ready_step"]) for s in pic["starts"]] == [
         ("attempt 0", 1.0, 4.0, 0), ("attempt 1", 10.0, 11.0, 8)]
     assert [(c["step"], c["reason"]) for c in pic["checkpoints"]] == [(5, "interval"), (10, "interval")]

@@ -25,7 +25,8 @@ def test_write_then_read_gives_the_same_facts(tmp_path):
 
 
 def test_a_spec_json_written_before_the_rename_gives_its_plan_as_worker_facts(tmp_path):
-    (tmp_path / "spec.json").write_text(json.dumps({"spec": SPEC, "resume_from": None, "plan": {"defer_grad_sync": True}}))
+    (tmp_path / "spec.json").write_text(
+        json.dumps({"spec": SPEC, "resume_from": None, "plan": {"defer_grad_sync": True}}))
     assert RunMeta.read(tmp_path).worker_facts == {"defer_grad_sync": True}
 
 

@@ -28,7 +28,8 @@ def test_sacct_skips_job_steps_and_keeps_one_row_per_run():
 
 def test_sacct_views_count_restarts_and_take_the_latest_state():
     views = views_from_sacct(slurm_cli.parse_sacct(recorded("sacct-requeued-and-failed.txt")))
-    assert views["64"].state == "COMPLETED" and views["64"].restarts == 3  # three time-limit requeues, then the run that finished
+    # three time-limit requeues, then the run that finished
+    assert views["64"].state == "COMPLETED" and views["64"].restarts == 3
     assert views["63"].state == "FAILED" and views["63"].restarts == 0
     assert phase_of(views["64"].state, views["64"].restarts, Progress()) == "COMPLETED"
 

@@ -36,7 +36,8 @@ LINES = [
     "[start] workers started (2 ranks on h, restart 1 in this allocation)",
     "[resume] resumed from step 20 (/r/checkpoints/step-00000020)",
     "step 30/40  loss nan  1000 tok/s",  # metrics.jsonl writes a NaN loss as null
-    "[stop] cancelled at step 33: stop checkpoint in 0.31 s; not requeued (fsdpjob cancel: the workers stopped for good)",
+    "[stop] cancelled at step 33: stop checkpoint in 0.31 s; "
+    "not requeued (fsdpjob cancel: the workers stopped for good)",
     "[done] finished at step 40, loss 1.9877",
 ]
 

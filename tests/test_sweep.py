@@ -126,7 +126,8 @@ def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec,
 
     followed: list[str] = []
     monkeypatch.setattr(LocalBackend, "submit", fake_submit)
-    monkeypatch.setattr("fsdpjob.orchestrator.views.follow.wait_for", lambda record: followed.append(record.run_id) or 0)
+    monkeypatch.setattr("fsdpjob.orchestrator.views.follow.wait_for",
+                        lambda record: followed.append(record.run_id) or 0)
     code, out, err = run_cli("sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3", "-p", "local",
                              "--max-parallel", "2")
     assert code == 0, err
@@ -135,7 +136,8 @@ def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec,
     assert [r.run_id for r in records] == followed and len(started) == 2
     assert [r.sweep["index"] for r in records] == [0, 1] and all(r.sweep["job_id"] is None for r in records)
     sweep_dir = Path(records[0].run_dir).parent
-    assert [str(Path(r.run_dir).parent) for r in records] == [str(sweep_dir)] * 2 and started == [r.run_dir for r in records]
+    assert ([str(Path(r.run_dir).parent) for r in records] == [str(sweep_dir)] * 2
+            and started == [r.run_dir for r in records])
     assert json.loads((sweep_dir / "sweep.json").read_text())["runs"][1]["run_id"] == records[1].run_id
 
 

@@ -52,7 +52,8 @@ def reference(schema: dict) -> str:
                 sub = path + ("[]" if many else "")
                 pending.append((sub, sub + ".", target))
             required = name in obj.get("required", ())
-            rows.append(f"| `{path}` | {_type(prop, defs)} | {_default(prop, required)} | {_describe(prop, path, nested)} |")
+            rows.append(f"| `{path}` | {_type(prop, defs)} | {_default(prop, required)} "
+                        f"| {_describe(prop, path, nested)} |")
         head = [f"### `{title}` {{#{_anchor(title)}}}", ""] if title else []
         intro = [_text(obj["description"]), ""] if title and obj.get("description") else []
         blocks.append("\n".join([*head, *intro, "| field | type | default | meaning |", "|---|---|---|---|", *rows]))

@@ -36,7 +36,8 @@ def quickstart_place(directory: Path | None, cwd: Path) -> QuickstartPlace:
     never an examples/ folder made in whatever folder the user is in."""
     if directory is not None:
         beside = directory.parent / CHECKOUT_SPEC.name
-        return QuickstartPlace(directory, beside if beside.is_file() and directory.name == "quickstart-assets" else None)
+        in_checkout = beside.is_file() and directory.name == "quickstart-assets"
+        return QuickstartPlace(directory, beside if in_checkout else None)
     if (cwd / CHECKOUT_SPEC).is_file():
         return QuickstartPlace(CHECKOUT_SPEC.parent / "quickstart-assets", CHECKOUT_SPEC)
     return QuickstartPlace(fsdpjob_home() / "quickstart-assets", None)

@@ -64,7 +64,9 @@ INTERVAL_OPT = click.option(
     metavar="SECONDS",
     help="Seconds between redraws with --watch.",
 )
-NO_FILE_CHECKS_OPT = click.option("--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file.")
+NO_FILE_CHECKS_OPT = click.option(
+    "--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file."
+)
 
 
 def echo_json(data: object) -> None:

@@ -58,7 +58,8 @@ def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[
         except FsdpjobError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         if not force and fit.verdict != "FITS":
-            why = fit.refusal if fit.verdict == "REFUSED" else "the planner says it does not fit (`fsdpjob plan` with its --set items)"
+            why = (fit.refusal if fit.verdict == "REFUSED"
+                   else "the planner says it does not fit (`fsdpjob plan` with its --set items)")
             raise PlanRefused(f"{where}: {why} (or pass --force)")
         planned.append(PlannedVariant(v, job, fit.worker_facts(), tuple(fit.warnings)))
     schedulers = {p.job.profile.name for p in planned}

@@ -62,10 +62,13 @@ class FieldOptions:
 class DataSource(FieldOptions, Strict):
     """One source of a data mixture."""
 
+    # A long field docstring is one parenthesized string, no newline in it: the schema's description keeps its text.
     path: str
-    """JSONL file(s), parquet file(s) or a folder written by datasets' save_to_disk: a file, a folder or a glob such as data/*.parquet. Relative to the spec file."""
+    ("JSONL file(s), parquet file(s) or a folder written by datasets' save_to_disk: a file, a folder or a glob such as "
+     "data/*.parquet. Relative to the spec file.")
     weight: Annotated[float, Field(strict=True, gt=0, le=1)]
-    """Share of the training sequences drawn from this source; the weights of all sources add up to 1. A small source is repeated, a large one is cycled through over the epochs."""
+    ("Share of the training sequences drawn from this source; the weights of all sources add up to 1. A small source "
+     "is repeated, a large one is cycled through over the epochs.")
     format: DataFormat | None = None
     """Format of path; default: data.format."""
     split: str | None = None
@@ -119,13 +122,18 @@ def with_defaults(source: DataSource, defaults: DataSpec) -> DataSource:
 
 class DataSpec(FieldOptions, Strict):
     path: str | None = None
-    """Training data: a JSONL file, parquet files (a file, a folder or a glob such as data/*.parquet) or a folder written by datasets' save_to_disk. Relative to the spec file. Give path or sources."""
+    ("Training data: a JSONL file, parquet files (a file, a folder or a glob such as data/*.parquet) or a folder "
+     "written by datasets' save_to_disk. Relative to the spec file. Give path or sources.")
     format: DataFormat = "auto"
-    """Format of path, eval_path and every source without its own: jsonl, parquet or save_to_disk; auto: parquet for .parquet files (or a folder or glob of them), save_to_disk for a folder with dataset_info.json or dataset_dict.json, JSONL otherwise."""
+    ("Format of path, eval_path and every source without its own: jsonl, parquet or save_to_disk; auto: parquet for "
+     ".parquet files (or a folder or glob of them), save_to_disk for a folder with dataset_info.json or "
+     "dataset_dict.json, JSONL otherwise.")
     split: str | None = None
-    """Split to train on when the data is a save_to_disk folder holding a DatasetDict; default: train, or its only split."""
+    ("Split to train on when the data is a save_to_disk folder holding a DatasetDict; default: train, or its only "
+     "split.")
     sources: list[DataSource] | None = None
-    """A mixture instead of path: sources, each {path, weight} and optionally its own format, split and field options; the weights add up to 1."""
+    ("A mixture instead of path: sources, each {path, weight} and optionally its own format, split and field options; "
+     "the weights add up to 1.")
     text_field: str | None = None
     """Field with plain text (loss on every token). The default shape when no other field is given: 'text'."""
     prompt_field: str | None = None
@@ -133,19 +141,25 @@ class DataSpec(FieldOptions, Strict):
     completion_field: str | None = None
     """Field with the completion of a prompt/completion pair."""
     messages_field: str | None = None
-    """Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant turns only."""
+    ("Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant "
+     "turns only.")
     seq_len: Annotated[int, Field(strict=True, gt=0)] = 512
     """Tokens per sequence."""
     packing: bool | Literal["naive"] = True
-    """true: pack whole examples into each sequence along their boundaries (best-fit decreasing), each example with its own positions and attention to itself only. naive: concatenate every example and cut at seq_len (examples attend to the ones before them and may lose their start; the behaviour before boundary-aware packing). false: one example per sequence, padded to seq_len."""
+    ("true: pack whole examples into each sequence along their boundaries (best-fit decreasing), each example with its "
+     "own positions and attention to itself only. naive: concatenate every example and cut at seq_len (examples attend "
+     "to the ones before them and may lose their start; the behaviour before boundary-aware packing). false: one "
+     "example per sequence, padded to seq_len.")
     long_examples: Literal["truncate", "split", "drop"] = "truncate"
-    """Examples longer than seq_len (packing true or false): truncate keeps their first seq_len tokens, split cuts them into seq_len chunks (each its own example, positions from 0), drop leaves them out."""
+    ("Examples longer than seq_len (packing true or false): truncate keeps their first seq_len tokens, split cuts them "
+     "into seq_len chunks (each its own example, positions from 0), drop leaves them out.")
     shuffle: bool = True
     """Shuffle examples deterministically from train.seed."""
     eval_path: str | None = None
     """Evaluation examples, in any format path takes, with the same fields as path. Relative to the spec file."""
     eval_split: str | None = None
-    """Split of eval_path when it is a save_to_disk DatasetDict folder; default: validation, else test, else its only split."""
+    ("Split of eval_path when it is a save_to_disk DatasetDict folder; default: validation, else test, else its only "
+     "split.")
     eval_fraction: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
     """Share of the packed training sequences held out for evaluation (chosen from train.seed); 0: none."""
 

@@ -12,7 +12,9 @@ VARIABLES: dict[str, str] = {
     # -- the login node
     "FSDPJOB_HOME": "the registry and, by default, the run folders (default ~/.fsdpjob; core/paths.py)",
     "FSDPJOB_RUNS": "where new run folders go (default $FSDPJOB_HOME/runs; core/paths.py)",
-    "FSDPJOB_PROFILES": "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)",
+    "FSDPJOB_PROFILES": (
+        "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)"
+    ),
     "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
     "FSDPJOB_TEST_IMAGE": "printed (not read) by `dev-cluster up --containers`: the test image's OCI bundle folder",
     "FSDPJOB_WEBHOOK_URL": "the usual name for notify.webhook_url_env's variable: the webhook URL, read by the batch "

@@ -96,5 +96,6 @@ class AmbiguousRun(FsdpjobError):
 
     def __init__(self, ref: str, what: str, run_ids: list[str]):
         self.run_ids = run_ids
-        shown = ", ".join(run_ids[: self.SHOWN]) + (f" and {len(run_ids) - self.SHOWN} more" if len(run_ids) > self.SHOWN else "")
+        more = f" and {len(run_ids) - self.SHOWN} more" if len(run_ids) > self.SHOWN else ""
+        shown = ", ".join(run_ids[: self.SHOWN]) + more
         super().__init__(f"RUN: {ref!r} is the {what} of {len(run_ids)} runs ({shown}); give one whole run id")

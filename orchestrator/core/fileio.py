@@ -1,4 +1,5 @@
-"""File helpers both sides share: atomic writes (registry, run folder, checkpoint commits) and tailing a growing file."""
+"""File helpers both sides share: atomic writes (registry, run folder, checkpoint commits) and tailing a growing
+file."""
 
 from __future__ import annotations
 

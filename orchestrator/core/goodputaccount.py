@@ -252,7 +252,8 @@ def _analyse(s: _Segment) -> None:
         return
     start_step = int(s.ready.get("step", 0) or 0)
     pts = _progress(s)
-    stop, done, failed = _first(s.events, runlog.STOP), _first(s.events, runlog.DONE), _first(s.events, runlog.FAILED, True)
+    stop, done = _first(s.events, runlog.STOP), _first(s.events, runlog.DONE)
+    failed = _first(s.events, runlog.FAILED, True)
     steps = [start_step] + [p[1] for p in pts] + [int(e["step"]) for e in (stop, done, failed)
                                                   if e and isinstance(e.get("step"), int)]
     s.reached = max(steps)
@@ -277,7 +278,8 @@ def _assign_kept(segments: list[_Segment], *, live: bool) -> None:
     began = [s for s in segments if s.ready is not None]
     committed = 0
     for i, s in enumerate(began):
-        saves = [int(e["step"]) for e in s.events if e.get("event") == runlog.CHECKPOINT and isinstance(e.get("step"), int)]
+        saves = [int(e["step"]) for e in s.events
+                 if e.get("event") == runlog.CHECKPOINT and isinstance(e.get("step"), int)]
         committed = max([committed, *saves])
         if i + 1 < len(began):
             s.kept_until = int(began[i + 1].ready.get("step", 0) or 0)

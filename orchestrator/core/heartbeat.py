@@ -23,7 +23,8 @@ HEARTBEAT_S = 1.0  # how often each rank's thread rewrites its file
 
 # The phases a rank goes through, in order. The supervisor bounds the setup phases by the plan (first start)
 # or by the previous attempt's setup time, the loop phases by the run's own step and save times.
-IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD = "imports", "process group", "model load", "data", "checkpoint load"
+IMPORTS, PROCESS_GROUP, MODEL_LOAD = "imports", "process group", "model load"
+DATA_LOAD, CHECKPOINT_LOAD = "data", "checkpoint load"
 STEP, NEXT_BATCH, EVAL, SAVE, FINISH = "training step", "next batch", "eval", "save", "finish"
 EXPORT = "export"  # rank 0 writes the HF folder after the final save; the other ranks wait for it
 EXITED = "exited"  # the worker returned (done) or left after a stop checkpoint: its process may be gone
@@ -139,9 +140,9 @@ class Heartbeat:
                 pass  # a full or vanished disk: the supervisor sees a stale beat, which is what happened
 
     def _write(self) -> None:
-        record = {"rank": self.rank, "host": self._host, "machine": self._machine, "pid": os.getpid(), "launch": self.launch,
-                  "step": self.step, "phase": self.phase, "phase_since": self.phase_since, "time": time.time(),
-                  "longest": self.longest}
+        record = {"rank": self.rank, "host": self._host, "machine": self._machine, "pid": os.getpid(),
+                  "launch": self.launch, "step": self.step, "phase": self.phase, "phase_since": self.phase_since,
+                  "time": time.time(), "longest": self.longest}
         # Per thread: the main thread's last write (exited) may overlap the heartbeat thread's.
         tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record), encoding="utf-8")

@@ -18,15 +18,18 @@ class WandbSpec(Strict):
     """W&B team or user; default: the API key's default entity."""
     run_name: str | None = None
     """Display name of the W&B run; default: the fsdpjob run id."""
+    # A long field docstring is one parenthesized string, no newline in it: the schema's description keeps its text.
     mode: Literal["auto", "online", "offline"] = "auto"
-    """auto: online when WANDB_API_KEY is in the workers' environment, else offline (upload later with wandb sync); online also takes a key from `wandb login`."""
+    ("auto: online when WANDB_API_KEY is in the workers' environment, else offline (upload later with wandb sync); "
+     "online also takes a key from `wandb login`.")
 
     _line = field_validator("project", "entity", "run_name")(single_line)
 
 
 class MlflowSpec(Strict):
     tracking_uri: str | None = None
-    """MLflow tracking URI (http(s)://host, databricks, sqlite:///file.db); default: sqlite:///<run>/mlflow.db, a local store in the run folder."""
+    ("MLflow tracking URI (http(s)://host, databricks, sqlite:///file.db); default: sqlite:///<run>/mlflow.db, a local "
+     "store in the run folder.")
     experiment: str | None = None
     """Experiment name; default: the spec's name."""
     run_name: str | None = None
@@ -48,6 +51,8 @@ class LoggingSpec(Strict):
     """Trackers besides TensorBoard, which always gets the scalars (when the tensorboard package is installed)."""
 
     wandb: WandbSpec | None = None
-    """Log to Weights & Biases: {project, entity, run_name, mode}; needs the wandb extra. A restarted run continues the same W&B run."""
+    ("Log to Weights & Biases: {project, entity, run_name, mode}; needs the wandb extra. A restarted run continues the "
+     "same W&B run.")
     mlflow: MlflowSpec | None = None
-    """Log to MLflow: {tracking_uri, experiment, run_name}; needs the mlflow extra. A restarted run continues the same MLflow run."""
+    ("Log to MLflow: {tracking_uri, experiment, run_name}; needs the mlflow extra. A restarted run continues the same "
+     "MLflow run.")

@@ -24,18 +24,22 @@ RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_siz
 READY = "ready"  # setup over, training starts at step: step, setup_s
 CHECKPOINT = "checkpoint"  # a checkpoint committed (or handed to the background writer): step, reason, save_s
 STAGED = "staged"  # an async save's copy is done: step (the save's), waited_s (how long the next step waited for it)
-STOP = "stop"  # a stop checkpoint after a signal: reason, signal, step, requeued, detail, save_s, signal_to_commit_s, handoff_s
+# a stop checkpoint after a signal: reason, signal, step, requeued, detail, save_s, signal_to_commit_s, handoff_s
+STOP = "stop"
 REQUEUE = "requeue"  # the failure policy requeued the job after a crash: reason, exit_code, detail, step
 FAILED = "failed"  # an attempt failed: error or reason, retryable, step, rank (worker) or exit_code (policy)
 CANCEL = "cancel"  # `fsdpjob cancel` asked the scheduler to stop the run for good: by
 GPU_WAIT = "gpu_wait"  # before a relaunch, the wait for the GPUs to be free: launch, waited_s, busy, skipped
-FAULT = "fault"  # the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart, decision, exclude, step
-MEMORY_TIER = "memory_tier"  # checkpoint.memory_interval_steps auto chose its interval: steps, stall_s, step_s, mtbi_s, at_step
+# the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart,
+# decision, exclude, step
+FAULT = "fault"
+# checkpoint.memory_interval_steps auto chose its interval: steps, stall_s, step_s, mtbi_s, at_step
+MEMORY_TIER = "memory_tier"
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, MEMORY_TIER, EXPORT,
-          DONE)
+EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, MEMORY_TIER,
+          EXPORT, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

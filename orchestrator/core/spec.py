@@ -58,8 +58,10 @@ class Resources(Strict):
     """Slurm QOS (overrides the profile)."""
     constraint: str | None = None
     """Slurm node feature constraint, e.g. a100|h100 (overrides the profile)."""
+    # A long field docstring is one parenthesized string, no newline in it: the schema's description keeps its text.
     min_nodes: PositiveInt | None = None
-    """Fewest nodes the run may go on with inside its allocation after a node fails or is blamed twice (global batch kept). Default: nodes (never shrink)."""
+    ("Fewest nodes the run may go on with inside its allocation after a node fails or is blamed twice (global batch "
+     "kept). Default: nodes (never shrink).")
 
     @model_validator(mode="after")
     def _min_nodes(self) -> Resources:
@@ -126,9 +128,11 @@ class LoraSpec(Strict):
     dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
     """Dropout on the adapters' input (0: off)."""
     target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
-    """Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or all-linear: every linear layer but the output head."""
+    ("Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or "
+     "all-linear: every linear layer but the output head.")
     modules_to_save: list[str] = []
-    """Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and exported with them."""
+    ("Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and "
+     "exported with them.")
 
     _names = field_validator("modules_to_save")(_module_names)
 
@@ -142,9 +146,13 @@ class ModelSpec(Strict):
     path: str
     """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual choice."""
+    ("Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual "
+     "choice.")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel. auto: varlen on GPUs for boundary-aware packing in bf16 (each example attends to itself with torch's flash varlen kernel, no mask, no package to install), else sdpa. varlen: that kernel wherever asked (on CPU: SDPA per example). sdpa on a packed batch builds a dense S x S mask (counted by the plan) and runs eager on the families transformers has no sdpa path for (gemma2). flash_attention_2 needs the flash-attn package on CUDA."""
+    ("Attention kernel. auto: varlen on GPUs for boundary-aware packing in bf16 (each example attends to itself with "
+     "torch's flash varlen kernel, no mask, no package to install), else sdpa. varlen: that kernel wherever asked (on "
+     "CPU: SDPA per example). sdpa on a packed batch builds a dense S x S mask (counted by the plan) and runs eager on "
+     "the families transformers has no sdpa path for (gemma2). flash_attention_2 needs the flash-attn package on CUDA.")
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
     compile: bool = False
@@ -173,7 +181,8 @@ class TrainSpec(Strict):
     """Floor of the decay as a fraction of lr (cosine and linear)."""
     weight_decay: Annotated[float, Field(strict=True, ge=0)] = 0.0
     """AdamW weight decay."""
-    betas: tuple[Annotated[float, Field(strict=True, ge=0, lt=1)], Annotated[float, Field(strict=True, ge=0, lt=1)]] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(strict=True, ge=0, lt=1)],
+                 Annotated[float, Field(strict=True, ge=0, lt=1)]] = (0.9, 0.95)
     """AdamW betas."""
     max_grad_norm: Annotated[float, Field(strict=True, ge=0)] = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
@@ -198,7 +207,8 @@ class TrainSpec(Strict):
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
         if self.eval_batches and not self.eval_every:
-            raise field_error("eval_batches", "eval_batches needs eval_every; set train.eval_every or drop eval_batches")
+            raise field_error("eval_batches",
+                              "eval_batches needs eval_every; set train.eval_every or drop eval_batches")
         return self
 
 
@@ -231,7 +241,10 @@ class CheckpointSpec(Strict):
     keep_best: bool = False
     """Also keep the committed checkpoint with the lowest eval loss (needs train.eval_every)."""
     memory_interval_steps: Literal["auto"] | NonNegativeInt = 0
-    """Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or $FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there (0: off). auto: the first snapshot 5 steps into each launch, then as often as Young/Daly says for its measured stall and the profile's expected_interruptions_per_day, never more than a 5% stall."""
+    ("Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or "
+     "$FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there "
+     "(0: off). auto: the first snapshot 5 steps into each launch, then as often as Young/Daly says for its measured "
+     "stall and the profile's expected_interruptions_per_day, never more than a 5% stall.")
 
     _dir = field_validator("dir")(path_value)
 
@@ -247,13 +260,15 @@ class PreemptionSpec(Strict):
 
 class RecoverySpec(Strict):
     max_restarts: NonNegativeInt = 3
-    """Restarts inside one allocation after a crash or a hang (a new srun step; no requeue). 0: off, every crash goes through the queue."""
+    ("Restarts inside one allocation after a crash or a hang (a new srun step; no requeue). 0: off, every crash goes "
+     "through the queue.")
     stall_floor_s: PositiveInt = 30
     """A training run counts as hung when no rank advanced for max(stall_factor x its recent p95 step time, this)."""
     stall_factor: Annotated[float, Field(strict=True, ge=2)] = 10.0
     """How many p95 step times (or previous save/eval times) without progress make a stall."""
     setup_timeout_s: Literal["auto"] | PositiveInt = "auto"
-    """Bound on the setup (imports to first step); auto: 3x the previous attempt's setup + 60 s, 900 s on a first start."""
+    ("Bound on the setup (imports to first step); auto: 3x the previous attempt's setup + 60 s, 900 s on a first "
+     "start.")
 
 
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
@@ -274,7 +289,8 @@ class JobSpec(Strict):
     env: dict[str, str] = {}
     """Extra environment variables for the workers. Values may use $VAR and ${VAR}; nothing else is expanded."""
     secret_env: list[str] = []
-    """Names in env whose values are secret (besides names containing TOKEN, KEY, SECRET or PASSWORD): passed to the job, never written to disk."""
+    ("Names in env whose values are secret (besides names containing TOKEN, KEY, SECRET or PASSWORD): passed to the "
+     "job, never written to disk.")
     resources: Resources = Field(default_factory=Resources)
     model: ModelSpec
     data: DataSpec

@@ -30,7 +30,8 @@ PATH_MAX_BYTES = 4095  # Linux's PATH_MAX, less the terminating NUL
 def path_value(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise ValueError("the path is empty; give a file or folder path")
-    if value is not None and (len(value.encode()) > PATH_MAX_BYTES or any(len(p.encode()) > 255 for p in value.split("/"))):
+    if value is not None and (len(value.encode()) > PATH_MAX_BYTES
+                              or any(len(p.encode()) > 255 for p in value.split("/"))):
         raise ValueError("the path is too long for the file system (4095 bytes, 255 per name); shorten it")
     return single_line(value)
 

@@ -10,7 +10,8 @@ from . import manage
 
 _STATE_DIR = click.option(
     "--state-dir", type=click.Path(file_okay=False), default=None, envvar="FSDPJOB_DEVCLUSTER_DIR",
-    show_envvar=True, help="Where the cluster keeps config, logs, spool and database [default: /tmp/fsdpjob-devcluster].")
+    show_envvar=True,
+    help="Where the cluster keeps config, logs, spool and database [default: /tmp/fsdpjob-devcluster].")
 
 
 @click.group(name="dev-cluster", short_help="A real multi-node Slurm cluster on this machine, for tests (root only).")

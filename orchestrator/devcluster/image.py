@@ -152,7 +152,8 @@ def build_base(cache: Path, sources: list[Path], *, echo: bool = False) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         shutil.rmtree(building, ignore_errors=True)
-        raise FsdpjobError(f"test image: mmdebstrap took over {BUILD_TIMEOUT_S} s; is the apt mirror reachable?") from None
+        raise FsdpjobError(
+            f"test image: mmdebstrap took over {BUILD_TIMEOUT_S} s; is the apt mirror reachable?") from None
     if done.returncode != 0:
         shutil.rmtree(building, ignore_errors=True)
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])

@@ -156,7 +156,7 @@ def _controller_view(record) -> SchedView:
     try:
         with open(results[0], "rb") as f:
             outcome = pickle.load(f)[0]
-    except Exception:  # noqa: BLE001 - an unreadable pickle is a failed run
+    except Exception:  # an unreadable pickle is a failed run
         outcome = "error"
     return SchedView(state="COMPLETED" if outcome == "success" else "FAILED")
 

@@ -212,7 +212,8 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
         consider("model.dtype=bfloat16", replace(u, model_bytes=2), BF16_WEIGHTS_COST)
     offloaded = replace(u, cpu_offload=True)
     # The spec refuses offload with HSDP; the plan refuses it where rank 0 would broadcast the weights over gloo.
-    if u.on_gpu and not u.cpu_offload and u.replicate_degree == 1 and not offload_broadcast_conflict(s, p, offloaded, env or {}):
+    if (u.on_gpu and not u.cpu_offload and u.replicate_degree == 1
+            and not offload_broadcast_conflict(s, p, offloaded, env or {})):
         consider("fsdp.cpu_offload=true", offloaded, "state on the host: steps much slower")
     if profile.max_nodes is None or profile.max_nodes > u.nodes:
         most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
@@ -223,7 +224,8 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
         nodes = _boundary(range(first, most + 1, step), lambda n: _fits(s, p, replace(u, nodes=n), profile)[0])
         if nodes is not None:
             more = replace(u, nodes=nodes)
-            consider(f"resources.nodes={nodes}", more, f"shard over {more.shard_degree} ranks: the fewest nodes that fit")
+            consider(f"resources.nodes={nodes}", more,
+                     f"shard over {more.shard_degree} ranks: the fewest nodes that fit")
     return out
 
 
@@ -295,9 +297,10 @@ def offload_broadcast_conflict(s: ModelShape, p: ParamCount, u: Setup, env: dict
     if seconds <= RANK0_BROADCAST_LIMIT_S:
         return None
     return (f"fsdp.cpu_offload with rank 0 reading the weights ({why}): the offloaded shards are on the CPU, so every "
-            f"full tensor goes over gloo (TCP), {full / 1e9:,.0f} GB to each of {u.world - 1} ranks, ~{seconds / 60:,.0f} "
-            f"min at an assumed {GLOO_BROADCAST_BYTES_PER_S / 1e9:g} GB/s (over {RANK0_BROADCAST_LIMIT_S} s); set "
-            "fsdp.cpu_offload: false (`fsdpjob plan --set fsdp.cpu_offload=false` shows the nodes that fit)")
+            f"full tensor goes over gloo (TCP), {full / 1e9:,.0f} GB to each of {u.world - 1} ranks, "
+            f"~{seconds / 60:,.0f} min at an assumed {GLOO_BROADCAST_BYTES_PER_S / 1e9:g} GB/s "
+            f"(over {RANK0_BROADCAST_LIMIT_S} s); set fsdp.cpu_offload: false "
+            "(`fsdpjob plan --set fsdp.cpu_offload=false` shows the nodes that fit)")
 
 
 def _interval(job: Resolved, t: Timing) -> IntervalAdvice | None:

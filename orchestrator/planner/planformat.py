@@ -34,7 +34,8 @@ def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
     parts = [f"{size_text(h.offloaded_per_rank, unit)} offloaded"] if u.cpu_offload else []
     parts += [f"{size_text(h.staged_per_rank, unit)} async-save staging"] if h.staged_per_rank else []
     per_rank = f"{u.tasks_per_node} x ({' + '.join(parts)}) {unit[0]} + " if parts else ""
-    training_note = f"{per_rank}{u.tasks_per_node} x {size_text(h.process_per_rank, unit)} {unit[0]} process" if u.on_gpu else ""
+    training_note = (f"{per_rank}{u.tasks_per_node} x {size_text(h.process_per_rank, unit)} {unit[0]} process"
+                     if u.on_gpu else "")
     return [
         f"host RAM per node ({unit[0]}):",
         _row("load, own shards" if h.own_shards else "load, rank-0 loading",
@@ -68,8 +69,9 @@ def format_plan(plan: FitPlan) -> str:
         f"plan for {plan.name}: {s.model_type}, {params_text(p.total)} params "
         f"(embedding {params_text(p.embedding)}, {p.layers} layers x {params_text(p.per_layer)}{head})",
         *_lora_lines(plan),
-        f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = {count_text(u.world, 'rank')} "
-        f"on {d.kind.upper()}, shard degree {u.shard_degree}, replicate {u.replicate_degree}",
+        f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = "
+        f"{count_text(u.world, 'rank')} on {d.kind.upper()}, shard degree {u.shard_degree}, "
+        f"replicate {u.replicate_degree}",
         "",
         *_memory_lines(d),
         "",

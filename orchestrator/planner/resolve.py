@@ -109,9 +109,9 @@ def problems(spec: JobSpec, profile: ClusterProfile,
         out.append(
             (
                 ("resources", "time_limit"),
-                f"{spec.resources.time_limit} ({eff.time_limit} = {eff.time_limit_s} s) exceeds profile {profile.name!r} "
-                f"max_time {profile.max_time} ({profile.max_time_s} s); shorten it (checkpoints and requeues carry the "
-                "run across allocations)",
+                f"{spec.resources.time_limit} ({eff.time_limit} = {eff.time_limit_s} s) exceeds profile "
+                f"{profile.name!r} max_time {profile.max_time} ({profile.max_time_s} s); shorten it (checkpoints "
+                "and requeues carry the run across allocations)",
             )
         )
     if eff.signal_lead_s >= eff.time_limit_s:
@@ -146,9 +146,9 @@ def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective,
                     f"set resources.nodes to at most {count}, or name a larger partition in resources.partition"))
     if profile.gpus_per_node and r.gpus_per_node == 0:
         out.append((("resources", "gpus_per_node"),
-                    f"gpus_per_node: 0 on profile {profile.name!r} (nodes with {profile.gpus_per_node} GPUs) would train "
-                    "on the CPUs of GPU nodes; drop gpus_per_node (one worker per GPU), or use a CPU profile (--profile "
-                    "local)"))
+                    f"gpus_per_node: 0 on profile {profile.name!r} (nodes with {profile.gpus_per_node} GPUs) "
+                    "would train on the CPUs of GPU nodes; drop gpus_per_node (one worker per GPU), or use a CPU "
+                    "profile (--profile local)"))
     cores = profile.cpus_per_node
     if cores and eff.cpus_per_task and eff.tasks_per_node * eff.cpus_per_task > cores:
         total = f"tasks_per_node ({eff.tasks_per_node}) x cpus_per_task ({eff.cpus_per_task})"

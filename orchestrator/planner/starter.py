@@ -43,7 +43,8 @@ def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path 
     text = resources.files("fsdpjob.templates").joinpath("starter.yaml.j2").read_text(encoding="utf-8")
     cpu = prof.gpus_per_node == 0
     return env.from_string(text).render(
-        out=shlex.quote(str(out)), name=job_name(out), profile=profile, profile_name=prof.name, profile_description=" ".join(prof.description.split()),
+        out=shlex.quote(str(out)), name=job_name(out), profile=profile, profile_name=prof.name,
+        profile_description=" ".join(prof.description.split()),
         cpu=cpu, gpus=prof.gpus_per_node, tasks=min(2, prof.cpus_per_node or 1),
         model_path=str(model_dir) if model_dir else PLACEHOLDER_MODEL,
         model_note="a local Hugging Face model folder" if model_dir else "CHANGE ME: a local Hugging Face model folder",

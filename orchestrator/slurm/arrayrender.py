@@ -100,7 +100,8 @@ def array_plan(tasks: list[ArrayTask], *, name: str, sweep_id: str, sweep_dir: s
     )
     header = (*[h for h in first.header if not h.startswith(("run:", "submit with:"))],
               f"sweep: {sweep_id} ({len(tasks)} runs, one array task each: --array={array})",
-              f"submit with: fsdpjob sweep {spec_source or 'SPEC'} (not sbatch: submitit pickles each task's job first)")
+              f"submit with: fsdpjob sweep {spec_source or 'SPEC'} "
+              "(not sbatch: submitit pickles each task's job first)")
     return replace(
         first,
         header=tuple(comment_text(h) for h in header),

@@ -176,7 +176,7 @@ def _slurm_value(value: str | None) -> str | None:
 def accounting_known() -> bool | None:
     try:
         return commands.accounting_enabled()
-    except Exception:  # noqa: BLE001 - status falls back to squeue/scontrol when unknown
+    except Exception:  # status falls back to squeue/scontrol when unknown
         return None
 
 

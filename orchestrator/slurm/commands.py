@@ -94,7 +94,8 @@ def sacct(job_ids: list[str]) -> list[SacctRow]:
     if not job_ids:
         return []
     out = run(
-        ["sacct", "--parsable2", "--noheader", "-X", "-D", "-j", ",".join(query_ids(job_ids)), "-o", ",".join(SACCT_FIELDS)]
+        ["sacct", "--parsable2", "--noheader", "-X", "-D", "-j", ",".join(query_ids(job_ids)),
+         "-o", ",".join(SACCT_FIELDS)]
         + ["-S", "2000-01-01"]
     )
     return parse_sacct(out)

@@ -4,7 +4,8 @@ supervise/stopfinish.py).
 The workers committed a stop checkpoint and handed the stop over (core/stophandoff.py); the supervisor, outside
 any container, calls ``settle`` (supervise/allocation.py). Slurm tells the kind of stop only here, through
 scontrol: PreemptTime is set only for a preemption, Restarts has grown before the SIGTERM of an external
-`scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period: squeue's %L ignores it).
+`scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period:
+squeue's %L ignores it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def requeue(job_id: str, *, capped: str | None) -> tuple[str, str]:
         return NOT_REQUEUED, capped
     try:
         refused = slurm_cli.requeue_unless_cancelled(job_id)
-    except Exception as exc:  # noqa: BLE001 - e.g. the job is being cancelled or requeued right now
+    except Exception as exc:  # e.g. the job is being cancelled or requeued right now
         state = _job_state(job_id)
         if state == "CANCELLED":
             return CANCELLED, f"job {job_id} was cancelled while stopping; not requeued"
@@ -54,7 +55,7 @@ def settle(job_id: str, *, restart_count: int, capped: str | None) -> Settled:
     batch side records."""
     try:
         info = slurm_cli.scontrol_job(job_id) or {}
-    except Exception as exc:  # noqa: BLE001 - the classification is informational; the requeue still matters
+    except Exception as exc:  # the classification is informational; the requeue still matters
         print(f"fsdpjob supervisor: could not ask scontrol about job {job_id}: {exc}", file=sys.stderr, flush=True)
         info = {}
     reason = classify(info, restart_count)
@@ -64,5 +65,5 @@ def settle(job_id: str, *, restart_count: int, capped: str | None) -> Settled:
 def _job_state(job_id: str) -> str | None:
     try:
         return slurm_cli.job_state(job_id)
-    except Exception:  # noqa: BLE001
+    except Exception:  # a state squeue cannot tell is an unknown one
         return None

@@ -55,7 +55,7 @@ def wait_gpus_free(nodes: list[str], apps: Apps, *, bound_s: float = GPU_FREE_BO
     def probe(node: str) -> list[str] | None:
         try:
             return compute_apps(apps(node))
-        except Exception:  # noqa: BLE001 - a probe that fails (node gone, srun refused) cannot be waited for
+        except Exception:  # a probe that fails (node gone, srun refused) cannot be waited for
             return None
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(nodes)))) as pool:

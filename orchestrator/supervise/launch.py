@@ -31,6 +31,6 @@ class SupervisedLocalExecutor(submitit.LocalExecutor):
         with log:
             # Its own session: the terminal's Ctrl-C and hang-up reach the CLI only (submit --wait turns Ctrl-C
             # into a cancel), never the workers as a KeyboardInterrupt that would read as a crash.
-            process = subprocess.Popen(argv, env=env, stdout=log, stderr=log,  # noqa: S603 - fixed argv, no shell
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=log,  # fixed argv, no shell
                                        start_new_session=True)
         return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))

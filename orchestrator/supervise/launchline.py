@@ -43,8 +43,8 @@ def describe(profile: str, run_dir: Path, submitit_dir: Path, ntasks: int, timeo
     command = rank_command(submitit_dir)
     env = {**env, **controller_env(ntasks, command, timeout_s, signal_delay_s)}
     lines = [
-        f"# profile {profile!r} is local: no sbatch script; {ntasks} worker process(es) start on this machine (submitit local "
-        f"executor), run folder {run_dir}",
+        f"# profile {profile!r} is local: no sbatch script; {ntasks} worker process(es) start on this machine "
+        f"(submitit local executor), run folder {run_dir}",
         "# 1. the supervisor, in the background (it restarts the workers after a crash or a hang):",
         shlex.join(supervisor_argv(str(run_dir), submitit_dir, ntasks)),
         f"# 2. it starts submitit's controller, which starts each rank k = 0..{ntasks - 1} "

@@ -91,7 +91,7 @@ class Notifier:
             last = self.stopping.is_set()
             try:
                 send(self.run_dir, self.notify, self.url, _events(self.follower.new_entries()))
-            except Exception as exc:  # noqa: BLE001 - a notifier bug must never reach the supervisor
+            except Exception as exc:  # a notifier bug must never reach the supervisor
                 webhook.log(f"notifier error: {type(exc).__name__}")
             if last:
                 return
@@ -107,7 +107,7 @@ def start(run_dir: Path) -> Notifier | None:
     """Start the notifier for a run with a webhook; None without one (or on any problem: logged, never raised)."""
     try:
         found = webhook.settings(run_dir)
-    except Exception as exc:  # noqa: BLE001 - notifications are never worth failing a job
+    except Exception as exc:  # notifications are never worth failing a job
         webhook.log(f"notifications off: {type(exc).__name__}: {exc}")
         return None
     return Notifier(run_dir, *found).start() if found else None
@@ -118,7 +118,7 @@ def send_now(run_dir: Path, entry: dict, bound_s: float = CLOSE_BOUND_S) -> None
     thread joined for at most ``bound_s``."""
     try:
         found = webhook.settings(run_dir)
-    except Exception:  # noqa: BLE001
+    except Exception:  # no readable webhook settings: nothing to send
         return
     if found:
         thread = threading.Thread(target=send, args=(run_dir, *found, [entry]), daemon=True)
@@ -156,5 +156,5 @@ def _goodput(run_dir: Path) -> float | None:
         facts = RunMeta.read(run_dir).run_facts(run_dir.name)
         value = goodput(facts, None, runlog.read_events(run_dir), runlog.read_metrics(run_dir)).goodput
         return round(value, 4) if value is not None else None
-    except Exception:  # noqa: BLE001 - a number in a message is not worth a failure
+    except Exception:  # a number in a message is not worth a failure
         return None

@@ -51,8 +51,8 @@ class Decision:
 
 
 def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max_restarts: int,
-                          ever_trained: bool, can_exclude: bool, dead: tuple[str, ...] = (), excluded: tuple[str, ...] = (),
-                          nodes: int = 1, min_nodes: int = 1,
+                          ever_trained: bool, can_exclude: bool, dead: tuple[str, ...] = (),
+                          excluded: tuple[str, ...] = (), nodes: int = 1, min_nodes: int = 1,
                           requeue_refuses: Callable[[tuple[str, ...]], str | None] | None = None) -> Decision:
     """Restart after ``faults[-1]``? ``launch_events`` are the run-log events written since that launch
     started; ``ever_trained``: a launch of the run trained (core/attempts.ever_trained); ``dead``: nodes that no
@@ -69,7 +69,8 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
         if attempts.not_retryable(e):
             return Decision(False, attempts.not_retryable_why(e))
     if fault.kind == "crash" and not ever_trained:
-        return Decision(False, "the workers crashed before the run's first training step; they would crash the same way")
+        return Decision(False,
+                        "the workers crashed before the run's first training step; they would crash the same way")
     if len(faults) > max_restarts:
         return Decision(False, f"restart budget spent: {max_restarts} restart(s) in this allocation "
                                "(recovery.max_restarts)")
@@ -80,7 +81,8 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
     if twice and can_exclude:
         left = nodes - len(excluded) - len(twice)
         if left >= min_nodes:
-            return Decision(True, f"node(s) {', '.join(twice)} {'lost' if set(twice) <= set(dead) else 'blamed twice'}; "
+            how = "lost" if set(twice) <= set(dead) else "blamed twice"
+            return Decision(True, f"node(s) {', '.join(twice)} {how}; "
                                   f"going on with {left} node(s) in this allocation (resources.min_nodes {min_nodes}), "
                                   f"from the newest committed checkpoint (restart {len(faults)} of {max_restarts})",
                             exclude=twice)

@@ -10,8 +10,9 @@ the heartbeats (stall.py). The launch ends by itself (exit 0: done, or a stop ch
 over, core/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
 (stacks.py), then the step gets SIGTERM, a short grace, and a hard kill. A hand-off ends the loop: the
 allocation asks Slurm what the stop was and requeues the job (slurm/stop.py), and records it (stopfinish.py);
-the workers run no Slurm command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new launch, same allocation, resuming from the newest committed checkpoint) or give up
-(this exits non-zero and the batch script's failure policy requeues or fails the job as before).
+the workers run no Slurm command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new
+launch, same allocation, resuming from the newest committed checkpoint) or give up (this exits non-zero and the
+batch script's failure policy requeues or fails the job as before).
 A SIGTERM or SIGINT to the supervisor (scancel, a requeue, `fsdpjob cancel` locally) is passed on and ends it.
 """
 
@@ -125,7 +126,8 @@ class Supervisor:
                                      stderr=subprocess.PIPE if srun else None)
         self._srun_exits: list[tuple[tuple[int, ...], str]] = []
         self._srun_untouched: int | None = None  # how many of them srun printed before the supervisor's signal
-        self._relay = threading.Thread(target=self._relay_stderr, args=(self.proc.stderr,), daemon=True) if srun else None
+        self._relay = (threading.Thread(target=self._relay_stderr, args=(self.proc.stderr,), daemon=True)
+                       if srun else None)
         if self._relay is not None:
             self._relay.start()
         world = (self.nodes - len(self.excluded)) * self.tasks_per_node
@@ -241,7 +243,8 @@ class Supervisor:
                                          can_exclude=self.allocation.can_exclude,
                                          dead=facts.lost if facts else (),
                                          excluded=self.excluded, nodes=self.nodes, min_nodes=self.min_nodes,
-                                         requeue_refuses=facts.requeue_refuses if facts else self.allocation.requeue_refuses)
+                                         requeue_refuses=(facts.requeue_refuses if facts
+                                                          else self.allocation.requeue_refuses))
         if decision.restart and decision.exclude:
             self.excluded = tuple(sorted({*self.excluded, *decision.exclude}))
         runlog.append(self.run_dir, runlog.FAULT, kind=kind, launch=launch, exit_code=rc, hosts=list(hosts),

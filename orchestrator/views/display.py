@@ -103,5 +103,5 @@ def recovery_lines(rec: dict | None, run_id: str) -> list[str]:
 def goodput_line(g: dict | None, run_id: str) -> str:
     if not g or g["goodput"] is None:
         return "goodput    -"
-    return (f"goodput    {100 * g['goodput']:.1f} % of {amount_text(g['allocated_unit_s'])} {g['unit']}-seconds allocated  "
-            f"(ETTR {100 * (g['ettr'] or 0):.1f} %; breakdown: fsdpjob report {run_id})")
+    return (f"goodput    {100 * g['goodput']:.1f} % of {amount_text(g['allocated_unit_s'])} {g['unit']}-seconds "
+            f"allocated  (ETTR {100 * (g['ettr'] or 0):.1f} %; breakdown: fsdpjob report {run_id})")

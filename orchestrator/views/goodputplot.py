@@ -16,8 +16,8 @@ from .goodput import CATEGORIES
 from .reportpicture import picture
 
 INSTALL_HINT = "pip install 'fsdpjob[plot]'"
-COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "productive": "#31a354", "checkpoint": "#3182bd", "lost": "#de2d26",
-          "hang": "#8c510a", "teardown": "#bdbdbd", "unexplained": "#fdae6b"}
+COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "productive": "#31a354", "checkpoint": "#3182bd",
+          "lost": "#de2d26", "hang": "#8c510a", "teardown": "#bdbdbd", "unexplained": "#fdae6b"}
 # One shape and colour per kind of stop; red is the crash's alone, so a cancel or a preemption never looks like one.
 MARKERS = {"preemption": ("v", "#e6550d"), "time_limit": ("s", "#756bb1"), "requeue": ("o", "#3182bd"),
            "crash": ("X", "#de2d26"), "hang": ("D", "#8c510a"), "node_fail": ("P", "#000000"),
@@ -60,7 +60,8 @@ def draw(pic: dict):
     loss_ax, time_ax, bar_ax = fig.subplots(3, 1, height_ratios=[3, 3, 1.1])
     drawn = {"unit": pic["unit"], "curves": {c["label"]: len(c["step"]) for c in pic["training"]},
              "stops": [(s["time"], s["kind"], MARKERS.get(s["kind"], ("o", "#636363"))[1]) for s in pic["stops"]],
-             "checkpoints": [c["step"] for c in pic["checkpoints"]], "evaluations": [e["step"] for e in pic["evaluations"]]}
+             "checkpoints": [c["step"] for c in pic["checkpoints"]],
+             "evaluations": [e["step"] for e in pic["evaluations"]]}
     _loss_panel(loss_ax, pic)
     _time_panel(time_ax, pic)
     drawn["bar"] = _bar(bar_ax, pic)
@@ -83,7 +84,8 @@ def _stop_mark(ax, stop: dict, x: float, y: float | None, handles: dict) -> None
 def _loss_panel(ax, pic: dict) -> None:
     handles: dict = {}
     for i, c in enumerate(pic["training"]):
-        [line] = ax.plot(c["step"], c["loss"], color=STARTS[i % len(STARTS)], lw=1.2, marker="." if len(c["step"]) < 60 else None)
+        [line] = ax.plot(c["step"], c["loss"], color=STARTS[i % len(STARTS)], lw=1.2,
+                         marker="." if len(c["step"]) < 60 else None)
         handles[c["label"]] = line
     evals = pic["evaluations"]
     if evals:

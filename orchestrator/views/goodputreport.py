@@ -20,8 +20,9 @@ from .status import build_report
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.
 SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal")
-LABELS = {"launch": "launch of the workers", "startup": "start-up", "productive": "productive", "checkpoint": "checkpoint saves", "lost": "lost work",
-          "hang": "hang", "teardown": "stop and teardown", "unexplained": "unexplained"}
+LABELS = {"launch": "launch of the workers", "startup": "start-up", "productive": "productive",
+          "checkpoint": "checkpoint saves", "lost": "lost work", "hang": "hang", "teardown": "stop and teardown",
+          "unexplained": "unexplained"}
 _LABEL_WIDTH = max(map(len, LABELS.values())) + 2
 
 
@@ -119,7 +120,8 @@ def format_report(r: RunReport) -> str:
     for k in CATEGORIES:
         share = g.unit_seconds[k] / g.allocated_unit_s if g.allocated_unit_s else None
         lines.append(f"  {LABELS[k]:<{_LABEL_WIDTH}}{amount_text(g.unit_seconds[k]):>10} {g.unit}-s  {_pct(share):>8}")
-    lines += ["", f"goodput {_pct(g.goodput)} (productive / allocated); ETTR {_pct(g.ettr)} (productive / (end - submit))"]
+    lines += ["", f"goodput {_pct(g.goodput)} (productive / allocated); "
+                  f"ETTR {_pct(g.ettr)} (productive / (end - submit))"]
     if g.step_s is not None or g.save_s is not None:
         lines.append(f"measured: step {_secs(g.step_s)}, blocking save {_secs(g.save_s)}")
     lines += ["", "interruptions:" if g.interruptions else "interruptions: none"]

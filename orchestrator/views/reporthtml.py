@@ -43,7 +43,8 @@ def page_context(r: RunReport, png: bytes, scheduler: str) -> dict:
         "unit": g.unit, "units": g.units, "allocated": amount_text(g.allocated_unit_s),
         "attempts": [{"index": a.index, "state": a.state, "queue_wait": _secs(a.queue_wait_s), "held": _secs(a.held_s),
                       "allocated": _secs(a.allocated_s),
-                      "steps": "-" if a.start_step is None else f"{a.start_step} → {a.reached_step}"} for a in g.attempts],
+                      "steps": "-" if a.start_step is None else f"{a.start_step} → {a.reached_step}"}
+                     for a in g.attempts],
         "breakdown": [{"part": LABELS[k], "seconds": amount_text(g.unit_seconds[k]), "share": _pct(share[k]),
                        "width": round(100 * (share[k] or 0), 2)} for k in CATEGORIES],
         "interruptions": [{"attempt": c.attempt, "kind": STOP_LABELS.get(c.kind, c.kind), "css": c.kind,

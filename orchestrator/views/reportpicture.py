@@ -45,9 +45,10 @@ def picture(report: dict, events: list[dict], metrics: list[dict]) -> dict:
         "evaluations": [{"time": m["time"], "step": m["step"], "loss": m["eval_loss"]} for m in metrics
                         if isinstance(m.get("time"), (int, float)) and isinstance(m.get("step"), int)
                         and isinstance(m.get("eval_loss"), (int, float))],
-        "stops": [{"time": c["time"], "step": c["step"], "kind": c["kind"], "label": stop_label(c), "attempt": c["attempt"]}
-                  for c in report["interruptions"]],
-        "allocated_unit_s": report["allocated_unit_s"], "unit_name": report["unit"], "unit_seconds": report["unit_seconds"],
+        "stops": [{"time": c["time"], "step": c["step"], "kind": c["kind"], "label": stop_label(c),
+                   "attempt": c["attempt"]} for c in report["interruptions"]],
+        "allocated_unit_s": report["allocated_unit_s"], "unit_name": report["unit"],
+        "unit_seconds": report["unit_seconds"],
         "goodput": report["goodput"], "ettr": report["ettr"],
     }
 

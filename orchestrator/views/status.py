@@ -151,7 +151,8 @@ def build_report(record: JobRecord, view: SchedView | None, parent_phase: str | 
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
         failure_reason=failure,
-        last_stop={k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")} if progress.last_stop else None,
+        last_stop=({k: progress.last_stop.get(k) for k in ("reason", "step", "requeued")}
+                   if progress.last_stop else None),
         goodput=_goodput(record, view, progress, phase),
         recovery=progress.recovery(),
         data={k: progress.data.get(k) for k in DATA_KEYS} if progress.data else None,

@@ -63,7 +63,8 @@ def phase_counts(reports: list[StatusReport]) -> str:
 def status_text(records: list[JobRecord], reports: list[StatusReport]) -> str:
     facts = sweep_facts(records)
     job = f", array job {facts['job_id']}" if facts["job_id"] else ""
-    head = f"sweep {facts['name']} ({facts['id']}{job}): {facts['runs']} of {facts['count']} runs: {phase_counts(reports)}"
+    head = (f"sweep {facts['name']} ({facts['id']}{job}): {facts['runs']} of {facts['count']} runs: "
+            f"{phase_counts(reports)}")
     rows = [[str(rec.sweep["index"]), _values(rec), r.run_id, r.job_id, r.phase,
              f"{r.step if r.step is not None else '-'}/{r.max_steps}", _num(r.loss), _num(r.eval_loss)]
             for rec, r in zip(records, reports)]
@@ -152,8 +153,10 @@ def _finite(x) -> bool:
 def variant_row(record: JobRecord, view: SchedView | None) -> VariantRow:
     status = build_report(record, view)
     events, metrics = runlog.read_events(record.run_dir), runlog.read_metrics(record.run_dir)
-    evals = [(m["step"], float(m["eval_loss"])) for m in metrics if isinstance(m.get("step"), int) and _finite(m.get("eval_loss"))]
-    losses = [(m["step"], float(m["loss"])) for m in metrics if isinstance(m.get("step"), int) and _finite(m.get("loss"))]
+    evals = [(m["step"], float(m["eval_loss"])) for m in metrics
+             if isinstance(m.get("step"), int) and _finite(m.get("eval_loss"))]
+    losses = [(m["step"], float(m["loss"])) for m in metrics
+              if isinstance(m.get("step"), int) and _finite(m.get("loss"))]
     best = min(evals, key=lambda p: (p[1], p[0])) if evals else None
     g = None
     if events:

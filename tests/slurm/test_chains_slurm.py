@@ -1,8 +1,9 @@
 """Chains, webhooks and start estimates on the real dev cluster (Slurm 22.05): `--after` holds the child in
-PENDING (Dependency) until its parent completes, and `export --submit` exports after it; a cancelled parent leaves the child never started, and status
-says why; a webhook to a local HTTP server gets the run's events in order from a real run, and its URL is
-nowhere on disk or in what fsdpjob prints; `plan` and `submit --dry-run` show the real `sbatch --test-only`'s
-estimate. The pure parts are in tests/test_chains.py and tests/test_notify.py."""
+PENDING (Dependency) until its parent completes, and `export --submit` exports after it; a cancelled parent
+leaves the child never started, and status says why; a webhook to a local HTTP server gets the run's events in
+order from a real run, and its URL is nowhere on disk or in what fsdpjob prints; `plan` and `submit --dry-run`
+show the real `sbatch --test-only`'s estimate. The pure parts are in tests/test_chains.py and
+tests/test_notify.py."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_after_holds_the_child_until_the_parent_completes_and_the_webhook_gets_t
         child = submit(child_spec, "--after", parent["run_id"])
 
         out = Path(os.environ["FSDPJOB_HOME"]) / "exported"
-        said = fsdpjob("export", parent["run_id"], "--submit", "-p", "test-cluster", "--out", str(out), check=True).stdout
+        said = fsdpjob("export", parent["run_id"], "--submit", "-p", "test-cluster", "--out", str(out),
+                       check=True).stdout
         export_job = said.split(" as job ", 1)[1].split(",", 1)[0]
         assert f"to start after job {parent['job_id']} completes" in said
 

@@ -162,7 +162,8 @@ def goodput_accuracy(rep: dict, faults: list[tuple[tuple[str, int], float]], run
         elif fault == "kill_rank":
             row.update(report_s=None)  # no crash followed: the kill missed training (setup, a stop, srun)
         rows.append(row)
-    return {"allocated_unit_s": rep["allocated_unit_s"], "parts_s": sum(rep["unit_seconds"].values()), "step_s": rep["step_s"],
-            "goodput": rep["goodput"], "ettr": rep["ettr"], "seconds": rep["unit_seconds"],
-            "interruptions": [(c["kind"], c["step"], c["lost_steps"], round(c["lost_s"], 2)) for c in rep["interruptions"]],
+    return {"allocated_unit_s": rep["allocated_unit_s"], "parts_s": sum(rep["unit_seconds"].values()),
+            "step_s": rep["step_s"], "goodput": rep["goodput"], "ettr": rep["ettr"], "seconds": rep["unit_seconds"],
+            "interruptions": [(c["kind"], c["step"], c["lost_steps"], round(c["lost_s"], 2))
+                              for c in rep["interruptions"]],
             "faults": rows}

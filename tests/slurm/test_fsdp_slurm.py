@@ -81,7 +81,8 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
     [cut] = rep["interruptions"]
     assert cut["kind"] == "preemption" and cut["step"] == stop_step and cut["lost_steps"] == 0, cut
     assert cut["recovered"] == f"requeued by the workers, resumed from step {stop_step}", cut
-    assert abs(sum(rep["unit_seconds"].values()) - rep["allocated_unit_s"]) <= 0.02 * rep["allocated_unit_s"], rep["unit_seconds"]
+    assert (abs(sum(rep["unit_seconds"].values()) - rep["allocated_unit_s"])
+            <= 0.02 * rep["allocated_unit_s"]), rep["unit_seconds"]
     assert rep["unit_seconds"]["productive"] > 0 and rep["unit_seconds"]["checkpoint"] > 0 and 0 < rep["goodput"] <= 1
     assert rep["ettr"] < rep["goodput"]  # the queue waits count against ETTR only
     text = fsdpjob("report", run["run_id"], check=True).stdout

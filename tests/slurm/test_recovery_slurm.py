@@ -173,7 +173,8 @@ def test_a_crash_past_the_restart_budget_is_requeued_by_the_failure_policy_and_r
     assert in_its_own_container(beat["pid"]), beat  # no scontrol in its root: the requeue runs outside
     os.kill(beat["pid"], signal.SIGKILL)
     queued = wait_phase(run["run_id"], {"REQUEUED", "COMPLETED", "FAILED", "CANCELLED"}, timeout=180)
-    assert queued["phase"] == "REQUEUED" and "restart budget spent" in queued["recovery"]["last_fault"]["decision"], queued
+    assert (queued["phase"] == "REQUEUED"
+            and "restart budget spent" in queued["recovery"]["last_fault"]["decision"]), queued
 
     # Slurm's own 120 s BeginTime hold runs out here (other tests release it at once): released early, the new
     # allocation's tasks on n2 were SIGKILLed ~60 s after the requeue, as slurmctld's messages to that node timed
@@ -200,5 +201,6 @@ def test_a_crash_past_the_restart_budget_is_requeued_by_the_failure_policy_and_r
     assert "Restarts=1" in shown or not shown, shown  # slurmctld may have aged the job out
     rep = json.loads(fsdpjob("report", run["run_id"], "--json", check=True).stdout)
     [cut] = rep["interruptions"]
-    assert cut["kind"] == "crash" and cut["recovered"] == f"requeued by the failure policy, resumed from step {resume['step']}", cut
+    assert (cut["kind"] == "crash"
+            and cut["recovered"] == f"requeued by the failure policy, resumed from step {resume['step']}"), cut
     assert_same_weights(reference, run["run_dir"])
