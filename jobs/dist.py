@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core import slurmenv
+from fsdpjob.orchestrator.core import envvars, slurmenv
 
 from .workerenv import WorkerEnv
 
@@ -74,7 +74,7 @@ def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int
 def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.device]:
     if not torch.cuda.is_available():
         # FSDPJOB_FAKE_GPUS=1: the GPUs Slurm hands out are not real (the dev cluster's are /dev/null devices).
-        if (granted := granted_gpus(os.environ)) and os.environ.get("FSDPJOB_FAKE_GPUS") != "1":
+        if (granted := granted_gpus(os.environ)) and not envvars.is_on("FSDPJOB_FAKE_GPUS"):
             # A CPU-only torch (or a driver that does not match it) on a GPU node would train on the CPU over gloo.
             raise RuntimeError(
                 f"this task was given GPUs ({granted}) but torch {torch.__version__} sees none (CUDA build: "
@@ -90,7 +90,8 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
 def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> str:
     """``node``'s address as the supervisor resolved it on the batch side (FSDPJOB_NODE_ADDRS: Slurm node names
     need not be host names, and a worker in a container cannot ask scontrol), else ``node`` itself."""
-    addr = slurmenv.node_addrs(environ.get("FSDPJOB_NODE_ADDRS")).get(node)
+    addrs = envvars.get("FSDPJOB_NODE_ADDRS", environ=environ)
+    addr = slurmenv.node_addrs(addrs).get(node)
     if addr is not None:
         return addr
     try:
@@ -98,7 +99,7 @@ def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> s
     except socket.gaierror:
         raise RuntimeError(
             f"the job's first node {node!r} does not resolve and the supervisor passed no address for it "
-            f"(FSDPJOB_NODE_ADDRS={environ.get('FSDPJOB_NODE_ADDRS', '(unset)')}); make node names resolvable "
+            f"(FSDPJOB_NODE_ADDRS={addrs or '(unset)'}); make node names resolvable "
             "(DNS or /etc/hosts) on every node, or set NodeAddr in slurm.conf"
         ) from None
     return node

@@ -1,6 +1,6 @@
 """What a worker knows about the job it runs in (scheduler, job id, restarts, rank for logs, host, the
 supervisor's launch), read once: the one place the worker reads the scheduler's and the supervisor's variables
-(core/envvars.py lists the FSDPJOB_* ones)."""
+(the FSDPJOB_* ones through core/envvars.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import slurmenv
+from fsdpjob.orchestrator.core import envvars, slurmenv
 
 # No torch here: preemption.py uses this before the worker's heavy imports.
 
@@ -37,8 +37,8 @@ class WorkerEnv:
             restart_count=slurmenv.restart_count(),
             log_rank=env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or env.get("RANK", "0"),
             host=os.uname().nodename,
-            launch=int(env.get("FSDPJOB_LAUNCH") or 0),
-            supervised=env.get("FSDPJOB_SUPERVISED") == "1",
+            launch=int(envvars.get("FSDPJOB_LAUNCH") or 0),
+            supervised=envvars.is_on("FSDPJOB_SUPERVISED"),
         )
 
     @property

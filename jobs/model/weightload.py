@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdpjob.orchestrator.core import envvars
 from fsdpjob.orchestrator.core.weightfiles import read_header, weight_files
 
 from ..checkpoint.io import pread_into
@@ -126,7 +127,7 @@ def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, .
 @torch.no_grad()
 def plan_pieces(model: nn.Module, path: Path, expected: set[str], tie_groups: list[list[str]]) -> list[Piece] | str:
     """What this rank reads, or why the sharded path does not apply (every rank sees the same answer)."""
-    if os.environ.get(SWITCH, "sharded") == "rank0":
+    if envvars.get(SWITCH, "sharded") == "rank0":
         return f"{SWITCH}=rank0"
     stored = stored_tensors(path)
     if stored is None:
