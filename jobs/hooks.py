@@ -24,7 +24,8 @@ The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0)
 then runs clean, as after a real transient fault.
 
 The training loop calls them at two points of a step (``StepHooks.before_step``, ``StepHooks.after_step``); the
-saver calls the stop-at-step request where it agrees on a stop and the exit between its two tiers.
+saver reads the stop-at-step request where it agrees on a stop, the exit between its two tiers and the skipped
+final save.
 """
 
 from __future__ import annotations
