@@ -96,16 +96,16 @@ def rank_main(run_dir: Path, entered: float) -> None:
     from transformers import LlamaForCausalLM  # noqa: F401
 
     marks["model_class"] = time.time()
-    from fsdpjob.jobs import train
+    from fsdpjob.jobs import parts, train
     from fsdpjob.jobs.model import build as model
 
     marks["worker"] = time.time()
     torch.set_num_threads(1)
     _timed(train, "init_distributed", "init_distributed", marks)
-    _timed(train, "load_model", "load_model", marks)
+    _timed(parts, "load_model", "load_model", marks)
     _timed(model, "apply_fsdp", "apply_fsdp", marks)
     _timed(model, "load_sharded", "load_sharded", marks)
-    _timed(train, "load_or_build", "load_or_build", marks)
+    _timed(parts, "load_or_build", "load_or_build", marks)
     _timed(train.CheckpointManager, "__init__", "checkpoint_manager", marks)
     _timed(train.CheckpointManager, "find_resume", "find_resume", marks)
     _timed(train.CheckpointManager, "load", "checkpoint_load", marks)

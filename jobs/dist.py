@@ -90,7 +90,8 @@ def _backend_and_device(local_rank: int, cpu_offload: bool) -> tuple[str, torch.
 def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> str:
     """``node``'s address as the supervisor resolved it on the batch side (FSDPJOB_NODE_ADDRS: Slurm node names
     need not be host names, and a worker in a container cannot ask scontrol), else ``node`` itself."""
-    addr = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=environ)).get(node)
+    addrs = envvars.get("FSDPJOB_NODE_ADDRS", environ=environ)
+    addr = slurmenv.node_addrs(addrs).get(node)
     if addr is not None:
         return addr
     try:
@@ -98,7 +99,7 @@ def resolve_master_addr(node: str, environ: Mapping[str, str] = os.environ) -> s
     except socket.gaierror:
         raise RuntimeError(
             f"the job's first node {node!r} does not resolve and the supervisor passed no address for it "
-            f"(FSDPJOB_NODE_ADDRS={envvars.get('FSDPJOB_NODE_ADDRS', '(unset)', environ)}); make node names resolvable "
+            f"(FSDPJOB_NODE_ADDRS={addrs or '(unset)'}); make node names resolvable "
             "(DNS or /etc/hosts) on every node, or set NodeAddr in slurm.conf"
         ) from None
     return node

@@ -4,7 +4,8 @@
 - ``FSDPJOB_LOG_SAMPLES=1``: append each step's global sample ids to samples.jsonl (proves a resume skips
   and repeats none).
 - ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>``: ranks sleep that long in a checkpoint save right after their shard
-  file is written and before they report it, so a test can kill a rank mid-save.
+  file is written and before they report it, so a test can kill a rank mid-save (``wrap_writer`` wraps the
+  production writer, io.plain_writer, to do it).
   ``FSDPJOB_FAULT_SAVE_RANK=<r>`` limits it to one rank, ``FSDPJOB_FAULT_SAVE_STEP=<n>`` to one step.
   Each pause logs ``fault injection: rank R pausing ...``.
 - ``FSDPJOB_FAULT_DATA_HANG_STEP=<n>``: before training step n+1, rank ``FSDPJOB_FAULT_DATA_HANG_RANK`` (default 0)
@@ -21,27 +22,43 @@
   that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
 then runs clean, as after a real transient fault.
+
+The training loop calls them at two points of a step (``StepHooks.before_step``, ``StepHooks.after_step``); the
+saver reads the stop-at-step request where it agrees on a stop, the exit between its two tiers and the skipped
+final save.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.io import CheckpointWriter
+import torch
+import torch.distributed as dist
+
+from fsdpjob.orchestrator.core import envvars
+
+from .checkpoint.manager import WriterFactory
 from .workerenv import WorkerEnv
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
 
-def _int_or_none(raw: str | None) -> int | None:
+def _int_or_none(name: str) -> int | None:
+    raw = envvars.get(name)
     return int(raw) if raw else None
+
+
+def _number(name: str) -> float:
+    return float(envvars.get(name) or 0)
 
 
 @dataclass(frozen=True)
@@ -65,22 +82,35 @@ class TestHooks:
 
     @classmethod
     def from_env(cls) -> TestHooks:
-        env = os.environ
         faults = WorkerEnv.from_env().launch == 0
         return cls(
-            stop_at_step=int(env.get("FSDPJOB_STOP_AT_STEP") or 0),
-            log_samples=bool(env.get("FSDPJOB_LOG_SAMPLES")),
-            save_pause_s=float(env.get("FSDPJOB_FAULT_SAVE_PAUSE_S") or 0) if faults else 0.0,
-            save_pause_rank=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_RANK")),
-            save_pause_step=_int_or_none(env.get("FSDPJOB_FAULT_SAVE_STEP")),
-            data_hang_step=_int_or_none(env.get("FSDPJOB_FAULT_DATA_HANG_STEP")) if faults else None,
-            data_hang_rank=int(env.get("FSDPJOB_FAULT_DATA_HANG_RANK") or 0),
-            stop_step=_int_or_none(env.get("FSDPJOB_FAULT_STOP_STEP")) if faults else None,
-            stop_rank=int(env.get("FSDPJOB_FAULT_STOP_RANK") or 0),
-            skip_final_save=env.get("FSDPJOB_SKIP_FINAL_SAVE") == "1",
-            min_step_s=float(env.get("FSDPJOB_MIN_STEP_S") or 0),
-            exit_step=_int_or_none(env.get("FSDPJOB_FAULT_EXIT_STEP")) if faults else None,
+            stop_at_step=_int_or_none("FSDPJOB_STOP_AT_STEP") or 0,
+            log_samples=envvars.get("FSDPJOB_LOG_SAMPLES") is not None,  # any value, not only '1'
+            save_pause_s=_number("FSDPJOB_FAULT_SAVE_PAUSE_S") if faults else 0.0,
+            save_pause_rank=_int_or_none("FSDPJOB_FAULT_SAVE_RANK"),
+            save_pause_step=_int_or_none("FSDPJOB_FAULT_SAVE_STEP"),
+            data_hang_step=_int_or_none("FSDPJOB_FAULT_DATA_HANG_STEP") if faults else None,
+            data_hang_rank=_int_or_none("FSDPJOB_FAULT_DATA_HANG_RANK") or 0,
+            stop_step=_int_or_none("FSDPJOB_FAULT_STOP_STEP") if faults else None,
+            stop_rank=_int_or_none("FSDPJOB_FAULT_STOP_RANK") or 0,
+            skip_final_save=envvars.is_on("FSDPJOB_SKIP_FINAL_SAVE"),
+            min_step_s=_number("FSDPJOB_MIN_STEP_S"),
+            exit_step=_int_or_none("FSDPJOB_FAULT_EXIT_STEP") if faults else None,
         )
+
+    def at(self, *, rank: int, world_size: int, run_dir: Path, train_rows: torch.Tensor | None) -> StepHooks:
+        """These hooks at the points of a training step on this rank (``train_rows``: see log_step_samples)."""
+        return StepHooks(self, rank, world_size, run_dir / "samples.jsonl" if self.log_samples else None, train_rows)
+
+    def wrap_writer(self, make: WriterFactory) -> WriterFactory:
+        """``make`` (the production writer factory, checkpoint/io.plain_writer), with the save pause where it
+        applies: the writer it returns sleeps after writing this rank's shard, before DCP reports it."""
+        def pausing(step_dir: Path, *, rank: int, step: int) -> Any:
+            writer = make(step_dir, rank=rank, step=step)
+            if self.save_pause_s > 0 and self.save_pause_rank in (None, rank) and self.save_pause_step in (None, step):
+                _pause_after_write(writer, self.save_pause_s, rank=rank, step=step)
+            return writer
+        return pausing
 
     def pace(self, started: float) -> None:
         """Sleep out the rest of ``min_step_s`` of a step that began at ``started`` (time.monotonic())."""
@@ -88,12 +118,14 @@ class TestHooks:
             time.sleep(left)
 
     def maybe_hang_in_data(self, step: int, rank: int) -> None:
+        # Its name is what a stack dump shows (tests/test_recovery_local.py looks for it).
         if self.data_hang_step == step and self.data_hang_rank == rank:
             log.warning("fault injection: rank %d hanging in the data path before step %d", rank, step + 1)
             while True:
                 time.sleep(3600)
 
     def maybe_exit(self, step: int) -> None:
+        """After ``step``'s memory-tier snapshot started, before its durable save (the saver calls it)."""
         if self.exit_step == step:
             log.warning("fault injection: exiting (os._exit) after step %d", step)
             logging.shutdown()
@@ -104,24 +136,57 @@ class TestHooks:
             log.warning("fault injection: rank %d freezing itself (SIGSTOP) after step %d", rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def storage_writer(self, step_dir: Path, *, rank: int, step: int) -> CheckpointWriter:
-        """DCP's file writer for this rank's save of ``step``; one that pauses when the fault hook says so."""
-        pauses = self.save_pause_s > 0 and self.save_pause_rank in (None, rank) and self.save_pause_step in (None, step)
-        if pauses:
-            return _PausingWriter(step_dir, pause_s=self.save_pause_s, rank=rank, step=step)
-        return CheckpointWriter(str(step_dir))
 
+def _pause_after_write(writer: Any, pause_s: float, *, rank: int, step: int) -> None:
+    """Make ``writer.write_data`` sleep ``pause_s`` once its shard is written. On the instance, not a subclass: the
+    production writer stays what checkpoint/ chose, whatever its class."""
+    write = writer.write_data
 
-class _PausingWriter(CheckpointWriter):
-    """CheckpointWriter that sleeps after writing this rank's shard, before DCP reports it."""
-
-    def __init__(self, path: Path, *, pause_s: float, rank: int, step: int) -> None:
-        super().__init__(str(path))
-        # Not self.rank: FileSystemWriter sets that itself in set_up_storage_writer.
-        self.pause_s, self.fault_rank, self.step = pause_s, rank, step
-
-    def write_data(self, plan: Any, planner: Any) -> Future:
-        written = super().write_data(plan, planner)
-        log.warning("fault injection: rank %d pausing %.1f s in step %d", self.fault_rank, self.pause_s, self.step)
-        time.sleep(self.pause_s)
+    def write_data(plan: Any, planner: Any) -> Future:
+        written = write(plan, planner)
+        log.warning("fault injection: rank %d pausing %.1f s in step %d", rank, pause_s, step)
+        time.sleep(pause_s)
         return written
+
+    writer.write_data = write_data
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """The test hooks at the two points of a training step on one rank (TestHooks.at)."""
+
+    __test__ = False
+
+    hooks: TestHooks
+    rank: int
+    world_size: int
+    samples_file: Path | None  # with log_samples
+    train_rows: torch.Tensor | None
+
+    def before_step(self, step: int) -> None:
+        """Before step ``step + 1`` fetches its batch: the data-path hang."""
+        self.hooks.maybe_hang_in_data(step, self.rank)
+
+    def after_step(self, step: int, micro_batches: Sequence[Any], started: float) -> None:
+        """After ``step`` trained and was logged, before its evaluation and saves: the sample ids, the pace (the
+        step began at ``started``, time.monotonic()), the freeze."""
+        if self.samples_file is not None:
+            self.log_step_samples(step, micro_batches)
+        self.hooks.pace(started)
+        self.hooks.maybe_freeze(step, self.rank)
+
+    def log_step_samples(self, step: int, micro_batches: Sequence[Any]) -> None:
+        """Append the global sample ids of this step (all ranks) to samples.jsonl: proves none skipped or repeated.
+        With data.eval_fraction (``train_rows``), also the rows of the packed data they were (``rows``): proves
+        none was held out. Collective."""
+        rows_of = self.train_rows
+        local = [int(i) for mb in micro_batches for i in mb.sample_ids]
+        rows = [int(rows_of[i]) for mb in micro_batches for i in mb.sequence_ids] if rows_of is not None else []
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (local, rows))
+        if self.rank == 0:
+            record = {"step": step, "world_size": self.world_size, "ids": sorted(sum((g[0] for g in gathered), []))}
+            if rows_of is not None:
+                record["rows"] = sorted(sum((g[1] for g in gathered), []))
+            with open(self.samples_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")

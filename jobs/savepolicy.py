@@ -1,12 +1,13 @@
-"""When the training loop saves: intervals, the stop signal's save, the last-step rule. What happens after a
-stop's checkpoint (classify, requeue, exit) is preemption.py's."""
+"""The saver: when the training loop saves to either tier (the memory tier's snapshot, the durable tier's intervals,
+the stop signal's save, the last-step rule), taking the saves and reporting them. What happens after a stop's
+checkpoint (classify, requeue, exit) is preemption.py's."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from fsdpjob.orchestrator.core.spec import CheckpointSpec
 
 from . import preemption
 from .agreement import FlagAgreement
-from .checkpoint.manager import CheckpointManager
+from .checkpoint.tiers import Tiers
 from .hooks import TestHooks
 from .metrics import Reporter
 
@@ -46,12 +47,14 @@ class SavePolicy:
 
 
 class Checkpointer:
-    """Saves when the policy says so, the stop's checkpoint included; every method runs on all ranks."""
+    """Saves to both tiers when they say so (the memory tier its schedule, the durable tier the policy, the stop's
+    checkpoint included); every method runs on all ranks."""
 
-    def __init__(self, ckpt: CheckpointManager, checkpoint: CheckpointSpec, *, max_steps: int,
+    def __init__(self, tiers: Tiers, checkpoint: CheckpointSpec, *, max_steps: int,
                  stop: preemption.StopFlag, control: dist.ProcessGroup | None, report: Reporter, hooks: TestHooks,
                  eval_loss_at: Callable[[int], float | None] | None = None) -> None:
-        self.ckpt, self.stop, self.control, self.report, self.hooks = ckpt, stop, control, report, hooks
+        self.ckpt, self.memory = tiers.durable, tiers.memory
+        self.stop, self.control, self.report, self.hooks = stop, control, report, hooks
         self.eval_loss_at = eval_loss_at  # a step's eval loss, recorded in its checkpoint's sidecar (keep_best)
         self.policy = SavePolicy(checkpoint.interval_steps, checkpoint.interval_minutes, max_steps)
         self._last_save = time.time()  # the interval in minutes counts from the start of training
@@ -74,8 +77,11 @@ class Checkpointer:
         self.agreement.begin(step, (self.stop.signum, int(due)))
 
     def after_step(self, step: int, state: dict[str, Any]) -> int:
-        """After ``step`` trained, on every rank, with the flags agreed for it (none on a step that carried
-        no agreement): save if due. Returns the stop signal once its checkpoint is committed, else 0."""
+        """After ``step`` trained, on every rank: the memory tier's snapshot if due, then, with the flags agreed
+        for the step (none on a step that carried no agreement), the durable save if due. Returns the stop signal
+        once its checkpoint is committed, else 0."""
+        self._snapshot(step, state)
+        self.hooks.maybe_exit(step)  # the crash test hook: the snapshot started, the durable save not
         signum, time_due = self.agreement.end(step)
         if staged := self.ckpt.staging_wait():  # an async save's copy: what it still cost the loop
             self.report.event(runlog.STAGED, step=staged[0], waited_s=round(staged[1], 4))
@@ -87,8 +93,19 @@ class Checkpointer:
         self._save(step, state, reason)
         return signum
 
+    def _snapshot(self, step: int, state: dict[str, Any]) -> None:
+        tier = self.memory
+        if tier is None:
+            return
+        if tier.due(step, self.policy.max_steps):
+            tier.save(step, state)
+        if choice := tier.take_auto_choice():  # once per launch, with memory_interval_steps: auto
+            self.report.event(runlog.MEMORY_TIER, at_step=step, **asdict(choice))
+
     def save_final(self, step: int, state: dict[str, Any]) -> None:
-        self._save(step, state, "final")
+        """The end of training's save (none with the skip-final-save test hook)."""
+        if not self.hooks.skip_final_save:
+            self._save(step, state, "final")
 
     def _save(self, step: int, state: dict[str, Any], reason: str) -> None:
         heartbeat.enter(heartbeat.SAVE)

@@ -1,6 +1,6 @@
 """What a worker knows about the job it runs in (scheduler, job id, restarts, rank for logs, host, the
 supervisor's launch), read once: the one place the worker reads the scheduler's and the supervisor's variables
-(core/envvars.py lists the FSDPJOB_* ones)."""
+(the FSDPJOB_* ones through core/envvars.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Sharded DCP checkpoints: the manager (save, resume, purge), its file I/O, background staging, the Stateful
-wrappers and the resume checks. Depends on nothing else in jobs/: the storage writer is passed in."""
+"""Sharded DCP checkpoints in two tiers: the durable manager (save, resume, purge), its file I/O, background staging,
+the Stateful wrappers and the resume checks; the memory tier (memory.py and its mem* parts); which tier a start
+resumes from (tiers.py). Depends on nothing else in jobs/: the test hooks wrap the production writer from outside."""
 
 from fsdpjob.orchestrator.core.ckptlayout import (
                                                  MARKER,
@@ -10,12 +11,16 @@ from fsdpjob.orchestrator.core.ckptlayout import (
 )
 from fsdpjob.orchestrator.core.sidecar import FORMAT_VERSION, RunFacts, Sidecar
 
-from .manager import CheckpointManager, single_process_dcp
+from .io import plain_writer
+from .manager import CheckpointManager, WriterFactory, single_process_dcp
+from .memory import MemoryTier
 from .state import DictState, ModelOptimState, RNGState
+from .tiers import ResumeSource, Tiers, find_resume, find_resume_source, open_memory_tier
 from .verify import CheckpointError, ResumeRefused, damage, newest_valid_step, select_checkpoint
 
 __all__ = [
-    "FORMAT_VERSION", "MARKER", "SIDECAR", "CheckpointError", "CheckpointManager", "DictState", "ModelOptimState",
-    "RNGState", "ResumeRefused", "RunFacts", "Sidecar", "committed_steps", "damage", "newest_valid_step",
-    "select_checkpoint", "single_process_dcp", "step_dir_name", "uncommitted_steps",
+    "FORMAT_VERSION", "MARKER", "SIDECAR", "CheckpointError", "CheckpointManager", "DictState", "MemoryTier",
+    "ModelOptimState", "RNGState", "ResumeRefused", "ResumeSource", "RunFacts", "Sidecar", "Tiers", "WriterFactory",
+    "committed_steps", "damage", "find_resume", "find_resume_source", "newest_valid_step", "open_memory_tier",
+    "plain_writer", "select_checkpoint", "single_process_dcp", "step_dir_name", "uncommitted_steps",
 ]

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 from torch.utils.serialization import config as serialization_config
 
+from fsdpjob.orchestrator.core import envvars
+
 # Start write-back after this many new bytes: large enough for the disk to get long sequential runs, small
 # enough that little is left for the fsync.
 WRITEBACK_BYTES = 32 << 20
@@ -43,7 +45,7 @@ _crc_before = True  # the setting to restore when the last one finishes
 
 
 def fast_io() -> bool:
-    return os.environ.get(SWITCH, "fast") != "stock"
+    return envvars.get(SWITCH, "fast") != "stock"
 
 
 @contextmanager

@@ -9,7 +9,7 @@ A step counts only once ``COMMITTED`` exists. Rank 0 writes it last, after DCP's
 collective has gathered every rank's write results (so every shard is written and fsynced), and
 after the sidecar. A save killed at any point leaves a folder without the marker, which resume
 never chooses and purge removes. Which step a resume may use is decided in checkpoint/verify.py; the
-fault-injection pause mid-save is in hooks.py.
+fault-injection pause mid-save is jobs/hooks.py's wrapper of the production writer.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from .verify import CheckpointError, newest_valid_step, select_checkpoint
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
-# Builds one rank's DCP storage writer for a save: (step folder, rank=, step=) -> writer. Production passes
-# io.plain_writer; train passes the test hooks' writer, which can pause mid-save (jobs/hooks.py).
+# Builds one rank's DCP storage writer for a save: (step folder, rank=, step=) -> writer. Production's is
+# io.plain_writer; train passes it wrapped by the test hooks, which can pause mid-save (jobs/hooks.py).
 WriterFactory = Callable[..., FileSystemWriter]
 
 
@@ -79,7 +79,7 @@ def _remove_step(step_dir: Path) -> None:
 def save_facts(step: int, state: dict[str, Any], *, reason: str, eval_loss: float | None, world_size: int,
                run: RunFacts) -> Sidecar:
     """The step's sidecar but for its timings, taken when the save starts (the state may move on during an
-    async write); the memory tier (checkpoint/memory.py) writes the same one.
+    async write); the memory tier (checkpoint/memwrite.py) writes the same one.
 
     Besides the reason and the eval loss: ``model_key``, where export finds the weights ("<model_key>.model.<hf
     name>"), and every entry of flat scalars (train counters, data position) under its own key,
@@ -261,7 +261,7 @@ class CheckpointManager:
 
     @property
     def sidecar(self) -> dict[str, Any]:
-        """The run facts as a dict, for readers from before ``run`` (train.resume reads its fingerprint here)."""
+        """The run facts as a dict, for readers from before ``run`` (the worker reads ``run`` itself)."""
         return self.run.to_json()
 
     def find_resume(self, fingerprint: dict[str, Any] | None) -> Path | None:

@@ -33,7 +33,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
                            "reads its own shards (jobs/model/weightload.py)",
     "FSDPJOB_MEMORY_TIER_DIR": "the node-local folder of the memory checkpoint tier (default /dev/shm/fsdpjob; "
-                               "core/memtier.py; the supervisor reads it from the spec's env, supervise/run.py)",
+                               "named in core/memtier.py, read by jobs/checkpoint/tiers.py; the supervisor "
+                               "reads it from the spec's env, supervise/run.py)",
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",

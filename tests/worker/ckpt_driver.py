@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fsdpjob.jobs.checkpoint import CheckpointManager
+from fsdpjob.jobs.checkpoint import CheckpointManager, plain_writer
 from fsdpjob.jobs.checkpoint.state import DictState, ModelOptimState, RNGState
 from fsdpjob.jobs.hooks import TestHooks
 
@@ -118,7 +118,8 @@ def rng_snapshot() -> tuple:
 
 def manager(root: Path, rank: int, world_size: int, **kwargs: Any) -> CheckpointManager:
     """A manager with the fault-injection hooks of this process's environment (FSDPJOB_FAULT_SAVE_*)."""
-    options = {"keep_last": 3, "async_save": False, "storage_writer": TestHooks.from_env().storage_writer} | kwargs
+    options = {"keep_last": 3, "async_save": False, "storage_writer": TestHooks.from_env().wrap_writer(plain_writer)}
+    options |= kwargs
     sidecar = {"fingerprint": FINGERPRINT, "spec_hash": "test", "mesh_shape": [world_size]}
     sidecar |= options.pop("sidecar", {})
     return CheckpointManager(root, rank=rank, world_size=world_size, sidecar=sidecar, **options)

@@ -428,7 +428,7 @@ def test_a_checkpoint_written_before_a_train_field_was_added_still_loads(tmp_pat
     import math
 
     from fsdpjob.jobs.checkpoint.state import DictState
-    from fsdpjob.jobs.train import TrainState
+    from fsdpjob.jobs.parts import TrainState
 
     class Before:  # TrainState as checkpoints from before the "loss" field hold it
         def state_dict(self) -> dict:

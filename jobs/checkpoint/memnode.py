@@ -1,0 +1,86 @@
+"""The memory tier's place in the world: this node's folder, the tier's own gloo group, which node every rank is on
+and whose replica it keeps, whether the tier is still on, and the collectives its writer and reader share."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpjob.orchestrator.core.memtier import TierKey, buddies, node_dir, node_name
+
+log = logging.getLogger("fsdpjob.checkpoint")
+
+
+def write_to_shm(path: Path, data: bytes | memoryview) -> None:
+    """Write a tier file whole (tmp + rename) without fsync: the tier lives in shared memory (/dev/shm), which has
+    no disk behind it to flush to, and its files are lost with the node whatever we sync."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class TierNode:
+    """This rank's node folder ``<base>/<job>/<node>/`` and the tier's group; the constructor is collective: it
+    creates the gloo group (never the compute stream's) and learns every rank's node (for the buddies)."""
+
+    def __init__(self, base: str | Path, key: TierKey, *, rank: int, world_size: int) -> None:
+        self.key, self.rank, self.world_size = key, rank, world_size
+        self.node = node_name()
+        self.folder = node_dir(base, key.job, self.node)
+        self.pg = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        self.hosts: list[str] = self.gather(self.node)
+        pairs = buddies(self.hosts)
+        self.buddy = pairs[rank]  # the rank (on the next node) that keeps this rank's replica
+        self.sources = [r for r, b in enumerate(pairs) if b == rank]  # the ranks whose replica this rank keeps
+        self.first_on_node = self.hosts.index(self.node) == rank  # the rank that writes the node's shared files
+        self.enabled = True
+
+    def off(self, why: str) -> None:
+        self.enabled = False
+        log.warning("memory tier off on %s: %s; restarts resume from the durable checkpoints", self.node, why)
+
+    def failed(self, why: str) -> bool:
+        log.warning("memory tier on %s: %s", self.node, why)
+        return False
+
+    def agree_enabled(self) -> bool:
+        """On only where it is on for every rank (collective)."""
+        self.enabled = self.all(self.enabled)
+        return self.enabled
+
+    def all(self, flag: bool) -> bool:
+        if self.pg is None:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(value.item())
+
+    def slowest(self, figures: list[float]) -> list[float]:
+        """Each figure's largest value over the ranks (collective)."""
+        values = torch.tensor(figures, dtype=torch.float64)
+        if self.pg is not None:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+        return [float(v) for v in values]
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.pg is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.pg)
+        return out
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def close_group(self, *, crashed: bool) -> None:
+        """Destroy the group, except after a crash (a peer may be gone and the destroy wait for it)."""
+        if self.pg is not None and not crashed:
+            dist.destroy_process_group(self.pg)
+        self.pg = None
