@@ -82,9 +82,9 @@ def job_spec(
 
 def write_run_folder(run_dir: Path, spec: dict, resume_from: str | None = None) -> Path:
     """The run folder the worker reads (spec.json, through RunMeta as `fsdpjob submit` writes it)."""
-    from fsdpjob.orchestrator.core.paths import RunPaths
-    from fsdpjob.orchestrator.core.runmeta import RunMeta
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
     run_dir.mkdir(parents=True)
     RunMeta.of(JobSpec.model_validate(spec), resume_from=resume_from).write(RunPaths(run_dir))

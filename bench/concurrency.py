@@ -67,7 +67,7 @@ def fsdpjob(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def held_spec(folder: Path, assets: dict) -> Path:
     """A 1-node job on the dev cluster's profile, submitted held (it never starts)."""
-    from fsdpjob.orchestrator.core.profiles import available_profiles
+    from fsdpjob.orchestrator.core.jobspec.profiles import available_profiles
 
     profile = yaml.safe_load(available_profiles()["test-cluster"].read_text())
     profile["sbatch_extra"] = [*profile.get("sbatch_extra", []), "--hold"]

@@ -144,9 +144,9 @@ def _worker(run_dir: Path, args: argparse.Namespace, launch: int) -> dict:
 
 
 def run_fsdpjob(root: Path, model: str, data: str, args: argparse.Namespace, case: str, steps: int) -> dict:
-    from fsdpjob.orchestrator.core.paths import RunPaths
-    from fsdpjob.orchestrator.core.runmeta import RunMeta
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
     spec = JobSpec.model_validate(worker_spec(case, model, data, args, steps))
     run_dir = root / case
@@ -193,7 +193,7 @@ def _minus(a: float | None, b: float | None) -> float | None:
 def plan_figures(spec, args: argparse.Namespace) -> dict[str, float | None]:
     """The planner's per-rank device peak, its CUDA runtime item and its host peak for this spec on this machine
     (one GPU as the probe saw it, or the CPU)."""
-    from fsdpjob.orchestrator.core.profiles import ClusterProfile
+    from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.resolve import resolve
 

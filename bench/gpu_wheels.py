@@ -44,7 +44,7 @@ CARRIED = {
 PRESENT = ("torch", "transformers", "safetensors", "click", "numpy", "yaml", "jinja2", "filelock")
 # What bench/gpu.py and the worker cases import from fsdpjob.
 WORKER_MODULES = ("fsdpjob.jobs.train", "fsdpjob.jobs.quickstart", "fsdpjob.jobs.metrics",
-                  "fsdpjob.orchestrator.core.spec", "fsdpjob.orchestrator.core.runmeta",
+                  "fsdpjob.orchestrator.core.jobspec.spec", "fsdpjob.orchestrator.core.runfolder.runmeta",
                   "fsdpjob.orchestrator.planner.fit", "fsdpjob.orchestrator.planner.resolve")  # fmt: skip
 # pip matches a --platform tag exactly: every manylinux level up to a current glibc, so that whichever a
 # package's newest wheel names is accepted.

@@ -15,7 +15,7 @@ import tempfile
 import time
 import timeit
 
-from fsdpjob.orchestrator.core import heartbeat
+from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 FAST_STEP_S = 0.010
 

@@ -46,7 +46,7 @@ MiB = 1024**2
 
 
 def spec_for(case: Case, model_dir: Path, lora: dict | None):
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     return JobSpec.model_validate({
         "name": "lora-bench",
@@ -60,7 +60,7 @@ def spec_for(case: Case, model_dir: Path, lora: dict | None):
 
 
 def plan(case: Case, model_dir: Path, lora: dict | None):
-    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.resolve import resolve
 
@@ -80,7 +80,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
     from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
-    from fsdpjob.orchestrator.core.spec import LoraSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import LoraSpec
 
     c = Case(**case)
     env = init_distributed(600)

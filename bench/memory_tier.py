@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> None:
     from fsdpjob.jobs.dist import DistEnv
     from fsdpjob.jobs.model import load_model
     from fsdpjob.jobs.step import train_step
-    from fsdpjob.orchestrator.core.memtier import TierKey
-    from fsdpjob.orchestrator.core.sidecar import RunFacts
+    from fsdpjob.orchestrator.core.runfolder.memtier import TierKey
+    from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -128,8 +128,8 @@ def write_model(case: Case, folder: Path) -> Path:
 
 
 def plan_for(case: Case, model_dir: Path):
-    from fsdpjob.orchestrator.core.profiles import load_profile
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.resolve import resolve
 

@@ -163,7 +163,7 @@ def torchrun_command(setup: Setup, case: str, size: str, ac: bool, out: Path) ->
 
 def default_log_every() -> int:
     """train.log_every when a spec leaves it out: what a user's run pays for its logged steps."""
-    from fsdpjob.orchestrator.core.spec import TrainSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import TrainSpec
 
     return TrainSpec.model_fields["log_every"].default
 
@@ -383,7 +383,7 @@ def inspect_checkout(cli: Path) -> tuple[str, str, dict[str, str], Path | None]:
     """Which fsdpjob the CLI runs (its package folder, commit, the local profile it ships), a short name for it
     (checkout and commit), that profile's env, and the checkout."""
     python = cli.read_text(encoding="utf-8", errors="replace").splitlines()[0].removeprefix("#!").strip()
-    probe = ("import fsdpjob.jobs as j, fsdpjob.orchestrator.core.profiles as p; print(list(j.__path__)[0]); "
+    probe = ("import fsdpjob.jobs as j, fsdpjob.orchestrator.core.jobspec.profiles as p; print(list(j.__path__)[0]); "
              "print(p.load_profile('local').model_dump_json()); print(p.available_profiles()['local'])")  # fmt: skip
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=clean_env(), check=False)
     if done.returncode:

@@ -66,7 +66,8 @@ def cuda_index(local_rank: int, visible: int, environ: Mapping[str, str]) -> int
         return 0
     raise RuntimeError(
         f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES="
-        f"{environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); give every task all of the node's GPUs (no --gpus-per-task "
+        f"{environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); give every task all of the node's GPUs "
+        "(no --gpus-per-task "
         "or --gpu-bind in the profile's sbatch_extra/srun_extra) or exactly one"
     )
 

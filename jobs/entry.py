@@ -13,7 +13,7 @@ class TrainJob:
         # First thing, before torch and transformers load (seconds): submitit's handlers are live from
         # here on and would swallow a SIGTERM (an external requeue or cancel) or the warning signal that
         # lands during those imports; the job would then train on until Slurm's SIGKILL and lose steps.
-        from fsdpjob.orchestrator.core.runmeta import stop_signal
+        from fsdpjob.orchestrator.core.runfolder.runmeta import stop_signal
 
         from .preemption import StopFlag
 
@@ -47,12 +47,12 @@ def _start_heartbeat(run_dir: str) -> None:
     worker = WorkerEnv.from_env()
     if not worker.supervised:
         return
-    from fsdpjob.orchestrator.core import heartbeat
+    from fsdpjob.orchestrator.core.runfolder import heartbeat
 
     heartbeat.start(run_dir, rank=int(worker.log_rank), launch=worker.launch)
 
 
 def _heartbeat_exited() -> None:
-    from fsdpjob.orchestrator.core import heartbeat
+    from fsdpjob.orchestrator.core.runfolder import heartbeat
 
     heartbeat.current().exited()

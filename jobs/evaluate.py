@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from fsdpjob.orchestrator.core import heartbeat
+from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 from .data.packing import SequenceTable
 from .data.stream import eval_batches

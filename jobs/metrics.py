@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.flops import peak_flops, train_flops_per_token
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 if TYPE_CHECKING:
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     from .step import StepValues
     from .trackers import Trackers
@@ -142,7 +142,7 @@ class Reporter:
             log.info("%s %s", name, " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def ending(self, name: str) -> None:
-        """Tell the trackers how the run ends (a stop event someone else records: core/stophandoff.py)."""
+        """Tell the trackers how the run ends (a stop event someone else records: core/runfolder/stophandoff.py)."""
         if self.enabled and self._trackers is not None:
             self._trackers.on_event(name)
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core import heartbeat, runlog
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource

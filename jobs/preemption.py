@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from fsdpjob.orchestrator.core import runlog, stophandoff
-from fsdpjob.orchestrator.core.attempts import cap_reached, unhealthy_streak
-from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, StopHandoff
+from fsdpjob.orchestrator.core.runfolder import runlog, stophandoff
+from fsdpjob.orchestrator.core.runfolder.attempts import cap_reached, unhealthy_streak
+from fsdpjob.orchestrator.core.runfolder.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, StopHandoff
 
 from .workerenv import WorkerEnv
 
@@ -55,7 +55,7 @@ def stop_and_hand_off(signum: int, step: int, *, is_main: bool, stop: StopFlag, 
                       save_started: float, run_dir: Path, ending: Callable[[str], None],
                       share: Callable[[int], int]) -> NoReturn:
     """After the stop checkpoint committed on every rank. Under Slurm, rank 0 hands the stop to the supervisor
-    (core/stophandoff.py), which asks Slurm what it was and requeues the job from outside any container; every
+    (core/runfolder/stophandoff.py), which asks Slurm what it was and requeues the job from outside any container; every
     rank then exits 0. Locally there is nothing to ask: rank 0 records the stop and submitit's controller
     restarts the workers (or, past the cap, nobody does). ``share`` hands rank 0's outcome to every rank (a
     broadcast on the host-side group): every rank leaves the same way."""
@@ -100,6 +100,6 @@ def exit_after_stop(outcome: int, worker: WorkerEnv) -> NoReturn:
     exit 0: the controller restarts nothing."""
     if outcome == FAILED_HERE:
         raise SystemExit(1)
-    if outcome == RESTART_HERE and worker.scheduler == "local":
+    if outcome == RESTART_HERE and worker.executor.restarts_on_exit_code:
         raise SystemExit(LOCAL_REQUEUE_EXIT_CODE)
     raise SystemExit(0)

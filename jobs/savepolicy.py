@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core import heartbeat, runlog
-from fsdpjob.orchestrator.core.spec import CheckpointSpec
+from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec
+from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 
 from . import preemption
 from .agreement import FlagAgreement

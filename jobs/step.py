@@ -3,7 +3,8 @@
 Nothing here makes the host wait for the device or for the other ranks beyond FSDP's own collectives and the
 gradient clip's norm. On CUDA a micro-batch goes to the device from pinned host memory with non_blocking copies
 (to_device), and the next one's copy is queued before the current one's forward, so the host never waits for
-the stream to drain before it issues the next kernels. The loss's denominator (the global batch's target tokens) comes with the step's data,
+the stream to drain before it issues the next kernels. The loss's denominator (the global batch's target tokens) comes
+with the step's data,
 counted by every rank from the whole table it holds (jobs/data/stream.py BatchStream), and the loss and gradient
 norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
 at the same steps.

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.loggingspec import MlflowSpec, WandbSpec
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.loggingspec import MlflowSpec, WandbSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 log = logging.getLogger("fsdpjob.train")
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core import heartbeat, runlog
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
-from fsdpjob.orchestrator.core.sidecar import RunFacts
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts
 
 from . import gcpolicy, preemption
 from .checkpoint.io import plain_writer

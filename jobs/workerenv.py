@@ -15,6 +15,20 @@ from fsdpjob.orchestrator.core import envvars, slurmenv
 
 
 @dataclass(frozen=True)
+class Executor:
+    """What the submitit executor that started a worker means for it."""
+
+    on_slurm: bool  # Slurm's variables describe the job (node list, restart count)
+    restarts_on_exit_code: bool  # submitit's local controller starts the workers again on exit code 144
+
+
+# submitit's SUBMITIT_EXECUTOR names, one row each: nothing else in the worker compares them.
+EXECUTORS = {"slurm": Executor(on_slurm=True, restarts_on_exit_code=False),
+             "local": Executor(on_slurm=False, restarts_on_exit_code=True)}
+OUTSIDE_SUBMITIT = Executor(on_slurm=False, restarts_on_exit_code=False)  # torchrun, the tests
+
+
+@dataclass(frozen=True)
 class WorkerEnv:
     """The scheduler's view of this worker process. Its place in the process group is dist.DistEnv."""
 
@@ -42,8 +56,12 @@ class WorkerEnv:
         )
 
     @property
+    def executor(self) -> Executor:
+        return EXECUTORS.get(self.scheduler or "", OUTSIDE_SUBMITIT)
+
+    @property
     def on_slurm(self) -> bool:
-        return self.scheduler == "slurm"
+        return self.executor.on_slurm
 
     @property
     def job_id(self) -> str | None:

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fsdpjob.orchestrator.core.attempts import AttemptTimes  # the scheduler's account of one attempt
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.attempts import AttemptTimes  # the scheduler's account of one attempt
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 if TYPE_CHECKING:
-    from fsdpjob.orchestrator.core.profiles import ClusterProfile
+    from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
     from fsdpjob.orchestrator.planner.jobload import LoadedJob
     from fsdpjob.orchestrator.registry import JobRecord
 

@@ -8,7 +8,7 @@ What is fsdpjob's own, imported rather than re-implemented:
 - how long a hang goes unnoticed: supervise/stall.Watch, fed the heartbeats of a run that stops advancing;
 - how long a lost node takes to be found: supervise/allocation.PROBE_TIMEOUT_S;
 - the requeue cap: core/attempts.cap_reached with preemption.max_requeues;
-- the defaults (max_restarts, stall bounds, max_requeues, the durable interval) from core/spec.py's models;
+- the defaults (max_restarts, stall bounds, max_requeues, the durable interval) from core/jobspec/spec.py's models;
 - the Young/Daly optimum of the durable interval: planner/interval.advise.
 
 What is modelled (and where it is optimistic or not):
@@ -35,10 +35,10 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
-from fsdpjob.orchestrator.core import memtier
-from fsdpjob.orchestrator.core.attempts import cap_reached
-from fsdpjob.orchestrator.core.heartbeat import STEP, Beat
-from fsdpjob.orchestrator.core.spec import CheckpointSpec, PreemptionSpec, RecoverySpec
+from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec, PreemptionSpec, RecoverySpec
+from fsdpjob.orchestrator.core.runfolder import memtier
+from fsdpjob.orchestrator.core.runfolder.attempts import cap_reached
+from fsdpjob.orchestrator.core.runfolder.heartbeat import STEP, Beat
 from fsdpjob.orchestrator.planner import interval
 from fsdpjob.orchestrator.supervise.allocation import PROBE_TIMEOUT_S
 from fsdpjob.orchestrator.supervise.policy import Fault, restart_in_allocation

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import AmbiguousRun, RunNotFound
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.paths import fsdpjob_home
+from fsdpjob.orchestrator.core.runfolder.paths import fsdpjob_home
 
 
 @dataclass

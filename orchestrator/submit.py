@@ -13,11 +13,11 @@ from pathlib import Path
 
 from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.backend import ArrayMember, ArrayRequest, Request, Submitted, backend_for, job_environment
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, SubmissionError
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
-from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.core.runfolder.runmeta import EffectiveFacts, RunMeta
 from fsdpjob.orchestrator.planner.jobload import LoadedJob
 from fsdpjob.orchestrator.registry import JobRecord
 

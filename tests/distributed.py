@@ -93,9 +93,9 @@ def committed_model_state(run_dir) -> dict:
 def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True):
     """A run folder as `fsdpjob submit` writes it for the workers: the validated spec (and the plan's verdict on
     deferring the gradient reduce-scatter) in spec.json. Returns the folder."""
-    from fsdpjob.orchestrator.core.paths import RunPaths
-    from fsdpjob.orchestrator.core.runmeta import RunMeta
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
     run_dir = root / name
     run_dir.mkdir()

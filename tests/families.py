@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fsdpjob.orchestrator.core.families import FAMILIES as TABLE
+from fsdpjob.orchestrator.core.jobspec.families import FAMILIES as TABLE
 
 VOCAB = 256
 _BASE = dict(

@@ -81,6 +81,6 @@ def llama2_70b_spec(folder: Path, nodes: int) -> Path:
 
 def job_spec(spec: dict[str, Any]):
     """``spec`` validated, as the worker and the planner take it."""
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     return JobSpec.model_validate(spec)

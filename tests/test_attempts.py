@@ -1,8 +1,8 @@
-"""The run log's launches and attempts (core/attempts.py), and the one definition of "did it train"."""
+"""The run log's launches and attempts (core/runfolder/attempts.py), and the one definition of "did it train"."""
 
 from __future__ import annotations
 
-from fsdpjob.orchestrator.core import attempts
+from fsdpjob.orchestrator.core.runfolder import attempts
 
 
 def start(restart=0, launch=0, t=0.0):

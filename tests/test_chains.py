@@ -15,7 +15,7 @@ from test_render import PYTHON, assert_golden, render
 from fsdpjob.orchestrator.cli.chain import parse_after
 from fsdpjob.orchestrator.cli.estimate import estimate, format_estimates, parse_shapes, parse_test_only
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
 from fsdpjob.orchestrator.slurm.exportscript import build_export_plan, render_export
 from fsdpjob.orchestrator.views.chains import chain_state
 
@@ -57,7 +57,7 @@ def test_bad_after_on_the_command_line_exits_2_before_anything_is_submitted(tmp_
 def test_the_dependency_is_rendered_as_a_directive(monkeypatch):
     from dataclasses import replace
 
-    from fsdpjob.orchestrator.core.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.slurm.backend import BACKEND
 

@@ -21,10 +21,10 @@ from click.testing import CliRunner
 
 from fsdpjob.orchestrator import registry
 from fsdpjob.orchestrator.cli import cli, main
-from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.ckptlayout import MARKER, step_dir_name
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, step_dir_name
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.registry import JobRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,7 +243,7 @@ def test_prune_checkpoints_only_keeps_the_newest_committed(tmp_path):
 def test_prune_checkpoints_only_keeps_the_best_checkpoint_that_keep_best_keeps(tmp_path):
     """With checkpoint.keep_best the run's own purge keeps the step with the lowest eval loss in its sidecar;
     prune --checkpoints-only keeps it too (beside the newest), and without keep_best it does not."""
-    from fsdpjob.orchestrator.core.sidecar import Sidecar
+    from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
     losses = {10: 0.5, 20: 0.3, 30: 0.4}
     best = make_run(tmp_path, "a-1", steps=tuple(losses), spec={"name": "r", "checkpoint": {"keep_best": True}})

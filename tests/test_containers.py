@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import fsdpjob
 
-from fsdpjob.orchestrator.core.container import (
+from fsdpjob.orchestrator.core.jobspec.container import (
     RUNTIME_ROWS,
     ContainerSpec,
     Mount,
@@ -20,7 +20,7 @@ from fsdpjob.orchestrator.core.container import (
     parse_mount,
     shadowing,
 )
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.containers import container_of, input_folders, runtime_problems
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm.containerline import ContainerLaunch, container_launch, oci_bundle_config

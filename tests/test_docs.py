@@ -17,9 +17,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

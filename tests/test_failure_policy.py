@@ -51,8 +51,8 @@ def test_the_requeue_event_records_the_step_the_crashed_attempt_reached(tmp_path
     # Outside a Slurm job the requeue itself cannot run: stop right before it and check the record.
     import json
 
-    from fsdpjob.orchestrator.core.paths import RunPaths
-    from fsdpjob.orchestrator.core.runmeta import RunMeta
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
     from fsdpjob.orchestrator.slurm import commands as slurm_cli
     from fsdpjob.orchestrator.slurm import failure
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from fsdpjob.orchestrator import faultsim
-from fsdpjob.orchestrator.core import memtier
+from fsdpjob.orchestrator.core.runfolder import memtier
 from fsdpjob.orchestrator.faultsim import DAY_S, Rates, SimConfig
 
 NONE = Rates(crash=0.0, hang=0.0, node_loss=0.0, preempt=0.0)

@@ -39,8 +39,8 @@ from test_hostile import (
 from test_hostile import check_rejection as hostile_rejection
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.slurm.render import build_plan
 

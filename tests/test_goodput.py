@@ -1,4 +1,5 @@
-"""Goodput breakdown (orchestrator/core/goodputaccount.py, through views/goodput.py) over hand-built run logs, and
+"""Goodput breakdown (orchestrator/core/runfolder/goodputaccount.py, through views/goodput.py) over hand-built run
+logs, and
 scheduler times from sacct output recorded on the real dev cluster: every category, parts adding up to the
 allocated time, interruptions and how they were recovered, the checkpoint interval advice."""
 
@@ -104,8 +105,8 @@ PREEMPT_METRICS = [metric(10, 20), metric(20, 30), metric(30, 172), metric(40, 1
 
 def test_the_batch_side_counts_from_spec_json_what_the_views_count_from_the_record():
     """The notifier has no registry record: spec.json's facts give the same split (submit time aside)."""
-    from fsdpjob.orchestrator.core import goodputaccount
-    from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta
+    from fsdpjob.orchestrator.core.runfolder import goodputaccount
+    from fsdpjob.orchestrator.core.runfolder.runmeta import EffectiveFacts, RunMeta
 
     meta = RunMeta(spec={"name": "r"}, profile={"gpus_per_node": 2},
                    effective=EffectiveFacts(nodes=1, tasks_per_node=2))
@@ -246,8 +247,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
 
 
 def test_plan_prints_the_young_daly_interval_when_the_profile_states_an_interruption_rate(tmp_path):
-    from fsdpjob.orchestrator.core.profiles import load_profile
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.planformat import format_plan
     from fsdpjob.orchestrator.planner.resolve import resolve

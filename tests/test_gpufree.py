@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.supervise import gpufree
 from fsdpjob.orchestrator.supervise.allocation import LocalAllocation
 from fsdpjob.orchestrator.supervise.run import Supervisor

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fsdpjob.orchestrator.core.errors import InputError, SpecError
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.profiles import shell_operator
+from fsdpjob.orchestrator.core.jobspec.profiles import shell_operator
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script, sbatch_word
 

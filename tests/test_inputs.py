@@ -11,10 +11,10 @@ import pytest
 from specs import write_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
-from fsdpjob.orchestrator.core.inputs import check_inputs
-from fsdpjob.orchestrator.core.records import SCAN_LINES
-from fsdpjob.orchestrator.core.spec import load_spec
+from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES
+from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.jobspec.records import SCAN_LINES
+from fsdpjob.orchestrator.core.jobspec.spec import load_spec
 
 SPEC = """\
 name: inputs-test
@@ -226,13 +226,14 @@ def test_supported_families_are_decoder_only():
 
 
 def test_no_torch_on_the_login_node():
-    code = "import sys, fsdpjob.orchestrator.core.inputs; assert not {'torch', 'transformers'} & set(sys.modules)"
+    code = ("import sys, fsdpjob.orchestrator.core.jobspec.inputs; "
+            "assert not {'torch', 'transformers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_file_problem_is_reported_at_once(tmp_path):
     """No weights, no tokenizer and no data file: three lines, not the first one only (as the README promises)."""
-    from fsdpjob.orchestrator.core.validation import SpecErrors
+    from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 
     spec, doc, data = write_inputs(tmp_path)
     for name in ("model.safetensors", "tokenizer.json"):

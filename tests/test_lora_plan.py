@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdpjob.orchestrator.core.profiles import load_profile
-from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 from fsdpjob.orchestrator.core.units import GiB
-from fsdpjob.orchestrator.core.validation import SpecErrors
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.lora import lora_training
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape

@@ -1,4 +1,4 @@
-"""The memory tier's pure parts (orchestrator/core/memtier.py) on real folders: which step a restart may take
+"""The memory tier's pure parts (orchestrator/core/runfolder/memtier.py) on real folders: which step a restart may take
 (the newest one whose every shard some surviving node holds), the markers that make a step count, and the tiers
 that are never chosen (another job's, a missing or short part, no metadata)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.ckptlayout import MARKER, SIDECAR, step_dir_name
-from fsdpjob.orchestrator.core.memtier import (
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, SIDECAR, step_dir_name
+from fsdpjob.orchestrator.core.runfolder.memtier import (
     METADATA,
     Holding,
     TierKey,
@@ -117,7 +117,7 @@ def test_the_supervisor_counts_the_newest_committed_snapshot_as_progress(tmp_pat
 
 
 def test_auto_interval_is_young_daly_in_steps_never_above_the_stall_bound():
-    from fsdpjob.orchestrator.core.memtier import MAX_STALL_SHARE, auto_interval, mtbi_s
+    from fsdpjob.orchestrator.core.runfolder.memtier import MAX_STALL_SHARE, auto_interval, mtbi_s
 
     # 0.2 s stall, 1 s steps, a fault every 10 h: Young/Daly sqrt(2 x 0.2 x 36000) = 120 s -> 120 steps.
     assert auto_interval(0.2, 1.0, 36000.0).steps == 120
@@ -133,7 +133,7 @@ def test_spec_takes_auto_or_a_count_for_the_memory_interval():
     import pytest
     from pydantic import ValidationError
 
-    from fsdpjob.orchestrator.core.spec import CheckpointSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec
 
     assert CheckpointSpec(memory_interval_steps="auto").memory_interval_steps == "auto"
     assert CheckpointSpec(memory_interval_steps=7).memory_interval_steps == 7

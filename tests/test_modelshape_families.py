@@ -12,7 +12,7 @@ import helpers
 import pytest
 from families import FAMILIES, PLANNED_FAMILIES, save_tiny_family, tiny_config
 
-from fsdpjob.orchestrator.core.families import SUPPORTED_MODEL_TYPES
+from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES
 from fsdpjob.orchestrator.planner.modelshape import (
     EXACT_FROM_CONFIG,
     count_params,
@@ -118,8 +118,8 @@ def test_every_family_can_run_the_default_attention() -> None:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from fsdpjob.orchestrator.core.families import attention_for
-    from fsdpjob.orchestrator.core.spec import ModelSpec
+    from fsdpjob.orchestrator.core.jobspec.families import attention_for
+    from fsdpjob.orchestrator.core.jobspec.spec import ModelSpec
 
     default = ModelSpec.model_fields["attn_implementation"].default
     for family in SUPPORTED_MODEL_TYPES:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from helpers import fsdpjob
 
-from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.notifyspec import NotifySpec, notify_of
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
-from fsdpjob.orchestrator.core.sweepstate import SweepState, SweepTask
+from fsdpjob.orchestrator.core.jobspec.notifyspec import NotifySpec, notify_of
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder.sweepstate import SweepState, SweepTask
 from fsdpjob.orchestrator.supervise import notifier, webhook
 
 VALID = Path(__file__).resolve().parent / "data" / "specs" / "valid"

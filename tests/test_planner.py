@@ -11,10 +11,10 @@ import pytest
 from specs import plan_spec, write_config
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.profiles import load_profile
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.yamlio import apply_overrides
 from fsdpjob.orchestrator.core.units import GiB
-from fsdpjob.orchestrator.core.yamlio import apply_overrides
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.memory import (
     CUBLAS_WORKSPACE_BYTES,
@@ -464,7 +464,7 @@ def test_packed_batches_take_varlen_attention_on_gpus_and_a_dense_mask_is_counte
 
 
 def test_attention_rule_is_one_for_planner_and_worker() -> None:
-    from fsdpjob.orchestrator.core.families import attention_for, windowed
+    from fsdpjob.orchestrator.core.jobspec.families import attention_for, windowed
 
     gpu = {"on_gpu": True, "packed": True, "half": True}
     assert attention_for("llama", "auto", **gpu) == "varlen"

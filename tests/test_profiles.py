@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.core.errors import ProfileError
-from fsdpjob.orchestrator.core.profiles import available_profiles, load_profile, load_profile_file
+from fsdpjob.orchestrator.core.jobspec.profiles import available_profiles, load_profile, load_profile_file
 
 SHIPPED = Path(__file__).resolve().parents[1] / "cluster_profiles"
 SHIPPED_NAMES = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
@@ -31,7 +31,7 @@ def test_shipped_profiles_are_the_available_ones():
 def test_example_profile_sets_every_field():
     """example.yaml is the documented reference: it mentions every profile field."""
     text = (SHIPPED / "example.yaml").read_text()
-    from fsdpjob.orchestrator.core.profiles import ClusterProfile
+    from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
     missing = [f for f in ClusterProfile.model_fields if f != "name" and f"\n{f}:" not in text]
     assert not missing, f"example.yaml does not show {missing}"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.ckptlayout import MARKER, step_dir_name
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, step_dir_name
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.views.progress import read_progress
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.spec import json_schema
+from fsdpjob.orchestrator.core.jobspec.spec import json_schema
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script
 

@@ -1,4 +1,4 @@
-"""The run log (core/runlog.py): one append, one timeline reader, and the guide's list of events."""
+"""The run log (core/runfolder/runlog.py): one append, one timeline reader, and the guide's list of events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 RUN_FOLDER_PAGE = Path(__file__).resolve().parents[1] / "docs" / "run-folder.md"
 

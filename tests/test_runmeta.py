@@ -1,4 +1,4 @@
-"""The run folder's spec.json (core/runmeta.py): one format written, every reader through RunMeta."""
+"""The run folder's spec.json (core/runfolder/runmeta.py): one format written, every reader through RunMeta."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import EffectiveFacts, RunMeta, checkpoint_root, stop_signal
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import EffectiveFacts, RunMeta, checkpoint_root, stop_signal
 
 SPEC = {"name": "meta", "model": {"path": "m"}, "data": {"path": "d.jsonl"}, "train": {"max_steps": 3}}
 
@@ -43,7 +43,8 @@ def test_the_stop_signal_is_read_without_pydantic_and_defaults_to_usr2(tmp_path)
     (tmp_path / "spec.json").write_text("not json")
     assert stop_signal(tmp_path) == "USR2"
     RunMeta(spec={"preemption": {"signal": "TERM"}}).write(RunPaths(tmp_path))
-    code = ("import sys; from fsdpjob.orchestrator.core.runmeta import stop_signal; print(stop_signal(sys.argv[1])); "
+    code = ("import sys; from fsdpjob.orchestrator.core.runfolder.runmeta import stop_signal; "
+            "print(stop_signal(sys.argv[1])); "
             "assert 'pydantic' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "TERM"
@@ -53,4 +54,4 @@ def test_only_runmeta_and_paths_name_the_file():
     root = Path(__file__).resolve().parents[1]
     files = [p for folder in ("orchestrator", "jobs", "bench") for p in (root / folder).rglob("*.py")]
     naming = sorted(str(p.relative_to(root)) for p in files if '"spec.json"' in p.read_text(encoding="utf-8"))
-    assert naming == ["orchestrator/core/paths.py"]
+    assert naming == ["orchestrator/core/runfolder/paths.py"]

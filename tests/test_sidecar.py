@@ -1,4 +1,5 @@
-"""A checkpoint's fsdpjob.json (core/sidecar.py): one layout written, every reader through Sidecar.read, and the
+"""A checkpoint's fsdpjob.json (core/runfolder/sidecar.py): one layout written, every reader through Sidecar.read, and
+the
 sidecars written before the type still read the same."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdpjob.orchestrator.core.ckptlayout import SIDECAR
-from fsdpjob.orchestrator.core.sidecar import (
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import SIDECAR
+from fsdpjob.orchestrator.core.runfolder.sidecar import (
     BASE_CONTENTS_FINGERPRINT,
     FIELD_KEYS,
     FORMAT_VERSION,
@@ -132,7 +133,7 @@ def test_run_facts_from_a_dict_reject_what_is_no_run_fact():
 
 
 def test_lora_keys_are_the_fingerprint_keys_the_spec_produces():
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     spec = JobSpec.model_validate({"name": "s", "model": {"path": "m", "lora": {"r": 4}}, "data": {"path": "d.jsonl"},
                                    "train": {"max_steps": 3}})

@@ -12,7 +12,7 @@ import yaml
 from helpers import fsdpjob
 
 from fsdpjob.orchestrator.core import envrefs
-from fsdpjob.orchestrator.core.profiles import shell_operator
+from fsdpjob.orchestrator.core.jobspec.profiles import shell_operator
 from fsdpjob.orchestrator.slurm.shellquote import with_vars
 
 

@@ -135,7 +135,7 @@ def test_nodes_over_what_sinfo_counted_are_refused_and_a_profile_limit_still_win
     resources.nodes naming the partition, its count and the fix; no answer (Slurm not reachable): no refusal."""
     from specs import build, job_spec
 
-    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
     from fsdpjob.orchestrator.planner.resolve import problems
 
     spec = job_spec(build({"name": "n", "model": {"path": "m"}, "data": {"path": "d.jsonl"},

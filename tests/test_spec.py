@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from fsdpjob.orchestrator.core.errors import InputError, SpecError
-from fsdpjob.orchestrator.core.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+from fsdpjob.orchestrator.core.jobspec.yamlio import apply_overrides
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time, parse_slurm_time
-from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
-from fsdpjob.orchestrator.core.validation import SpecErrors
-from fsdpjob.orchestrator.core.yamlio import apply_overrides
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.planner.resolve import check
 

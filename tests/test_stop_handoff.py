@@ -14,11 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdpjob.orchestrator.core import slurmenv, stophandoff
+from fsdpjob.orchestrator.core import slurmenv
 from fsdpjob.orchestrator.core.errors import SlurmCommandError
-from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
+from fsdpjob.orchestrator.core.runfolder import stophandoff
+from fsdpjob.orchestrator.core.runfolder.attempts import cap_reached
+from fsdpjob.orchestrator.core.runfolder.stophandoff import NOT_REQUEUED, REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
-from fsdpjob.orchestrator.core.attempts import cap_reached
 from fsdpjob.orchestrator.slurm import stop
 from fsdpjob.orchestrator.supervise import stopfinish
 
@@ -182,7 +183,7 @@ def test_a_local_stop_after_fsdpjob_cancel_is_a_cancel_and_restarts_nothing(tmp_
     """Locally rank 0 records the stop itself: `fsdpjob cancel` wrote its cancel event before its signal."""
     from fsdpjob.jobs import preemption
     from fsdpjob.jobs.workerenv import WorkerEnv
-    from fsdpjob.orchestrator.core import runlog
+    from fsdpjob.orchestrator.core.runfolder import runlog
 
     if cancelled:
         runlog.append(tmp_path, runlog.CANCEL, by="fsdpjob cancel")

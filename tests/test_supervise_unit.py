@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from fsdpjob.orchestrator.core import heartbeat
-from fsdpjob.orchestrator.core.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
+from fsdpjob.orchestrator.core.runfolder import heartbeat
+from fsdpjob.orchestrator.core.runfolder.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
 from fsdpjob.orchestrator.supervise.blame import blame_crash
 from fsdpjob.orchestrator.supervise.policy import BLAME_FORGOTTEN_AFTER_STEPS, Fault, restart_in_allocation
 from fsdpjob.orchestrator.supervise.stacks import top_frame
@@ -323,8 +323,8 @@ def test_a_long_planned_step_or_save_is_bounded_by_the_plan_before_it_is_measure
 def test_the_seed_lora_job_with_a_70_s_step_plans_with_the_default_bounds(tmp_path) -> None:
     from specs import llama2_70b_spec
 
-    from fsdpjob.orchestrator.core.profiles import load_profile
-    from fsdpjob.orchestrator.core.spec import load_spec
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.resolve import resolve
 
@@ -340,10 +340,10 @@ def _supervised(tmp_path, script: str, recovery: dict | None = None) -> tuple[in
     """A real Supervisor (local) around ``python -c script``; its return code and the run log after it."""
     import sys
 
-    from fsdpjob.orchestrator.core import runlog
-    from fsdpjob.orchestrator.core.paths import RunPaths
-    from fsdpjob.orchestrator.core.runmeta import RunMeta
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.runfolder import runlog
+    from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
     from fsdpjob.orchestrator.supervise.run import Supervisor
 
     spec = JobSpec.model_validate({"name": "sup", "model": {"path": "/m"}, "data": {"path": "/d.jsonl"},

@@ -17,7 +17,7 @@ from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
 
 from fsdpjob.orchestrator.cli.sweepspec import make_sweep, split_values
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm import commands
 from fsdpjob.orchestrator.slurm.arrayrender import PLACEHOLDER, ArrayTask, array_plan, array_range

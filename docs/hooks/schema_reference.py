@@ -18,13 +18,13 @@ MARKER = re.compile(r"^<!-- generated: (job spec|cluster profile) -->$", re.M)
 
 
 def _job_spec() -> dict:
-    from fsdpjob.orchestrator.core.spec import json_schema
+    from fsdpjob.orchestrator.core.jobspec.spec import json_schema
 
     return json_schema()
 
 
 def _cluster_profile() -> dict:
-    from fsdpjob.orchestrator.core.profiles import ClusterProfile
+    from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
     return ClusterProfile.model_json_schema()
 

@@ -2,14 +2,14 @@
 the Stateful wrappers and the resume checks; the memory tier (memory.py and its mem* parts); which tier a start
 resumes from (tiers.py). Depends on nothing else in jobs/: the test hooks wrap the production writer from outside."""
 
-from fsdpjob.orchestrator.core.ckptlayout import (
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
                                                  MARKER,
                                                  SIDECAR,
                                                  committed_steps,
                                                  step_dir_name,
                                                  uncommitted_steps,
 )
-from fsdpjob.orchestrator.core.sidecar import FORMAT_VERSION, RunFacts, Sidecar
+from fsdpjob.orchestrator.core.runfolder.sidecar import FORMAT_VERSION, RunFacts, Sidecar
 
 from .io import plain_writer
 from .manager import CheckpointManager, WriterFactory, single_process_dcp

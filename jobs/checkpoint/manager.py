@@ -34,15 +34,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from fsdpjob.orchestrator import __version__
-from fsdpjob.orchestrator.core.ckptlayout import (
+from fsdpjob.orchestrator.core.fileio import write_atomic
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
     LATEST,
     MARKER,
     committed_steps,
     step_dir_name,
     uncommitted_steps,
 )
-from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
+from fsdpjob.orchestrator.core.runfolder.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
 
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
@@ -111,7 +111,7 @@ class CheckpointManager:
     that DCP and the checkpoint barriers use (DCP's async save deadlocks on the training group).
     ``sidecar`` holds the run's facts for every step's sidecar (train passes spec_hash, fingerprint, mesh_shape and
     model_path; a dict of them is taken too, as benches pass one); the manager adds world size, step, reason, wall
-    time and versions (core/sidecar.py).
+    time and versions (core/runfolder/sidecar.py).
     """
 
     def __init__(

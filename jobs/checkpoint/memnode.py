@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core.memtier import TierKey, buddies, node_dir, node_name
+from fsdpjob.orchestrator.core.runfolder.memtier import TierKey, buddies, node_dir, node_name
 
 log = logging.getLogger("fsdpjob.checkpoint")
 

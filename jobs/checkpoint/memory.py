@@ -5,7 +5,7 @@ same allocation resumes from a few steps back instead of from the last durable c
 This module is the tier's face to the saver and the resume, and its clean-up (leftovers at the start, steps a
 resume made obsolete, the node's folder at the job's end). Its parts: the node folder and group (memnode.py), when
 to snapshot (memschedule.py), the snapshot and its commit (memwrite.py), the replicas (memreplicate.py) and the
-resume's read (memread.py). Layout and the choice of a step: orchestrator/core/memtier.py.
+resume's read (memread.py). Layout and the choice of a step: orchestrator/core/runfolder/memtier.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fsdpjob.orchestrator.core.ckptlayout import step_dirs
-from fsdpjob.orchestrator.core.memtier import AutoInterval, TierChoice, TierKey, mtbi_s, remove_step, scan_node
-from fsdpjob.orchestrator.core.sidecar import RunFacts, Sidecar
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dirs
+from fsdpjob.orchestrator.core.runfolder.memtier import (
+    AutoInterval,
+    TierChoice,
+    TierKey,
+    mtbi_s,
+    remove_step,
+    scan_node,
+)
+from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
 from . import memread
 from .manager import CheckpointManager

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core.ckptlayout import SIDECAR, step_dir_name
-from fsdpjob.orchestrator.core.memtier import METADATA, TierChoice, choose_step, scan_node
-from fsdpjob.orchestrator.core.sidecar import Sidecar
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import SIDECAR, step_dir_name
+from fsdpjob.orchestrator.core.runfolder.memtier import METADATA, TierChoice, choose_step, scan_node
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 from .io import CheckpointReader
 from .manager import CheckpointManager

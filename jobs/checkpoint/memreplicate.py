@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core.memtier import shard_name
+from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
 
 from .memnode import TierNode, write_to_shm
 

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from fsdpjob.orchestrator.core.memtier import AUTO, PROBE_STEPS, AutoInterval, auto_interval
+from fsdpjob.orchestrator.core.runfolder.memtier import AUTO, PROBE_STEPS, AutoInterval, auto_interval
 
 log = logging.getLogger("fsdpjob.checkpoint")
 

@@ -18,10 +18,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core.ckptlayout import MARKER, step_dir_name, step_dirs
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.memtier import METADATA, TierKey, marker_text, part_name, remove_step, shard_name
-from fsdpjob.orchestrator.core.sidecar import RunFacts, Sidecar
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, step_dir_name, step_dirs
+from fsdpjob.orchestrator.core.runfolder.memtier import (
+    METADATA,
+    TierKey,
+    marker_text,
+    part_name,
+    remove_step,
+    shard_name,
+)
+from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
 from .io import CheckpointWriter
 from .manager import save_facts
@@ -95,7 +102,7 @@ class SnapshotWriter:
         ok = True
         try:
             future.result()  # DCP's last collective: every rank's shard is written, rank 0's .metadata too
-        except Exception as exc:  # noqa: BLE001 - a failed snapshot turns the tier off, never the run
+        except Exception as exc:  # a failed snapshot turns the tier off, never the run
             ok = node.failed(f"snapshot of step {step} failed ({type(exc).__name__}: {exc})")
         ok, files = self._write_shared(step, step_dir, facts, started, ok)
         files.update(replicate(node, step_dir, ok))

@@ -132,7 +132,8 @@ def _as_itself(value: Any, memo: Any, **_copy_options: Any) -> Any:
     return value
 
 
-def start_async_save(state: dict[str, Any], **save_options: Any) -> tuple[concurrent.futures.Future, StagingGate | None]:
+def start_async_save(state: dict[str, Any],
+                     **save_options: Any) -> tuple[concurrent.futures.Future, StagingGate | None]:
     """dcp.async_save of ``state``: the write's future, and the gate the next optimizer step waits at (None when the
     stager copied synchronously)."""
     import torch.distributed.checkpoint as dcp

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpjob.orchestrator.core import envvars, heartbeat, memtier
-from fsdpjob.orchestrator.core.ckptlayout import step_dir_name
-from fsdpjob.orchestrator.core.sidecar import Sidecar
-from fsdpjob.orchestrator.core.spec import CheckpointSpec
+from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec
+from fsdpjob.orchestrator.core.runfolder import heartbeat, memtier
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dir_name
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 from .manager import CheckpointManager
 from .memory import MemoryTier

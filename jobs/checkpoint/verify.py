@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from fsdpjob.orchestrator.core.ckptlayout import (
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
     MARKER,
     SIDECAR,
     committed_steps,
@@ -20,7 +20,7 @@ from fsdpjob.orchestrator.core.ckptlayout import (
     run_checkpoint_root,
     step_dirs,
 )
-from fsdpjob.orchestrator.core.sidecar import Sidecar
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -49,7 +49,7 @@ def damage(step_dir: Path) -> str | None:
         return f"sidecar {SIDECAR} is unreadable ({exc})"
     try:
         metadata = FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means the step is damaged
+    except Exception as exc:  # any failure to read the metadata means the step is damaged
         return f".metadata is unreadable ({type(exc).__name__}: {exc})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():

@@ -5,7 +5,8 @@ of each requeue. The first start still does (ranks work in parallel, so nobody w
 collective timeout), and rank 0 saves the packed table in the run folder as safetensors. Every later
 start (requeue after preemption or time limit, resume) reads it back, on every rank, when its key
 matches: the names and bytes of every data file (each source's), the tokenizer's files, the data settings
-(sources and weights, packing mode and long_examples included) and the pad id. A cache that is missing, stale or unreadable is rebuilt,
+(sources and weights, packing mode and long_examples included) and the pad id. A cache that is missing, stale or
+unreadable is rebuilt,
 never trusted; a half-written one never exists (write, fsync, rename). Without a shared run folder the
 other nodes simply keep tokenizing themselves.
 """
@@ -23,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fsdpjob.orchestrator.core.spec import DataSpec
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
 from .packing import SequenceTable

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdpjob.orchestrator.core.sidecar import Sidecar
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 from ..checkpoint.manager import select_checkpoint
 from .hfdir import (

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdpjob.orchestrator.core.ckptlayout import SIDECAR
-from fsdpjob.orchestrator.core.sidecar import Sidecar
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import SIDECAR
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
 from ..checkpoint.manager import CheckpointError, single_process_dcp

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fsdpjob.orchestrator.core.sidecar import Sidecar
-from fsdpjob.orchestrator.core.spec import LoraSpec
+from fsdpjob.orchestrator.core.jobspec.spec import LoraSpec
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 from fsdpjob.orchestrator.core.weightfiles import side_files
 
 from ..model.lora import ADAPTER, attach_lora, base_fingerprint, base_name, is_adapter_key, lora_config, swap_parameter

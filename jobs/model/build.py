@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core.families import attention_for, windowed
+from fsdpjob.orchestrator.core.jobspec.families import attention_for, windowed
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weight_files
 
 from ..dist import DistEnv
@@ -271,7 +271,8 @@ def load_model(
     if not read_weights:
         log.info("built %s (%s) on rank %d; its weights come from the checkpoint", path, type(model).__name__, env.rank)
         return model
-    # Safetensors: each rank reads only its own shards (jobs/model/weightload.py); otherwise rank 0 reads and broadcasts.
+    # Safetensors: each rank reads only its own shards (jobs/model/weightload.py); otherwise rank 0 reads and
+    # broadcasts.
     if adapters is None and load_sharded(model, path, expected, tie_groups):
         log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
         return model

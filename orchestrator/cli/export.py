@@ -85,7 +85,7 @@ def export_job(source: str, out: Path, dtype: str, merge: bool, profile: str | N
     """--submit: the export as a job of its own on ``profile`` (its backend's export job), after the run's job."""
     from fsdpjob.orchestrator import registry
     from fsdpjob.orchestrator.backend import EXPORT_JOBS, backend_for
-    from fsdpjob.orchestrator.core.profiles import load_profile
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
 
     if not profile:
         raise click.UsageError("--submit needs --profile/-p: the Slurm profile (partition) the export job runs on")

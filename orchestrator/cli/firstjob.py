@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
-from fsdpjob.orchestrator.core.paths import fsdpjob_home
-from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.core.runfolder.paths import fsdpjob_home
 from fsdpjob.orchestrator.planner.starter import starter_spec
 
 from .options import command, profile_option

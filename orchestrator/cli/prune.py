@@ -13,10 +13,10 @@ from pathlib import Path
 import click
 
 from fsdpjob.orchestrator import registry
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps, step_dirs
-from fsdpjob.orchestrator.core.paths import is_within
-from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
-from fsdpjob.orchestrator.core.sidecar import best_step
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps, step_dirs
+from fsdpjob.orchestrator.core.runfolder.paths import is_within
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta, checkpoint_root
+from fsdpjob.orchestrator.core.runfolder.sidecar import best_step
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .options import command

@@ -22,7 +22,7 @@ def complete_runs(ctx: click.Context, param: click.Parameter, incomplete: str) -
 
 def complete_profiles(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
     """Profile names (shipped and $FSDPJOB_PROFILES), or files when a path is being typed."""
-    from fsdpjob.orchestrator.core.profiles import available_profiles
+    from fsdpjob.orchestrator.core.jobspec.profiles import available_profiles
 
     if "/" in incomplete:
         return [CompletionItem(incomplete, type="file")]

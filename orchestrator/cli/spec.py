@@ -29,7 +29,7 @@ from .options import (
 @NO_FILE_CHECKS_OPT
 def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...], no_file_checks: bool) -> None:
     """Validate job specs (and their model folder and data file). Exit 2 on the first invalid one."""
-    from fsdpjob.orchestrator.core.validation import SpecErrors
+    from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
     from fsdpjob.orchestrator.planner.jobload import load_job
 
     failed: list[FsdpjobError] = []
@@ -44,7 +44,7 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
             f"{path}: ok (profile {job.profile.name}, world size {job.eff.world_size}, sha256:{job.spec.spec_hash()})"
         )
         if not no_file_checks:
-            from fsdpjob.orchestrator.core.dataformats import long_example_warnings
+            from fsdpjob.orchestrator.core.jobspec.dataformats import long_example_warnings
 
             for warning in long_example_warnings(job.spec.data, Path(job.spec.model.path)):
                 click.echo(f"warning: {path}: {warning}", err=True)
@@ -71,7 +71,7 @@ def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path 
 @command()
 def schema() -> None:
     """Print the JSON Schema of job specs (for editors' YAML language servers)."""
-    from fsdpjob.orchestrator.core.spec import json_schema
+    from fsdpjob.orchestrator.core.jobspec.spec import json_schema
 
     echo_json(json_schema())
 
@@ -83,7 +83,7 @@ PROFILE_COLUMNS = ["name", "scheduler", "partition", "GPUs/node", "GPU", "host R
 @JSON_OPT
 def profiles(as_json: bool) -> None:
     """List the cluster profiles (shipped ones and those in $FSDPJOB_PROFILES)."""
-    from fsdpjob.orchestrator.core.profiles import available_profiles, load_profile
+    from fsdpjob.orchestrator.core.jobspec.profiles import available_profiles, load_profile
 
     rows = []
     for name, path in available_profiles().items():

@@ -100,7 +100,7 @@ def _yaml_text(value: object) -> str:
 
 def read_sweep_file(path: Path) -> tuple[dict, dict[str, list[str]], list[list[str]]]:
     """The `sweep:` section of a file -> (name/max_parallel, grid, variants as --set lists)."""
-    from fsdpjob.orchestrator.core.yamlio import read_yaml
+    from fsdpjob.orchestrator.core.jobspec.yamlio import read_yaml
 
     doc = read_yaml(path)
     where = str(path)

@@ -11,8 +11,8 @@ from pathlib import Path
 from fsdpjob.orchestrator import submit as submission
 from fsdpjob.orchestrator.backend import ArrayMember, ArrayRequest, Request
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
-from fsdpjob.orchestrator.core.paths import RunPaths, new_run_id, runs_root
-from fsdpjob.orchestrator.core.sweepstate import SweepState, SweepTask
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs_root
+from fsdpjob.orchestrator.core.runfolder.sweepstate import SweepState, SweepTask
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -42,7 +42,7 @@ def label(v: Variant, count: int) -> str:
 
 def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[str, ...], force: bool) -> SweepPlan:
     """Load and plan every variant before anything is written; the first bad one refuses the sweep (exit 2)."""
-    from fsdpjob.orchestrator.core.spec import load_spec
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
     from fsdpjob.orchestrator.planner.fit import make_plan
 
     name = sweep.name or load_spec(spec, list(sets))[0].name[:56]

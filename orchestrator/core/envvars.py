@@ -10,10 +10,10 @@ from collections.abc import Mapping
 
 VARIABLES: dict[str, str] = {
     # -- the login node
-    "FSDPJOB_HOME": "the registry and, by default, the run folders (default ~/.fsdpjob; core/paths.py)",
-    "FSDPJOB_RUNS": "where new run folders go (default $FSDPJOB_HOME/runs; core/paths.py)",
+    "FSDPJOB_HOME": "the registry and, by default, the run folders (default ~/.fsdpjob; core/runfolder/paths.py)",
+    "FSDPJOB_RUNS": "where new run folders go (default $FSDPJOB_HOME/runs; core/runfolder/paths.py)",
     "FSDPJOB_PROFILES": (
-        "':'-separated folders of cluster profiles, searched before the shipped ones (core/profiles.py)"
+        "':'-separated folders of cluster profiles, searched before the shipped ones (core/jobspec/profiles.py)"
     ),
     "FSDPJOB_DEVCLUSTER_DIR": "the dev cluster's state folder (default /tmp/fsdpjob-devcluster; devcluster/)",
     "FSDPJOB_TEST_IMAGE": "printed (not read) by `dev-cluster up --containers`: the test image's OCI bundle folder",
@@ -33,7 +33,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_WEIGHT_LOAD": "'rank0': rank 0 reads the weights and broadcasts them; unset or 'sharded': each rank "
                            "reads its own shards (jobs/model/weightload.py)",
     "FSDPJOB_MEMORY_TIER_DIR": "the node-local folder of the memory checkpoint tier (default /dev/shm/fsdpjob; "
-                               "named in core/memtier.py, read by jobs/checkpoint/tiers.py; the supervisor "
+                               "named in core/runfolder/memtier.py, read by jobs/checkpoint/tiers.py; the supervisor "
                                "reads it from the spec's env, supervise/run.py)",
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs

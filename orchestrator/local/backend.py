@@ -15,9 +15,9 @@ from pathlib import Path
 
 from fsdpjob.orchestrator import backend as api
 from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted, Unsupported
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 # Seconds a local run gets for its stop checkpoint after SIGTERM before fsdpjob cancel kills what is left.
 LOCAL_CANCEL_GRACE_S = 15

@@ -5,7 +5,7 @@ from __future__ import annotations
 import posixpath
 import re
 
-from fsdpjob.orchestrator.core.container import (
+from fsdpjob.orchestrator.core.jobspec.container import (
     RUNTIME_ROWS,
     RUNTIMES,
     ContainerSpec,
@@ -14,8 +14,8 @@ from fsdpjob.orchestrator.core.container import (
     parse_mount,
     shadowing,
 )
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
 _GLOB = re.compile(r"[*?\[]")
 

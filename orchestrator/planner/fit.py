@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fsdpjob.orchestrator.core import envvars
-from fsdpjob.orchestrator.core.families import attention_for
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.families import attention_for
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
 from fsdpjob.orchestrator.core.units import GiB
 

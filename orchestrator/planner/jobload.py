@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Literal
 
 from fsdpjob.orchestrator.core import envrefs
-from fsdpjob.orchestrator.core.ckptlayout import resume_problem, unwritable
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
-from fsdpjob.orchestrator.core.notifyspec import notify_of
-from fsdpjob.orchestrator.core.profiles import ClusterProfile, load_profile
-from fsdpjob.orchestrator.core.spec import JobSpec, load_spec
-from fsdpjob.orchestrator.core.validation import SpecErrors
-from fsdpjob.orchestrator.core.yamlio import YamlDoc
+from fsdpjob.orchestrator.core.jobspec.notifyspec import notify_of
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
+from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import resume_problem, unwritable
 
 from .resolve import PartitionSize, Resolved, resolve
 
@@ -72,7 +72,7 @@ def load_job(
 
 def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool) -> None:
     """The checks of this machine's files and environment, every problem at once (one line each)."""
-    from fsdpjob.orchestrator.core.inputs import check_inputs
+    from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
 
     found: list[InputError] = []
     if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):

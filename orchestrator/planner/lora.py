@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpjob.orchestrator.core.families import FAMILIES, Family
+from fsdpjob.orchestrator.core.jobspec.families import FAMILIES, Family
 
 from .modelshape import ModelShape, ParamCount
 
@@ -65,7 +65,7 @@ def _linear_shapes(s: ModelShape) -> dict[str, list[tuple[int, int]]]:
 
 
 def _family_linears(s: ModelShape) -> list[str]:
-    """The names all-linear finds in one decoder block of this family (core/families.py)."""
+    """The names all-linear finds in one decoder block of this family (core/jobspec/families.py)."""
     own = _family(s).lora_linears
     if own is not None:
         return list(own)

@@ -55,7 +55,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.units import GiB, count_text, params_text, size_text, unit_for
 
 from .lora import adapter_activations, trainable

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.families import FAMILIES, Family, windowed
+from fsdpjob.orchestrator.core.jobspec.families import FAMILIES, Family, windowed
 from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, read_header, weight_files
 
 # Families whose parameter count from config.json alone is checked against transformers (tests); for the

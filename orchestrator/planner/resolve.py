@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.errors import SpecError
-from fsdpjob.orchestrator.core.paths import runs_root
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
+from fsdpjob.orchestrator.core.runfolder.paths import runs_root
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
-from fsdpjob.orchestrator.core.spec import JobSpec
-from fsdpjob.orchestrator.core.validation import SpecErrors
-from fsdpjob.orchestrator.core.yamlio import YamlDoc
 
 from .containers import container_problems
 

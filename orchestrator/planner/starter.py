@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 PLACEHOLDER_MODEL = "/path/to/hf-model-folder"
 DEFAULT_SEQ_LEN = 512

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.flops import peak_flops, train_flops_per_token
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.backend import ArrayMember, ArrayRequest, Request, Submitted
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 from .arrayrender import PLACEHOLDER, ArrayTask, array_plan, array_range
 from .render import build_plan, render_script

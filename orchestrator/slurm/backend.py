@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted, Unsupported
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 from . import arrayjob, commands
 from .render import build_plan, render_script

@@ -15,7 +15,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core.container import RUNTIME_ROWS, ContainerSpec, Mount, RuntimeRow
+from fsdpjob.orchestrator.core.jobspec.container import RUNTIME_ROWS, ContainerSpec, Mount, RuntimeRow
 
 BUNDLE_DIR = "container"  # in the run folder: the oci runtime's bundle (config.json)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from fsdpjob.orchestrator.backend import ExportJob
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.fileio import write_atomic
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 from . import commands
 from .exportscript import build_export_plan, render_export

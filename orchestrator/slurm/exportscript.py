@@ -11,7 +11,7 @@ from importlib import resources
 import jinja2
 
 from fsdpjob.orchestrator import __version__
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 from .render import sbatch_word
 from .shellquote import command_line, literal, with_vars

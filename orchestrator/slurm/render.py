@@ -14,10 +14,10 @@ import jinja2
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.notifyspec import notify_of
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core.jobspec.notifyspec import notify_of
+from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.containers import all_mounts, container_of
 from fsdpjob.orchestrator.planner.resolve import Effective, Resolved
 

@@ -1,7 +1,8 @@
 """The Slurm end of a stop checkpoint: what the stop was, and the one requeue (the record is the batch side's,
 supervise/stopfinish.py).
 
-The workers committed a stop checkpoint and handed the stop over (core/stophandoff.py); the supervisor, outside
+The workers committed a stop checkpoint and handed the stop over (core/runfolder/stophandoff.py); the supervisor,
+outside
 any container, calls ``settle`` (supervise/allocation.py). Slurm tells the kind of stop only here, through
 scontrol: PreemptTime is set only for a preemption, Restarts has grown before the SIGTERM of an external
 `scontrol requeue`, and a time limit is what is left (the remaining time is misleading during a grace period:
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, Settled
+from fsdpjob.orchestrator.core.runfolder.stophandoff import CANCELLED, NOT_REQUEUED, REQUEUED, Settled
 
 from . import commands as slurm_cli
 

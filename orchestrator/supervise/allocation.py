@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, runlog, slurmenv, stophandoff
+from fsdpjob.orchestrator.core import slurmenv
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.stophandoff import NOT_REQUEUED, StopHandoff
+from fsdpjob.orchestrator.core.runfolder import attempts, runlog, stophandoff
+from fsdpjob.orchestrator.core.runfolder.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 from fsdpjob.orchestrator.slurm import stop as slurm_stop
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.heartbeat import EXITED, HEARTBEAT_S, Beat
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, Beat
 
 # What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
 PEER_ERRORS = re.compile(

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from fsdpjob.orchestrator.core import attempts, runlog
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder import attempts, runlog
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
 from . import notifier
 

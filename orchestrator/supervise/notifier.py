@@ -1,7 +1,7 @@
 """Webhook notifications from the batch side: the run log's events (start, requeue, fault, restart, done, failed)
 told as they come, by a background thread of the supervisor (``Notifier``, which follows the run log) and once
 by the failure policy after it (``send_now``); never by the training step. A sweep's task that ends the sweep
-also tells sweep_done (its end is counted in the sweep's folder, core/sweepstate.py). The transport, its
+also tells sweep_done (its end is counted in the sweep's folder, core/runfolder/sweepstate.py). The transport, its
 retries and the URL's secrecy are webhook.py's.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import runlog, sweepstate
-from fsdpjob.orchestrator.core.goodputaccount import goodput
-from fsdpjob.orchestrator.core.notifyspec import NotifySpec
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.jobspec.notifyspec import NotifySpec
+from fsdpjob.orchestrator.core.runfolder import runlog, sweepstate
+from fsdpjob.orchestrator.core.runfolder.goodputaccount import goodput
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
 from . import webhook
 

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core import attempts, runlog
+from fsdpjob.orchestrator.core.runfolder import attempts, runlog
 
 
 @dataclass(frozen=True)

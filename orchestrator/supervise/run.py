@@ -7,7 +7,7 @@ locally it is submitit's controller. No torch here: it must start in millisecond
 
 One launch at a time: clear the heartbeats, start COMMAND (env FSDPJOB_LAUNCH=<n>), then once a second read
 the heartbeats (stall.py). The launch ends by itself (exit 0: done, or a stop checkpoint the workers handed
-over, core/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
+over, core/runfolder/stophandoff.py; non-zero: a crash) or by a stall verdict: every rank's stacks are dumped
 (stacks.py), then the step gets SIGTERM, a short grace, and a hard kill. A hand-off ends the loop: the
 allocation asks Slurm what the stop was and requeues the job (slurm/stop.py), and records it (stopfinish.py);
 the workers run no Slurm command. A crash or a stall is a ``fault`` event; policy.py then says restart (a new
@@ -29,10 +29,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, envvars, heartbeat, memtier, runlog, stophandoff
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps
-from fsdpjob.orchestrator.core.runmeta import RunMeta, checkpoint_root
-from fsdpjob.orchestrator.core.spec import JobSpec
+from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta, checkpoint_root
 
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.heartbeat import Beat
+from fsdpjob.orchestrator.core.runfolder.heartbeat import Beat
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 DUMP_TIMEOUT_S = 20

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdpjob.orchestrator.core.heartbeat import EXITED, HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
+from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
 
 FROZEN_AFTER_S = 3 * HEARTBEAT_S + 2  # a heartbeat older than this: the process is not running
 RECENT_STEPS = 50  # step times kept for the p95

@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import stophandoff
-from fsdpjob.orchestrator.core.stophandoff import CANCELLED, NOT_REQUEUED, Settled, StopHandoff
+from fsdpjob.orchestrator.core.runfolder import stophandoff
+from fsdpjob.orchestrator.core.runfolder.stophandoff import CANCELLED, NOT_REQUEUED, Settled, StopHandoff
 
 
 def finish_stop(run_dir: Path, handoff: StopHandoff, settled: Settled) -> int:

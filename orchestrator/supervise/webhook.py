@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import envvars
-from fsdpjob.orchestrator.core.notifyspec import NotifySpec, notify_of
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.jobspec.notifyspec import NotifySpec, notify_of
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
 TRIES = 3  # per event; then it is given up (and said so in the job's log, without the URL)
 TIMEOUT_S = 5.0  # per try: a webhook endpoint answers in well under a second when it works

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from fsdpjob.orchestrator.backend import backend_for
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.fileio import Tail
+from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .status import report_for

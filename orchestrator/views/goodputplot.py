@@ -9,7 +9,7 @@ import importlib.util
 import io
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.units import amount_text
 
 from .goodput import CATEGORIES

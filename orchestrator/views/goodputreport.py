@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from fsdpjob.orchestrator.backend import backend_for
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
 from fsdpjob.orchestrator.registry import JobRecord

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdpjob.orchestrator import registry
-from fsdpjob.orchestrator.core.paths import is_within
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder.paths import is_within
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.registry import JobRecord
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import attempts, runlog
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps
-from fsdpjob.orchestrator.core.runmeta import checkpoint_root
+from fsdpjob.orchestrator.core.runfolder import attempts, runlog
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
+from fsdpjob.orchestrator.core.runfolder.runmeta import checkpoint_root
 
 
 @dataclass

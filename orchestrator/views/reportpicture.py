@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 # (unit, seconds per unit, longest run shown in it): a 16 s run reads in seconds, a 3 h one in hours.
 TIME_UNITS = (("s", 1.0, 120.0), ("min", 60.0, 2 * 3600.0), ("h", 3600.0, float("inf")))
-# How each kind of stop reads in the legend; the run's events said which it was (core/goodputaccount.py).
+# How each kind of stop reads in the legend; the run's events said which it was (core/runfolder/goodputaccount.py).
 STOP_LABELS = {"preemption": "preempted", "time_limit": "time limit", "requeue": "requeued", "cancel": "cancelled",
                "signal": "signalled", "crash": "crash", "hang": "hang", "node_fail": "node failure",
                "unknown": "unknown stop"}
-_SLACK_S = 1.0  # as core/goodputaccount.py: an event may carry a time just before its allocation's start
+_SLACK_S = 1.0  # as core/runfolder/goodputaccount.py: an event may carry a time just before its allocation's start
 
 
 def time_unit(span_s: float) -> tuple[str, float]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 
 def newest_stacks(run_dir: Path) -> str:

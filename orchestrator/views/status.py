@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
-from fsdpjob.orchestrator.core import runlog
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .chains import chain_state
@@ -79,7 +79,8 @@ class StatusReport:
     failure_reason: str | None
     # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
     last_stop: dict | None = None
-    # The goodput headline (core/goodputaccount.py): goodput, ettr, allocated_unit_s, productive_unit_s (unit-seconds:
+    # The goodput headline (core/runfolder/goodputaccount.py): goodput, ettr, allocated_unit_s, productive_unit_s
+    # (unit-seconds:
     # GPU-seconds, or CPU rank-seconds), unit, units, source, interruptions (their count).
     goodput: dict | None = None
     # The in-allocation supervisor (orchestrator/supervise): restarts (in this allocation, beside `restarts`,

@@ -1,11 +1,11 @@
 """A run's timeline as the lines a person follows (`submit --wait`): one pure function, ``stream_line``, from
-one timeline entry (an event, or a metrics line as ``event: metric``, core/runlog.py) to its line."""
+one timeline entry (an event, or a metrics line as ``event: metric``, core/runfolder/runlog.py) to its line."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 
 def _num(value: object, digits: int = 4) -> str:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpjob.orchestrator.backend import SchedView, backend_for
-from fsdpjob.orchestrator.core import runlog
-from fsdpjob.orchestrator.core.ckptlayout import committed_steps, run_checkpoint_root
 from fsdpjob.orchestrator.core.errors import FsdpjobError
-from fsdpjob.orchestrator.core.sidecar import Sidecar
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 from fsdpjob.orchestrator.registry import JobRecord
 
 from .display import table

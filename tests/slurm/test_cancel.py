@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import wait_for
 
-from fsdpjob.orchestrator.core.paths import RunPaths
-from fsdpjob.orchestrator.core.runmeta import RunMeta
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 pytestmark = [pytest.mark.slow]

@@ -16,7 +16,7 @@ from helpers import fsdpjob, wait_for
 from slurm.slurm_helpers import status, submit, wait_phase
 from test_notify import Hook
 
-from fsdpjob.orchestrator.core import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
 
 pytestmark = [pytest.mark.slow]

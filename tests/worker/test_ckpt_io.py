@@ -79,12 +79,14 @@ def test_it_reads_stock_and_own_files_bitwise_mostly_without_copies(tmp_path, mo
     dcp.save(state, storage_writer=writer(tmp_path / "c"), no_dist=True)
     fallbacks = []
     original = CheckpointReader._read_stock
-    monkeypatch.setattr(CheckpointReader, "_read_stock", lambda self, s, item, p: fallbacks.append(item.storage_index.fqn)
+    monkeypatch.setattr(CheckpointReader, "_read_stock",
+                        lambda self, s, item, p: fallbacks.append(item.storage_index.fqn)
                         or original(self, s, item, p))  # fmt: skip
     loaded = _zeros_like(state)
     dcp.load(loaded, storage_reader=CheckpointReader(tmp_path / "c"), no_dist=True)
     assert _equal(loaded, state)
-    assert sorted(fallbacks) == ["extra.note", "extra.values", "step"]  # pickled entries only; every tensor went straight in
+    # Pickled entries only; every tensor went straight in.
+    assert sorted(fallbacks) == ["extra.note", "extra.values", "step"]
 
 
 def test_other_dtypes_and_slices_take_dcps_own_path(tmp_path):

@@ -20,8 +20,8 @@ from fsdpjob.jobs.data import (
     read_examples,
 )
 from fsdpjob.jobs.quickstart import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
-from fsdpjob.orchestrator.core.inputs import check_inputs
-from fsdpjob.orchestrator.core.spec import DataSpec, load_spec
+from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec, load_spec
 
 CORPUS = ["hello world", "the quick brown fox jumps", "12+345=357", "naïve café 日本語 🎉", "a\tb\nc  d"] * 20
 CHATML = (
@@ -357,7 +357,8 @@ def test_each_epoch_is_a_seeded_permutation():
     other = stream(table, 1, 0, gbs=2, seed=8)
     assert [x for _ in range(10) for mb in other.next_step().micro_batches for x in mb.sequence_ids.tolist()] != order
     plain = stream(table, 1, 0, gbs=2, shuffle=False)
-    assert [x for _ in range(10) for mb in plain.next_step().micro_batches for x in mb.sequence_ids.tolist()] == list(range(10)) * 2
+    seen = [x for _ in range(10) for mb in plain.next_step().micro_batches for x in mb.sequence_ids.tolist()]
+    assert seen == list(range(10)) * 2
 
 
 def test_resume_mid_run_continues_exactly():

@@ -13,7 +13,7 @@ import torch
 from fsdpjob.jobs.data import build_sequences, read_examples
 from fsdpjob.jobs.data.cache import load_or_build
 from fsdpjob.jobs.quickstart import make_quickstart
-from fsdpjob.orchestrator.core.spec import DataSpec
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from fsdpjob.jobs.data.cache import load_or_build, table_key  # noqa: E402
 from fsdpjob.jobs.data.mixture import epoch_counts  # noqa: E402
 from fsdpjob.jobs.data.sources import build_table  # noqa: E402
 from fsdpjob.jobs.quickstart import build_tokenizer  # noqa: E402
-from fsdpjob.orchestrator.core.spec import DataSpec  # noqa: E402
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec  # noqa: E402
 
 CORPUS = ["hello world", "the quick brown fox jumps", "12+345=357", "naïve café 日本語 🎉"] * 20
 TEXTS = [f"{i} + {i} = {2 * i} fox" for i in range(40)]

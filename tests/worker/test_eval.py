@@ -26,7 +26,7 @@ def assets(tmp_path_factory) -> dict:
 
 
 def make_run(root: Path, name: str, assets: dict, *, data: dict, train: dict, checkpoint: dict | None = None) -> Path:
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     spec = JobSpec.model_validate({
         "name": name,
@@ -58,7 +58,7 @@ def packed(assets: dict, path: str):
     from transformers import AutoTokenizer
 
     from fsdpjob.jobs.data import build_sequences, read_examples
-    from fsdpjob.orchestrator.core.spec import DataSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
     tokenizer = AutoTokenizer.from_pretrained(assets["model_path"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -157,8 +157,8 @@ def test_eval_fraction_is_never_trained_on(runs, assets):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_keep_best_keeps_the_lowest_eval_loss_and_records_it(runs):
-    from fsdpjob.orchestrator.core.ckptlayout import committed_steps
-    from fsdpjob.orchestrator.core.sidecar import Sidecar
+    from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
+    from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
     losses = {m["step"]: m["eval_loss"] for m in evals(runs["file"])}
     kept = {step: Sidecar.read(path) for step, path in committed_steps(runs["file"] / "checkpoints")}
@@ -169,7 +169,7 @@ def test_keep_best_keeps_the_lowest_eval_loss_and_records_it(runs):
 
 def test_purge_keeps_the_best_step_over_keep_last(tmp_path):
     from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.orchestrator.core.ckptlayout import MARKER, SIDECAR, committed_steps, step_dir_name
+    from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, SIDECAR, committed_steps, step_dir_name
 
     for step, loss in ((2, 1.5), (4, 0.7), (6, 0.9), (8, None)):
         d = tmp_path / step_dir_name(step)
@@ -197,8 +197,8 @@ BASE = "name: unit\nmodel:\n  path: /m\ndata:\n  path: /d.jsonl\n"
     ("  eval_fraction: 1.0\ntrain:\n  max_steps: 10\n  eval_every: 2\n", 6, "data.eval_fraction", "less than 1"),
 ])
 def test_spec_errors_for_eval_settings_that_do_not_go_together(tmp_path, extra, line, loc, words):
-    from fsdpjob.orchestrator.core.spec import load_spec
-    from fsdpjob.orchestrator.core.validation import SpecErrors
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
+    from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 
     path = tmp_path / "job.yaml"
     path.write_text(BASE + extra)
@@ -210,7 +210,7 @@ def test_spec_errors_for_eval_settings_that_do_not_go_together(tmp_path, extra, 
 
 
 def test_eval_settings_resolve_relative_to_the_spec(tmp_path):
-    from fsdpjob.orchestrator.core.spec import load_spec
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
 
     path = tmp_path / "job.yaml"
     path.write_text("name: unit\nmodel:\n  path: m\ndata:\n  path: d.jsonl\n  eval_path: e.jsonl\n"

@@ -8,7 +8,7 @@ import torch
 from distributed import run_ranks
 from families import FAMILIES, VOCAB, save_tiny_family
 
-from fsdpjob.orchestrator.core.spec import ModelSpec
+from fsdpjob.orchestrator.core.jobspec.spec import ModelSpec
 
 pytestmark = pytest.mark.distributed
 DEFAULT_ATTENTION = ModelSpec.model_fields["attn_implementation"].default

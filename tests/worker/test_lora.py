@@ -119,7 +119,7 @@ def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> obje
     from fsdpjob.jobs.model import load_model
     from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
-    from fsdpjob.orchestrator.core.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     spec = JobSpec.model_validate(json.loads((Path(run_dir) / "spec.json").read_text())["spec"])
     env = init_distributed(120)

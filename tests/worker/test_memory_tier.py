@@ -90,7 +90,7 @@ def test_auto_interval_probes_then_snapshots_as_its_measured_cost_says(tmp_path,
     """memory_interval_steps: auto on 2 ranks (nodes n1, n2): the probe snapshot 5 steps into the launch, the
     interval decided 5 steps later from what it cost (one event, the profile's rate as the MTBI), and a crash after
     step 14 resumes from a snapshot of that schedule."""
-    from fsdpjob.orchestrator.core.memtier import MAX_STALL_SHARE, PROBE_STEPS
+    from fsdpjob.orchestrator.core.runfolder.memtier import MAX_STALL_SHARE, PROBE_STEPS
 
     run_dir = make_run(tmp_path, "auto", assets)
     meta = json.loads((run_dir / "spec.json").read_text())

@@ -35,7 +35,8 @@ def _config(family: str = "llama", **overrides):
     return cls[family](**{**TINY, **overrides})
 
 
-def save_tiny(path: Path, family: str = "llama", *, dtype: torch.dtype = torch.float32, shard: bool = False, **cfg) -> Path:
+def save_tiny(path: Path, family: str = "llama", *, dtype: torch.dtype = torch.float32, shard: bool = False,
+              **cfg) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -146,7 +147,8 @@ def _option_variants(rank: int, world_size: int, path: Path) -> dict[str, tuple[
         model = _load(path, env, **kw)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+                 for n, p in model.named_parameters()}
         plain_grads = plain_grads or grads
         differ = [n for n in plain_grads if n not in grads or not torch.equal(grads[n], plain_grads[n])]
         out[name] = (loss.item(), differ + sorted(grads.keys() - plain_grads.keys()))
@@ -422,7 +424,8 @@ def test_submitit_slurm_job_takes_an_unresolvable_nodes_address_from_the_supervi
     env = detect_env()
     assert env.master_addr == "10.1.2.3" and env.master_port == port_for_job("77_2")
     clean_env.delenv("FSDPJOB_NODE_ADDRS")
-    with pytest.raises(RuntimeError, match=f"first node '{node}' does not resolve and the supervisor passed no address"):
+    with pytest.raises(RuntimeError,
+                       match=f"first node '{node}' does not resolve and the supervisor passed no address"):
         detect_env()
     assert not (tmp_path / "called").exists()
 
@@ -430,7 +433,8 @@ def test_submitit_slurm_job_takes_an_unresolvable_nodes_address_from_the_supervi
 def test_submitit_local_executor_uses_loopback_and_a_job_port(clean_env):
     values = dict(
         SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID="5150", SUBMITIT_LOCAL_NTASKS="2",
-        SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_GLOBALID="1", SUBMITIT_LOCAL_LOCALID="1",
+        SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_GLOBALID="1",
+        SUBMITIT_LOCAL_LOCALID="1",
     )  # fmt: skip
     for name, value in values.items():
         clean_env.setenv(name, value)
@@ -498,7 +502,7 @@ def _export_wait(rank: int, world_size: int, export_s: float) -> dict:
     import torch.distributed as dist
 
     from fsdpjob.jobs.dist import export_group, host_barrier
-    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+    from fsdpjob.orchestrator.core.runfolder.heartbeat import export_wait_s
 
     env = init_distributed(3, cpu_offload=True)
     assert "gloo" in env.backend
@@ -522,7 +526,7 @@ def _export_wait(rank: int, world_size: int, export_s: float) -> dict:
 def test_ranks_wait_for_the_export_longer_than_the_collective_timeout():
     """gpu-review #16 with CPU offload: the default group's gloo half is bounded by fsdp.collective_timeout_s;
     the export wait has its own group, bounded by the export phase's bound (2 x the supervisor's first bound)."""
-    from fsdpjob.orchestrator.core.heartbeat import export_wait_s
+    from fsdpjob.orchestrator.core.runfolder.heartbeat import export_wait_s
 
     assert export_wait_s("auto", 30) == 1800 and export_wait_s(100, 60) == 480
     exporting, waiting = run_ranks(_export_wait, 2, timeout=120, export_s=6.0)

@@ -22,7 +22,7 @@ from fsdpjob.jobs.data import (
     micro_batch,
 )
 from fsdpjob.jobs.step import eval_loss, forward_logits, train_step
-from fsdpjob.orchestrator.core.spec import DataSpec
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 # Sliding windows shorter than the examples, so the window and the example boundary both cut the mask.
 WINDOWED = {

@@ -39,7 +39,8 @@ def test_the_next_copy_is_issued_before_the_current_micro_batch_is_handed_out(mo
 
     issued: list[int] = []
     real = step.to_device
-    monkeypatch.setattr(step, "to_device", lambda mb, device: issued.append(int(mb.input_ids[0, 0])) or real(mb, device))
+    monkeypatch.setattr(step, "to_device",
+                        lambda mb, device: issued.append(int(mb.input_ids[0, 0])) or real(mb, device))
     for current in step._prefetched([_mb(v) for v in (1, 2, 3)], torch.device("cpu")):
         value = int(current.input_ids[0, 0])
         # While micro-batch v trains, v + 1's copy is already queued (all of them by the last one).

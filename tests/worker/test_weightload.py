@@ -1,4 +1,5 @@
-"""Each rank reading its own shards (jobs/model/weightload.py) gives bitwise the model the rank-0 read + broadcast gives,
+"""Each rank reading its own shards (jobs/model/weightload.py) gives bitwise the model the rank-0 read + broadcast
+gives,
 on real gloo ranks: tiny families, tied embeddings, bf16 files for fp32 training, sharded files, a bare-model
 checkpoint (no base-model prefix), uneven shards on 3 ranks, HSDP, activation checkpointing and CPU offload;
 the checkpoints transformers converts on load keep the rank-0 path; training is unchanged."""
@@ -65,7 +66,8 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
             rows = slice(part * 4 // shards, (part + 1) * 4 // shards)
             losses[way] = _train(model, 3, rows) if case.get("train") else []
         os.environ.pop(weightload.SWITCH)
-        out[name]["differ"] = sorted(k for k in states["rank0"] if not torch.equal(states["rank0"][k], states["sharded"][k]))
+        out[name]["differ"] = sorted(k for k in states["rank0"]
+                                     if not torch.equal(states["rank0"][k], states["sharded"][k]))
         out[name]["same_names"] = states["rank0"].keys() == states["sharded"].keys()
         out[name]["losses"] = losses
     dist.barrier()

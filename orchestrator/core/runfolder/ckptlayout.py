@@ -1,5 +1,5 @@
 """The on-disk layout of a checkpoint root, shared by the worker (jobs/checkpoint/manager.py writes it) and the
-login node (status reads it): plain file reads, no torch. The sidecar's contents are core/sidecar.py's.
+login node (status reads it): plain file reads, no torch. The sidecar's contents are core/runfolder/sidecar.py's.
 
     <root>/step-00000120/      DCP shards (__<rank>_0.distcp), .metadata, fsdpjob.json, COMMITTED
     <root>/latest              name of the newest committed step folder (informational)
@@ -13,7 +13,8 @@ import os
 import re
 from pathlib import Path
 
-# The rule lives with spec.json (core/runmeta.py); jobs/checkpoint/verify.py and views/sweepview.py read it under
+# The rule lives with spec.json (core/runfolder/runmeta.py); jobs/checkpoint/verify.py and views/sweepview.py read it
+# under
 # this name.
 from .runmeta import checkpoint_root as run_checkpoint_root
 

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from .fileio import Tail
+from ..fileio import Tail
 from .paths import RunPaths
 
 # Lifecycle events, in the order a run meets them. docs/run-folder.md ("Run log events") lists the same names with

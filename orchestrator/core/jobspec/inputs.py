@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InputError
 from .dataformats import check_data
-from .errors import InputError
 from .families import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import InputError
+from ..errors import InputError
 
 Loc = tuple  # a path into the document, e.g. ("train", "lr")
 

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
-from .errors import SpecError
+from ..errors import SpecError
 from .yamlio import YamlDoc
 
 

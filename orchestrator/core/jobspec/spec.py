@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from ..slurmtime import FORMATS_HELP, parse_slurm_time
 from .container import ContainerSpec
 from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
 from .notifyspec import NotifySpec
-from .slurmtime import FORMATS_HELP, parse_slurm_time
 from .validation import (
     PATH_MAX_BYTES,
     SpecErrors,

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..errors import InputError
 from .dataspec import DataSource
-from .errors import InputError
 from .records import SCAN_LINES, RecordError, iter_records, record_fields
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .fileio import write_atomic
+from ..fileio import write_atomic
 
 SWEEP_FILE = "sweep.json"
 ENDED_FILE = "ended.json"  # run id -> how that task ended (done or failed)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import envvars
+from .. import envvars
 
 
 def fsdpjob_home() -> Path:
@@ -60,7 +60,7 @@ class RunPaths:
 
     @property
     def stop_file(self) -> Path:
-        """The workers' stop hand-off to the supervisor (core/stophandoff.py), present between the two."""
+        """The workers' stop hand-off to the supervisor (core/runfolder/stophandoff.py), present between the two."""
         return self.run_dir / "stop.json"
 
     @property

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..fileio import write_atomic
 from . import runlog
-from .fileio import write_atomic
 from .paths import RunPaths
 
 # How a stop ends (the supervisor's, or a local rank 0's, decision).

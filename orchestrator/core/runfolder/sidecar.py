@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_atomic
 from .ckptlayout import SIDECAR
-from .fileio import write_atomic
 
 FORMAT_VERSION = 1
 
-# Fingerprint keys export reads: the spec's model.lora (core/spec.py model_fingerprint) and, with LoRA, the base
+# Fingerprint keys export reads: the spec's model.lora (core/jobspec/spec.py model_fingerprint) and, with LoRA, the base
 # model folder's content hash (jobs/model/lora.py checkpoint_fingerprint).
 LORA_FINGERPRINT = "model.lora"
 BASE_CONTENTS_FINGERPRINT = "model.path contents"

@@ -12,11 +12,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from . import envvars
+from .. import envvars
+from ..errors import ProfileError
+from ..slurmtime import parse_slurm_time
 from .container import ContainerSpec, Runtime
-from .errors import ProfileError
 from .notifyspec import NotifySpec
-from .slurmtime import parse_slurm_time
 from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
 from .yamlio import read_yaml
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .fileio import write_atomic
+from ..fileio import write_atomic
 from .paths import RunPaths
 
 DEFAULT_STOP_SIGNAL = "USR2"  # spec.preemption.signal's default, for a run folder that cannot be read
@@ -39,7 +39,8 @@ class EffectiveFacts:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """A run's size and submit time: what its goodput accounting needs besides its log (core/goodputaccount.py).
+    """A run's size and submit time: what its goodput accounting needs besides its log
+    (core/runfolder/goodputaccount.py).
     From a registry record on the login side (views/goodput.py), from spec.json on the batch side."""
 
     run_id: str
