@@ -356,7 +356,7 @@ def _supervised(tmp_path, script: str, recovery: dict | None = None) -> tuple[in
 def test_an_exit_code_after_the_run_finished_is_not_a_crash(tmp_path) -> None:
     """The time limit's warning signal can land while finished ranks tear down (seen in CI: exit 140 after
     "done"); the supervisor must not restart a finished run."""
-    rc, events = _supervised(tmp_path, "import sys; from pathlib import Path; from fsdpjob.orchestrator.core import "
+    rc, events = _supervised(tmp_path, "import sys; from pathlib import Path; from fsdpjob.orchestrator.core.runfolder import "
                                        "runlog; runlog.append(Path(sys.argv[1]), runlog.DONE, step=5); sys.exit(140)")
     assert rc == 0
     assert [e["event"] for e in events] == ["done"]
