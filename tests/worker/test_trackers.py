@@ -18,8 +18,8 @@ wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
 
 from fsdpjob.jobs.trackers import TRACKERS_FILE, TrackerError, Trackers  # noqa: E402
-from fsdpjob.orchestrator.core.runfolder import runlog  # noqa: E402
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec  # noqa: E402
+from fsdpjob.orchestrator.core.runfolder import runlog  # noqa: E402
 
 KEY = f"wandb-{secrets.token_hex(16)}"  # unique: finding it anywhere is a leak
 TOKEN = f"mlflow-{secrets.token_hex(16)}"
