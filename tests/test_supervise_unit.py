@@ -367,8 +367,9 @@ def test_a_stall_after_the_run_finished_is_not_a_fault(tmp_path) -> None:
     """Ranks that wrote "done" but exit slowly (seen on the dev cluster under load: every rank 'exited' at the
     last step for 11 s) trip the stall bound: with no restart allowed that used to end the step as a fault, and
     the failure policy requeued a finished run."""
-    rc, events = _supervised(tmp_path, "import sys, time; from pathlib import Path; from fsdpjob.orchestrator.core.runfolder "
-                                       "import runlog; runlog.append(Path(sys.argv[1]), runlog.DONE, step=5); "
+    rc, events = _supervised(tmp_path, "import sys, time; from pathlib import Path; "
+                                       "from fsdpjob.orchestrator.core.runfolder import runlog; "
+                                       "runlog.append(Path(sys.argv[1]), runlog.DONE, step=5); "
                                        "time.sleep(60)", recovery={"max_restarts": 0, "setup_timeout_s": 2})
     assert rc == 0
     assert [e["event"] for e in events] == ["done"]
