@@ -52,7 +52,7 @@ class Request:
     text: str  # what `render` and `submit --dry-run` print: the sbatch script, or what starts locally
     script: str | None  # the batch script to keep in the run folder, if the scheduler takes one
     env: dict[str, str]  # environment of the submission call (secrets travel here, never through a file)
-    payload: object = None  # backend-specific (the Slurm backend's SbatchPlan)
+    payload: object = None  # backend-specific (the Slurm backend's SbatchParts)
     files: tuple[tuple[str, str], ...] = ()  # (path in the run folder, text) written beside the script
     array: str | None = None  # a job array's task range as the scheduler takes it (Slurm's --array=0-K%N)
     notes: tuple[str, ...] = ()  # what the user should know before it is submitted (printed as warnings)

@@ -114,7 +114,7 @@ def _run_folder_removal(record: JobRecord) -> Removal:
     return Removal(record.run_id, folder, tree_size(folder), what, record, note)
 
 
-def plan(records: list[JobRecord], phases: dict[str, str], *, older_than_days: float | None = None,
+def choose_removals(records: list[JobRecord], phases: dict[str, str], *, older_than_days: float | None = None,
          keep_last: int | None = None, checkpoints_only: bool = False, now: float | None = None) -> list[Removal]:
     """What a prune would remove; never anything of a run that is not finished, nor what one started from."""
     chosen = candidates(records, phases, older_than_days=older_than_days, keep_last=keep_last,
@@ -166,7 +166,8 @@ def prune(older_than: float | None, keep_last: int | None, checkpoints_only: boo
 
     records = registry.all_records()
     phases = {r.run_id: settled_phase(r) for r in reports(records)}
-    removals = plan(records, phases, older_than_days=older_than, keep_last=keep_last, checkpoints_only=checkpoints_only)
+    removals = choose_removals(records, phases, older_than_days=older_than, keep_last=keep_last,
+                               checkpoints_only=checkpoints_only)
     if yes:
         remove(removals)
     click.echo("\n".join(summary(removals, removed=yes)))

@@ -28,7 +28,7 @@ class PlannedVariant:
 
 
 @dataclass(frozen=True)
-class SweepPlan:
+class CheckedSweep:
     name: str
     sweep_id: str
     scheduler: str
@@ -40,7 +40,7 @@ def label(v: Variant, count: int) -> str:
     return f"sweep variant {v.index} of {count} ({v.label()})"
 
 
-def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[str, ...], force: bool) -> SweepPlan:
+def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[str, ...], force: bool) -> CheckedSweep:
     """Load and plan every variant before anything is written; the first bad one refuses the sweep (exit 2)."""
     from fsdpjob.orchestrator.core.jobspec.spec import load_spec
     from fsdpjob.orchestrator.planner.fit import make_plan
@@ -66,18 +66,18 @@ def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[
     if len(schedulers) > 1:
         raise InputError(f"the variants run on {len(schedulers)} profiles ({', '.join(sorted(schedulers))}); a sweep "
                          "runs on one profile: sweep `profile` as separate sweeps", file="--grid")
-    return SweepPlan(name=name, sweep_id=new_run_id(name), scheduler=planned[0].job.profile.scheduler,
+    return CheckedSweep(name=name, sweep_id=new_run_id(name), scheduler=planned[0].job.profile.scheduler,
                      max_parallel=sweep.max_parallel, variants=tuple(planned))
 
 
-def task_paths(plan: SweepPlan) -> tuple[Path, list[RunPaths]]:
+def task_paths(plan: CheckedSweep) -> tuple[Path, list[RunPaths]]:
     """The sweep's folder and its runs' folders inside it: run i is <name>-<i>-<the sweep's time and id>."""
     sweep_dir = runs_root() / plan.sweep_id
     suffix = plan.sweep_id[len(plan.name):]
     return sweep_dir, [RunPaths(sweep_dir / f"{plan.name}-{p.variant.index}{suffix}") for p in plan.variants]
 
 
-def array_request(plan: SweepPlan, spec_source: str) -> ArrayRequest:
+def array_request(plan: CheckedSweep, spec_source: str) -> ArrayRequest:
     """The sweep as a job array: task i is variant i, in its own run folder inside the sweep's."""
     sweep_dir, paths = task_paths(plan)
     count = len(plan.variants)
@@ -88,7 +88,7 @@ def array_request(plan: SweepPlan, spec_source: str) -> ArrayRequest:
                         max_parallel=plan.max_parallel, spec_source=spec_source)
 
 
-def _sweep_facts(plan: SweepPlan, v: Variant) -> dict:
+def _sweep_facts(plan: CheckedSweep, v: Variant) -> dict:
     return {"id": plan.sweep_id, "name": plan.name, "index": v.index, "count": len(plan.variants), "values": v.values}
 
 

@@ -49,7 +49,7 @@ class Fix:
 @dataclass(frozen=True)
 class FitPlan:
     """Does the job fit: memory and time per rank, and the fixes. The other two plans are the sbatch
-    payload (slurm/render.SbatchPlan) and the facts the workers take from this one (spec.json's worker_facts)."""
+    payload (slurm/render.SbatchParts) and the facts the workers take from this one (spec.json's worker_facts)."""
 
     name: str
     model: ModelShape

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from fsdpjob.orchestrator.core.errors import InputError
 
-from .render import SbatchPlan, comment_text, sbatch_flag
+from .render import SbatchParts, comment_text, sbatch_flag
 from .shellquote import literal
 
 # The run folder every variant is planned with: a safe shell word, so render.py leaves it unquoted or inside
@@ -29,17 +29,17 @@ class ArrayTask:
     """One variant as the array job runs it: its run folder and its plan made with PLACEHOLDER as run folder."""
 
     run_dir: str
-    plan: SbatchPlan
+    plan: SbatchParts
     label: str  # how an error names it ("sweep variant 2 (train.lr=1e-3)")
 
 
-def _shape(plan: SbatchPlan) -> dict[str, object]:
+def _shape(plan: SbatchParts) -> dict[str, object]:
     return {"directives": tuple(d for d in plan.directives if not d.startswith(_PER_RUN)), "setup": plan.setup,
             "env": plan.env, "srun": plan.srun, "command": plan.command, "world size": plan.world_size,
             "files": plan.files}
 
 
-def shape_difference(first: SbatchPlan, other: SbatchPlan) -> str | None:
+def shape_difference(first: SbatchParts, other: SbatchParts) -> str | None:
     """What in ``other`` would make a different job than ``first`` (one array job has one script), or None."""
     a, b = _shape(first), _shape(other)
     for key in a:
@@ -71,7 +71,7 @@ def _task_logs(text: str) -> str:
 
 
 def array_plan(tasks: list[ArrayTask], *, name: str, sweep_id: str, sweep_dir: str, array: str,
-               spec_source: str) -> SbatchPlan:
+               spec_source: str) -> SbatchParts:
     """The one plan of the array job; refuses (InputError, exit 2) a variant that would change its shape."""
     first = tasks[0].plan
     if any(PLACEHOLDER in text for _, text in first.files):

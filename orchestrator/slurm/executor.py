@@ -6,7 +6,7 @@ from pathlib import Path
 
 import submitit
 
-from .render import SbatchPlan, render_script
+from .render import SbatchParts, render_script
 
 
 class FsdpjobSlurmExecutor(submitit.SlurmExecutor):
@@ -16,7 +16,7 @@ class FsdpjobSlurmExecutor(submitit.SlurmExecutor):
     (``python -u -m submitit.core._submit <folder>``); we put that command into our srun line.
     """
 
-    def __init__(self, folder: str | Path, *, plan: SbatchPlan, python: str):
+    def __init__(self, folder: str | Path, *, plan: SbatchParts, python: str):
         # max_num_timeout is submitit's own requeue countdown; fsdpjob's workers replace submitit's
         # signal handlers and enforce preemption.max_requeues themselves.
         super().__init__(folder=folder, max_num_timeout=1000, python=python)

@@ -1,4 +1,4 @@
-"""Pure sbatch rendering: (spec, profile, run paths) -> SbatchPlan -> script text via templates/sbatch.sh.j2."""
+"""Pure sbatch rendering: (spec, profile, run paths) -> SbatchParts -> script text via templates/sbatch.sh.j2."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .shellquote import command_line, literal, with_vars
 
 
 @dataclass(frozen=True)
-class SbatchPlan:
+class SbatchParts:
     """Everything the template needs, already decided and quoted. The template holds no logic."""
 
     header: tuple[str, ...]
@@ -42,7 +42,7 @@ class SbatchPlan:
     files: tuple[tuple[str, str], ...] = ()  # (path in the run folder, text): the oci runtime's bundle
     task_lines: tuple[str, ...] = ()  # an array job's: which run folder this task is (slurm/arrayrender.py)
 
-    def with_command(self, command: str) -> SbatchPlan:
+    def with_command(self, command: str) -> SbatchParts:
         """submitit's task command (``python -u -m submitit.core._submit <folder>``) in the srun line."""
         return replace(self, command=f"{self.launcher} {command}" if self.launcher else command)
 
@@ -143,7 +143,7 @@ def srun_binding(eff: Effective, profile: ClusterProfile) -> list[str]:
     return opts
 
 
-def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", dependency: str | None = None) -> SbatchPlan:
+def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", dependency: str | None = None) -> SbatchParts:
     """The sbatch plan for a job resolved against a Slurm profile. Pure: no file or scheduler is touched."""
     spec, profile, eff = job.spec, job.profile, job.eff
     python = profile.python or sys.executable
@@ -185,7 +185,7 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
         # submitit pickles the job before it submits this script: sbatch on the file alone has nothing to run.
         f"submit with: fsdpjob submit {spec_source or 'SPEC'} (not sbatch: submitit pickles the job first)",
     )
-    return SbatchPlan(
+    return SbatchParts(
         header=tuple(comment_text(h) for h in header),
         directives=directives(eff, spec, paths, profile, dependency),
         setup=tuple(command_line(line) for line in profile.setup),
@@ -209,6 +209,6 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_script(plan: SbatchPlan) -> str:
+def render_script(plan: SbatchParts) -> str:
     env = _environment()
     return env.from_string(env.globals["template_text"]).render(plan=plan)
