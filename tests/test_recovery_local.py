@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from functools import partial
 from pathlib import Path
@@ -93,7 +94,12 @@ def test_rank_stuck_in_the_data_path(assets: Path, reference: dict) -> None:
     run = _submit(assets, "data-hang", "env.FSDPJOB_FAULT_DATA_HANG_STEP='12'", "env.FSDPJOB_FAULT_DATA_HANG_RANK='1'",
                   wait=False)
     fault = _check_recovered(assets, run, reference, "straggler")
-    assert fault["ranks"] == [1] and fault["detected_after_s"] < 30, fault
+    assert fault["ranks"] == [1], fault
+    # Detected by the step bound the supervisor derived from the measured steps (stall_factor x their p95, above
+    # the 5 s floor), not by the 60 s setup bound, and within that bound plus a poll or two: the bound itself
+    # scales with how fast this machine steps (CI once measured 31.1 s against a bound of 30 s under load).
+    bound = float(re.search(r"\(bound (\d+(?:\.\d+)?) s\)", fault["reason"]).group(1))
+    assert bound < 60 and fault["detected_after_s"] <= bound + 3, fault
     stack = (Path(fault["stacks"]) / "rank-1.txt").read_text()
     assert "maybe_hang_in_data" in stack and "maybe_hang_in_data" in fault["top_frames"]["1"] + stack, stack
     shown = fsdpjob("logs", run["run_id"], "--stacks", cwd=assets)
