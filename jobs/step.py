@@ -107,13 +107,13 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | 
     """
     if position_ids is None:
         return model(input_ids=input_ids, use_cache=False).logits
-    position_ids = position_ids.to(device)
     if flatten is None:
         flatten = getattr(model.config, "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
+    if flatten and lens is None:
+        lens = seq_lens(position_ids.cpu())  # callers without to_device's boundaries (tests, a host tensor here)
+    position_ids = position_ids.to(device)
     if not flatten:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    if lens is None:
-        lens = seq_lens(position_ids.cpu())
     logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False,
                    **model_kwargs(lens, device)).logits
     return logits.view(*input_ids.shape, logits.size(-1))
