@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core import envvars, hostcpu
 from fsdpjob.orchestrator.core.jobspec.families import attention_for
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
@@ -168,6 +168,7 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
         lora=spec.model.lora,
         async_save=spec.checkpoint.async_save,
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
+        onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),
     )
 
 

@@ -77,7 +77,8 @@ CUDA_FRAGMENTATION = 0.05  # caching-allocator blocks freed but not reusable for
 # runs 19-37 % above what the frozen-threshold measurement saw (bench/plan_accuracy.py --frozen). Modelled as
 # slack on the live bytes rather than trading ~25 % of the step time for a tidy RSS (MALLOC_MMAP_THRESHOLD_).
 CPU_FRAGMENTATION = 0.30
-CPU_BF16_KERNEL_BYTES = 12 * 1024**2  # oneDNN buffers of bf16 matmuls on CPU (measured, independent of model size)
+# oneDNN's buffers for bf16 matmuls on a CPU it runs them on (core/hostcpu.py; measured, whatever the model size)
+CPU_BF16_KERNEL_BYTES = 12 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,15 @@ class Setup:
     async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
     memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
     packed: bool = False  # boundary-aware packing: with sdpa, transformers builds a dense block-diagonal mask
+    onednn_bf16: bool = False  # CPU workers whose CPU runs bf16 matmuls in oneDNN (core/hostcpu.py)
 
     @property
     def dense_mask(self) -> bool:
         """sdpa on packed rows on GPUs: a [B, 1, S, S] bool mask per forward, which SDPA's memory-efficient kernel
         turns into a bias in the compute dtype per layer and keeps for backward (no flash kernel takes a mask);
         varlen attention needs none. On CPU the measured peaks show no such bias kept (tests/worker/
-        test_plan_accuracy.py: 69-71 MiB against 73 planned without the term, 78 with it)."""
+        test_plan_accuracy.py's S case on an AVX-512 CPU: 69-71 MiB against 73 planned without the term, 78 with
+        it)."""
         return self.packed and self.attn == "sdpa" and self.on_gpu
 
     @property
@@ -189,7 +192,8 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
              "unsharded until the root's reduce-scatter"),
         Item("logits", t * s.vocab * c, "held by the loss code through backward"),
     ]
-    kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2), "oneDNN (measured)")
+    kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2 and u.onednn_bf16),
+                   "oneDNN (measured)")
     root_grads = Item("root gradients", tr.root_trained * (c + r), "unsharded + fp32 reduce-scatter input")
     moments = [
         Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,

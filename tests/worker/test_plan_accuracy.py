@@ -18,11 +18,9 @@ pytestmark = pytest.mark.distributed
 def test_predicted_peak_within_15_percent(case: Case, tmp_path: Path) -> None:
     model_dir = write_model(case, tmp_path / "model")
     predicted = predict(case, model_dir)
+    # One measurement: the S case's 58 against 69-71 MiB on other machines was the CPU, not noise (oneDNN's bf16
+    # buffers exist only on AVX-512 CPUs; core/hostcpu.py), and the plan now follows it.
     measured = measure(case, model_dir)["peak"]
-    if abs(predicted - measured) > 0.15 * measured:
-        # Peak RSS of two steps is a noisy sample: CI once measured 58 MiB for the S case where every run here
-        # gives 69-71 MiB against the planned 73. One more measurement decides; a real planner error fails both.
-        measured = measure(case, model_dir)["peak"]
     assert measured > 10 * 1024**2, "the measurement saw no training memory"
     message = f"predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
     assert abs(predicted - measured) <= 0.15 * measured, message
