@@ -78,10 +78,12 @@ def test_the_workers_python_is_the_images_and_the_supervisors_the_hosts(monkeypa
     job = load_job(str(VALID / "pyxis-container.yaml"), check_files=False)
     plan = build_plan(job, RunPaths(Path("/runs/x")))
     assert plan.python == "/opt/venv/bin/python" and plan.worker_python == "/usr/bin/python"
-    assert plan.with_command("/usr/bin/python -u -m submitit.core._submit /runs/x/submitit").command.startswith(
-        "/usr/bin/python")
+    # Every task runs under the task's shell (core/runfolder/taskexit.py), in the container for pyxis.
+    command = plan.with_command("/usr/bin/python -u -m submitit.core._submit /runs/x/submitit").command
+    assert command.startswith("sh -c ") and command.split(" fsdpjob-task ", 1)[1].startswith("/usr/bin/python")
     apptainer = build_plan(load_job(str(VALID / "apptainer-container.yaml"), check_files=False), RunPaths(Path("/r")))
-    assert apptainer.with_command("PY -u -m submitit").command.startswith("apptainer exec --nv --bind ")
+    command = apptainer.with_command("PY -u -m submitit").command
+    assert command.split(" fsdpjob-task ", 1)[1].startswith("apptainer exec --nv --bind ")
     assert apptainer.with_command("PY -u -m submitit").command.endswith(
         "/proj/images/pytorch-24.12.sif PY -u -m submitit")
 
@@ -102,10 +104,10 @@ def test_the_oci_bundle_keeps_the_hosts_network_pid_and_ipc_and_mounts_the_run()
 def test_the_bubblewrap_line_mounts_the_image_read_only_and_the_run_on_a_tmpfs(monkeypatch):
     monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
     plan = build_plan(load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False), RunPaths(Path("/tmp/r")))
-    assert plan.launcher.startswith("sh -c \"trap '' TERM USR2; exec \\\"\\$@\\\"\" bwrap-task "
-                                    "bwrap --die-with-parent ")
-    words = plan.launcher.split()
-    assert words[11:14] == ["--ro-bind", "/tmp/fsdpjob-devcluster/images/fsdpjob-test", "/"], words
+    assert plan.launcher.startswith("sh -c \"trap '' TERM USR2; ")  # the task's shell outlives the stop signal
+    words = plan.launcher.split(" fsdpjob-task ", 1)[1].split()
+    assert words[:2] == ["bwrap", "--die-with-parent"], words
+    assert words[2:5] == ["--ro-bind", "/tmp/fsdpjob-devcluster/images/fsdpjob-test", "/"], words
     assert words.index("--tmpfs") < words.index("/tmp/r") and words[-1] == "--"
     assert "--bind /tmp/r /tmp/r" in plan.launcher
     assert "--ro-bind /tmp/models/tiny /tmp/models/tiny" in plan.launcher
@@ -145,7 +147,7 @@ def test_a_runtime_is_one_row_of_the_table(monkeypatch):
     monkeypatch.setitem(RUNTIME_ROWS, "test", row)
     container = ContainerSpec.model_construct(runtime="test", image="/i", workdir="/w", env={"A": "1"}, name="x")
     launch = container_launch(container, [Mount(source="/r", destination="/r")], run_dir="/r", gpus=True,
-                              stop_signal="USR2", literal=str, with_vars=str)
+                              literal=str, with_vars=str)
     assert launch == ContainerLaunch((), ("run-in", "-v", "/r:/r", "-w", "/w", "-e", "A=1", "/i"), (), None)
     assert [field for field, _ in runtime_problems(container)] == ["name"]  # takes no name (pyxis does)
     assert [field for field, _ in runtime_problems(container.model_copy(update={"image": None}))] == ["name", "image"]

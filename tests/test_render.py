@@ -14,8 +14,10 @@ import pytest
 
 from fsdpjob.orchestrator.core.jobspec.spec import json_schema
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME, task_shell
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm.render import build_plan, render_script
+from fsdpjob.orchestrator.slurm.shellquote import literal
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -210,7 +212,7 @@ def test_example_script_runs_with_stubbed_cluster_tools(tmp_path):
                     "--output", "/runs/example-run/submitit/%j_%t_log.out",
                     "--error", "/runs/example-run/submitit/%j_%t_log.err",
                     "--cpus-per-task=96", "--cpu-bind=none",
-                    str(bin_dir / "python"), "-u", "-m",
+                    "sh", "-c", task_shell("USR2"), SHELL_NAME, str(bin_dir / "python"), "-u", "-m",
                     "submitit.core._submit", "/runs/example-run/submitit"]  # fmt: skip
     seen = dict(item.split("=", 1) for item in (log / "srun.env").read_bytes().decode().split("\0") if "=" in item)
     assert seen["VENV_ACTIVATED"] == str(home)
@@ -239,7 +241,9 @@ def test_script_keeps_submitits_contract(monkeypatch):
     # Ours adds --kill-on-bad-exit (a crashed rank ends the step), runs it under the in-allocation supervisor
     # and keeps the exit code for the failure policy; the tasks' CPUs and their binding go before the command
     # (srun does not inherit --cpus-per-task); submitit's own options and command follow unchanged.
-    their_srun = their_srun.replace(f" {PYTHON} ", f" --cpus-per-task=14 --cpu-bind=cores {PYTHON} ", 1)
+    # The worker's command runs under the task's shell (core/runfolder/taskexit.py).
+    task = f"sh -c {literal(task_shell('USR1'))} {SHELL_NAME}"
+    their_srun = their_srun.replace(f" {PYTHON} ", f" --cpus-per-task=14 --cpu-bind=cores {task} {PYTHON} ", 1)
     ours_srun = "    " + their_srun.replace("srun ", "srun --kill-on-bad-exit=1 ", 1) + " || rc=$?"
     assert ours_srun in script.splitlines(), script
     assert "export SUBMITIT_EXECUTOR=slurm" in script and "export SUBMITIT_PREEMPT_SIGNAL=USR1" in script

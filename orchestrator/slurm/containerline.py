@@ -28,11 +28,11 @@ class ContainerLaunch:
     bundle: str | None  # oci: <run>/container/config.json
 
 
-def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool, stop_signal: str,
+def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool,
                      literal: Callable[[str], str], with_vars: Callable[[str], str]) -> ContainerLaunch:
-    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR;
-    ``stop_signal`` is the preemption signal's name (USR2). The words are the runtime's row's
-    (core/container.RUNTIME_ROWS)."""
+    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR. The words
+    are the runtime's row's (core/container.RUNTIME_ROWS). A launcher runs under the task's shell (render.py:
+    core/runfolder/taskexit.py), which ignores SIGTERM and the stop signal for it."""
     if container.runtime not in RUNTIME_ROWS:
         raise ValueError(f"unknown container runtime {container.runtime!r}")
     row = RUNTIME_ROWS[container.runtime]
@@ -45,7 +45,7 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
         return [word.format(**values, **more) for word in words]
 
     gpu = container.gpu if container.gpu is not None else gpus
-    words = [*_stop_trap(row, stop_signal, literal), *fill(row.head)]
+    words = fill(row.head)
     words += fill(row.image_words) if container.image else []
     words += fill(row.name_words) if container.name else []
     words += fill(row.gpu_words) if gpu else []
@@ -59,14 +59,6 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
     srun = row.line == "srun"
     return ContainerLaunch(tuple(words) if srun else (), () if srun else tuple(words), env if row.exports_env else (),
                            oci_bundle_config(container, mounts) if row.bundle else None)
-
-
-def _stop_trap(row: RuntimeRow, stop_signal: str, literal: Callable[[str], str]) -> list[str]:
-    """Words that run the launcher under a shell that ignores SIGTERM and the stop signal (which it passes on
-    ignored): the worker's own handlers, set once it starts, decide when it ends."""
-    if row.stop_trap is None:
-        return []
-    return ["sh", "-c", literal(f"trap '' TERM {stop_signal}; exec \"$@\""), row.stop_trap]
 
 
 def _bind(row: RuntimeRow, mount: Mount, literal: Callable[[str], str]) -> list[str]:

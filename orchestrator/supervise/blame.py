@@ -5,6 +5,8 @@ by peer" or "Connection closed by peer", an NCCL remote error, a store or collec
 casualties: blaming their nodes would count a healthy node as faulty (and, blamed twice, exclude it).
 
 What the supervisor has to go on, per rank of the launch:
+- on Slurm, the worker's exit as the task's own shell saw it, written before srun learnt of it (core/runfolder/
+  taskexit.py): the first rank's is written before the teardown, ranks the teardown kills write none;
 - srun's own report, mostly in the order srun learnt it: ``srun: error: n1: task 1: Killed`` comes before the
   lines of the tasks it then tore down (``--kill-on-bad-exit``), on whichever node they ran. Mostly: on a loaded
   machine one node's teardown line (``n1: tasks 0-1: Killed``) was printed before the other node's line of the
@@ -14,6 +16,8 @@ What the supervisor has to go on, per rank of the launch:
   killed by a signal (SIGKILL, SIGSEGV, the OOM killer) writes none, which is itself the sign.
 The rules:
 - a rank whose error is a peer-connection error is a casualty and blames nothing;
+- the ranks whose task exit is the earliest written, less casualties, are the cause (the facts below race: they
+  decide only where no task wrote its exit, e.g. a node lost with its shells, or a local run);
 - the ranks of srun's first report that are not casualties are the cause, skipping a report that names a
   casualty: those ranks ended together, and one of them was still alive after a peer had failed, so that line
   is the teardown's. Only reports srun printed before the supervisor signalled the step count here: after its
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, Beat
+from fsdpjob.orchestrator.core.runfolder.taskexit import TaskExit
 
 # What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
 PEER_ERRORS = re.compile(
@@ -74,11 +79,13 @@ def is_peer_error(error: str) -> bool:
 
 
 def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (),
-                srun: list[tuple[tuple[int, ...], str]] = (), srun_untouched: int | None = None) -> CrashBlame:
+                srun: list[tuple[tuple[int, ...], str]] = (), srun_untouched: int | None = None,
+                task_exits: list[TaskExit] = ()) -> CrashBlame:
     """``beats``: the launch's last heartbeats; ``events``: the run-log events since the launch started;
     ``gone``: ranks whose process the supervisor saw end (on its own machine) before it signalled the step;
     ``srun``: srun's task exit reports in order (``srun_task_exit``), of which the first ``srun_untouched`` came
-    before the supervisor signalled the step (None: it never did)."""
+    before the supervisor signalled the step (None: it never did); ``task_exits``: the exits the tasks' shells
+    wrote (``read_task_exits``), earliest first."""
     alive = {b.rank: b for b in beats if b.phase != EXITED}
     failed: dict[int, dict] = {}
     for e in events:
@@ -87,7 +94,8 @@ def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (
     casualties = tuple(sorted(r for r, e in failed.items() if is_peer_error(str(e.get("error")))))
     exits = {r: f"failed after a peer: {_short(e)}" for r, e in failed.items() if r in casualties}
     untouched = len(srun) if srun_untouched is None else srun_untouched
-    causes = (_first_in_srun(srun[:untouched], casualties, alive, failed, exits)
+    causes = (_first_exit(task_exits, casualties, alive, failed, exits)
+              or _first_in_srun(srun[:untouched], casualties, alive, failed, exits)
               or (_from_errors(alive, failed, casualties, exits) if failed else [])
               or _from_heartbeats(alive, failed, exits)
               or _seen_gone(gone, casualties, alive, failed, exits)
@@ -95,6 +103,15 @@ def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (
     causes = sorted(set(causes))
     hosts = tuple(sorted({alive[r].host for r in causes}))
     return CrashBlame(tuple(causes), hosts, casualties, dict(sorted(exits.items())))
+
+
+def _first_exit(task_exits, casualties, alive, failed, exits) -> list[int]:
+    """The ranks whose worker ended first by its task's own record (a clean exit is no cause), less casualties."""
+    own = [e for e in task_exits if e.code != 0 and e.rank not in casualties and e.rank in alive]
+    causes = [e for e in own if e.time == own[0].time] if own else []
+    for e in causes:
+        exits[e.rank] = _with_error(f"ended first ({e.describe()})", e.rank, failed)
+    return [e.rank for e in causes]
 
 
 def _first_in_srun(srun, casualties, alive, failed, exits) -> list[int]:

@@ -34,6 +34,7 @@ from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
 from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta, checkpoint_root
+from fsdpjob.orchestrator.core.runfolder.taskexit import read_task_exits
 
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
@@ -119,6 +120,8 @@ class Supervisor:
         self._crash_seen_at: float | None = None
         self._node_facts: Future[NodeFacts] | None = None
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
+        # The tasks' shells write their exits there (taskexit.py), a rank that dies before its heartbeat too.
+        heartbeat.heartbeat_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
         # srun's stderr passes through here: its task reports name the rank that failed first (blame.py).
@@ -223,7 +226,8 @@ class Supervisor:
             # The rank that died first, not the peers that failed after it (blame.py).
             if self._relay is not None:
                 self._relay.join(timeout=2.0)  # srun has exited: its last lines are on their way
-            found = blame_crash(beats, since, self._gone, self._srun_exits, self._srun_untouched)
+            found = blame_crash(beats, since, self._gone, self._srun_exits, self._srun_untouched,
+                                read_task_exits(self.run_dir, launch))
             kind, hosts = "crash", found.hosts
             info = {"reason": f"the workers' step exited {rc}", "detected_at": seen, "ranks": list(found.ranks),
                     "casualties": list(found.casualties), "exits": {str(r): w for r, w in found.exits.items()}}

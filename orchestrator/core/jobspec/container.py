@@ -41,7 +41,6 @@ class RuntimeRow:
     env_each: tuple[str, ...] = ()  # or words for each name and value
     tail: tuple[str, ...] = ()  # the launch's last words
     exports_env: bool = False  # the env is exported in the batch script (the tasks inherit the job's environment)
-    stop_trap: str | None = None  # the name of a shell that runs the launcher ignoring SIGTERM and the stop signal
     bundle: bool = False  # an OCI bundle in the run folder holds the mounts, workdir and env
 
     @property
@@ -72,10 +71,11 @@ RUNTIME_ROWS: dict[str, RuntimeRow] = {
         line="srun", folder_image=True, head=("--container={bundle}",), exports_env=True, bundle=True),
     "bubblewrap": RuntimeRow(  # Debian's bwrap, in every task
         image_kind="a root file system folder (an unpacked image, such as an OCI bundle's rootfs/)",
-        # Slurm signals every process of the step: bwrap itself must outlive the stop signal and SIGTERM while
-        # the worker saves, and --die-with-parent ends the worker when Slurm's SIGKILL ends bwrap. The read-only
-        # image gets a tmpfs /tmp, mounted before the binds so that a run folder under /tmp lands on top of it.
-        line="launcher", folder_image=True, stop_trap="bwrap-task",
+        # Slurm signals every process of the step: bwrap runs under the task's shell, which ignores the stop
+        # signal and SIGTERM while the worker saves (core/runfolder/taskexit.py), and --die-with-parent ends the
+        # worker when Slurm's SIGKILL ends the shell. The read-only image gets a tmpfs /tmp, mounted before the
+        # binds so that a run folder under /tmp lands on top of it.
+        line="launcher", folder_image=True,
         head=("bwrap", "--die-with-parent", "--ro-bind", "{image}", "/", "--dev-bind", "/dev", "/dev",
               "--proc", "/proc", "--ro-bind", "/sys", "/sys", "--tmpfs", "/tmp"),
         bind_each=("--bind", "--ro-bind"), workdir_words=("--chdir", "{workdir}"),
