@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,10 @@ sys.path.insert(0, str(TESTS))  # for `from distributed import run_ranks`
 
 
 # What some tests need from Debian packages: sbatch (hostile-input and fuzz tests), shellcheck (rendered
-# scripts), the Slurm daemons (tests/slurm).
-NEEDED_TOOLS = ("sbatch", "shellcheck", "slurmctld", "slurmd", "munge", "slurmdbd")
+# scripts), the Slurm daemons (tests/slurm), bubblewrap and mmdebstrap (the test image); the dev cluster's script
+# installs them. The browser is the tests' alone (report --html in a headless chromium): installed here.
+NEEDED_TOOLS = ("sbatch", "shellcheck", "slurmctld", "slurmd", "munge", "slurmdbd", "bwrap", "mmdebstrap")
+TEST_ONLY_PACKAGES = {"chromium": "chromium"}  # tool: Debian package
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,7 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
     missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
     if hasattr(config, "workerinput"):  # an xdist worker: the controller installed them before it started
         return
-    if not missing or os.environ.get("FSDPJOB_NO_INSTALL") == "1" or os.geteuid() != 0 or not shutil.which("apt-get"):
+    if os.environ.get("FSDPJOB_NO_INSTALL") == "1" or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    _install_test_only_packages()
+    if not missing:
         return
     from fsdpjob.orchestrator.core.errors import FsdpjobError
     from fsdpjob.orchestrator.devcluster import manage
@@ -36,6 +42,20 @@ def pytest_configure(config: pytest.Config) -> None:
         manage.ensure_packages(echo=True)
     except FsdpjobError as exc:  # the tests that need them skip (or fail under FSDPJOB_REQUIRE_SLURM=1)
         print(f"fsdpjob tests: could not install them: {exc}", file=sys.stderr)
+
+
+def _install_test_only_packages() -> None:
+    packages = [package for tool, package in TEST_ONLY_PACKAGES.items() if shutil.which(tool) is None]
+    if not packages:
+        return
+    print(f"fsdpjob tests: installing the Debian packages {', '.join(packages)}", file=sys.stderr)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                                   *packages]):
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:  # the browser test skips (or fails under FSDPJOB_REQUIRE_BROWSER=1)
+            print(f"fsdpjob tests: {' '.join(command[:2])} failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+            return
 
 
 # The suite runs on two xdist workers (pyproject's addopts: -n 2 --dist loadgroup). The tests of one dev cluster

@@ -150,7 +150,10 @@ def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: 
          "--set", "train.max_steps=100000", "--set", f"model.path={tmp_path / 'assets' / 'model'}",
          "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}"],
         cwd=tmp_path, env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)  # the "terminal": its process group gets the SIGINT
+        start_new_session=True,  # the "terminal": its process group gets the SIGINT
+        # As a terminal's foreground job has it, whatever started this suite: a background shell (`... &`) hands
+        # its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = None
     try:
         lines = [waiting.stdout.readline()]  # the --json object, printed at submit
