@@ -125,8 +125,14 @@ def train_worker(rank: int, world_size: int, run_dir: str, env: dict) -> int:
     return 0
 
 
-def node_worker(rank: int, world_size: int, run_dir: str, env: dict, nodes: list[str]) -> int:
-    """train_worker on the emulated node ``nodes[rank]`` (SLURMD_NODENAME, as Slurm sets it on each node)."""
+def node_worker(rank: int, world_size: int, run_dir: str, env: dict, nodes: list[str],
+                log_file: str | None = None) -> int:
+    """train_worker on the emulated node ``nodes[rank]`` (SLURMD_NODENAME, as Slurm sets it on each node);
+    ``log_file``: the worker's log lines appended there too."""
+    if log_file:
+        import logging
+
+        logging.getLogger("fsdpjob").addHandler(logging.FileHandler(log_file))
     return train_worker(rank, world_size, run_dir, {**env, "SLURMD_NODENAME": nodes[rank]})
 
 

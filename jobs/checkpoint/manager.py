@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.fileio import write_atomic
@@ -209,7 +210,7 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException
             self._last_step = None
             raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
         finally:

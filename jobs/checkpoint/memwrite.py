@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, step_dir_name, step_dirs
@@ -102,7 +103,8 @@ class SnapshotWriter:
         ok = True
         try:
             future.result()  # DCP's last collective: every rank's shard is written, rank 0's .metadata too
-        except Exception as exc:  # a failed snapshot turns the tier off, never the run
+        # DCP raises its CheckpointException (a BaseException) for a rank's failed write, ENOSPC included.
+        except (Exception, CheckpointException) as exc:  # a failed snapshot turns the tier off, never the run
             ok = node.failed(f"snapshot of step {step} failed ({type(exc).__name__}: {exc})")
         ok, files = self._write_shared(step, step_dir, facts, started, ok)
         files.update(replicate(node, step_dir, ok))

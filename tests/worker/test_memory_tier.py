@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,28 @@ def test_lost_node_reshards_from_the_replica(runs):
     full, other = logged_losses(runs["full"]), runs["on1"]["losses"]
     for step in range(resume["step"] + 1, STEPS + 1):  # reduction order differs: close, not bitwise
         assert abs(other[step] - full[step]) <= 1e-5 * abs(full[step]), (step, other[step], full[step])
+
+
+def test_full_shared_memory_turns_the_tier_off_and_the_run_ends_as_without_it(runs, tmp_path, assets):
+    """ENOSPC: the tier's folder on a 64 KiB tmpfs (a node whose /dev/shm is full). The first snapshot fails, the
+    tier goes off with a warning, and the run trains on from the durable tier to the uninterrupted run's bits."""
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)  # root, as CI
+    try:
+        run_dir = _run(tmp_path, "full-shm", assets)
+        log = tmp_path / "ranks.log"
+        codes = run_ranks(node_worker, 2, run_dir=str(run_dir), env={"FSDPJOB_MEMORY_TIER_DIR": str(small)},
+                          nodes=NODES, log_file=str(log))
+        left = [p.name for p in small.rglob("COMMITTED")]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert codes == [0, 0]
+    text = log.read_text()
+    assert "No space left on device" in text and "memory tier off for the rest of this launch" in text, text
+    assert left == []  # no snapshot was committed
+    a, b = committed_model_state(runs["full"]), committed_model_state(run_dir)
+    assert all((a[k] == b[k]).all() for k in a)
 
 
 def test_auto_interval_probes_then_snapshots_as_its_measured_cost_says(tmp_path, assets):
