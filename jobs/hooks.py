@@ -15,9 +15,10 @@
   while the others go on into the save.
 - ``FSDPJOB_FAULT_EXIT_STEP=<n>``: after training step n (and its memory-tier snapshot's start), every rank
   leaves with os._exit(70): a crash of the whole world with no handler, no save and no clean-up run.
-- ``FSDPJOB_MIN_STEP_S=<s>``: every rank makes each training step last at least this long (it sleeps out the
-  rest), so a test's step rate does not depend on how fast the machine is (a time-limit test needs a run
-  that cannot finish inside one allocation, and should not need five on a slow machine).
+- ``FSDPJOB_MIN_STEP_S=<s>``: in the job's first allocation (Slurm's restart count 0), every rank makes each
+  training step last at least this long (it sleeps out the rest): a time-limit test's run then cannot finish
+  inside its first allocation on any machine, and the next allocation, unpaced, trains the rest at the
+  machine's own speed instead of needing four more on a slow one.
 - ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
   that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
@@ -82,7 +83,8 @@ class TestHooks:
 
     @classmethod
     def from_env(cls) -> TestHooks:
-        faults = WorkerEnv.from_env().launch == 0
+        worker = WorkerEnv.from_env()
+        faults = worker.launch == 0
         return cls(
             stop_at_step=_int_or_none("FSDPJOB_STOP_AT_STEP") or 0,
             log_samples=envvars.get("FSDPJOB_LOG_SAMPLES") is not None,  # any value, not only '1'
@@ -94,7 +96,7 @@ class TestHooks:
             stop_step=_int_or_none("FSDPJOB_FAULT_STOP_STEP") if faults else None,
             stop_rank=_int_or_none("FSDPJOB_FAULT_STOP_RANK") or 0,
             skip_final_save=envvars.is_on("FSDPJOB_SKIP_FINAL_SAVE"),
-            min_step_s=_number("FSDPJOB_MIN_STEP_S"),
+            min_step_s=_number("FSDPJOB_MIN_STEP_S") if worker.restart_count == 0 else 0.0,
             exit_step=_int_or_none("FSDPJOB_FAULT_EXIT_STEP") if faults else None,
         )
 

@@ -137,12 +137,12 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
 
 def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec, in_container):
     # The warning signal comes 60-90 s into the job (Slurm checks on a 30 s tick): a 2-minute limit with a 60 s
-    # lead leaves at most ~85 s of training in an allocation. Steps paced to >= 0.5 s (FSDPJOB_MIN_STEP_S) make
-    # that at most ~170 steps on any machine, so 180 steps always need a time-limit stop, and a slow machine (the
-    # 2-core CI: 0.5-0.8 s a step, ~30 s of training per allocation) needs 3-4 allocations, not 5-6 as unpaced.
+    # lead leaves at most ~80 s of training in the first allocation. Its steps paced to >= 3 s (FSDPJOB_MIN_STEP_S,
+    # first allocation only) make that at most ~28 steps on any machine, so 40 steps always need a time-limit stop;
+    # the next allocation trains the rest unpaced (a slow machine may need a third: 0.5-0.8 s a step on 2 cores).
     # The workers run in the test image, without Slurm (the supervisor classifies the stop and requeues).
-    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=180,
-                     env={"FSDPJOB_MIN_STEP_S": "0.5"})
+    spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=40,
+                     env={"FSDPJOB_MIN_STEP_S": "3"})
     run = submit(spec, *in_container)
 
     def finished_releasing_holds():
@@ -152,7 +152,7 @@ def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_
         report = status(run["run_id"])
         return report if report["phase"] in ("COMPLETED", "FAILED", "TIMEOUT") else None
 
-    # ~3 min on an idle 2-core machine; each allocation trains for less of its 2 minutes on a loaded one.
+    # Two allocations (~3 min), or three where the second was slow to start.
     done = wait_for(finished_releasing_holds, timeout_s=900, interval_s=2.0, what="time-limited run to finish")
     assert done["phase"] == "COMPLETED", done
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
@@ -160,7 +160,7 @@ def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_
     assert stops and all(e["reason"] == "time_limit" for e in stops), stops
     # A warning signal that lands after "done" (the last allocation's teardown) is no crash to restart.
     assert not [e for e in events if e["event"] == "fault"], events
-    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 180
+    assert done["restarts"] >= 1 and done["steps_lost"] == 0 and done["step"] == 40
 
 
 def _lines(run_dir: str, name: str) -> list[str]:
