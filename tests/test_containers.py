@@ -53,6 +53,21 @@ def test_automatic_mounts_cover_what_the_workers_touch_once():
                                                               ("/ckpt/r1", False), ("/models/m", True)]
 
 
+def test_the_memory_tiers_folder_outside_dev_is_mounted_written(monkeypatch):
+    """Issue 36 item 7 (C6): FSDPJOB_MEMORY_TIER_DIR in the spec's env moves the tier out of /dev/shm, which every
+    runtime shares with the host; that folder must be mounted too, or the workers write into the image's tmpfs."""
+    from fsdpjob.orchestrator.planner.containers import needed_mounts
+
+    assert auto_mounts("/runs/r1", None, [], "/local/tier")[1] == Mount(source="/local/tier", destination="/local/tier")
+    assert auto_mounts("/runs/r1", None, [], "/dev/shm/fsdpjob") == [Mount(source="/runs/r1", destination="/runs/r1")]
+    job = load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False,
+                   overrides=["checkpoint.memory_interval_steps=5", "env.FSDPJOB_MEMORY_TIER_DIR=/local/tier"])
+    assert Mount(source="/local/tier", destination="/local/tier") in needed_mounts(job.spec, "/runs/r1")
+    off = load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False,
+                   overrides=["env.FSDPJOB_MEMORY_TIER_DIR=/local/tier"])  # no tier: nothing to mount
+    assert all(m.destination != "/local/tier" for m in needed_mounts(off.spec, "/runs/r1"))
+
+
 def test_a_mount_that_hides_a_needed_folder_is_found():
     needed = auto_mounts("/runs/r1", None, ["/data"])
     assert shadowing([parse_mount("/elsewhere:/data")], needed) == [(parse_mount("/elsewhere:/data"), needed[0])]

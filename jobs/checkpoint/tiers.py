@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpjob.orchestrator.core import envvars
 from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, memtier
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dir_name
@@ -28,7 +27,7 @@ def open_memory_tier(checkpoint: CheckpointSpec, ckpt: CheckpointManager, *, job
         return None
     job = job_id or "run-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
     key = memtier.TierKey(job=job, restart=restart, spec_hash=ckpt.run.spec_hash or "")
-    base = envvars.get(memtier.BASE_VAR, memtier.DEFAULT_BASE)
+    base = memtier.base_for()
     return MemoryTier(base, key, rank=ckpt.rank, world_size=ckpt.world_size,
                       interval_steps=checkpoint.memory_interval_steps, run=ckpt.run,
                       interruptions_per_day=interruptions_per_day)

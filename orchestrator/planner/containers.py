@@ -16,6 +16,7 @@ from fsdpjob.orchestrator.core.jobspec.container import (
 )
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import memtier
 
 _GLOB = re.compile(r"[*?\[]")
 
@@ -42,7 +43,14 @@ def _folder(path: str) -> str:
 
 
 def needed_mounts(spec: JobSpec, run_dir: str) -> list[Mount]:
-    return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec))
+    return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec), memory_tier_dir(spec))
+
+
+def memory_tier_dir(spec: JobSpec) -> str | None:
+    """The memory tier's node-local folder, where the job uses the tier (the spec's env may move it)."""
+    if not spec.checkpoint.memory_interval_steps:
+        return None
+    return memtier.base_for(spec.env)
 
 
 def all_mounts(container: ContainerSpec, spec: JobSpec, run_dir: str) -> list[Mount]:

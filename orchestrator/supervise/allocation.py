@@ -64,22 +64,32 @@ class SlurmAllocation:
 
     def remove_on_nodes(self, folder: Path) -> list[str]:
         """Remove ``folder`` on every node of the allocation that still answers (the memory tier's node-local
-        files, at the end), one ``srun --overlap`` per node in parallel, outside any container; the nodes where it
-        ran. Bounded and best effort: a job at its end may refuse new steps, and a lost node holds nothing."""
+        files, at the end); the nodes where it ran. A job at its end may refuse new steps, and a lost node holds
+        nothing."""
+        return self._on_every_node(["rm", "-rf", "--", str(folder)])
+
+    def make_on_nodes(self, folder: Path) -> list[str]:
+        """Create ``folder`` on every node of the allocation (a node-local folder the workers write and a container
+        mounts, before the first launch); the nodes where it ran."""
+        return self._on_every_node(["mkdir", "-p", "--", str(folder)])
+
+    def _on_every_node(self, argv: list[str]) -> list[str]:
+        """``argv`` once per node, one ``srun --overlap`` per node in parallel, outside any container: bounded and
+        best effort (a node that does not answer is left out of the nodes returned)."""
         if self.job_id is None:
             return []
         job_id = self.job_id
 
-        def remove(node: str) -> bool:
+        def run(node: str) -> bool:
             try:
-                slurm_cli.on_node(job_id, node, ["rm", "-rf", "--", str(folder)], timeout=PROBE_TIMEOUT_S)
+                slurm_cli.on_node(job_id, node, argv, timeout=PROBE_TIMEOUT_S)
                 return True
             except FsdpjobError:
                 return False
 
         nodes = self._node_names()
         with ThreadPoolExecutor(max_workers=min(16, len(nodes) or 1)) as pool:
-            return [n for n, ok in zip(nodes, pool.map(remove, nodes)) if ok]
+            return [n for n, ok in zip(nodes, pool.map(run, nodes)) if ok]
 
     def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
         """After a crash: the nodes of the allocation that no longer run a trivial command in this job (a dead
@@ -197,6 +207,9 @@ class LocalAllocation:
 
     def remove_on_nodes(self, folder: Path) -> list[str]:
         return []  # one node: the supervisor's own removal covers it
+
+    def make_on_nodes(self, folder: Path) -> list[str]:
+        return []  # one node: the supervisor made it
 
     def worker_env(self) -> dict[str, str]:
         return {}

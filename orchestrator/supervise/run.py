@@ -29,7 +29,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import envvars
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -58,8 +57,7 @@ class Supervisor:
         self.recovery = spec.recovery
         self.planned = meta.worker_facts  # the plan's step and save times bound what nothing measured yet
         # The workers' folder, as the spec's env hands it to them (not this process's environment).
-        self.memory_tier = (envvars.get("FSDPJOB_MEMORY_TIER_DIR", memtier.DEFAULT_BASE, environ=spec.env)
-                            if spec.checkpoint.memory_interval_steps else None)
+        self.memory_tier = memtier.base_for(spec.env) if spec.checkpoint.memory_interval_steps else None
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
@@ -91,6 +89,7 @@ class Supervisor:
     def _run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        self._make_written_folders()
         launch = 0
         while True:
             started = time.time()
@@ -114,6 +113,17 @@ class Supervisor:
                 self._wait_gpus_free(launch)
                 continue
             return rc if rc != 0 else 1
+
+    def _make_written_folders(self) -> None:
+        """Every folder the workers write exists before the first launch: a container runtime refuses to mount a
+        missing source (bwrap: "Can't find source path", enroot alike), and the run would end as a failure that
+        "would fail the same way again". The checkpoint root on the shared file system; the memory tier's folder
+        on every node (node-local)."""
+        checkpoint_root(self.run_dir).mkdir(parents=True, exist_ok=True)
+        if self.memory_tier:
+            Path(self.memory_tier).mkdir(parents=True, exist_ok=True)
+            if self.nodes > 1:
+                self.allocation.make_on_nodes(Path(self.memory_tier))
 
     def _launch(self, launch: int, started: float) -> tuple[int, Verdict | None]:
         self._gone: tuple[int, ...] = ()

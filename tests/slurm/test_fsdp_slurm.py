@@ -135,14 +135,16 @@ def test_failure_before_first_step_is_not_requeued(slurm_cluster, make_spec, ass
     assert "not requeued" in (done["failure_reason"] or "") or "line 10501" in (done["failure_reason"] or ""), done
 
 
-def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec, in_container):
+def test_time_limit_checkpoints_requeues_and_completes_without_lost_steps(slurm_cluster, make_spec, in_container,
+                                                                         tmp_path):
     # The warning signal comes 60-90 s into the job (Slurm checks on a 30 s tick): a 2-minute limit with a 60 s
     # lead leaves at most ~80 s of training in the first allocation. Its steps paced to >= 3 s (FSDPJOB_MIN_STEP_S,
     # first allocation only) make that at most ~28 steps on any machine, so 40 steps always need a time-limit stop;
     # the next allocation trains the rest unpaced (a slow machine may need a third: 0.5-0.8 s a step on 2 cores).
-    # The workers run in the test image, without Slurm (the supervisor classifies the stop and requeues).
+    # The workers run in the test image, without Slurm (the supervisor classifies the stop and requeues), and write
+    # their checkpoints into a checkpoint.dir that does not exist at submit (a container mounts only what exists).
     spec = make_spec("timelimit", resources__time_limit="2:00", preemption__signal_lead_s=60, train__max_steps=40,
-                     env={"FSDPJOB_MIN_STEP_S": "3"})
+                     env={"FSDPJOB_MIN_STEP_S": "3"}, checkpoint__dir=str(tmp_path / "checkpoints-not-yet-made"))
     run = submit(spec, *in_container)
 
     def finished_releasing_holds():

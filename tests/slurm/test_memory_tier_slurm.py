@@ -20,11 +20,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 EVERY = 5
 
 
-def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_path):
+def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_path, in_container):
+    """In the test image (issue 36 item 7): the tier's folder outside /dev is mounted into the container and made on
+    every node before the first launch; it does not exist at submit."""
     shm = tmp_path / "shm"  # node-local on the dev cluster's one host; its own per test (/dev/shm is shared)
+    assert not shm.exists()
     run = submit(reference["spec"], "--set", "checkpoint.interval_steps=1000", "--set", "checkpoint.interval_minutes=0",
                  "--set", f"checkpoint.memory_interval_steps={EVERY}", "--set", "recovery.stall_floor_s=5",
-                 "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'")
+                 "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'",
+                 *in_container)
     step = random.Random().randint(12, 40)
     rank = random.Random().choice([1, 2])
     _kill_at(run, launch=0, step=step, rank=rank)

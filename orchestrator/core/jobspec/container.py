@@ -181,12 +181,16 @@ class ContainerSpec(Strict):
         return self.model_copy(update=fields)
 
 
-def auto_mounts(run_dir: str, checkpoint_dir: str | None, read_only: list[str]) -> list[Mount]:
-    """What the workers need at the same paths: the run and checkpoint folders (written) and the model folder
-    and data files' folders (read). A folder inside another that is mounted already is left out."""
+def auto_mounts(run_dir: str, checkpoint_dir: str | None, read_only: list[str],
+                memory_tier: str | None = None) -> list[Mount]:
+    """What the workers need at the same paths: the run and checkpoint folders and a memory tier's folder outside
+    /dev (written), and the model folder and data files' folders (read). A folder inside another that is mounted
+    already is left out. (Every runtime shares the host's /dev, so the tier's default in /dev/shm needs none.)"""
     wanted = [(run_dir, False)]
     if checkpoint_dir:
         wanted.append((checkpoint_dir, False))
+    if memory_tier and not _under(posixpath.normpath(memory_tier), "/dev"):
+        wanted.append((memory_tier, False))
     wanted += [(path, True) for path in read_only]
     out: list[Mount] = []
     for path, ro in sorted(((posixpath.normpath(p), ro) for p, ro in wanted), key=lambda item: (len(item[0]), item[1])):

@@ -18,13 +18,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import envvars
 from .ckptlayout import MARKER, SIDECAR, step_dirs
 
 DEFAULT_BASE = "/dev/shm/fsdpjob"
 BASE_VAR = "FSDPJOB_MEMORY_TIER_DIR"  # a node-local folder other than /dev/shm/fsdpjob (a profile's env)
+
+
+def base_for(environ: Mapping[str, str] | None = None) -> str:
+    """The tier's folder on each node, as ``environ`` (the workers' environment; this process's when None) sets it:
+    the workers, the supervisor and the container's mounts read it here alike."""
+    return envvars.get(BASE_VAR, DEFAULT_BASE, environ=environ) or DEFAULT_BASE
 METADATA = ".metadata"
 
 
