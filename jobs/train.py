@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpjob.orchestrator.core import buildid, envvars
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -129,6 +130,8 @@ def _launch(run_dir: Path, stop: preemption.StopFlag | None) -> Launch:
 def _set_up(launch: Launch) -> Training:
     """Open the tiers, build, resume from the newest step either tier holds; the saver and the loop's helpers."""
     t_start = time.time()
+    if (mismatch := buildid.host_mismatch(envvars.get("FSDPJOB_HOST_BUILD"))) is not None:
+        raise BuildMismatch(mismatch)  # not retryable: every restart would run the same image
     spec, env, worker, report, paths = launch.spec, launch.env, launch.worker, launch.report, launch.paths
     torch.manual_seed(spec.train.seed)
     report.event(runlog.START, restart=worker.restart_count, world_size=env.world_size, job_id=worker.job_id,
@@ -253,6 +256,10 @@ def _export_final(spec: JobSpec, paths: RunPaths, ckpt: CheckpointManager, env: 
         shutil.rmtree(paths.export_dir, ignore_errors=True)  # a rerun after an earlier export replaces it
         export_hf(ckpt.latest_committed(), Path(spec.model.path), paths.export_dir, dtype="bf16")
         report.event(runlog.EXPORT, path=str(paths.export_dir))
+
+
+class BuildMismatch(RuntimeError):
+    """The worker's fsdpjob or submitit is not the batch side's (core/buildid.py)."""
 
 
 def _retryable(exc: BaseException) -> bool:

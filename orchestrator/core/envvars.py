@@ -26,6 +26,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_ARRAY_TASK_RUN_DIR": "no variable: the placeholder run folder a sweep's task plan is rendered with, "
                                   "replaced by the task's $FSDPJOB_RUN_DIR in the script (slurm/arrayrender.py)",
     "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",
+    "FSDPJOB_HOST_BUILD": "the batch side's fsdpjob and submitit (core/buildid.py): a worker that runs another stops",
     "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
     "FSDPJOB_NODE_ADDRS": "'node=addr,...': the supervisor's NodeAddr of each node whose name does not resolve, "
                           "so that workers find their rendezvous host without scontrol (jobs/dist.py)",

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from fsdpjob.orchestrator.core import buildid
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -132,7 +133,8 @@ class Supervisor:
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
         # The tasks' shells write their exits there (taskexit.py), a rank that dies before its heartbeat too.
         heartbeat.heartbeat_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1"}
+        env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1",
+               "FSDPJOB_HOST_BUILD": buildid.build_id()}
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
         # srun's stderr passes through here: its task reports name the rank that failed first (blame.py).
         srun = self.allocation.srun_reports
