@@ -5,6 +5,7 @@ and tests/slurm/test_recovery_slurm.py."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,6 +104,39 @@ def test_setup_bound_and_missing_ranks() -> None:
     assert watch.observe([beat(0, 0, heartbeat.MODEL_LOAD, t=120)], 120) is None
     verdict = watch.observe([beat(0, 0, heartbeat.MODEL_LOAD, t=151)], 151)
     assert verdict is not None and verdict.ranks == (1,) and "never reported" in verdict.reason
+
+
+def test_a_slow_launch_is_bounded_apart_from_the_setup() -> None:
+    """Issue 36 item 3: an image imported again after a requeue delays every rank's start by minutes. Until every
+    rank has reported, the launch bound applies; the setup bound counts from there."""
+    watch = Watch(world_size=2, started=90.0, bounds=Bounds(60, 5, 10, launch_s=900))
+    assert watch.observe([], 400.0) is None  # 310 s of launch: over the setup bound, inside the launch's
+    assert watch.observe([beat(0, 0, heartbeat.IMPORTS, t=500)], 500.0) is None
+    verdict = watch.observe([beat(0, 0, heartbeat.IMPORTS, t=990)], 991.0)
+    assert verdict is not None and verdict.ranks == (1,) and "since the launch (bound 900 s)" in verdict.reason
+    late = Watch(world_size=2, started=90.0, bounds=Bounds(60, 5, 10, launch_s=900))
+    both = [beat(0, 0, heartbeat.MODEL_LOAD, t=600), beat(1, 0, heartbeat.IMPORTS, t=600)]
+    assert late.observe(both, 600.0) is None and late.launch_took() == 510.0
+    assert late.observe(both, 650.0) is None  # 50 s of setup since every rank reported
+    verdict = late.observe(both, 661.0)
+    assert verdict is not None and "setup took over 60 s" in verdict.reason
+
+
+def test_the_supervisor_gives_an_allocations_first_launch_the_first_start_bound(tmp_path) -> None:
+    """A requeued run's first launch may import its image: at least the first start's bound, whatever the earlier
+    allocations measured; later launches in the allocation: 3 x the longest launch it measured + 60 s."""
+    from fsdpjob.orchestrator.supervise.run import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.recovery = SimpleNamespace(setup_timeout_s="auto")
+    sup._launch_took = []
+    assert sup._launch_bound(0) == heartbeat.FIRST_SETUP_BOUND_S
+    sup._launch_took = [400.0]
+    assert sup._launch_bound(0) == 3 * 400 + 60 and sup._launch_bound(1) == 3 * 400 + 60
+    sup._launch_took = [4.0]
+    assert sup._launch_bound(0) == heartbeat.FIRST_SETUP_BOUND_S and sup._launch_bound(2) == 72
+    sup.recovery = SimpleNamespace(setup_timeout_s=120)  # a number bounds the launch too
+    assert sup._launch_bound(0) == 120
 
 
 def test_saves_get_their_own_bound() -> None:

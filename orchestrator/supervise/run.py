@@ -71,6 +71,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.signalled: int = 0
         self.faults: list[Fault] = []
+        self._launch_took: list[float] = []  # per launch in this allocation: seconds until every rank reported
         self._gather = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-facts")
 
     # -- the loop --------------------------------------------------------------------------------
@@ -149,7 +150,14 @@ class Supervisor:
         world = (self.nodes - len(self.excluded)) * self.tasks_per_node
         watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
                                              self.recovery.stall_factor, self.planned.get("planned_step_s"),
-                                             self.planned.get("planned_save_s")))
+                                             self.planned.get("planned_save_s"), self._launch_bound(launch)))
+        try:
+            return self._watch(watch, launch)
+        finally:
+            if (took := watch.launch_took()) is not None:
+                self._launch_took.append(took)
+
+    def _watch(self, watch: Watch, launch: int) -> tuple[int, Verdict | None]:
         while self.proc.poll() is None and not self.signalled:
             time.sleep(POLL_S)
             beats = heartbeat.read_beats(self.run_dir, launch)
@@ -280,6 +288,18 @@ class Supervisor:
         if waited.busy:
             print(f"fsdpjob supervisor: GPUs still in use after {waited.waited_s:.0f} s ({waited.busy}); relaunching "
                   "anyway", file=sys.stderr, flush=True)
+
+    def _launch_bound(self, launch: int) -> float:
+        """Until every rank reported: 3 x the longest launch measured in this allocation + 60 s. The allocation's
+        first launch gets at least the first start's bound: on nodes a requeue brought, a container runtime may
+        import the image again (minutes per node) before any rank starts, and killing that import would only
+        start another (issue 36 item 3). recovery.setup_timeout_s set to a number bounds the launch too."""
+        if self.recovery.setup_timeout_s != "auto":
+            return float(self.recovery.setup_timeout_s)
+        if not self._launch_took:
+            return heartbeat.FIRST_SETUP_BOUND_S
+        measured = 3 * max(self._launch_took) + 60
+        return max(measured, heartbeat.FIRST_SETUP_BOUND_S) if launch == 0 else measured
 
     def _setup_bound(self) -> float:
         """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""

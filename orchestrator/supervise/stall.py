@@ -5,7 +5,10 @@ A frozen rank (its heartbeat thread stopped writing: SIGSTOP, a stuck process) i
 heartbeat is max(``FROZEN_AFTER_S``, floor) old, once the ranks train, whatever phase the others are in: the
 others may wait for it in a save or an eval, whose bounds are for ranks that are alive and in that phase.
 What counts as progress: any rank's (step, phase) changing. What bounds a wait:
-- setup (imports to the first step): ``setup_bound_s`` from the launch, for every rank;
+- the launch (srun, a container's start, an image import on nodes that lack it, the interpreter) until every
+  rank has reported: ``launch_s`` (the supervisor's: the longest launch this run measured, x3 + 60 s; the first
+  start bound where none was measured), never less than the setup bound;
+- setup (imports to the first step): ``setup_bound_s`` from the moment every rank had reported;
 - a training step: max(factor x the p95 of the recent step times, floor); the first step: the setup bound, or
   factor x the planned step if longer (nothing measured bounds it yet);
 - a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound,
@@ -48,6 +51,13 @@ class Bounds:
     # large model is never taken for a hang before it was measured.
     planned_step_s: float | None = None
     planned_save_s: float | None = None
+    # Ranks that never reported (their process has not started its heartbeat): the launch phase's own bound,
+    # measured by the supervisor (None: the setup bound). A container image imported again after a requeue onto
+    # new nodes takes minutes before any rank starts; that is not a hang (issue 36 item 3).
+    launch_s: float | None = None
+
+    def launch_bound(self) -> float:
+        return max(self.setup_s, self.launch_s or 0.0)
 
     def first(self, planned: float | None, floor: float) -> float:
         return max(self.setup_s, floor, self.factor * (planned or 0.0))
@@ -80,6 +90,7 @@ class Watch:
     _stale: set = field(default_factory=set)
     _beat_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank: (its beat's time, seen at)
     training: bool = False  # every rank has reached the loop
+    reported_at: float | None = None  # when every rank had reported (the launch phase's end)
 
     def __post_init__(self) -> None:
         self._last_change = self.started
@@ -141,6 +152,8 @@ class Watch:
                 del self._in_long[beat.rank]
                 took = max(0.0, beat.phase_since - long[1])
                 self._long_phases[long[0]] = max(self._long_phases.get(long[0], 0.0), took)
+        if len(beats) == self.world_size and self.reported_at is None:
+            self.reported_at = now
         if len(beats) == self.world_size and all(b.phase not in SETUP_PHASES for b in beats):
             self.training = True
         if not self.training:
@@ -154,14 +167,21 @@ class Watch:
             self._max_step, self._step_at, self._long_since_step = step, now, False
 
     def _setup_verdict(self, beats: list[Beat], now: float) -> Verdict | None:
-        waited = now - self.started
+        if self.reported_at is None:  # still in the launch phase
+            waited, bound = now - self.started, self.bounds.launch_bound()
+            if waited < bound:
+                return None
+            missing = sorted(set(range(self.world_size)) - {b.rank for b in beats})
+            return Verdict("hang", tuple(missing), f"rank(s) {missing} never reported in {waited:.0f} s since the "
+                                                   f"launch (bound {bound:.0f} s)", waited)
+        waited = now - self.reported_at
         if waited < self.bounds.setup_s:
             return None
-        missing = sorted(set(range(self.world_size)) - {b.rank for b in beats})
-        if missing:
-            return Verdict("hang", tuple(missing), f"rank(s) {missing} never reported in {waited:.0f} s of setup "
-                                                   f"(bound {self.bounds.setup_s:.0f} s)", waited)
         return blame(beats, now, waited, f"setup took over {self.bounds.setup_s:.0f} s", self.ages(now))
+
+    def launch_took(self) -> float | None:
+        """Seconds from the launch until every rank had reported (None: not yet)."""
+        return None if self.reported_at is None else self.reported_at - self.started
 
 
 def blame(beats: list[Beat], now: float, waited: float, why: str, ages: dict[int, float] | None = None) -> Verdict:
