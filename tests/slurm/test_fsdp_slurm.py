@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -94,19 +95,52 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
     assert status(run["run_id"])["goodput"]["productive_unit_s"] > 0
 
 
-def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec, in_container):
+def _slow_python(folder: Path) -> Path:
+    """The test image's Python behind a start that sleeps on a requeued job's first launch: 3 x the last ready
+    event's setup_s + 60 s (what bounded a launch before it had its own bound) + 30 s."""
+    folder.mkdir()
+    script = folder / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && [ "${FSDPJOB_LAUNCH:-0}" = 0 ]; then\n'
+        "    s=$(/opt/venv/bin/python -c 'import json, sys\n"
+        'ready = [e for e in map(json.loads, open(sys.argv[1])) if e.get("event") == "ready"]\n'
+        "print(int(3 * float(ready[-1].get(\"setup_s\") or 0) + 60 + 30) if ready else 90)' "
+        '"$FSDPJOB_RUN_DIR/events.jsonl")\n'
+        '    echo "slow start: $s s"\n'
+        '    sleep "$s"\n'
+        "fi\n"
+        'exec /opt/venv/bin/python "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_cluster, make_spec, in_container,
+                                                                           tmp_path):
     # An admin's (or a user's) `scontrol requeue`: Slurm counts the restart, then sends SIGTERM. The workers
     # checkpoint and hand the stop over; the supervisor sees that the job is already requeued and does not
     # requeue it a second time. The workers run in the test image, which has no Slurm: telling a requeue from a
     # time limit takes scontrol, so the record shows that the batch side asked.
-    run = submit(make_spec("extrequeue", train__max_steps=40), *in_container)
+    # The requeued allocation's workers start slowly, before their Python starts, as an image imported again on
+    # new nodes would (issue 36 item 3): 30 s past the bound that used to end a launch whose ranks never reported.
+    slow_start = _slow_python(tmp_path / "slow-start")
+    run = submit(make_spec("extrequeue", train__max_steps=40), *in_container, "--set", f"container.python={slow_start}",
+                 "--set", f"container.mounts=[{slow_start.parent}:{slow_start.parent}:ro]")
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 3, timeout_s=180, interval_s=1.0, what="step 3")
     pids = worker_pids(run["run_dir"])
     assert len(pids) == 4 and all(in_its_own_container(pid) for pid in pids), pids
     subprocess.run(["scontrol", "requeue", run["job_id"]], check=True)
     release_when_held(run["job_id"])
-    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+    done = wait_phase(run["run_id"], {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
     assert done["phase"] == "COMPLETED" and done["restarts"] == 1 and done["steps_lost"] == 0, done
+    # Waited for, not taken for a hang: no fault, and the goodput report counts it as the workers' launch.
+    slow = [float(m) for f in Path(run["run_dir"], "submitit").glob("*_log.out")
+            for m in re.findall(r"slow start: (\d+) s", f.read_text())]
+    assert len(slow) == 4, slow  # every rank of the second allocation
+    events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
+    assert not [e for e in events if e["event"] == "fault"], events
+    rep = json.loads(fsdpjob("report", run["run_id"], "--json", check=True).stdout)
+    assert rep["unit_seconds"]["launch"] >= 4 * min(slow), rep["unit_seconds"]
     assert done["last_stop"]["reason"] == "requeue" and done["last_stop"]["requeued"] is True, done
     events = [json.loads(x) for x in _lines(run["run_dir"], "events.jsonl")]
     stops = [e for e in events if e["event"] == "stop"]
