@@ -1,6 +1,9 @@
 """Recovery soak (issue 29): hang + crash trials back to back in one run on the dev cluster (2 nodes x 2 tasks):
 
-    SLURM_CONF=/tmp/fsdpjob-devcluster/etc/slurm.conf python bench/recovery_soak.py [--trials 10] [--seed N]
+    SLURM_CONF=/tmp/fsdpjob-devcluster/etc/slurm.conf python bench/recovery_soak.py [--trials 10] [--seed N] [--load N]
+
+--load N runs N CPU burners (bench/burners.py) beside the cluster for the whole soak: the figures per load level
+(0 and 2 x cores) say how recovery holds on a busy node.
 
 One quickstart-model run with the default recovery settings (stall floor 30 s, factor 10), except
 `recovery.max_restarts` (2 x trials + 1: every fault costs one restart) and checkpoints every 10 steps. Each
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import yaml
+from burners import burning  # bench/burners.py
 from devjobs import cli, poll  # bench/devjobs.py (this folder is on sys.path)
 
 CHECKPOINT_EVERY = 10
@@ -122,16 +126,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--load", type=int, default=0, help="CPU burners beside the cluster (bench/burners.py)")
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    print(f"seed {seed}, {args.trials} trials", flush=True)
+    print(f"seed {seed}, {args.trials} trials, load {args.load} burner(s) on {os.cpu_count()} cores", flush=True)
     rng = random.Random(seed)
     from fsdpjob.jobs.quickstart import make_quickstart
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fsdpjob-soak-", ignore_cleanup_errors=True) as tmp:
+    with burning(args.load), tempfile.TemporaryDirectory(prefix="fsdpjob-soak-", ignore_cleanup_errors=True) as tmp:
         root = Path(tmp)
         os.environ["FSDPJOB_HOME"] = str(root / "home")
         assets = make_quickstart(root / "assets")
@@ -168,7 +173,8 @@ def main() -> int:
         f"{k} {statistics.median(r['crash_phases_s'][k] for r in rows):.1f} s" for k in rows[0]["crash_phases_s"]))
     ok = [r for r in rows
           if r["restarted"] and r["requeues"] == 0 and r["detect_s"] <= 60 and r["crash_to_step_s"] <= 30]
-    print(f"{len(ok)}/{args.trials} trials recovered in the allocation within the targets (seed {seed})")
+    print(f"{len(ok)}/{args.trials} trials recovered in the allocation within the targets (seed {seed}, "
+          f"load {args.load})")
     return 0 if len(ok) == args.trials else 1
 
 
