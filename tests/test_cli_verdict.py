@@ -62,6 +62,8 @@ def test_a_sweep_of_a_gpu_example_can_be_dry_run_before_the_weights_exist():
     assert out.startswith("#!/bin/bash") and "variant 1:" in err
     code, _, err = run_cli("sweep", GPU_EXAMPLE, "--grid", "train.lr=1e-5,2e-5", "--dry-run")
     assert code == 2 and "no weights in" in err  # without the flag, the missing weights are found
+    lines = err.splitlines()  # each problem on its own line, as validate prints them
+    assert len(lines) > 1 and all(line.startswith("sweep variant 0 of 2 (train.lr=1e-5): examples/") for line in lines)
     code, _, err = run_cli("sweep", GPU_EXAMPLE, "--grid", "train.lr=1e-5,2e-5", "--no-file-checks")
     assert code == 2 and "--no-file-checks goes with --dry-run only" in err
 

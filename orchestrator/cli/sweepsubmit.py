@@ -57,8 +57,11 @@ def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[
             job = load_job(spec, profile=profile, overrides=(*sets, *v.sets, f"name={name}-{v.index}"),
                            check_files=check_files, check_env=True)
             fit = make_plan(job)
-        except InputError as exc:
-            raise InputError(f"{where}: {exc.format()}") from None
+        except InputError as exc:  # each problem on its line, as validate prints them, naming the variant
+            from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+
+            each = [InputError(f"{where}: {e.format()}") for e in (getattr(exc, "errors", None) or [exc])]
+            raise (SpecErrors(each) if len(each) > 1 else each[0]) from None
         except FsdpjobError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         if not force and fit.verdict != "FITS":
