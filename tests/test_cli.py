@@ -21,6 +21,9 @@ GOLDEN = TESTS / "golden"
 GOLDEN_PYTHON = "/opt/fsdpjob/venv/bin/python"  # what test_render puts in the goldens for sys.executable
 # Run from the repository root (the specs are named relative to it); nothing here takes more than seconds.
 fsdpjob = partial(helpers.fsdpjob, cwd=REPO, timeout_s=60)
+# The variables the valid specs name in `env` ($SCRATCH, $USER): the environment is checked with or without
+# --no-file-checks, as it is where a user submits.
+SPEC_VARS = {"SCRATCH": "/scratch", "USER": "someone"}
 
 
 def header(path: Path, key: str) -> str | None:
@@ -64,7 +67,7 @@ def test_invalid_spec_gives_one_line_at_file_line(path):
 
 def test_valid_specs_validate(tmp_path):
     paths = [p.relative_to(REPO).as_posix() for p in sorted(VALID.glob("*.yaml"))]
-    done = fsdpjob("validate", *paths, "--no-file-checks")
+    done = fsdpjob("validate", *paths, "--no-file-checks", env=SPEC_VARS)
     assert done.returncode == 0 and done.stderr == ""
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == paths
     assert all(": ok (profile " in line for line in done.stdout.splitlines())
@@ -168,7 +171,8 @@ def spec_name(path: Path) -> str:
 def test_render_prints_the_golden_script(stem):
     """The CLI renders exactly what test_render's goldens hold (they use a fixed python path)."""
     name = spec_name(VALID / f"{stem}.yaml")
-    done = fsdpjob("render", f"tests/data/specs/valid/{stem}.yaml", "--no-file-checks", "--run-dir", f"/runs/{name}")
+    done = fsdpjob("render", f"tests/data/specs/valid/{stem}.yaml", "--no-file-checks", "--run-dir", f"/runs/{name}",
+                   env=SPEC_VARS)
     assert done.returncode == 0, done.stderr
     golden = (GOLDEN / f"{stem}.sbatch").read_text().replace(GOLDEN_PYTHON, sys.executable)
     assert done.stdout == golden

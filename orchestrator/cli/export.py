@@ -35,6 +35,10 @@ from .options import PROFILE_OPT, command
 def export(source: str, out: Path, dtype: str, merge: bool, as_job: bool, profile: str | None, best: bool) -> None:
     """Write a Hugging Face folder (sharded safetensors) from a run (its id, or its folder: the newest committed
     checkpoint) or a checkpoint folder; for a LoRA run, a peft adapter folder, or with --merge the merged model."""
+    if Path(source).is_file():  # a run is a folder or an id: said at once, before torch's import
+        what = " (a job spec?)" if Path(source).suffix in (".yaml", ".yml") else ""
+        raise InputError(f"{source} is a file{what}; export takes a run: its id (`fsdpjob list`), its run folder "
+                         "or a checkpoint folder, e.g. `fsdpjob export RUN_ID --out my-model`", file="SOURCE")
     if as_job and best:
         raise click.UsageError(
             "--best goes without --submit: export the sweep's best run with `fsdpjob export RUN "

@@ -38,11 +38,30 @@ COMMANDS = {
 }
 
 
+# `fsdpjob --help` lists the commands in the order a user meets them, in these sections (each command in one).
+SECTIONS = (
+    ("Start a job", ("init", "quickstart", "validate", "plan", "show", "render", "submit", "sweep")),
+    ("Watch it", ("status", "list", "logs", "wait", "report")),
+    ("Manage runs", ("cancel", "export", "prune")),
+    ("Set up and look up", ("profiles", "schema", "completion", "dev-cluster")),
+)
+
+
 class LazyGroup(click.Group):
     """Loads a command's module only when the command is asked for: every command starts faster."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return [name for _, names in SECTIONS for name in names]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands under their SECTIONS' titles (click's own lists them all in one alphabetical table)."""
+        width = max(len(name) for name in COMMANDS)  # one column for every section (write_dl sizes each alone)
+        limit = formatter.width - 6 - width
+        for title, names in SECTIONS:
+            rows = [(name.ljust(width), command.get_short_help_str(limit)) for name in names
+                    if (command := self.get_command(ctx, name)) is not None and not command.hidden]
+            with formatter.section(title):
+                formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:

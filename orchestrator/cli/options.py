@@ -65,7 +65,8 @@ INTERVAL_OPT = click.option(
     help="Seconds between redraws with --watch.",
 )
 NO_FILE_CHECKS_OPT = click.option(
-    "--no-file-checks", is_flag=True, help="Skip checks of the model folder and data file."
+    "--no-file-checks", is_flag=True,
+    help="Skip checks of the model folder and data file (the environment is still checked).",
 )
 
 

@@ -140,6 +140,12 @@ def cancel(run: str) -> None:
         click.echo(f"sweep {run}: cancelled {len(live)} of {len(tasks)} runs (the others had ended)")
         return
     record = registry.find(run)
+    from fsdpjob.orchestrator.views.follow import TERMINAL
+    from fsdpjob.orchestrator.views.status import report_for
+
+    if (phase := report_for(record).phase) in TERMINAL:  # nothing to stop: what the user wanted is so
+        click.echo(f"{record.run_id} (job {record.job_id}) already ended ({phase}); nothing to cancel")
+        return
     how = cancel_run(record)
     click.echo(f"cancelled {record.run_id} (job {record.job_id}): {how}")
 

@@ -36,7 +36,7 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
     for path in specs:
         try:
             job = load_job(path, profile=profile, overrides=sets, check_files=not no_file_checks,
-                           ask_partition_size=partition_size)
+                           check_env=True, ask_partition_size=partition_size)
         except FsdpjobError as exc:
             failed.append(exc)
             continue
@@ -64,7 +64,7 @@ def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path 
     from fsdpjob.orchestrator.planner.jobload import load_job
     from fsdpjob.orchestrator.submit import dry_run
 
-    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks)
+    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, check_env=True)
     click.echo(dry_run(job, run_dir.resolve() if run_dir else None).text, nl=False)
 
 

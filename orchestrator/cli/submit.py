@@ -59,8 +59,8 @@ def submit(
     if shapes and not dry_run:
         raise click.UsageError("--shapes goes with --dry-run (or plan): it compares start estimates, submits nothing")
     run_dir = run_dir.resolve() if run_dir else None
-    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from,
-                   ask_partition_size=partition_size)
+    job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, check_env=True,
+                   resume_from=resume_from, ask_partition_size=partition_size)
     dependency = None
     if after:
         from .chain import resolve_after

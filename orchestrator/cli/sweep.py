@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .options import JSON_OPT, PROFILE_OPT, SET_OPT, SPEC_ARG, command, echo_json
+from .options import JSON_OPT, NO_FILE_CHECKS_OPT, PROFILE_OPT, SET_OPT, SPEC_ARG, command, echo_json
 
 
 @command()
@@ -35,8 +35,9 @@ from .options import JSON_OPT, PROFILE_OPT, SET_OPT, SPEC_ARG, command, echo_jso
     "--dry-run", is_flag=True, help="Validate and plan every variant, print the array script; submit nothing."
 )
 @click.option("--force", is_flag=True, help="Submit even if the planner says a variant cannot fit.")
+@NO_FILE_CHECKS_OPT
 @JSON_OPT
-def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, force, as_json) -> None:
+def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, force, no_file_checks, as_json) -> None:
     """Run variants of a spec (a grid of values, or a list of --set variants) as one Slurm array job, each a run
     of its own; on the local profile one after another. Every variant is checked before anything is submitted."""
     from fsdpjob.orchestrator import submit as submission
@@ -44,8 +45,11 @@ def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, f
     from . import sweepsubmit
     from .sweepspec import make_sweep
 
+    if no_file_checks and not dry_run:  # as submit's: a real sweep checks the files first
+        raise click.UsageError("--no-file-checks goes with --dry-run only: a real sweep checks the files first")
     wanted = make_sweep(grids, sweep_file=sweep_file, name=name, max_parallel=max_parallel)
-    plan = sweepsubmit.plan_sweep(spec, wanted, profile=profile, sets=sets, force=force)
+    plan = sweepsubmit.plan_sweep(spec, wanted, profile=profile, sets=sets, force=force,
+                                  check_files=not no_file_checks)
     array = sweepsubmit.array_request(plan, spec)
     request = submission.dry_run_array(array)  # refuses a variant that changes the shape of one array job
     if dry_run:

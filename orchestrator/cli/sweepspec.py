@@ -102,7 +102,7 @@ def read_sweep_file(path: Path) -> tuple[dict, dict[str, list[str]], list[list[s
     """The `sweep:` section of a file -> (name/max_parallel, grid, variants as --set lists)."""
     from fsdpjob.orchestrator.core.jobspec.yamlio import read_yaml
 
-    doc = read_yaml(path)
+    doc = read_yaml(path, "a sweep file")
     where = str(path)
 
     def bad(loc: tuple, message: str) -> InputError:

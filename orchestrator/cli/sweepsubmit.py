@@ -40,8 +40,11 @@ def label(v: Variant, count: int) -> str:
     return f"sweep variant {v.index} of {count} ({v.label()})"
 
 
-def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[str, ...], force: bool) -> CheckedSweep:
-    """Load and plan every variant before anything is written; the first bad one refuses the sweep (exit 2)."""
+def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[str, ...], force: bool,
+               check_files: bool = True) -> CheckedSweep:
+    """Load and plan every variant before anything is written; the first bad one refuses the sweep (exit 2).
+    ``check_files`` False (--dry-run --no-file-checks): the model folder and data are not checked, the
+    environment still is."""
     from fsdpjob.orchestrator.core.jobspec.spec import load_spec
     from fsdpjob.orchestrator.planner.fit import make_plan
 
@@ -51,10 +54,14 @@ def plan_sweep(spec: str, sweep: SweepSpec, *, profile: str | None, sets: tuple[
     for v in sweep.variants:
         where = label(v, count)
         try:
-            job = load_job(spec, profile=profile, overrides=(*sets, *v.sets, f"name={name}-{v.index}"))
+            job = load_job(spec, profile=profile, overrides=(*sets, *v.sets, f"name={name}-{v.index}"),
+                           check_files=check_files, check_env=True)
             fit = make_plan(job)
-        except InputError as exc:
-            raise InputError(f"{where}: {exc.format()}") from None
+        except InputError as exc:  # each problem on its line, as validate prints them, naming the variant
+            from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+
+            each = [InputError(f"{where}: {e.format()}") for e in (getattr(exc, "errors", None) or [exc])]
+            raise (SpecErrors(each) if len(each) > 1 else each[0]) from None
         except FsdpjobError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         if not force and fit.verdict != "FITS":

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import re
 
-_FORMS = (
-    (re.compile(r"^(\d+)$"), ("m",)),
-    (re.compile(r"^(\d+):(\d{1,2})$"), ("m", "s")),
-    (re.compile(r"^(\d+):(\d{1,2}):(\d{1,2})$"), ("h", "m", "s")),
-    (re.compile(r"^(\d+)-(\d{1,2})$"), ("d", "h")),
-    (re.compile(r"^(\d+)-(\d{1,2}):(\d{1,2})$"), ("d", "h", "m")),
-    (re.compile(r"^(\d+)-(\d{1,2}):(\d{1,2}):(\d{1,2})$"), ("d", "h", "m", "s")),
+_FORMS = (  # pattern, its fields' units, its name
+    (re.compile(r"^(\d+)$"), ("m",), "MM"),
+    (re.compile(r"^(\d+):(\d{1,2})$"), ("m", "s"), "MM:SS"),
+    (re.compile(r"^(\d+):(\d{1,2}):(\d{1,2})$"), ("h", "m", "s"), "HH:MM:SS"),
+    (re.compile(r"^(\d+)-(\d{1,2})$"), ("d", "h"), "D-HH"),
+    (re.compile(r"^(\d+)-(\d{1,2}):(\d{1,2})$"), ("d", "h", "m"), "D-HH:MM"),
+    (re.compile(r"^(\d+)-(\d{1,2}):(\d{1,2}):(\d{1,2})$"), ("d", "h", "m", "s"), "D-HH:MM:SS"),
 )
 _UNIT = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+_NAME = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
 FORMATS_HELP = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 90, 1:30:00, 2-00:00:00)"
 
 
 def parse_slurm_time(value: str | int) -> int:
     """Seconds in a Slurm time string. Raises ValueError naming the accepted formats."""
     text = str(value).strip()
-    for pattern, units in _FORMS:
+    for pattern, units, form in _FORMS:
         match = pattern.match(text)
         if match:
             parts = [int(g) for g in match.groups()]
@@ -27,7 +28,8 @@ def parse_slurm_time(value: str | int) -> int:
             limits = {"h": 24, "m": 60, "s": 60}
             for unit, number, first in zip(units, parts, [True] + [False] * 3):
                 if not first and unit in limits and number >= limits[unit]:
-                    raise ValueError(f"{text!r}: {unit} field {number} out of range")
+                    raise ValueError(f"{text!r}: {_NAME[unit]} {number} > {limits[unit] - 1} (read as {form}); "
+                                     f"use {FORMATS_HELP}")
             seconds = sum(_UNIT[u] * n for u, n in zip(units, parts))
             if seconds <= 0:
                 raise ValueError(f"{text!r} is zero; give a positive time limit")

@@ -35,6 +35,7 @@ def load_job(
     profile: str | None = None,
     overrides: tuple[str, ...] = (),
     check_files: bool | Literal["config"] = True,
+    check_env: bool | None = None,
     resume_from: str | None = None,
     ask_partition_size: Callable[[str, str | None], PartitionSize | None] | None = None,
 ) -> LoadedJob:
@@ -43,7 +44,10 @@ def load_job(
     ``profile`` (from --profile) wins over the spec's own ``profile`` field. ``check_files`` also
     checks the model folder and the data file (existence, shape, JSON lines); ``"config"`` (``fsdpjob plan``,
     before the download) needs only the model's config.json, not its weights or tokenizer; with either, the
-    checkpoint folder must be writable. ``resume_from`` (submit --resume-from) must hold a committed checkpoint.
+    checkpoint folder must be writable. ``check_env``: every $VAR the script expands is set here, and the webhook's
+    variable; the commands pass True whatever --no-file-checks says (an unset variable kills the job on the node,
+    and no download fixes it); None (library callers) checks it with the files. ``resume_from`` (submit
+    --resume-from) must hold a committed checkpoint.
     ``ask_partition_size(kind, partition)`` (the backend's partition_size, passed by the commands that check before
     a submit) is asked once, for a profile whose scheduler has partitions, how many nodes the job's partition has
     (None: the scheduler cannot say here).
@@ -65,21 +69,25 @@ def load_job(
     resolved = resolve(spec, prof, doc, size)
     if resume_from is not None and (problem := resume_problem(Path(resume_from))):
         raise InputError(problem, file="--resume-from")
-    if check_files:
-        check_files_and_environment(spec, prof, doc, config_only=check_files == "config")
+    if check_files or check_env:
+        check_files_and_environment(spec, prof, doc, config_only=check_files == "config",
+                                    files=bool(check_files), environment=check_env is not False)
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))
 
 
-def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool) -> None:
-    """The checks of this machine's files and environment, every problem at once (one line each)."""
+def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool,
+                                files: bool = True, environment: bool = True) -> None:
+    """The checks of this machine's files and environment, every problem at once (one line each); ``files`` or
+    ``environment`` False skips that half (--no-file-checks skips the files only)."""
     from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
 
     found: list[InputError] = []
-    if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
+    if files and spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
         found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
                                                               "system the nodes share), or drop checkpoint.dir"))
-    for check in (lambda: check_environment(spec, profile, doc),
-                  lambda: check_inputs(spec, doc, config_only=config_only)):
+    checks = [*([lambda: check_environment(spec, profile, doc)] if environment else []),
+              *([lambda: check_inputs(spec, doc, config_only=config_only)] if files else [])]
+    for check in checks:
         try:
             check()
         except InputError as exc:

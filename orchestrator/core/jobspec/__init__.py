@@ -10,6 +10,6 @@ from __future__ import annotations
 from .. import lazy_face
 
 MODULES = ("spec", "dataspec", "loggingspec", "notifyspec", "container", "profiles", "validation", "yamlio",
-           "inputs", "dataformats", "records", "families")
+           "inputs", "dataformats", "records", "families", "unionwords")
 
 __getattr__, __dir__ = lazy_face(__name__, MODULES)

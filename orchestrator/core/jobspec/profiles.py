@@ -223,7 +223,7 @@ def available_profiles() -> dict[str, Path]:
 
 
 def load_profile_file(path: Path) -> ClusterProfile:
-    doc = read_yaml(path)
+    doc = read_yaml(path, "a cluster profile")
     data = dict(doc.data)
     data.setdefault("name", path.stem)
     kind = KINDS.get(data.get("scheduler"))  # type: ignore[arg-type]
@@ -248,9 +248,11 @@ def load_profile(name_or_path: str) -> ClusterProfile:
         except OSError as exc:  # e.g. a name too long for the file system
             raise ProfileError(f"profile file {name_or_path!r} cannot be read: {exc.strerror}") from None
         if not found:
-            raise ProfileError(f"profile file {name_or_path!r} not found")
+            raise ProfileError(_folder(name_or_path) or f"profile file {name_or_path!r} not found")
         return load_profile_file(path)
     profiles = available_profiles()
+    if name_or_path not in profiles and (folder := _folder(name_or_path)):
+        raise ProfileError(folder)
     if name_or_path not in profiles:
         import difflib
 
@@ -261,6 +263,17 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             "(or give a path to a profile YAML; add folders with $FSDPJOB_PROFILES)"
         )
     return load_profile_file(profiles[name_or_path])
+
+
+def _folder(name_or_path: str) -> str | None:
+    """What to say when the profile named is a folder (a folder of profiles, most likely)."""
+    try:
+        if not Path(name_or_path).expanduser().is_dir():
+            return None
+    except OSError:
+        return None
+    return (f"{name_or_path!r} is a folder, not a profile; give a profile YAML file (e.g. {name_or_path.rstrip('/')}/"
+            "NAME.yaml) or a profile name (a folder of profiles goes in $FSDPJOB_PROFILES)")
 
 
 def shell_operator(line: str) -> str | None:

@@ -109,6 +109,10 @@ def _unquote_hint(kind: str, value: object) -> str:
     if not isinstance(value, str) or kind.startswith("string"):
         return ""
     text = value.strip()
+    if kind.startswith("float") and (m := re.fullmatch(r"([-+]?\d[\d_]*\.\d*[eE])(\d+)", text)):
+        # 1.0e6 is text to YAML 1.1 (a dotted number's exponent needs its sign), quoted or not.
+        return (f"; YAML 1.1 reads {text} as text, not a number (after a dot the exponent needs a sign): "
+                f"write {m[1]}+{m[2]}")
     if kind.startswith("bool"):
         ok = text.lower() in ("true", "false")
     elif kind.startswith("float"):
@@ -156,14 +160,19 @@ def errors_from_validation(
     exc: ValidationError, doc: YamlDoc, model: type[BaseModel], data: object = None
 ) -> list[SpecError]:
     """One SpecError per failing field of ``model``, at its line in ``doc`` (``data``: what was validated)."""
+    from .unionwords import is_union_failure, union_message
+
     messages: dict[tuple, list[str]] = {}
+    raw: dict[tuple, list[dict]] = {}
     for err in exc.errors():
         loc = _field_loc(tuple(err["loc"]), doc.data if data is None else data)
         if err["type"] == "field_error":
             loc = loc + tuple(err["ctx"]["field"].split("."))
         messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
+        raw.setdefault(loc, []).append(dict(err))
     # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
-    return [SpecError.at(doc, loc, "; or ".join(dict.fromkeys(texts))) for loc, texts in messages.items()]
+    return [SpecError.at(doc, loc, union_message(raw[loc]) if is_union_failure(raw[loc])
+                         else "; or ".join(dict.fromkeys(texts))) for loc, texts in messages.items()]
 
 
 class SpecErrors(SpecError):

@@ -44,10 +44,19 @@ class _LineLoader(yaml.SafeLoader):
         super().fetch_flow_collection_start(TokenClass)
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict = {}
     for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:  # `<<: *base`: merged below; a key written here overrides the merged one
+            continue
         key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, bool) and key_node.style is None:  # on:, yes:, off: unquoted
+            raise InputError(f"the key {key_node.value!r} is read by YAML (1.1) as the boolean {str(key).lower()}, "
+                             f"not a name; quote it: \"{key_node.value}\":", file=loader.file,
+                             line=key_node.start_mark.line + 1)
         if isinstance(key, (list, dict, set)):
             raise yaml.constructor.ConstructorError(
                 None, None, "a list or mapping cannot be a key; keys are plain names", key_node.start_mark
@@ -57,6 +66,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
                 None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark
             )
         seen[key] = key_node.start_mark.line
+    loader.flatten_mapping(node)  # SafeLoader's merge keys (its construct_mapping would, after the check above)
     return loader.construct_mapping(node, deep=deep)
 
 
@@ -196,8 +206,9 @@ def _where_it_starts(exc: yaml.MarkedYAMLError, text: str) -> tuple[int | None, 
     return mark.line + 1, problem
 
 
-def parse_yaml(text: str, file: str) -> YamlDoc:
-    """Parse ``text``; raise InputError with FILE:LINE on syntax errors or a non-mapping document."""
+def parse_yaml(text: str, file: str, what: str = "a job spec") -> YamlDoc:
+    """Parse ``text``; raise InputError with FILE:LINE on syntax errors or a non-mapping document (``what`` the
+    file is, for the messages: "a job spec", "a cluster profile", "a sweep file")."""
     if len(text) > MAX_BYTES:
         raise InputError(f"the file is {len(text.encode(errors='replace')):,} bytes; a job spec is at most "
                          f"{MAX_BYTES:,} (put large values in files and give their paths)", file=file)
@@ -208,10 +219,17 @@ def parse_yaml(text: str, file: str) -> YamlDoc:
     except yaml.MarkedYAMLError as exc:
         line, problem = _where_it_starts(exc, text)
         raise InputError(f"YAML syntax error: {problem}; fix the YAML at this line", file=file, line=line) from None
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses (NUL, other control characters): no mark
+        line = text[: exc.position].count("\n") + 1
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        what = "a NUL byte" if code == 0 else f"the control character U+{code:04X}"
+        raise InputError(f"{what} cannot be in a YAML file; remove it (was the file saved as text?)",
+                         file=file, line=line) from None
     except yaml.YAMLError as exc:  # pragma: no cover - unmarked errors are rare
         raise InputError(f"YAML error: {exc}", file=file) from None
     if data is None:
-        raise InputError("the file is empty; a job spec is a YAML mapping (see `fsdpjob schema`)", file=file, line=1)
+        schema = " (see `fsdpjob schema`)" if what == "a job spec" else ""
+        raise InputError(f"the file is empty; {what} is a YAML mapping{schema}", file=file, line=1)
     if not isinstance(data, dict):
         raise InputError(f"expected a YAML mapping at the top level, found {type(data).__name__}", file=file, line=1)
     lines: dict[Loc, int] = {}
@@ -220,7 +238,7 @@ def parse_yaml(text: str, file: str) -> YamlDoc:
     return YamlDoc(data, lines, file)
 
 
-def read_yaml(path: str | Path) -> YamlDoc:
+def read_yaml(path: str | Path, what: str = "a job spec") -> YamlDoc:
     path = Path(path)
     try:
         size = path.stat().st_size if path.is_file() else 0
@@ -234,7 +252,7 @@ def read_yaml(path: str | Path) -> YamlDoc:
         raise InputError("cannot read: not UTF-8 text", file=str(path)) from None
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or type(exc).__name__}", file=str(path)) from None
-    return parse_yaml(text, str(path))
+    return parse_yaml(text, str(path), what)
 
 
 def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> dict:
