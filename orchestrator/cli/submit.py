@@ -62,7 +62,7 @@ def submit(
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, resume_from=resume_from,
                    ask_partition_size=partition_size)
     dependency = None
-    if after:
+    if after is not None:  # an empty --after is refused (chain.py), not dropped
         from .chain import resolve_after
 
         dependency = resolve_after(after, job.profile.scheduler)
