@@ -78,6 +78,8 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
     if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
         found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
                                                               "system the nodes share), or drop checkpoint.dir"))
+    if problem := _lora_target_problem(spec):
+        found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
     for check in (lambda: check_environment(spec, profile, doc),
                   lambda: check_inputs(spec, doc, config_only=config_only)):
         try:
@@ -90,6 +92,20 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         raise found[0]
     if found:
         raise SpecErrors(found)
+
+
+def _lora_target_problem(spec: JobSpec) -> str | None:
+    """LoRA target names the model (its config.json) does not have; a folder that cannot be read is check_inputs'."""
+    if spec.model.lora is None or spec.model.lora.target_modules == "all-linear":
+        return None
+    from .lora import target_problem
+    from .modelshape import read_model_shape
+
+    try:
+        shape = read_model_shape(spec.model.path)
+    except (InputError, OSError, ValueError, TypeError):
+        return None
+    return target_problem(shape, spec.model.lora)
 
 
 def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> None:
