@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
-from .dataformats import check_data
+from .dataformats import check_data, check_not_all_dropped
 from .families import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -151,6 +151,7 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
         attempt(_check_seq_len, config, spec.data, folder, doc)
     if not config_only:
         attempt(check_data, spec.data, doc)
+        attempt(check_not_all_dropped, spec.data, folder, doc)
     if len(found) == 1:
         raise found[0]
     if found:
