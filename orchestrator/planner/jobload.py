@@ -78,6 +78,8 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
     if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
         found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
                                                               "system the nodes share), or drop checkpoint.dir"))
+    if image := _image_problem(spec, profile):
+        found.append(SpecError.at(doc, *image))
     if problem := _lora_target_problem(spec):
         found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
     for check in (lambda: check_environment(spec, profile, doc),
@@ -92,6 +94,25 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         raise found[0]
     if found:
         raise SpecErrors(found)
+
+
+def _image_problem(spec: JobSpec, profile: ClusterProfile) -> tuple[tuple, str] | None:
+    """A folder image (bubblewrap's root file system, oci's bundle) that is not a folder here: the nodes would fail
+    to start every task. (Checked where the spec is, as the model folder is: the nodes see the same paths.)"""
+    from fsdpjob.orchestrator.core.jobspec.container import RUNTIME_ROWS
+
+    from .containers import container_of
+
+    container = container_of(spec, profile)
+    if (container is None or container.runtime not in RUNTIME_ROWS or not RUNTIME_ROWS[container.runtime].folder_image
+            or not container.image or not container.image.startswith("/") or os.path.isdir(container.image)):
+        return None
+    what = "is a file" if os.path.exists(container.image) else "does not exist"
+    message = (f"image {container.image} {what}; the {container.runtime} runtime takes "
+               f"{RUNTIME_ROWS[container.runtime].image_kind}: unpack the image there, or point image at it")
+    if spec.container is not None and "image" in spec.container.model_fields_set:
+        return ("container", "image"), message
+    return ("profile",), f"profile {profile.name!r} container.{message}"
 
 
 def _lora_target_problem(spec: JobSpec) -> str | None:

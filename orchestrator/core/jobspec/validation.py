@@ -36,6 +36,13 @@ def path_value(value: str | None) -> str | None:
     return single_line(value)
 
 
+def python_path(value: str | None) -> str | None:
+    """An interpreter path, used as a command word: no shell syntax, so it needs no quoting to stay one word."""
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_./+@%:,=~-]+", value):
+        raise ValueError(f"{value!r} is not a plain interpreter path (letters, digits and ._/+@%:,=~- only)")
+    return value
+
+
 def check_env(value: dict[str, str]) -> dict[str, str]:
     """Environment names a shell can export, and values a process environment can hold."""
     for key, val in value.items():
