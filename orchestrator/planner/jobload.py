@@ -17,7 +17,7 @@ from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import resume_problem, unwritable
 
-from .resolve import PartitionSize, Resolved, resolve
+from .resolve import PartitionSize, Resolved, partition_size_unknown, resolve
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,15 @@ def load_job(
     if ask_partition_size is not None and prof.kind.partitions:
         size = ask_partition_size(prof.scheduler, spec.resources.partition or prof.partition)
     resolved = resolve(spec, prof, doc, size)
+    unknown = None
+    if ask_partition_size is not None and size is None:
+        unknown = partition_size_unknown(spec, prof, resolved.eff)
     if resume_from is not None and (problem := resume_problem(Path(resume_from))):
         raise InputError(problem, file="--resume-from")
     if check_files:
         check_files_and_environment(spec, prof, doc, config_only=check_files == "config")
-    return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))
+    return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)),
+                     size_unknown=unknown)
 
 
 def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool) -> None:
