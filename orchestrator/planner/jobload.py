@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +135,27 @@ def _lora_target_problem(spec: JobSpec) -> str | None:
     return target_problem(shape, spec.model.lora)
 
 
+def _path_problem(spec: JobSpec, profile: ClusterProfile) -> str | None:
+    """env.PATH that would hide the Slurm client from the supervisor, which runs srun and scontrol in the batch
+    script after the job's env is exported. Kept simple: (an empty one is resolve.py's, refused without the file
+    checks) a PATH is refused when none of its folders (its $VARs expanded as here) holds srun while this
+    machine's own PATH has one. Off a cluster (no srun here) nothing is known, so nothing is refused."""
+    value = spec.env.get("PATH", "")
+    if profile.scheduler != "slurm" or not value.strip(":").strip():
+        return None
+
+    def here(m: re.Match) -> str:
+        name = m["braced"] or m["plain"]
+        return os.environ.get(name, re.sub(r"^:?-", "", m["default"] or ""))
+
+    folders = envrefs.VAR_REFERENCE.sub(here, value).split(":")
+    srun = shutil.which("srun")
+    if srun is None or any(f and os.access(os.path.join(f, "srun"), os.X_OK) for f in folders):
+        return None
+    return (f"no folder of this PATH has srun (here it is in {os.path.dirname(srun)}): the job's supervisor could not "
+            f"run srun or scontrol; add {os.path.dirname(srun)}, or extend the PATH: $PATH:/my/bin")
+
+
 def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> None:
     """Every $VAR the script would expand under `set -u` is set here (sbatch exports this environment) or on the
     node by Slurm or fsdpjob (core/envrefs.py); with the file checks, since both are about this machine now."""
@@ -146,6 +169,8 @@ def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> N
     for what, value in zip(lines, [*profile.env.values(), *container_env.values(), *profile.setup]):
         found += [SpecError.at(doc, ("profile",), f"profile {profile.name!r} {what}: {envrefs.fix(name)}")
                   for name in envrefs.unset(value, os.environ)]
+    if (problem := _path_problem(spec, profile)) is not None:
+        found.append(SpecError.at(doc, ("env", "PATH"), problem))
     notify = notify_of(spec.notify, profile.notify)
     if notify and notify.webhook_url_env and not os.environ.get(notify.webhook_url_env):
         # The batch side reads the URL from the environment sbatch exports: unset here, nothing would be sent.

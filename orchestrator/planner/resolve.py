@@ -122,6 +122,10 @@ def problems(spec: JobSpec, profile: ClusterProfile,
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
+    if profile.scheduler == "slurm" and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
+        # The supervisor runs srun and scontrol in the batch script after the job's env is exported.
+        out.append((("env", "PATH"), "an empty PATH hides srun and scontrol from the job's supervisor; drop "
+                                     "env.PATH, or extend it: $PATH:/my/bin"))
     out += _size_problems(spec, profile, eff, partition_size)
     out += container_problems(spec, profile, str(runs_root()))
     return out
