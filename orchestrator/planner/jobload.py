@@ -84,7 +84,7 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
     if spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
         found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
                                                               "system the nodes share), or drop checkpoint.dir"))
-    if image := _image_problem(spec, profile):
+    if not config_only and (image := _image_problem(spec, profile)):  # plan may come before the unpacking
         found.append(SpecError.at(doc, *image))
     if problem := _lora_target_problem(spec):
         found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
