@@ -18,6 +18,7 @@ from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs_root
 from fsdpjob.orchestrator.core.runfolder.runmeta import EffectiveFacts, RunMeta
+from fsdpjob.orchestrator.core.runfolder.sweepstate import SweepState, SweepTask
 from fsdpjob.orchestrator.planner.jobload import LoadedJob
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -161,14 +162,25 @@ def submit_array(array: ArrayRequest, on_submitted: Callable[[JobRecord], None] 
             for task in array.tasks:
                 task.paths.run_dir.mkdir(mode=0o700)
                 write_run_folder(task.job, task.paths, request.script, None, task.worker_facts)
+            # Before the hand-over: each task's batch side counts its end in this file and the last one tells
+            # sweep_done; the local backend's runs all end before submit_array returns, and a Slurm task may fail
+            # within seconds. Rewritten with the array job's id once there is one.
+            _sweep_state(array, request, None).write(array.folder)
             with job_environment(request.env):
                 backend.submit_array(array, request, each)
+            if records:
+                _sweep_state(array, request, records[0].sweep["job_id"]).write(array.folder)
         except Exception as exc:  # whatever sbatch says, in one line, and nothing left behind
             _remove_unrecorded(array, records)
             if isinstance(exc, FsdpjobError):
                 raise
             raise SubmissionError(f"sweep submission failed, {_kept(records)}: {sbatch_reason(exc)}") from None
     return records
+
+
+def _sweep_state(array: ArrayRequest, request: Request, job_id: str | None) -> SweepState:
+    return SweepState(id=array.array_id, name=array.name, job_id=job_id, array=request.array,
+                      runs=tuple(SweepTask(t.sweep["index"], t.paths.run_id, t.sweep["values"]) for t in array.tasks))
 
 
 def _remove_unrecorded(array: ArrayRequest, records: list[JobRecord]) -> None:

@@ -33,7 +33,8 @@ def test_after_takes_a_run_and_a_condition(text, expected):
 
 
 @pytest.mark.parametrize("text, said", [
-    ("my-run:done", "unknown condition 'done'"), ("my-run:", "is not RUN[:ok|any]"), ("", "is not RUN[:ok|any]"),
+    ("my-run:done", "unknown condition 'done'"), ("my-run:", "is not RUN[:ok|any]"), ("", "the value is empty"),
+    (" ", "the value is empty"),
     ("a b", "is not RUN[:ok|any]"), ("a:ok:any", "is not RUN[:ok|any]"),
 ])
 def test_bad_after_is_one_line_naming_the_option(text, said):
@@ -47,6 +48,9 @@ def test_bad_after_on_the_command_line_exits_2_before_anything_is_submitted(tmp_
     spec = str(VALID / "single-node.yaml")
     done = fsdpjob("submit", spec, "--after", "x:sometimes", "--dry-run", "--no-file-checks", env=home)
     assert done.returncode == 2 and "--after: 'x:sometimes': unknown condition" in done.stderr
+    done = fsdpjob("submit", spec, "--after", "", "--dry-run", "--no-file-checks", env=home)
+    assert done.returncode == 2 and done.stderr.startswith("--after: the value is empty"), done.stderr
+    assert len(done.stderr.splitlines()) == 1
     done = fsdpjob("submit", spec, "--after", "no-such-run", "--dry-run", "--no-file-checks", env=home)
     assert done.returncode == 2 and "--after: no run 'no-such-run' in the registry" in done.stderr
     done = fsdpjob("submit", spec, "--after", "x", "--dry-run", "--no-file-checks", "-p", "local", env=home)

@@ -68,9 +68,31 @@ def test_invalid_spec_gives_one_line_at_file_line(path):
 def test_valid_specs_validate(tmp_path):
     paths = [p.relative_to(REPO).as_posix() for p in sorted(VALID.glob("*.yaml"))]
     done = fsdpjob("validate", *paths, "--no-file-checks", env=SPEC_VARS)
-    assert done.returncode == 0 and done.stderr == ""
+    # Off a cluster (no sinfo answer), a multi-node Slurm spec gets the one warning that its partition's size is
+    # unknown; nothing else.
+    assert done.returncode == 0 and all(": partition size unknown: " in line for line in done.stderr.splitlines())
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == paths
     assert all(": ok (profile " in line for line in done.stdout.splitlines())
+
+
+def test_a_partition_size_nobody_knows_is_a_warning_not_a_silent_fit(tmp_path):
+    """No shipped Slurm profile sets partition_nodes: off the cluster (sinfo cannot answer), 100000 nodes planned
+    FITS without a word. Slurm's partition_size is made to answer None, as it does off a cluster."""
+    spec = llama2_70b_spec(tmp_path, 100000)
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sinfo").write_text("#!/bin/sh\nexit 1\n")
+    (stub / "sinfo").chmod(0o755)
+    env = {"PATH": f"{stub}:/usr/bin:/bin"}
+    done = fsdpjob("plan", str(spec), "--json", env=env)
+    warnings = json.loads(done.stdout)["warnings"]
+    assert any(w.startswith("partition size unknown: 100000 nodes are not checked against partition gpu (profile "
+                            "'a100-80gb' sets no partition_nodes for it") for w in warnings), warnings
+    done = fsdpjob("validate", str(spec), "--no-file-checks", env=env)
+    assert done.returncode == 0
+    assert done.stderr.startswith(f"warning: {spec}: partition size unknown: 100000 nodes"), done.stderr
+    one = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "resources.nodes=1", env=env)
+    assert one.returncode == 0 and one.stderr == "", one.stderr  # one node fits any partition
 
 
 def test_validate_reports_every_bad_spec_and_fails():

@@ -99,6 +99,31 @@ def test_init_writes_a_commented_spec_that_validates(tmp_path):
     assert checked.exit_code == 0 and ": ok (profile local, world size 2" in checked.stdout, checked.output
 
 
+def test_init_refuses_a_family_validate_refuses_with_its_words(tmp_path):
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    config = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}
+    (model / "config.json").write_text(json.dumps(config))
+    done = invoke("init", str(model), "--out", str(tmp_path / "job.yaml"))
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1, done.output
+    assert done.stderr.startswith(f"MODEL_DIR: model_type 't5' in {model / 'config.json'} is not supported: ")
+    assert not (tmp_path / "job.yaml").exists()
+    (tmp_path / "data.jsonl").write_text('{"text": "1+1=2"}\n')
+    (tmp_path / "job.yaml").write_text(f"name: t\nmodel:\n  path: {model}\ndata:\n  path: data.jsonl\n"
+                                       "train:\n  max_steps: 10\n")
+    checked = invoke("validate", str(tmp_path / "job.yaml"))
+    said = done.stderr.removeprefix("MODEL_DIR: ").strip()
+    assert checked.exit_code == 2 and checked.stderr.strip().endswith(f"model.path: {said}"), checked.output
+
+
+def test_the_starter_validates_with_few_steps(tmp_path):
+    """The starter sets no warmup that a short --set train.max_steps run would have to stay above."""
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    assert invoke("init", str(model), "--out", str(tmp_path / "job.yaml")).exit_code == 0
+    (tmp_path / "data.jsonl").write_text('{"text": "1+1=2"}\n')
+    checked = invoke("validate", str(tmp_path / "job.yaml"), "--set", "train.max_steps=5")
+    assert checked.exit_code == 0, checked.output
+
+
 def test_init_for_a_gpu_profile_validates_without_file_checks(tmp_path):
     out = tmp_path / "gpu.yaml"
     done = invoke("init", "-p", "h100", "--out", str(out))

@@ -189,3 +189,26 @@ def test_an_image_is_required_and_an_oci_or_bubblewrap_image_is_a_folder(tmp_pat
     spec.write_text(named)
     done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "profile=h100")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_folder_image_that_is_missing_or_a_file_is_refused_with_the_file_checks(tmp_path):
+    """bubblewrap would fail to start every task on the nodes, after the queue."""
+    from helpers import tiny_model_folder
+
+    model = tiny_model_folder(tmp_path / "model")
+    (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "file").write_text("")
+    spec = tmp_path / "s.yaml"
+    base = (f"name: b\nprofile: test-cluster-container\nmodel:\n  path: {model}\ndata:\n  path: d.jsonl\n"
+            "  seq_len: 64\ntrain:\n  max_steps: 10\ncontainer:\n  image: {image}\n")
+    for image, what in ((tmp_path / "file", "is a file"), (tmp_path / "nope", "does not exist")):
+        spec.write_text(base.format(image=image))
+        done = fsdpjob("validate", str(spec))
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.stderr.startswith(f"{spec}:11: container.image: image {image} {what}; the bubblewrap runtime "
+                                      "takes a root file system folder"), done.stderr
+        assert fsdpjob("validate", str(spec), "--no-file-checks").returncode == 0
+    (tmp_path / "rootfs").mkdir()
+    spec.write_text(base.format(image=tmp_path / "rootfs"))
+    done = fsdpjob("validate", str(spec))
+    assert done.returncode == 0, done.stderr

@@ -260,3 +260,23 @@ def test_validate_warns_when_many_examples_are_longer_than_seq_len(tmp_path):
     done = subprocess.run([str(Path(sys.executable).with_name("fsdpjob")), "validate", str(tmp_path / "job.yaml")],
                           capture_output=True, text=True)
     assert done.returncode == 0 and "are longer than data.seq_len 64" in done.stderr, done.stderr
+
+
+def test_validate_refuses_a_drop_that_leaves_no_example(tmp_path):
+    """long_examples: drop over data whose every example is longer than seq_len: the workers would train on
+    nothing; a warning was all validate said."""
+    from fsdpjob.jobs.quickstart import build_tokenizer
+
+    parquet(tmp_path / "d.parquet", [{"text": " ".join(["word"] * 200)}] * 3)
+    load(tmp_path, "  path: d.parquet\n  seq_len: 64\n  long_examples: drop\n")
+    build_tokenizer(tmp_path / "model", ["short one", "word word"], vocab_size=300)
+    spec = tmp_path / "job.yaml"
+    done = subprocess.run([str(Path(sys.executable).with_name("fsdpjob")), "validate", str(spec)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"{spec}:7: data.long_examples: all 3 examples read from {tmp_path / 'd.parquet'} "
+                                  "are longer than data.seq_len 64, and drop leaves none;"), done.stderr
+    spec.write_text(spec.read_text().replace("long_examples: drop", "long_examples: split"))
+    done = subprocess.run([str(Path(sys.executable).with_name("fsdpjob")), "validate", str(spec)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "(100%)" in done.stderr, done.stderr

@@ -161,7 +161,9 @@ def test_example_plans_against_its_public_config(tmp_path: Path, example: str) -
     assert topo["device"] == "gpu" and topo["shard_degree"] == nodes * gpus
     assert plan["device_memory"]["fits"] and plan["host_memory"]["fits"]
     # No signal-lead, headroom or other warning either: each plans against what torch can allocate, 3 % spare.
-    assert plan["fixes"] == [] and plan["warnings"] == []
+    # (Off a cluster, a multi-node example's partition size is unknown: that warning is about where plan runs.)
+    warnings = [w for w in plan["warnings"] if not w.startswith("partition size unknown: ")]
+    assert plan["fixes"] == [] and warnings == []
     mem = plan["device_memory"]
     assert mem["peak_bytes"] < 0.97 * mem["budget_bytes"] < mem["budget_bytes"] < gpus_nominal(example) * 2**30
 

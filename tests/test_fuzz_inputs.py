@@ -404,6 +404,18 @@ def test_an_unwritable_checkpoint_dir_fails_at_validate(folder: Path, assets: di
     assert code == 2 and f"{locked} is not writable by you" in err, err
 
 
+@pytest.mark.parametrize("where", ["/proc/fsdpjob-ckpt", "/sys/kernel/ckpt", "/dev/ckpt"])
+def test_a_checkpoint_dir_on_a_pseudo_file_system_fails_at_validate(folder: Path, assets: dict, where: str) -> None:
+    """os.access says yes to root under /proc, /sys and /dev; the workers' writes fail there."""
+    spec = new_spec(folder, yaml.safe_dump(base_spec(assets)))
+    code, _, err = run_cli(*["validate", spec, "--set", f"checkpoint.dir={where}"])
+    assert code == 2 and len(err.splitlines()) == 1 and not faults(code, "", err), err
+    assert err.startswith(f"--set checkpoint.dir={where}: checkpoint.dir: {where} is under /{where.split('/')[1]}, a "
+                          "kernel pseudo file system where no files can be kept; pick a folder"), err
+    code, _, err = run_cli(*["submit", spec, "--run-dir", f"{where}/run"])
+    assert code == 2 and err.startswith(f"--run-dir: {where}/run is under /"), err
+
+
 def test_a_committed_checkpoint_is_accepted_by_resume_from(folder: Path, assets: dict) -> None:
     step = folder / "done" / "step-00000004"
     step.mkdir(parents=True, exist_ok=True)

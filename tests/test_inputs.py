@@ -244,3 +244,31 @@ def test_every_file_problem_is_reported_at_once(tmp_path):
     lines = info.value.format().splitlines()
     assert [(e.line, e.loc) for e in info.value.errors] == [(3, "model.path"), (3, "model.path"), (5, "data.path")]
     assert "no weights in" in lines[0] and "no tokenizer in" in lines[1] and "does not exist" in lines[2]
+
+
+def test_an_env_path_without_srun_is_refused_on_a_slurm_profile(tmp_path, monkeypatch):
+    """The supervisor runs srun and scontrol after the job's env is exported: a PATH none of whose folders has srun
+    (where this machine's PATH has one) would fail on the node, after the queue."""
+    from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+    from fsdpjob.orchestrator.planner.jobload import check_environment, load_job
+
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("MY_BIN", str(bin_dir))
+    spec = write_spec(tmp_path / "job.yaml", {"name": "p", "profile": "h100", "env": {"PATH": "/opt/tools/bin"},
+                                              "model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
+                                              "train": {"max_steps": 10}})
+    job = load_job(str(spec), check_files=False)
+    with pytest.raises(SpecErrors) as err:
+        check_environment(job.spec, job.profile, job.doc)
+    assert err.value.format() == (f"{spec}:4: env.PATH: no folder of this PATH has srun (here it is in {bin_dir}): "
+                                  "the job's supervisor could not run srun or scontrol; add "
+                                  f"{bin_dir}, or extend the PATH: $PATH:/my/bin")
+    for fine in ("/opt/tools/bin:$PATH", "${MY_BIN}", f"/opt/tools/bin:{bin_dir}"):
+        job = load_job(str(spec), overrides=(f"env.PATH={fine}",), check_files=False)
+        check_environment(job.spec, job.profile, job.doc)
+    job = load_job(str(spec), profile="local", check_files=False)  # no Slurm command runs there
+    check_environment(job.spec, job.profile, job.doc)

@@ -150,3 +150,42 @@ def test_planned_adapter_count_is_what_peft_injects(tmp_path, family, targets):
     config.save_pretrained(tmp_path)
     shape = read_model_shape(tmp_path)
     assert lora_training(shape, count_params(shape), lora).trained == injected
+
+
+def test_target_names_the_model_lacks_are_refused_at_validate(tmp_path):
+    """peft would refuse them on the workers, after the queue: validate names them and the valid ones."""
+    from helpers import fsdpjob
+    from specs import llama2_70b_spec
+
+    spec = llama2_70b_spec(tmp_path, 1)
+    targets = "    target_modules: [q_proj, qkv, self_attn.v_proj]"
+    text = spec.read_text().replace("model:\n", f"model:\n  lora:\n{targets}\n")
+    spec.write_text(text)
+    line = text.splitlines().index(targets) + 1
+    done = fsdpjob("validate", str(spec))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"{spec}:{line}: model.lora.target_modules: qkv: no such linear layer in a llama "
+                                  "model; name some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                                  "embed_tokens, lm_head, or write all-linear"), done.stderr
+    assert fsdpjob("validate", str(spec), "--no-file-checks").returncode == 0  # the model folder is not read
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_every_target_name_validate_takes_is_a_module_of_the_family(tmp_path, family):
+    import torch
+    from families import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from fsdpjob.orchestrator.planner.lora import target_problem
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    from transformers.pytorch_utils import Conv1D  # gpt2's linear layers, which peft adapts too
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, Conv1D)
+    names = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, kinds)}
+    config.save_pretrained(tmp_path)
+    said = target_problem(read_model_shape(tmp_path), SimpleNamespace(target_modules=["no_such"]))
+    valid = said.partition("name some of ")[2].removesuffix(", or write all-linear").split(", ")
+    assert set(valid) <= names, set(valid) - names

@@ -91,6 +91,16 @@ def test_an_output_file_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, 
     assert (code, out, err) == (2, "", f"{option}: cannot write /dev/full: No space left on device\n")
 
 
+def test_plot_and_html_naming_one_file_is_refused(tmp_path, monkeypatch):
+    """Both outputs are written, the page last: one file for both would keep only the page."""
+    rec = run_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("report", rec.run_id, "--plot", "F", "--html", str(tmp_path / "F"))
+    assert (code, out) == (2, "") and err == f"--html: {tmp_path / 'F'} is also --plot's file; give the page and the " \
+                                             "picture two files\n", err
+    assert not (tmp_path / "F").exists()
+
+
 @pytest.fixture
 def chromium() -> str:
     """Debian's chromium: the test skips without it, or fails under FSDPJOB_REQUIRE_BROWSER=1 (.ci/run)."""

@@ -141,6 +141,28 @@ def test_a_local_sweep_goes_through_the_backend_one_run_after_another(tiny_spec,
     assert json.loads((sweep_dir / "sweep.json").read_text())["runs"][1]["run_id"] == records[1].run_id
 
 
+def test_a_local_sweep_tells_sweep_done_when_its_last_run_ends(tiny_spec, tmp_path, monkeypatch):
+    """The local backend's runs all end before its submit_array returns: the sweep's file must be there before,
+    or no run's batch side finds the sweep it ends (each calls notifier.sweep_ended as its run ends; faked here)."""
+    from fsdpjob.orchestrator.backend import Submitted
+    from fsdpjob.orchestrator.local.backend import LocalBackend
+    from fsdpjob.orchestrator.supervise import notifier
+
+    monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
+    told: list[dict | None] = []
+
+    def fake_submit(self, job, request):  # the run, from start to end: its batch side records the end
+        told.append(notifier.sweep_ended(request.paths.run_dir, "done"))
+        return Submitted(job_id=str(999_999_990 + len(told)))
+
+    monkeypatch.setattr(LocalBackend, "submit", fake_submit)
+    monkeypatch.setattr("fsdpjob.orchestrator.views.follow.wait_for", lambda record: 0)
+    code, _, err = run_cli("sweep", str(tiny_spec), "--grid", "train.lr=1e-3,3e-3", "-p", "local")
+    assert code == 0, err
+    assert told == [None, {"name": "lr", "reason": "2 of 2 completed"}], told
+
+
+
 def array_script(monkeypatch) -> str:
     """The golden array job: two variants of the single-node spec in fixed run folders."""
     monkeypatch.setattr(sys, "executable", PYTHON)

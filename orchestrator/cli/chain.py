@@ -28,6 +28,9 @@ class Dependency:
 
 def parse_after(text: str) -> tuple[str, str]:
     """``RUN[:ok|any]`` -> (RUN, afterok|afterany); one clear line for anything else."""
+    if not text.strip():  # `--after "$X"` with X unset: submitting without the dependency would start too early
+        raise InputError("the value is empty (an unset variable in a script?); give RUN[:ok|any], or leave --after "
+                         "out to start without waiting", loc="--after")
     m = _AFTER.fullmatch(text.strip())
     if not m or m["kind"] == "":
         raise InputError(f"{text!r} is not RUN[:ok|any]; e.g. --after my-run (the same as my-run:ok) or "

@@ -53,6 +53,9 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
     from fsdpjob.orchestrator.views import goodputplot
     from fsdpjob.orchestrator.views.goodputreport import format_report, run_report
 
+    if plot_file is not None and html_file is not None and plot_file.resolve() == html_file.resolve():
+        # Both are written, the page last: the PNG would be lost without a word.
+        raise InputError(f"{html_file} is also --plot's file; give the page and the picture two files", loc="--html")
     for option, path in (("--plot", plot_file), ("--html", html_file)):
         if path is not None:
             _output_file(option, path)

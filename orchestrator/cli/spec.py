@@ -43,6 +43,8 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
         click.echo(
             f"{path}: ok (profile {job.profile.name}, world size {job.eff.world_size}, sha256:{job.spec.spec_hash()})"
         )
+        if job.size_unknown:
+            click.echo(f"warning: {path}: {job.size_unknown}", err=True)
         if not no_file_checks:
             from fsdpjob.orchestrator.core.jobspec.dataformats import long_example_warnings
 

@@ -51,6 +51,8 @@ def submit(
     spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, after, shapes, as_json
 ) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
+    from fsdpjob.orchestrator.core.errors import InputError
+    from fsdpjob.orchestrator.core.runfolder.ckptlayout import pseudo_file_system
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
 
@@ -59,10 +61,13 @@ def submit(
     if shapes and not dry_run:
         raise click.UsageError("--shapes goes with --dry-run (or plan): it compares start estimates, submits nothing")
     run_dir = run_dir.resolve() if run_dir else None
+    if run_dir is not None and (pseudo := pseudo_file_system(run_dir)):  # root may "write" there: refused first
+        raise InputError(f"{run_dir} is under {pseudo}, a kernel pseudo file system where no files can be kept; "
+                         "pick a folder on a file system the nodes share", file="--run-dir")
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, check_env=True,
                    resume_from=resume_from, ask_partition_size=partition_size)
     dependency = None
-    if after:
+    if after is not None:  # an empty --after is refused (chain.py), not dropped
         from .chain import resolve_after
 
         dependency = resolve_after(after, job.profile.scheduler)

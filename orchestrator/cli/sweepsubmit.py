@@ -12,7 +12,6 @@ from fsdpjob.orchestrator import submit as submission
 from fsdpjob.orchestrator.backend import ArrayMember, ArrayRequest, Request
 from fsdpjob.orchestrator.core.errors import FsdpjobError, InputError, PlanRefused
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs_root
-from fsdpjob.orchestrator.core.runfolder.sweepstate import SweepState, SweepTask
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.registry import JobRecord
 
@@ -101,10 +100,6 @@ def _sweep_facts(plan: CheckedSweep, v: Variant) -> dict:
 
 def submit_sweep(array: ArrayRequest, request: Request, on_submitted=None) -> list[JobRecord]:
     """The array through its backend (Slurm: one array job; local: the runs one after another, ``on_submitted``
-    following each), then the sweep's own file beside its runs' folders (what the batch side reads at its end)."""
-    records = submission.submit_array(array, on_submitted)
-    with submission.owner_only():
-        SweepState(id=array.array_id, name=array.name, job_id=records[0].sweep["job_id"], array=request.array,
-                   runs=tuple(SweepTask(r.sweep["index"], r.run_id, r.sweep["values"]) for r in records)
-                   ).write(array.folder)
-    return records
+    following each); submit_array writes the sweep's own file beside its runs' folders (what the batch side reads
+    at its end) before the hand-over."""
+    return submission.submit_array(array, on_submitted)

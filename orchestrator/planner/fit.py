@@ -264,7 +264,8 @@ def make_plan(job: Resolved) -> FitPlan:
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
     fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
     refusal = offload_broadcast_conflict(shape, params, u, spec.env)
-    return replace(plan, fixes=fixes, warnings=tuple(_warnings(plan, spec, profile, fixes)),
+    warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
+    return replace(plan, fixes=fixes, warnings=tuple(warnings),
                    interval=_interval(job, timing), refusal=refusal)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import resume_problem, unwritable
 
-from .resolve import PartitionSize, Resolved, resolve
+from .resolve import PartitionSize, Resolved, partition_size_unknown, resolve
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,16 @@ def load_job(
     if ask_partition_size is not None and prof.kind.partitions:
         size = ask_partition_size(prof.scheduler, spec.resources.partition or prof.partition)
     resolved = resolve(spec, prof, doc, size)
+    unknown = None
+    if ask_partition_size is not None and size is None:
+        unknown = partition_size_unknown(spec, prof, resolved.eff)
     if resume_from is not None and (problem := resume_problem(Path(resume_from))):
         raise InputError(problem, file="--resume-from")
     if check_files or check_env:
         check_files_and_environment(spec, prof, doc, config_only=check_files == "config",
                                     files=bool(check_files), environment=check_env is not False)
-    return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)))
+    return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)),
+                     size_unknown=unknown)
 
 
 def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool,
@@ -85,6 +91,10 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
     if files and spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
         found.append(SpecError.at(doc, ("checkpoint", "dir"), f"{problem}; pick a folder you can write (on a file "
                                                               "system the nodes share), or drop checkpoint.dir"))
+    if files and not config_only and (image := _image_problem(spec, profile)):  # plan may precede the unpacking
+        found.append(SpecError.at(doc, *image))
+    if files and (problem := _lora_target_problem(spec)):  # reads config.json
+        found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
     checks = [*([lambda: check_environment(spec, profile, doc)] if environment else []),
               *([lambda: check_inputs(spec, doc, config_only=config_only)] if files else [])]
     for check in checks:
@@ -100,9 +110,63 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         raise SpecErrors(found)
 
 
+def _image_problem(spec: JobSpec, profile: ClusterProfile) -> tuple[tuple, str] | None:
+    """A folder image (bubblewrap's root file system, oci's bundle) that is not a folder here: the nodes would fail
+    to start every task. (Checked where the spec is, as the model folder is: the nodes see the same paths.)"""
+    from fsdpjob.orchestrator.core.jobspec.container import RUNTIME_ROWS
+
+    from .containers import container_of
+
+    container = container_of(spec, profile)
+    if (container is None or container.runtime not in RUNTIME_ROWS or not RUNTIME_ROWS[container.runtime].folder_image
+            or not container.image or not container.image.startswith("/") or os.path.isdir(container.image)):
+        return None
+    what = "is a file" if os.path.exists(container.image) else "does not exist"
+    message = (f"image {container.image} {what}; the {container.runtime} runtime takes "
+               f"{RUNTIME_ROWS[container.runtime].image_kind}: unpack the image there, or point image at it")
+    if spec.container is not None and "image" in spec.container.model_fields_set:
+        return ("container", "image"), message
+    return ("profile",), f"profile {profile.name!r} container.{message}"
+
+
+def _lora_target_problem(spec: JobSpec) -> str | None:
+    """LoRA target names the model (its config.json) does not have; a folder that cannot be read is check_inputs'."""
+    if spec.model.lora is None or spec.model.lora.target_modules == "all-linear":
+        return None
+    from .lora import target_problem
+    from .modelshape import read_model_shape
+
+    try:
+        shape = read_model_shape(spec.model.path)
+    except (InputError, OSError, ValueError, TypeError):
+        return None
+    return target_problem(shape, spec.model.lora)
+
+
+def _path_problem(spec: JobSpec, profile: ClusterProfile) -> str | None:
+    """env.PATH that would hide the Slurm client from the supervisor, which runs srun and scontrol in the batch
+    script after the job's env is exported. Kept simple: (an empty one is resolve.py's, refused without the file
+    checks) a PATH is refused when none of its folders (its $VARs expanded as here) holds srun while this
+    machine's own PATH has one. Off a cluster (no srun here) nothing is known, so nothing is refused."""
+    value = spec.env.get("PATH", "")
+    if profile.scheduler != "slurm" or not value.strip(":").strip():
+        return None
+
+    def here(m: re.Match) -> str:
+        name = m["braced"] or m["plain"]
+        return os.environ.get(name, re.sub(r"^:?-", "", m["default"] or ""))
+
+    folders = envrefs.VAR_REFERENCE.sub(here, value).split(":")
+    srun = shutil.which("srun")
+    if srun is None or any(f and os.access(os.path.join(f, "srun"), os.X_OK) for f in folders):
+        return None
+    return (f"no folder of this PATH has srun (here it is in {os.path.dirname(srun)}): the job's supervisor could not "
+            f"run srun or scontrol; add {os.path.dirname(srun)}, or extend the PATH: $PATH:/my/bin")
+
+
 def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> None:
     """Every $VAR the script would expand under `set -u` is set here (sbatch exports this environment) or on the
-    node by Slurm or fsdpjob (core/envrefs.py); with the file checks, since both are about this machine now."""
+    node by Slurm or fsdpjob (core/envrefs.py): this machine's environment, checked whatever --no-file-checks says."""
     found = []
     for where, values in ((("env",), spec.env), (("container", "env"), (spec.container.env if spec.container else {}))):
         for key, value in values.items():
@@ -113,6 +177,8 @@ def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> N
     for what, value in zip(lines, [*profile.env.values(), *container_env.values(), *profile.setup]):
         found += [SpecError.at(doc, ("profile",), f"profile {profile.name!r} {what}: {envrefs.fix(name)}")
                   for name in envrefs.unset(value, os.environ)]
+    if (problem := _path_problem(spec, profile)) is not None:
+        found.append(SpecError.at(doc, ("env", "PATH"), problem))
     notify = notify_of(spec.notify, profile.notify)
     if notify and notify.webhook_url_env and not os.environ.get(notify.webhook_url_env):
         # The batch side reads the URL from the environment sbatch exports: unset here, nothing would be sent.

@@ -87,6 +87,27 @@ def _adapted(s: ModelShape, lora: Any) -> tuple[list[str], list[tuple[int, int]]
     return names, per_layer, unknown
 
 
+# The embedding and output head of each family, by the names peft matches (Llama's unless listed); gpt_neox's
+# head is lm_head in transformers 5 (embed_out before).
+_ROOT_NAMES = {"gpt2": ("wte", "lm_head"), "gpt_neox": ("embed_in", "lm_head"),
+               "falcon": ("word_embeddings", "lm_head")}
+
+
+def target_problem(s: ModelShape, lora: Any) -> str | None:
+    """Why model.lora.target_modules names modules this family does not have (peft would refuse them on the workers,
+    after the queue), or None. A dotted name is judged by its last part, as peft matches it; a family the table
+    does not know is not judged."""
+    if lora is None or lora.target_modules == "all-linear" or s.model_type not in FAMILIES:
+        return None
+    valid = [*_family_linears(s), *(["shared_expert_gate"] if s.shared_expert else []),
+             *_ROOT_NAMES.get(s.model_type, ("embed_tokens", "lm_head"))]
+    bad = [n for n in lora.target_modules if n.rpartition(".")[2] not in valid]
+    if not bad:
+        return None
+    return (f"{', '.join(bad)}: no such linear layer in a {s.model_type} model; name some of {', '.join(valid)}, or "
+            "write all-linear")
+
+
 def adapter_activations(s: ModelShape, lora: Any, compute_bytes: int) -> int:
     """Bytes LoRA's forward keeps per token in one decoder layer, on top of the layer's own: A's output (r per
     adapted layer) and, with dropout, its own dropped copy of the input (and the mask)."""

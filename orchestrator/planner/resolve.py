@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
@@ -122,9 +122,27 @@ def problems(spec: JobSpec, profile: ClusterProfile,
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
+    if profile.scheduler == "slurm" and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
+        # The supervisor runs srun and scontrol in the batch script after the job's env is exported.
+        out.append((("env", "PATH"), "an empty PATH hides srun and scontrol from the job's supervisor; drop "
+                                     "env.PATH, or extend it: $PATH:/my/bin"))
     out += _size_problems(spec, profile, eff, partition_size)
     out += container_problems(spec, profile, str(runs_root()))
     return out
+
+
+def partition_size_unknown(spec: JobSpec, profile: ClusterProfile, eff: Effective) -> str | None:
+    """The warning for a multi-node job whose partition's size neither the profile (partition_nodes) nor the
+    scheduler (sinfo, asked by the caller, which got no answer) gave: nothing checked its nodes, and a job larger
+    than the partition would pend forever. One node always fits: no warning then."""
+    if not profile.kind.partitions or eff.nodes <= 1:
+        return None
+    if profile.partition_nodes is not None and spec.resources.partition in (None, profile.partition):
+        return None  # checked against the profile's count
+    where = f"partition {eff.partition}" if eff.partition else "the default partition"
+    return (f"partition size unknown: {eff.nodes} nodes are not checked against {where} (profile {profile.name!r} "
+            "sets no partition_nodes for it, and sinfo gave no answer here); set partition_nodes in the profile, "
+            "or plan on the cluster's login node")
 
 
 def _size_problems(spec: JobSpec, profile: ClusterProfile, eff: Effective,
@@ -171,6 +189,8 @@ class Resolved:
     spec: JobSpec
     profile: ClusterProfile
     eff: Effective
+    # Why the partition's size could not be checked (a plan warning), where the check was asked for and failed.
+    size_unknown: str | None = field(default=None, kw_only=True)
 
 
 def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,

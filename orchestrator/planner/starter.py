@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.jobspec.inputs import architecture_problem
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 PLACEHOLDER_MODEL = "/path/to/hf-model-folder"
@@ -24,7 +25,8 @@ def job_name(out: Path) -> str:
 
 
 def _seq_len(model_dir: Path | None) -> int:
-    """The default, or less where the model's positions end sooner (validate refuses a longer seq_len)."""
+    """The default, or less where the model's positions end sooner (validate refuses a longer seq_len). A model
+    validate would refuse is refused here, with its words: a starter for it could never run."""
     if model_dir is None:
         return DEFAULT_SEQ_LEN
     try:
@@ -32,7 +34,11 @@ def _seq_len(model_dir: Path | None) -> int:
     except (OSError, ValueError):
         raise InputError(f"no readable config.json in {model_dir}; give a Hugging Face model folder",
                          file="MODEL_DIR") from None
-    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise InputError(f"config.json in {model_dir} must hold a JSON object", file="MODEL_DIR")
+    if problem := architecture_problem(config, model_dir):
+        raise InputError(problem, file="MODEL_DIR")
+    limit = config.get("max_position_embeddings")
     return min(DEFAULT_SEQ_LEN, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_SEQ_LEN
 
 

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 from pydantic import field_validator
 
-from .validation import Strict, check_env, single_line
+from .validation import Strict, check_env, python_path, single_line
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,8 @@ class ContainerSpec(Strict):
         if value is not None and not value.startswith("/"):
             raise ValueError(f"{value!r} is relative; give an absolute path inside the container")
         return value
+
+    _python = field_validator("python")(python_path)  # the profile's rule: one word on the launch line
 
     @field_validator("mounts")
     @classmethod

@@ -308,10 +308,10 @@ def _record_text(fields: dict[str, Any]) -> str:
     return "".join(str(fields.get(role) or "") for role in ("text", "prompt", "completion"))
 
 
-def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
-    """A warning for each JSONL or parquet source whose first rows hold more than LONG_SHARE of examples longer
-    than data.seq_len, by the model folder's tokenizer.json (the tokenizers package, no transformers); none
-    when either is missing. The rows are those the other checks read (SCAN_LINES)."""
+def _long_counts(data: DataSpec, model_folder: Path) -> list[tuple[Any, int, int]]:
+    """(source, examples longer than data.seq_len, examples read) for each JSONL or parquet source, in its first
+    rows (those the other checks read, SCAN_LINES), by the model folder's tokenizer.json (the tokenizers package,
+    no transformers); none when either is missing."""
     tokenizer_file = Path(model_folder) / "tokenizer.json"
     try:
         from tokenizers import Tokenizer
@@ -319,7 +319,7 @@ def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception:  # no tokenizer.json or package: the worker still counts them (data event)
         return []
-    warnings = []
+    counts = []
     for source in data.inputs():
         try:
             located = locate(source)
@@ -328,16 +328,36 @@ def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
             texts = [_record_text(fields) for _, _, fields in source_records(located, source, limit=SCAN_LINES)]
         except (SourceProblem, RowError):
             continue  # check_data reports these
-        if not texts:
-            continue
-        # +2: the bos and eos the worker adds around each example.
-        long = sum(len(e.ids) + 2 > data.seq_len for e in tokenizer.encode_batch(texts, add_special_tokens=False))
-        if long > LONG_SHARE * len(texts):
+        if texts:
+            # +2: the bos and eos the worker adds around each example.
+            encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+            counts.append((source, sum(len(e.ids) + 2 > data.seq_len for e in encoded), len(texts)))
+    return counts
+
+
+def long_example_warnings(data: DataSpec, model_folder: Path) -> list[str]:
+    """A warning for each source whose first rows hold more than LONG_SHARE of examples longer than data.seq_len
+    (see _long_counts)."""
+    warnings = []
+    for source, long, n in _long_counts(data, model_folder):
+        if long > LONG_SHARE * n and not (long == n and data.long_examples == "drop"):  # that one is refused
             what = {"truncate": "are cut to their first seq_len tokens", "split": "are split into seq_len chunks",
                     "drop": "are left out"}[data.long_examples]
             if data.packing == "naive":
                 what = "are cut wherever a sequence ends (naive packing)"
-            warnings.append(f"{long} of the first {len(texts)} examples of {source.path} ({long / len(texts):.0%}) "
+            warnings.append(f"{long} of the first {n} examples of {source.path} ({long / n:.0%}) "
                             f"are longer than data.seq_len {data.seq_len} and {what}; raise data.seq_len or set "
                             "data.long_examples (truncate, split, drop)")
     return warnings
+
+
+def check_not_all_dropped(data: DataSpec, model_folder: Path, doc: YamlDoc | None = None) -> None:
+    """long_examples: drop that would leave a source with no example (every one read is too long): the workers
+    would have nothing to train on from it."""
+    if data.long_examples != "drop":
+        return
+    for source, long, n in _long_counts(data, model_folder):
+        if long == n:
+            raise InputError.at(doc, ("data", "long_examples"), f"all {n} examples read from {source.path} are longer "
+                                f"than data.seq_len {data.seq_len}, and drop leaves none; raise data.seq_len or use "
+                                "long_examples: truncate or split")

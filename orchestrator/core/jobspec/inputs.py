@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
-from .dataformats import check_data
+from .dataformats import check_data, check_not_all_dropped
 from .families import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -34,25 +34,24 @@ def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:
     return config
 
 
-def _check_architecture(config: dict[str, Any], folder: Path, doc: YamlDoc | None) -> None:
+def architecture_problem(config: dict[str, Any], folder: Path) -> str | None:
+    """Why fsdpjob cannot train the model of this config.json (``fsdpjob init`` says it too), or None."""
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
-    supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise InputError.at(
-            doc,
-            ("model", "path"),
-            f"model_type {model_type!r} in {folder / 'config.json'} is not supported: fsdpjob trains decoder-only "
-            f"causal LMs of these families: {supported}; use a model of one of them (or a checkpoint converted "
-            "to one), or add the family after checking that its decoder blocks are in its _no_split_modules",
-        )
+        return (f"model_type {model_type!r} in {folder / 'config.json'} is not supported: fsdpjob trains decoder-only "
+                f"causal LMs of these families: {', '.join(SUPPORTED_MODEL_TYPES)}; use a model of one of them (or a "
+                "checkpoint converted to one), or add the family after checking that its decoder blocks are in its "
+                "_no_split_modules")
     if archs and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT2LMHeadModel
-        raise InputError.at(
-            doc,
-            ("model", "path"),
-            f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM (or *LMHeadModel); fsdpjob "
-            "fine-tunes causal LMs",
-        )
+        return (f"architectures {archs} in {folder / 'config.json'} name no *ForCausalLM (or *LMHeadModel); fsdpjob "
+                "fine-tunes causal LMs")
+    return None
+
+
+def _check_architecture(config: dict[str, Any], folder: Path, doc: YamlDoc | None) -> None:
+    if problem := architecture_problem(config, folder):
+        raise InputError.at(doc, ("model", "path"), problem)
 
 
 def _check_weights(folder: Path, doc: YamlDoc | None) -> None:
@@ -152,6 +151,7 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
         attempt(_check_seq_len, config, spec.data, folder, doc)
     if not config_only:
         attempt(check_data, spec.data, doc)
+        attempt(check_not_all_dropped, spec.data, folder, doc)
     if len(found) == 1:
         raise found[0]
     if found:

@@ -17,7 +17,7 @@ from ..errors import ProfileError
 from ..slurmtime import parse_slurm_time
 from .container import ContainerSpec, Runtime
 from .notifyspec import NotifySpec
-from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, single_line
+from .validation import MAX_ARG_BYTES, Strict, check_env, errors_from_validation, python_path, single_line
 from .yamlio import read_yaml
 
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
@@ -190,13 +190,7 @@ class ClusterProfile(Strict):
                 raise ValueError("an option over Linux's 128 KiB argument limit: srun could not start; shorten it")
         return value
 
-    @field_validator("python")
-    @classmethod
-    def _python_path(cls, value: str | None) -> str | None:
-        # An interpreter path, used as a command word: no shell syntax, so it needs no quoting to stay one word.
-        if value is not None and not re.fullmatch(r"[A-Za-z0-9_./+@%:,=~-]+", value):
-            raise ValueError(f"{value!r} is not a plain interpreter path (letters, digits and ._/+@%:,=~- only)")
-        return value
+    _python = field_validator("python")(python_path)
 
     @property
     def max_time_s(self) -> int | None:

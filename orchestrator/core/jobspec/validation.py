@@ -36,6 +36,13 @@ def path_value(value: str | None) -> str | None:
     return single_line(value)
 
 
+def python_path(value: str | None) -> str | None:
+    """An interpreter path, used as a command word: no shell syntax, so it needs no quoting to stay one word."""
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_./+@%:,=~-]+", value):
+        raise ValueError(f"{value!r} is not a plain interpreter path (letters, digits and ._/+@%:,=~- only)")
+    return value
+
+
 def check_env(value: dict[str, str]) -> dict[str, str]:
     """Environment names a shell can export, and values a process environment can hold."""
     for key, val in value.items():
@@ -58,9 +65,11 @@ def field_error(field: str, message: str) -> PydanticCustomError:
 
 
 class Strict(BaseModel):
-    """Base for every spec section: unknown keys are errors, values are immutable once validated."""
+    """Base for every spec section: unknown keys are errors, values are immutable once validated. Every float is
+    finite: YAML's .inf and .nan pass a bound such as gt=0 (inf) or reach the workers as a NaN loss."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,6 +108,8 @@ def _message(err: dict, model: type[BaseModel]) -> str:
     msg = re.sub(r" or instance of \w+", "", msg.removeprefix("Value error, "))
     if kind in ("int_parsing", "int_type", "float_parsing", "float_type", "bool_parsing", "bool_type", "string_type"):
         msg = f"{msg} (got {err.get('input')!r})" + _unquote_hint(kind, err.get("input"))
+    if kind == "finite_number":
+        return f"{err.get('input')!r} is not a finite number; give a number"
     if kind == "literal_error":
         msg = f"{msg} (got {err.get('input')!r})"
     return msg

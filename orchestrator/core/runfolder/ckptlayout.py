@@ -67,9 +67,23 @@ def resume_problem(path: Path) -> str | None:
     return None
 
 
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+
+
+def pseudo_file_system(path: Path) -> str | None:
+    """The pseudo file system ``path`` is under (/proc, /sys, /dev), or None. os.access says yes to root there, and
+    writes then fail on the workers (/dev/shm, a real tmpfs, is the exception)."""
+    text = os.path.normpath(str(path))
+    if text == "/dev/shm" or text.startswith("/dev/shm/"):
+        return None
+    return next((root for root in PSEUDO_FILE_SYSTEMS if text == root or text.startswith(root + "/")), None)
+
+
 def unwritable(folder: Path) -> str | None:
     """Why the workers could not create and write checkpoints in ``folder`` (checked from here, the same file
     system on a cluster), or None: the folder, or the nearest existing folder above it, must be writable."""
+    if pseudo := pseudo_file_system(folder):
+        return f"{folder} is under {pseudo}, a kernel pseudo file system where no files can be kept"
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
