@@ -68,6 +68,26 @@ def test_the_memory_tiers_folder_outside_dev_is_mounted_written(monkeypatch):
     assert all(m.destination != "/local/tier" for m in needed_mounts(off.spec, "/runs/r1"))
 
 
+def test_the_jobs_variables_win_over_the_images_on_pyxis_and_apptainer(monkeypatch):
+    """Issue 36 item 4 (C3): pyxis keeps an image's value for a name unless --container-env names it, and an
+    Apptainer image's %environment runs last unless APPTAINERENV_NAME is set: every variable the batch script
+    exports for the workers (profile, spec, fsdpjob's) is named, or exported again under the prefix after it."""
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    pyxis = build_plan(load_job(str(VALID / "pyxis-container.yaml"), check_files=False), RunPaths(Path("/r")))
+    [names] = [w for w in pyxis.srun.split() if w.startswith("--container-env=")]
+    exported = {k for k, _ in pyxis.env}
+    assert set(names.removeprefix("--container-env=").split(",")) == exported - {"SUBMITIT_EXECUTOR"}
+    assert {"OMP_NUM_THREADS", "NCCL_DEBUG", "FSDPJOB_RUN_DIR", "HF_HOME"} <= exported
+    apptainer = build_plan(load_job(str(VALID / "apptainer-container.yaml"), check_files=False), RunPaths(Path("/r")))
+    names = [k for k, _ in apptainer.env]
+    again = [k for k in names if k.startswith("APPTAINERENV_")]
+    assert again and names[-len(again):] == again  # after what they copy, so "$NAME" is set under set -u
+    assert dict(apptainer.env)["APPTAINERENV_OMP_NUM_THREADS"] == '"$OMP_NUM_THREADS"'
+    assert "APPTAINERENV_HF_HUB_OFFLINE" not in names  # the container's own env goes by --env=K=V
+    bwrap = build_plan(load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False), RunPaths(Path("/r")))
+    assert not any(k.startswith("APPTAINERENV_") for k, _ in bwrap.env)  # no image environment to override
+
+
 def test_a_mount_that_hides_a_needed_folder_is_found():
     needed = auto_mounts("/runs/r1", None, ["/data"])
     assert shadowing([parse_mount("/elsewhere:/data")], needed) == [(parse_mount("/elsewhere:/data"), needed[0])]

@@ -26,20 +26,25 @@ class ContainerLaunch:
     launcher: tuple[str, ...]  # quoted words before the worker's command (apptainer exec ... IMAGE)
     env: tuple[tuple[str, str], ...]  # exported in the batch script (the tasks inherit the job's environment)
     bundle: str | None  # oci: <run>/container/config.json
+    env_again: tuple[tuple[str, str], ...] = ()  # exported after the job's own: APPTAINERENV_NAME="$NAME"
 
 
 def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: str, gpus: bool,
-                     literal: Callable[[str], str], with_vars: Callable[[str], str]) -> ContainerLaunch:
-    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR. The words
-    are the runtime's row's (core/container.RUNTIME_ROWS). A launcher runs under the task's shell (render.py:
-    core/runfolder/taskexit.py), which ignores SIGTERM and the stop signal for it."""
+                     literal: Callable[[str], str], with_vars: Callable[[str], str],
+                     job_env: dict[str, str] | None = None) -> ContainerLaunch:
+    """``literal`` quotes fsdpjob's and the user's fixed words; ``with_vars`` a value that may use $VAR;
+    ``job_env``: the variables the batch script exports for the workers (names -> rendered values), which must win
+    over the image's own. The words are the runtime's row's (core/container.RUNTIME_ROWS). A launcher runs under
+    the task's shell (render.py: core/runfolder/taskexit.py), which ignores SIGTERM and the stop signal for it."""
+    job_env = job_env or {}
     if container.runtime not in RUNTIME_ROWS:
         raise ValueError(f"unknown container runtime {container.runtime!r}")
     row = RUNTIME_ROWS[container.runtime]
     env = tuple(sorted((k, with_vars(v)) for k, v in container.env.items()))
     values = {"image": literal(container.image or ""), "name": container.name or "",
               "workdir": literal(container.workdir or ""), "binds": literal(",".join(m.spec() for m in mounts)),
-              "names": ",".join(sorted(container.env)), "bundle": literal(posixpath.join(run_dir, BUNDLE_DIR))}
+              "names": ",".join(sorted({*container.env, *job_env})),
+              "bundle": literal(posixpath.join(run_dir, BUNDLE_DIR))}
 
     def fill(words: tuple[str, ...], **more: str) -> list[str]:
         return [word.format(**values, **more) for word in words]
@@ -53,12 +58,16 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
     words += fill(row.workdir_words) if container.workdir else []
     if row.remap_root_words and container.remap_root is not None:
         words.append(row.remap_root_words[0 if container.remap_root else 1])
-    words += fill(row.env_names) if container.env else []
+    words += fill(row.env_names) if container.env or job_env else []
     words += [w for k, v in env for w in fill(row.env_each, key=k, value=v)]
     words += fill(row.tail)
     srun = row.line == "srun"
+    # The job's variables again under the runtime's prefix, each the value the batch script exported just before
+    # (names are checked identifiers): exported after every other variable.
+    again = tuple((row.job_env_prefix + k, f'"${k}"') for k in sorted(job_env) if k not in container.env) \
+        if row.job_env_prefix else ()
     return ContainerLaunch(tuple(words) if srun else (), () if srun else tuple(words), env if row.exports_env else (),
-                           oci_bundle_config(container, mounts) if row.bundle else None)
+                           oci_bundle_config(container, mounts) if row.bundle else None, again)
 
 
 def _bind(row: RuntimeRow, mount: Mount, literal: Callable[[str], str]) -> list[str]:

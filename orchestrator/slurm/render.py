@@ -165,13 +165,14 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
                  "--error", literal(f"{folder}/%j_%t_log.err")]
     srun_opts += srun_binding(eff, profile)
     srun_opts += [_option(o, literal) for o in profile.srun_extra]
-    worker_python, launcher, files, container_line = python, "", (), ()
+    worker_python, launcher, files, container_line, env_again = python, "", (), (), ()
     if (container := container_of(spec, profile)) is not None:
         launch = container_launch(container, all_mounts(container, spec, str(paths.run_dir)),
                                   run_dir=str(paths.run_dir), gpus=bool(eff.gpus_per_node),
-                                  literal=literal, with_vars=with_vars)
+                                  literal=literal, with_vars=with_vars, job_env=dict(env))
         srun_opts += launch.srun_options
         env.update(launch.env)
+        env_again = launch.env_again
         worker_python, launcher = container.python or python, " ".join(launch.launcher)
         files = ((f"{BUNDLE_DIR}/config.json", launch.bundle),) if launch.bundle else ()
         container_line = (
@@ -194,7 +195,7 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
         header=tuple(comment_text(h) for h in header),
         directives=directives(eff, spec, paths, profile, dependency),
         setup=tuple(command_line(line) for line in profile.setup),
-        env=tuple(sorted(env.items())),
+        env=tuple(sorted(env.items())) + env_again,
         srun=" ".join(srun_opts),
         command=(f"{launcher} {submitit_command(worker_python, folder)}" if launcher
                  else submitit_command(worker_python, folder)),

@@ -37,8 +37,11 @@ class RuntimeRow:
     bind_each: tuple[str, str] | None = None  # or a (read-write, read-only) flag before each mount's SRC DST
     workdir_words: tuple[str, ...] = ()
     remap_root_words: tuple[str, str] | None = None  # takes `remap_root`: the word for true, for false
-    env_names: tuple[str, ...] = ()  # the env's names, when it has any
-    env_each: tuple[str, ...] = ()  # or words for each name and value
+    # The container's env and the job's own variables (profile, spec, fsdpjob's) must win over the image's values
+    # for the same names (an NGC image sets OMP_NUM_THREADS=1; an Apptainer image's %environment runs last):
+    env_names: tuple[str, ...] = ()  # words naming every such variable (pyxis: --container-env=A,B)
+    env_each: tuple[str, ...] = ()  # or words for each of the container's env names and values
+    job_env_prefix: str | None = None  # or the job's variables exported again under this prefix (APPTAINERENV_)
     tail: tuple[str, ...] = ()  # the launch's last words
     exports_env: bool = False  # the env is exported in the batch script (the tasks inherit the job's environment)
     bundle: bool = False  # an OCI bundle in the run folder holds the mounts, workdir and env
@@ -58,13 +61,14 @@ RUNTIME_ROWS: dict[str, RuntimeRow] = {
         name_words=("--container-name={name}",),
         binds=("--container-mounts={binds}",), workdir_words=("--container-workdir={workdir}",),
         remap_root_words=("--container-remap-root", "--no-container-remap-root"),
-        env_names=("--container-env={names}",),  # pyxis lets these names override the image's own values
+        env_names=("--container-env={names}",),  # the host's values of these names override the image's
         exports_env=True),
     "apptainer": RuntimeRow(
         image_kind="a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
         line="launcher", head=("apptainer", "exec"), gpu_words=("--nv",), binds=("--bind", "{binds}"),
         workdir_words=("--pwd", "{workdir}"),
         env_each=("--env={key}={value}",),  # the image's %environment would otherwise win over the job's value
+        job_env_prefix="APPTAINERENV_",  # Apptainer sets NAME from APPTAINERENV_NAME after %environment
         tail=("{image}",)),
     "oci": RuntimeRow(  # Slurm's own srun --container, with oci.conf
         image_kind="an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
