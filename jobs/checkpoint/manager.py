@@ -336,8 +336,17 @@ class CheckpointManager:
             log.info("purging checkpoint %s", step_dir)
             _remove_step(step_dir)
 
-    def close(self) -> None:
-        """Finish any in-flight save, free the staging buffers and the checkpoint process group (collective)."""
+    def close(self, *, crashed: bool = False) -> None:
+        """Finish any in-flight save, free the staging buffers and the checkpoint process group (collective).
+        After a crash: no wait and no barrier (a peer may be dead or stuck in a collective, and the rank must leave
+        at once so that srun's --kill-on-bad-exit ends the step): the save in flight is abandoned uncommitted, and
+        the process groups are aborted next (dist.close_distributed)."""
+        if crashed:
+            if self._gate is not None:
+                self._gate.release()
+                self._gate = None
+            self._pending = None
+            return
         try:
             self.wait()
         finally:

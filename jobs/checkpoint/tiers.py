@@ -50,7 +50,7 @@ class Tiers:
         resume and waits for nothing."""
         if self.memory is not None:
             self.memory.close(remove=completed, crashed=crashed)
-        self.durable.close()
+        self.durable.close(crashed=crashed)
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,39 @@ def test_an_async_save_holds_the_state_the_step_after_it_would_change(tmp_path, 
     assert all(torch.equal(loaded_model.state_dict()[k], v) for k, v in saved.items())
     assert torch.equal(loaded_opt.state[loaded_model.weight]["exp_avg"], moments)
     manager.close()
+
+
+def test_a_crashed_rank_leaves_its_background_save_behind_without_waiting(tmp_path):
+    """Issue 36 item 10 (N5): after a crash the rank must leave at once (srun's --kill-on-bad-exit then ends the
+    step), not wait for a background save whose collectives have dead or stuck peers. Here the save's write is
+    held until the test lets it go: close(crashed=True) returns while it is still held, and nothing is
+    committed; the plain close would wait for it."""
+    import threading
+
+    from fsdpjob.jobs.checkpoint import CheckpointManager
+    from fsdpjob.jobs.checkpoint.io import plain_writer
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
+
+    held, writing = threading.Event(), threading.Event()
+
+    def holding_writer(step_dir, *, rank, step):
+        writer = plain_writer(step_dir, rank=rank, step=step)
+        write = writer.write_data
+
+        def write_data(plan, planner):
+            writing.set()
+            held.wait(60)
+            return write(plan, planner)
+
+        writer.write_data = write_data
+        return writer
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    manager = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=2, async_save=True, sidecar={},
+                                storage_writer=holding_writer)
+    manager.save(1, {"model": ModelOptimState(model, opt)}, reason="test")
+    assert writing.wait(60)  # the background write has begun and is held
+    manager.close(crashed=True)
+    assert not held.is_set() and manager.latest_committed() is None
+    held.set()  # let the abandoned thread end with the test
