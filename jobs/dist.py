@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars, slurmenv
 
+from . import netif
 from .workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
         dist.init_process_group(env.backend, store=dist.HashStore(), **options)
     else:
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
+        _choose_gloo_interface(env.master_addr)  # every run has gloo groups (control, export, checkpoint)
         dist.init_process_group(env.backend, init_method="env://", **options)
     log.info(
         "process group up: rank %d/%d (local %d/%d), backend %s, device %s, master %s:%d",
@@ -200,6 +202,16 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
         *(env.backend, env.device, env.master_addr, env.master_port),
     )
     return env
+
+
+def _choose_gloo_interface(master_addr: str) -> None:
+    """GLOO_SOCKET_IFNAME, where the profile left it unset: the interface on the route to the rendezvous host
+    (jobs/netif.py: a host name resolving to 127.0.1.1 would bind every rank to loopback and hang across nodes)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    if (name := netif.gloo_interface(master_addr)) is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("GLOO_SOCKET_IFNAME unset: gloo uses %s, the interface towards %s", name, master_addr)
 
 
 def control_group(env: DistEnv) -> dist.ProcessGroup | None:

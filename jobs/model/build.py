@@ -63,11 +63,22 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _check_attn_implementation(attn_implementation: str) -> None:
-    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    """flash-attn importable, not only present: a wheel built for another torch or CUDA is found by find_spec and
+    then fails at its first import (an undefined symbol), in the first forward (review item 17)."""
+    if attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
         raise RuntimeError(
             "model.attn_implementation is flash_attention_2 but the flash-attn package is not installed on the "
             "worker; install it (pip install flash-attn, CUDA only) or use auto"
         )
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as exc:  # ImportError, OSError (a missing .so), or whatever its own import raises
+        raise RuntimeError(
+            f"model.attn_implementation is flash_attention_2 but flash-attn does not import on the worker "
+            f"({type(exc).__name__}: {str(exc)[:300]}); reinstall it for this torch and CUDA, or use auto"
+        ) from exc
 
 
 def resolve_attention(config, requested: str, *, device: torch.device, packed: bool, mixed_precision: str) -> str:

@@ -532,3 +532,18 @@ def test_ranks_wait_for_the_export_longer_than_the_collective_timeout():
     exporting, waiting = run_ranks(_export_wait, 2, timeout=120, export_s=6.0)
     assert waiting["waited"] >= 5.5 and exporting["waited"] < 3  # rank 1 waited through rank 0's 6 s export
     assert waiting["default_timed_out"]  # the same wait on the collective-timeout group fails
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("flash_attn") is not None, reason="flash-attn installed")
+def test_a_flash_attn_that_does_not_import_is_a_clear_error(tmp_path, monkeypatch):
+    """A wheel for another torch or CUDA is found by find_spec and fails at import (review item 17): said at
+    set-up, with the import's own error, not in the first forward."""
+    from fsdpjob.jobs.model.build import _check_attn_implementation
+
+    broken = tmp_path / "site" / "flash_attn"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(RuntimeError, match=r"does not import on the worker \(ImportError: .*undefined symbol"):
+        _check_attn_implementation("flash_attention_2")
+    _check_attn_implementation("sdpa")  # nothing to check

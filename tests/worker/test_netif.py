@@ -1,0 +1,39 @@
+"""GLOO_SOCKET_IFNAME where the profile left it unset: the interface on the route to the rendezvous host."""
+
+from __future__ import annotations
+
+import socket
+
+from fsdpjob.jobs import netif
+
+
+def test_the_route_to_loopback_is_lo_and_an_unknown_host_gives_none() -> None:
+    assert netif.source_address("127.0.0.1") == "127.0.0.1"
+    assert netif.interface_of("127.0.0.1") == "lo"
+    assert netif.gloo_interface("127.0.0.1") == "lo"
+    assert netif.gloo_interface("no-such-host.invalid") is None
+    assert netif.interface_of("203.0.113.7") is None  # an address no interface here has (TEST-NET-3)
+
+
+def test_the_route_to_another_host_is_the_interface_holding_the_source_address() -> None:
+    """Where this machine has a non-loopback route (e.g. a default route), the chosen interface holds the address
+    the kernel would send from; on a machine with loopback only, no route: None."""
+    address = netif.source_address("192.0.2.1")  # TEST-NET-1: only a route lookup, nothing is sent
+    name = netif.gloo_interface("192.0.2.1")
+    if address is None:
+        assert name is None
+    else:
+        assert name is not None and name in {n for _, n in socket.if_nameindex()} and name != "lo", (address, name)
+
+
+def test_a_profiles_own_setting_is_kept(monkeypatch) -> None:
+    from fsdpjob.jobs import dist as jobs_dist
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib7")
+    jobs_dist._choose_gloo_interface("127.0.0.1")
+    import os
+
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib7"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    jobs_dist._choose_gloo_interface("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
