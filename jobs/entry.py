@@ -15,7 +15,10 @@ class TrainJob:
         # lands during those imports; the job would then train on until Slurm's SIGKILL and lose steps.
         from fsdpjob.orchestrator.core.runfolder.runmeta import stop_signal
 
+        from . import workerenv
         from .preemption import StopFlag
+
+        workerenv.entered()  # the launch ends here for the goodput report, whatever the process's age
 
         stop = StopFlag(stop_signal(self.run_dir))
         _start_heartbeat(self.run_dir)  # before the heavy imports too: a hang there is a setup hang

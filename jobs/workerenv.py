@@ -69,9 +69,30 @@ class WorkerEnv:
         return self.slurm_job_id or self.local_job_id
 
 
+_ENTERED_AT: float | None = None  # when this process first ran fsdpjob's code (jobs/entry.py)
+
+
+def entered() -> None:
+    """Called first thing by the pickled job: the launch's end, as the worker sees it."""
+    global _ENTERED_AT
+    if _ENTERED_AT is None:
+        _ENTERED_AT = time.time()
+
+
 def process_started_at() -> float | None:
-    """When this process started (Unix seconds), from /proc: the goodput report splits a start into the launch
-    (batch script, supervisor, srun, a container runtime's start) and the worker's own set-up. None off Linux."""
+    """When the worker started (Unix seconds): the goodput report splits a start into the launch (batch script,
+    supervisor, srun, a container runtime's start) and the worker's own set-up. The later of the process's
+    creation (/proc) and the moment fsdpjob's code first ran in it: a runtime may prepare the container inside the
+    task's process before it execs Python (pyxis's hooks importing an image, a wrapper that sleeps or unpacks),
+    and that is launch, not set-up. None where neither is known."""
+    created = _created_at()
+    if _ENTERED_AT is None or created is None:
+        return created if _ENTERED_AT is None else round(_ENTERED_AT, 2)
+    return round(max(created, _ENTERED_AT), 2)
+
+
+def _created_at() -> float | None:
+    """When this process was created (fork), from /proc; None off Linux."""
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot

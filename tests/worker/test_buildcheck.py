@@ -35,3 +35,21 @@ def test_a_worker_of_another_build_fails_before_training_and_not_retryably(tmp_p
     assert failed["error"].startswith("BuildMismatch: the workers run fsdpjob") and failed["retryable"] is False
     assert attempts.not_retryable(failed)
     assert not [e for e in events if e["event"] == "start"]  # stopped before anything else happened
+
+
+def test_the_launch_ends_when_fsdpjob_first_runs_not_when_the_process_was_made(monkeypatch) -> None:
+    """A runtime may prepare the container inside the task's process before it execs Python (pyxis's hooks
+    importing an image; the real-cluster test's wrapper sleeps): /proc's creation time is then before that work,
+    which is launch, not the worker's set-up (goodput's launch part)."""
+    import time
+
+    from fsdpjob.jobs import workerenv
+
+    created = workerenv._created_at()
+    assert created is not None and created <= time.time()
+    monkeypatch.setattr(workerenv, "_ENTERED_AT", None)
+    assert workerenv.process_started_at() == created  # not entered yet: the process's age
+    monkeypatch.setattr(workerenv, "_ENTERED_AT", created + 119.0)  # entered two minutes after the exec's fork
+    assert workerenv.process_started_at() == round(created + 119.0, 2)
+    workerenv.entered()  # once only: the first call wins
+    assert workerenv.process_started_at() == round(created + 119.0, 2)
