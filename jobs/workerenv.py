@@ -85,10 +85,8 @@ def process_started_at() -> float | None:
     creation (/proc) and the moment fsdpjob's code first ran in it: a runtime may prepare the container inside the
     task's process before it execs Python (pyxis's hooks importing an image, a wrapper that sleeps or unpacks),
     and that is launch, not set-up. None where neither is known."""
-    created = _created_at()
-    if _ENTERED_AT is None or created is None:
-        return created if _ENTERED_AT is None else round(_ENTERED_AT, 2)
-    return round(max(created, _ENTERED_AT), 2)
+    known = [t for t in (_created_at(), _ENTERED_AT) if t is not None]
+    return round(max(known), 2) if known else None
 
 
 def _created_at() -> float | None:

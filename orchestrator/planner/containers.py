@@ -48,9 +48,7 @@ def needed_mounts(spec: JobSpec, run_dir: str) -> list[Mount]:
 
 def memory_tier_dir(spec: JobSpec) -> str | None:
     """The memory tier's node-local folder, where the job uses the tier (the spec's env may move it)."""
-    if not spec.checkpoint.memory_interval_steps:
-        return None
-    return memtier.base_for(spec.env)
+    return memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
 
 
 def all_mounts(container: ContainerSpec, spec: JobSpec, run_dir: str) -> list[Mount]:

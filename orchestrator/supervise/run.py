@@ -58,7 +58,7 @@ class Supervisor:
         self.recovery = spec.recovery
         self.planned = meta.worker_facts  # the plan's step and save times bound what nothing measured yet
         # The workers' folder, as the spec's env hands it to them (not this process's environment).
-        self.memory_tier = memtier.base_for(spec.env) if spec.checkpoint.memory_interval_steps else None
+        self.memory_tier = memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)

@@ -32,7 +32,12 @@ BASE_VAR = "FSDPJOB_MEMORY_TIER_DIR"  # a node-local folder other than /dev/shm/
 def base_for(environ: Mapping[str, str] | None = None) -> str:
     """The tier's folder on each node, as ``environ`` (the workers' environment; this process's when None) sets it:
     the workers, the supervisor and the container's mounts read it here alike."""
-    return envvars.get(BASE_VAR, DEFAULT_BASE, environ=environ) or DEFAULT_BASE
+    return envvars.get(BASE_VAR, DEFAULT_BASE, environ=environ)
+
+
+def job_base(memory_interval_steps: int | str | None, environ: Mapping[str, str]) -> str | None:
+    """A job's tier folder (``base_for`` its workers' environment), None where the job does not use the tier."""
+    return base_for(environ) if memory_interval_steps else None
 METADATA = ".metadata"
 
 

@@ -30,9 +30,9 @@ PREFIX = "exit-"
 def task_shell(stop_signal: str) -> str:
     """The script of ``sh -c SCRIPT fsdpjob-task COMMAND...``. The supervisor creates the heartbeat folder before
     each launch and sets FSDPJOB_LAUNCH; srun sets SLURM_PROCID. A write that fails changes nothing else."""
+    record = f"{heartbeat_dir('$FSDPJOB_RUN_DIR')}/{PREFIX}$SLURM_PROCID"
     return (f"trap '' TERM {stop_signal}; \"$@\"; rc=$?; "
-            f"echo \"$FSDPJOB_LAUNCH $rc\" 2>/dev/null >\"$FSDPJOB_RUN_DIR/heartbeat/{PREFIX}$SLURM_PROCID\"; "
-            "exit $rc")
+            f"echo \"$FSDPJOB_LAUNCH $rc\" 2>/dev/null >\"{record}\"; exit $rc")
 
 
 @dataclass(frozen=True)
