@@ -8,7 +8,7 @@ import sys
 
 from fsdpjob.orchestrator.core.runfolder.heartbeat import Beat
 from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME, TaskExit, read_task_exits, task_shell
-from fsdpjob.orchestrator.supervise.blame import blame_crash, srun_task_exit
+from fsdpjob.orchestrator.supervise.blame import blame_crash, is_peer_error, srun_task_exit
 
 RESET = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer."
 
@@ -82,3 +82,21 @@ def test_a_casualty_whose_shell_wrote_first_is_passed_over_and_a_clean_exit_is_n
     # No task wrote an exit (a node lost with its shells): the other facts decide, as before.
     beats = [_beat(r, 99.9 if r == 2 else 100.5) for r in range(4)]
     assert blame_crash(beats, events, task_exits=[TaskExit(0, 1, 100.02)]).ranks == (2,)
+
+
+def test_task_exits_written_after_the_supervisors_signal_are_the_teardowns() -> None:
+    """After the supervisor's SIGTERM every worker ends by its handler, and a shell's record then says nothing of
+    who died first: rank 0's, written first, blamed rank 0 where the supervisor had seen rank 1 gone."""
+    beats = [_beat(r, 100.0) for r in range(4)]
+    exits = [TaskExit(0, 143, 100.51), TaskExit(1, 143, 100.52), TaskExit(3, 143, 100.53), TaskExit(2, 143, 100.6)]
+    assert blame_crash(beats, [], gone=(1,), srun_untouched=0, task_exits=exits).ranks == (0,)  # the defect
+    found = blame_crash(beats, [], gone=(1,), srun_untouched=0, task_exits=exits, signalled_at=100.5)
+    assert found.ranks == (1,) and found.hosts == ("n1",), found
+    assert found.exits[1].startswith("the supervisor saw its process end first"), found.exits
+    # A death recorded before the signal still decides.
+    exits = [TaskExit(1, 137, 100.2), *exits[:1]]
+    assert blame_crash(beats, [], gone=(1,), task_exits=exits, signalled_at=100.5).exits[1] == \
+        "ended first (killed by signal 9)"
+    # gloo's transport errors are about its connections: a peer's socket gone mid-message fails an enforce.
+    assert is_peer_error("RuntimeError: [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] "
+                         "op.preamble.length <= op.nbytes. 8773256 vs 4")

@@ -50,6 +50,7 @@ class SlurmAllocation:
     job_id: str | None  # for srun --overlap (probes, stack dumps on other nodes)
     can_exclude = True
     srun_reports = True  # srun's stderr names the task that failed first (supervise/blame.py)
+    ends_step_on_bad_exit = True  # srun --kill-on-bad-exit (the template's launch)
 
     @classmethod
     def from_env(cls) -> SlurmAllocation:
@@ -190,6 +191,7 @@ class LocalAllocation:
     job_id: str | None = None
     can_exclude = False
     srun_reports = False
+    ends_step_on_bad_exit = False  # the local controller waits for every rank
 
     def node_facts(self, excluded: tuple[str, ...]) -> NodeFacts:
         return NodeFacts((), _never_refused)

@@ -17,7 +17,11 @@ What the supervisor has to go on, per rank of the launch:
 The rules:
 - a rank whose error is a peer-connection error is a casualty and blames nothing;
 - the ranks whose task exit is the earliest written, less casualties, are the cause (the facts below race: they
-  decide only where no task wrote its exit, e.g. a node lost with its shells, or a local run);
+  decide only where no task wrote its exit, e.g. a node lost with its shells, or a local run). Only exits
+  written before the supervisor signalled the step count: after its SIGTERM every worker ends by its own
+  handler and its shell records that, in any order. The supervisor leaves the step to srun's
+  --kill-on-bad-exit for a while first (supervise/run.py: it saw a process gone, a zombie included, that its
+  runtime or shell may not have reaped yet), so this is rare;
 - the ranks of srun's first report that are not casualties are the cause, skipping a report that names a
   casualty: those ranks ended together, and one of them was still alive after a peer had failed, so that line
   is the teardown's. Only reports srun printed before the supervisor signalled the step count here: after its
@@ -46,7 +50,9 @@ from fsdpjob.orchestrator.core.runfolder.taskexit import TaskExit
 # What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
 PEER_ERRORS = re.compile(
     r"connection (reset|closed|refused) by peer|broken pipe|remote process exited|ncclremoteerror|remote error"
-    r"|communicator was aborted|pair closure|recv(value|vector)? failed|timed out|timeout|distnetworkerror",
+    r"|communicator was aborted|pair closure|recv(value|vector)? failed|timed out|timeout|distnetworkerror"
+    # gloo's transport reports only on its connections (a peer's socket gone mid-message: an enforce failure).
+    r"|gloo/transport/",
     re.IGNORECASE,
 )
 STOPPED_FIRST_S = 2 * HEARTBEAT_S  # a heartbeat this much older than the newest one stopped before the others
@@ -80,12 +86,13 @@ def is_peer_error(error: str) -> bool:
 
 def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (),
                 srun: list[tuple[tuple[int, ...], str]] = (), srun_untouched: int | None = None,
-                task_exits: list[TaskExit] = ()) -> CrashBlame:
+                task_exits: list[TaskExit] = (), signalled_at: float | None = None) -> CrashBlame:
     """``beats``: the launch's last heartbeats; ``events``: the run-log events since the launch started;
     ``gone``: ranks whose process the supervisor saw end (on its own machine) before it signalled the step;
     ``srun``: srun's task exit reports in order (``srun_task_exit``), of which the first ``srun_untouched`` came
     before the supervisor signalled the step (None: it never did); ``task_exits``: the exits the tasks' shells
-    wrote (``read_task_exits``), earliest first."""
+    wrote (``read_task_exits``), earliest first, of which those written after ``signalled_at`` (when the
+    supervisor signalled the step; None: it never did) are the teardown's, not a death's."""
     alive = {b.rank: b for b in beats if b.phase != EXITED}
     failed: dict[int, dict] = {}
     for e in events:
@@ -94,6 +101,7 @@ def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (
     casualties = tuple(sorted(r for r, e in failed.items() if is_peer_error(str(e.get("error")))))
     exits = {r: f"failed after a peer: {_short(e)}" for r, e in failed.items() if r in casualties}
     untouched = len(srun) if srun_untouched is None else srun_untouched
+    task_exits = [e for e in task_exits if signalled_at is None or e.time < signalled_at]
     causes = (_first_exit(task_exits, casualties, alive, failed, exits)
               or _first_in_srun(srun[:untouched], casualties, alive, failed, exits)
               or (_from_errors(alive, failed, casualties, exits) if failed else [])

@@ -47,6 +47,11 @@ TERM_GRACE_S = 3.0  # after SIGTERM, before the hard kill: the ranks are stuck, 
 # After a rank died its peers fail at once (their sockets close with it) and can save nothing: their error
 # events are written within this; ranks that still linger (a destroy blocked on a peer) are killed.
 CRASH_GRACE_S = 1.0
+# Where the step ends itself on a rank's bad exit (srun's --kill-on-bad-exit), the supervisor leaves it this long
+# before signalling: it may see a rank's process gone (a zombie) before its runtime and task shell have reaped
+# it, and a SIGTERM then would end every other worker by its handler, each recorded by its shell (taskexit.py)
+# before the dead one's; srun's own teardown SIGKILLs the others, shells included, after the dead one's record.
+SELF_END_S = 3.0
 KILL_WAIT_S = 15.0
 
 
@@ -130,6 +135,7 @@ class Supervisor:
     def _launch(self, launch: int, started: float) -> tuple[int, Verdict | None]:
         self._gone: tuple[int, ...] = ()
         self._crash_seen_at: float | None = None
+        self._signalled_at: float | None = None
         self._node_facts: Future[NodeFacts] | None = None
         shutil.rmtree(heartbeat.heartbeat_dir(self.run_dir), ignore_errors=True)
         # The tasks' shells write their exits there (taskexit.py), a rank that dies before its heartbeat too.
@@ -169,6 +175,11 @@ class Supervisor:
                       file=sys.stderr, flush=True)
                 # The node probes and the partition query run while the step is torn down, not after it.
                 self._node_facts = self._gather.submit(self.allocation.node_facts, self.excluded)
+                if self.allocation.ends_step_on_bad_exit:
+                    try:
+                        return self.proc.wait(SELF_END_S) or 1, None
+                    except subprocess.TimeoutExpired:
+                        pass
                 return self._end_step(CRASH_GRACE_S) or 1, None
             verdict = watch.observe(beats, time.time())
             if verdict is not None and self.proc.poll() is None:
@@ -208,6 +219,7 @@ class Supervisor:
             # before and the relay thread has not read yet counts as after: the errors, heartbeats and the ranks
             # seen gone are weighed before it.
             self._srun_untouched = len(self._srun_exits)
+            self._signalled_at = time.time()
         self._signal_group(signal.SIGTERM)
         try:
             return proc.wait(grace_s)
@@ -247,7 +259,7 @@ class Supervisor:
             if self._relay is not None:
                 self._relay.join(timeout=2.0)  # srun has exited: its last lines are on their way
             found = blame_crash(beats, since, self._gone, self._srun_exits, self._srun_untouched,
-                                read_task_exits(self.run_dir, launch))
+                                read_task_exits(self.run_dir, launch), self._signalled_at)
             kind, hosts = "crash", found.hosts
             info = {"reason": f"the workers' step exited {rc}", "detected_at": seen, "ranks": list(found.ranks),
                     "casualties": list(found.casualties), "exits": {str(r): w for r, w in found.exits.items()}}

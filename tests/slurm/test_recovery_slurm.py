@@ -148,7 +148,8 @@ def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(s
     # before it: seen in CI); what matters is that the frozen-process rule fired, not the save's bound.
     assert " frozen in '" in hang["reason"] and hang["detected_after_s"] <= 5 + 10, hang
     # Rank 1 alone is blamed: its task's shell recorded its end before srun tore anyone down (taskexit.py).
-    assert other_node["kind"] == "crash" and other_node["ranks"] == [1] and other_node["hosts"] == ["n1"], other_node
+    assert other_node["kind"] == "crash" and other_node["ranks"] == [1] and other_node["hosts"] == ["n1"], \
+        json.dumps(other_node)
     assert 1 not in other_node["casualties"] and other_node["restart"] is True, other_node
     assert same_node["ranks"] == [2] and same_node["hosts"] == ["n2"] and same_node["restart"] is True, same_node
     assert "could not exclude" in same_node["decision"], same_node
