@@ -11,7 +11,9 @@ from pydantic import Field, field_validator, model_validator
 from .validation import Strict, field_error, path_value
 
 DataFormat = Literal["auto", "jsonl", "parquet", "save_to_disk"]
-FIELD_KEYS = ("text_field", "prompt_field", "completion_field", "messages_field")
+FIELD_KEYS = ("text_field", "prompt_field", "completion_field", "messages_field", "chosen_field", "rejected_field",
+              "label_field")
+Shape = Literal["text", "prompt_completion", "chat", "preference", "unpaired"]
 # Weights are shares: written as decimals they rarely add up to exactly 1 in binary floating point.
 WEIGHT_TOLERANCE = 1e-6
 
@@ -22,6 +24,12 @@ class FieldOptions:
     declared here: pydantic would take annotations of a base class for fields of its own)."""
 
     def shape_problem(self) -> str | None:
+        if self.chosen_field is not None or self.rejected_field is not None:
+            return self._pair_problem()
+        if self.label_field is not None:
+            if self.completion_field is None or self.text_field is not None or self.messages_field is not None:
+                return "label_field takes prompt_field and completion_field (unlabelled answers, for kto)"
+            return None
         shapes = [
             name
             for name, on in (
@@ -37,12 +45,25 @@ class FieldOptions:
             return "prompt_field and completion_field go together; set both"
         return None
 
+    def _pair_problem(self) -> str | None:
+        if self.chosen_field is None or self.rejected_field is None:
+            return "chosen_field and rejected_field go together (a preference pair); set both"
+        others = [k for k in ("text_field", "completion_field", "messages_field", "label_field")
+                  if getattr(self, k) is not None]
+        if others:
+            return f"a preference pair takes prompt_field, chosen_field and rejected_field, not {others[0]}"
+        return None
+
     @property
     def sets_fields(self) -> bool:
         return any(getattr(self, key) is not None for key in FIELD_KEYS)
 
     @property
-    def shape(self) -> Literal["text", "prompt_completion", "chat"]:
+    def shape(self) -> Shape:
+        if self.chosen_field is not None:
+            return "preference"
+        if self.label_field is not None:
+            return "unpaired"
         if self.prompt_field is not None:
             return "prompt_completion"
         if self.messages_field is not None:
@@ -51,7 +72,14 @@ class FieldOptions:
 
     @property
     def fields(self) -> dict[str, str]:
-        """The record's field for each role (text; prompt and completion; messages)."""
+        """The record's field for each role (text; prompt and completion; messages; prompt, chosen and rejected,
+        the prompt left out where the pairs carry it in their conversations; prompt, completion and label)."""
+        if self.shape == "preference":
+            prompt = {"prompt": self.prompt_field} if self.prompt_field is not None else {}
+            return {**prompt, "chosen": self.chosen_field, "rejected": self.rejected_field}  # type: ignore[dict-item]
+        if self.shape == "unpaired":
+            return {"prompt": self.prompt_field, "completion": self.completion_field,  # type: ignore[dict-item]
+                    "label": self.label_field}
         if self.shape == "prompt_completion":
             return {"prompt": self.prompt_field, "completion": self.completion_field}  # type: ignore[dict-item]
         if self.shape == "chat":
@@ -81,6 +109,12 @@ class DataSource(FieldOptions, Strict):
     """Field with the completion of a prompt/completion pair."""
     messages_field: str | None = None
     """Field with chat messages [{role, content}, ...]."""
+    chosen_field: str | None = None
+    """Field with a preference pair's chosen answer."""
+    rejected_field: str | None = None
+    """Field with a preference pair's rejected answer."""
+    label_field: str | None = None
+    """Field with an answer's desirable (true) or undesirable (false) label (kto)."""
 
     _path = field_validator("path")(path_value)
 
@@ -143,6 +177,14 @@ class DataSpec(FieldOptions, Strict):
     messages_field: str | None = None
     ("Field with chat messages [{role, content}, ...], rendered with the tokenizer's chat template; loss on assistant "
      "turns only.")
+    chosen_field: str | None = None
+    ("Field with a preference pair's chosen answer (dpo, orpo, reward; default there: chosen): a string, or assistant "
+     "messages when the prompt is messages. Without a prompt field the pair's prompt is the messages the chosen and "
+     "rejected conversations share (TRL's implicit prompt).")
+    rejected_field: str | None = None
+    """Field with a preference pair's rejected answer (default for preference methods: rejected)."""
+    label_field: str | None = None
+    """Field with an answer's desirable (true) or undesirable (false) label (kto; default there: label)."""
     seq_len: Annotated[int, Field(strict=True, gt=0)] = 512
     """Tokens per sequence."""
     packing: bool | Literal["naive"] = True

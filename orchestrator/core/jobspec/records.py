@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
 _SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
-            "messages": "data.messages_field"}  # fmt: skip
+            "messages": "data.messages_field", "chosen": "data.chosen_field", "rejected": "data.rejected_field",
+            "label": "data.label_field"}  # fmt: skip
+_ANSWERS = ("chosen", "rejected")  # a pair's answers: strings, or messages where the pair is a conversation
 
 
 class RecordError(ValueError):
@@ -68,14 +70,33 @@ def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
             present = ", ".join(repr(k) for k in list(obj)[:8]) or "no fields"
             raise RecordError(f"missing field {field!r} (set by {_SETTING[role]}); this line has {present}", line)
         value = obj[field]
-        if role == "messages":
+        if role == "messages" or (role in _ANSWERS + ("prompt",) and data.shape == "preference"
+                                  and isinstance(value, list)):
             problem = _messages_problem(value)
+        elif role == "label":
+            problem = None if isinstance(value, bool) else f"expected true or false, found {_json_type(value)}"
         else:
             problem = None if isinstance(value, str) else f"expected a string, found {_json_type(value)}"
         if problem:
             raise RecordError(f"field {field!r}: {problem}", line)
         out[role] = value
+    if data.shape == "preference" and (problem := _pair_kinds(out)):
+        raise RecordError(problem, line)
     return out
+
+
+def _pair_kinds(pair: dict[str, Any]) -> str | None:
+    """A pair is text (every field a string) or a conversation (every field messages), not both."""
+    kinds = {role: isinstance(value, list) for role, value in pair.items()}
+    if len(set(kinds.values())) > 1:
+        texts = [r for r, is_list in kinds.items() if not is_list]
+        lists = [r for r, is_list in kinds.items() if is_list]
+        return (f"{' and '.join(lists)} {'is' if len(lists) == 1 else 'are'} messages but {' and '.join(texts)} "
+                f"{'is a string' if len(texts) == 1 else 'are strings'}; give every field of a pair the same kind")
+    if "prompt" not in pair and not kinds.get("chosen"):
+        return ("the pair has no prompt field and its answers are strings; set data.prompt_field (an implicit "
+                "prompt needs chosen and rejected as conversations)")
+    return None
 
 
 def iter_records(path: str | Path, data: FieldOptions,

@@ -9,13 +9,24 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..slurmtime import FORMATS_HELP, parse_slurm_time
 from .container import ContainerSpec
 from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
+from .methods import (
+    DpoSpec,
+    KtoSpec,
+    Method,
+    OrpoSpec,
+    RewardSpec,
+    check_method_data,
+    check_method_sections,
+    method_options,
+    with_method_fields,
+)
 from .notifyspec import NotifySpec
+from .resources import Resources
 from .validation import (
     PATH_MAX_BYTES,
     SpecErrors,
@@ -24,7 +35,6 @@ from .validation import (
     errors_from_validation,
     field_error,
     path_value,
-    single_line,
 )
 from .yamlio import YamlDoc, apply_overrides, read_yaml
 
@@ -33,79 +43,6 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 # Environment variable names whose values are treated as secret unless the spec says otherwise.
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-
-
-class Resources(Strict):
-    nodes: PositiveInt = 1
-    """Number of nodes."""
-    gpus_per_node: NonNegativeInt | None = None
-    """GPUs per node; 0 on CPU profiles. Default: the profile's gpus_per_node."""
-    tasks_per_node: PositiveInt | None = None
-    """Worker processes per node. Default: gpus_per_node (one task per GPU), or 1 on a CPU profile."""
-    cpus_per_task: PositiveInt | None = None
-    """CPU cores per worker process (also sets OMP_NUM_THREADS). Default: the profile's."""
-    mem_per_node: Annotated[str | None, WithJsonSchema({"anyOf": [
-        {"type": "string", "pattern": r"^\d+[KMGT]?$"}, {"type": "integer", "minimum": 0}, {"type": "null"}]})] = None
-    """Host memory per node as Slurm takes it: 500G, 64000M, or 0 for all of it."""
-    time_limit: Annotated[str, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 1}]})] = (
-        "1:00:00")
-    """Wall-time limit per allocation, in any Slurm format: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    partition: str | None = None
-    """Slurm partition (overrides the profile)."""
-    account: str | None = None
-    """Slurm account (overrides the profile)."""
-    qos: str | None = None
-    """Slurm QOS (overrides the profile)."""
-    constraint: str | None = None
-    """Slurm node feature constraint, e.g. a100|h100 (overrides the profile)."""
-    # A long field docstring is one parenthesized string, no newline in it: the schema's description keeps its text.
-    min_nodes: PositiveInt | None = None
-    ("Fewest nodes the run may go on with inside its allocation after a node fails or is blamed twice (global batch "
-     "kept). Default: nodes (never shrink).")
-
-    @model_validator(mode="after")
-    def _min_nodes(self) -> Resources:
-        if self.min_nodes is not None and self.min_nodes > self.nodes:
-            raise field_error("min_nodes", f"min_nodes ({self.min_nodes}) is more than nodes ({self.nodes}); "
-                                                     "set it to at most nodes, or drop it")
-        return self
-
-    @field_validator("time_limit", mode="before")
-    @classmethod
-    def _time(cls, value: Any) -> str:
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise ValueError(f"expected a Slurm time string ({FORMATS_HELP})")
-        parse_slurm_time(value)
-        return str(value)
-
-    @field_validator("mem_per_node", mode="before")
-    @classmethod
-    def _mem(cls, value: Any) -> str | None:
-        # Plain numbers (0 = all memory, 64000 = MB) are what YAML hands over for unquoted sizes.
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)
-        if value is not None and not (isinstance(value, str) and re.fullmatch(r"\d+[KMGT]?", value)):
-            raise ValueError(f"{value!r} is not a Slurm memory size; use e.g. 500G, 64000M or 0 (all)")
-        return value
-
-    @field_validator("partition", "account", "qos", "constraint")
-    @classmethod
-    def _no_control_chars(cls, value: str | None) -> str | None:
-        return single_line(value)
-
-    @model_validator(mode="after")
-    def _tasks_match_gpus(self) -> Resources:
-        g, t = self.gpus_per_node, self.tasks_per_node
-        if g and t is not None and t != g:
-            raise ValueError(
-                f"tasks_per_node ({t}) must equal gpus_per_node ({g}): fsdpjob runs one worker per GPU; "
-                "drop tasks_per_node to take the default"
-            )
-        return self
-
-    @property
-    def time_limit_s(self) -> int:
-        return parse_slurm_time(self.time_limit)
 
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
@@ -194,6 +131,9 @@ class TrainSpec(Strict):
     """Evaluate on the eval data (data.eval_path or data.eval_fraction) every this many steps and at the end; 0: off."""
     eval_batches: NonNegativeInt = 0
     """Micro-batches per worker per evaluation; 0: the whole eval set."""
+    method: Method = "sft"
+    ("sft: supervised fine-tuning. dpo, orpo, kto: preference training; reward: a reward model. Each reads its own "
+     "section (dpo:, orpo:, kto:, reward:), which may be left out for its defaults.")
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -273,8 +213,9 @@ class RecoverySpec(Strict):
 
 
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
-_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples"),
-                 "train": ("eval_every", "eval_batches"),
+_ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples",
+                          "chosen_field", "rejected_field", "label_field"),
+                 "train": ("eval_every", "eval_batches", "method"),
                  "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile"),
                  "resources": ("min_nodes",)}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
@@ -305,6 +246,14 @@ class JobSpec(Strict):
     """Run the workers in a container: overrides fields of the profile's container (mounts and env add to it)."""
     notify: NotifySpec | None = None
     """Tell about the run's events by Slurm's mail and/or a webhook: overrides fields of the profile's notify."""
+    dpo: DpoSpec | None = None
+    """DPO's options (train.method: dpo)."""
+    orpo: OrpoSpec | None = None
+    """ORPO's options (train.method: orpo)."""
+    kto: KtoSpec | None = None
+    """KTO's options (train.method: kto)."""
+    reward: RewardSpec | None = None
+    """The reward model's options (train.method: reward)."""
 
     @field_validator("name")
     @classmethod
@@ -327,6 +276,25 @@ class JobSpec(Strict):
             raise field_error("checkpoint.keep_best", "keep_best needs evaluations; set train.eval_every (and eval "
                                                       "data) or drop keep_best")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_fields(cls, raw: Any) -> Any:
+        return with_method_fields(raw)
+
+    @model_validator(mode="after")
+    def _method_section(self) -> JobSpec:
+        check_method_sections(self.train.method, self._method_sections())
+        check_method_data(self.train.method, self.data)
+        return self
+
+    def _method_sections(self) -> dict:
+        return {"dpo": self.dpo, "orpo": self.orpo, "kto": self.kto, "reward": self.reward}
+
+    @property
+    def method_options(self) -> DpoSpec | OrpoSpec | KtoSpec | RewardSpec | None:
+        """The options of train.method (its section or its defaults); None for sft."""
+        return method_options(self.train.method, self._method_sections())
 
     @model_validator(mode="after")
     def _gpu_combinations(self) -> JobSpec:
@@ -386,9 +354,10 @@ class JobSpec(Strict):
             if getattr(self, section) == type(self).model_fields[section].default_factory():
                 del dumped[section]
         if self.container is None:
-            del dumped["container"]  # added later too: a spec without one keeps its hash
-        if self.notify is None:
-            del dumped["notify"]  # likewise
+            del dumped["container"]  # added later: a spec without one keeps its hash
+        for later in ("notify", "dpo", "orpo", "kto", "reward"):  # added later too, likewise
+            if getattr(self, later) is None:
+                del dumped[later]
         blob = json.dumps(dumped, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
