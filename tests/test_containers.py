@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import fsdpjob
+from helpers import fsdpjob, run_cli
 
 from fsdpjob.orchestrator.core.jobspec.container import (
     RUNTIME_ROWS,
@@ -232,3 +232,16 @@ def test_a_folder_image_that_is_missing_or_a_file_is_refused_with_the_file_check
     spec.write_text(base.format(image=tmp_path / "rootfs"))
     done = fsdpjob("validate", str(spec))
     assert done.returncode == 0, done.stderr
+
+
+def test_oci_on_gpu_nodes_and_an_apptainer_registry_image_are_refused_at_validate(tmp_path):
+    """Issue 36 items 5 and 6: Slurm's OCI bundle as fsdpjob writes it gives GPU workers no devices; an Apptainer
+    docker:// image would be pulled and converted by every task at every start. Each one line, exit 2."""
+    spec = VALID / "oci-container.yaml"
+    ok = run_cli("validate", str(spec), "--no-file-checks")
+    assert ok[0] == 0, ok
+    code, _, err = run_cli("validate", str(spec), "--no-file-checks", "--set", "resources.gpus_per_node=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no NVIDIA hook or CDI devices" in err, err
+    code, _, err = run_cli("validate", str(VALID / "apptainer-container.yaml"), "--no-file-checks",
+                           "--set", "container.image=docker://nvcr.io/nvidia/pytorch:24.12-py3")
+    assert code == 2 and "convert it once" in err and "apptainer pull" in err, err

@@ -82,6 +82,12 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
                     "tasks there (use one it lists, or add it to the profile once the cluster has it)"))
     if container.runtime is not None:
         out += [(at(field), message) for field, message in runtime_problems(container)]
+        gpus = spec.resources.gpus_per_node if spec.resources.gpus_per_node is not None else profile.gpus_per_node
+        if RUNTIME_ROWS[container.runtime].cpu_only and gpus:
+            out.append((at("runtime"),
+                        f"the {container.runtime} runtime cannot run GPU training as fsdpjob renders it: its bundle "
+                        "has no NVIDIA hook or CDI devices, no user namespace for rootless containers and no "
+                        "/etc/hosts or resolv.conf; use pyxis or apptainer on GPU nodes (oci runs CPU workers)"))
     user = [parse_mount(m) for m in container.mounts]
     needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
     for mount, hidden in shadowing(user, needed):
@@ -102,6 +108,9 @@ def runtime_problems(container: ContainerSpec) -> list[tuple[str, str]]:
     if container.image is None and not (row.named and container.name):
         out.append(("image", f"a {runtime} container needs an image: {row.image_kind}"
                              + (" (or a `name` of a container already on the nodes)" if row.named else "")))
+    elif row.sif_only and container.image is not None and "://" in container.image:
+        out.append(("image", f"image {container.image!r}: {runtime} would pull and convert it in every task on every "
+                             f"node at every start; convert it once and give the file: {row.image_kind}"))
     elif row.folder_image and container.image is not None and not container.image.startswith("/"):
         out.append(("image", f"image {container.image!r}: the {runtime} runtime takes {row.image_kind}, as an "
                              "absolute path"))

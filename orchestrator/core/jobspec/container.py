@@ -45,6 +45,8 @@ class RuntimeRow:
     tail: tuple[str, ...] = ()  # the launch's last words
     exports_env: bool = False  # the env is exported in the batch script (the tasks inherit the job's environment)
     bundle: bool = False  # an OCI bundle in the run folder holds the mounts, workdir and env
+    sif_only: bool = False  # the image must be a local file, not a registry URI (converted once, not per task)
+    cpu_only: bool = False  # cannot give the workers GPUs as fsdpjob renders it
 
     @property
     def named(self) -> bool:
@@ -64,7 +66,10 @@ RUNTIME_ROWS: dict[str, RuntimeRow] = {
         env_names=("--container-env={names}",),  # the host's values of these names override the image's
         exports_env=True),
     "apptainer": RuntimeRow(
-        image_kind="a SIF file path, or a URI such as docker://nvcr.io/nvidia/pytorch:24.12-py3",
+        # A registry URI (docker://) would be pulled and converted to SIF by every task on every node, at every
+        # start and requeue (minutes each, and a cache race between the tasks of a node): refused, converted once.
+        image_kind="a SIF file path (convert a registry image once: apptainer pull IMAGE.sif docker://...)",
+        sif_only=True,
         line="launcher", head=("apptainer", "exec"), gpu_words=("--nv",), binds=("--bind", "{binds}"),
         workdir_words=("--pwd", "{workdir}"),
         env_each=("--env={key}={value}",),  # the image's %environment would otherwise win over the job's value
@@ -72,7 +77,10 @@ RUNTIME_ROWS: dict[str, RuntimeRow] = {
         tail=("{image}",)),
     "oci": RuntimeRow(  # Slurm's own srun --container, with oci.conf
         image_kind="an OCI bundle folder (its rootfs/ is the image; fsdpjob writes the run's own config.json)",
-        line="srun", folder_image=True, head=("--container={bundle}",), exports_env=True, bundle=True),
+        line="srun", folder_image=True, head=("--container={bundle}",), exports_env=True, bundle=True,
+        # The bundle fsdpjob writes has no NVIDIA hook or CDI devices, no user namespace for Slurm's rootless
+        # containers, and no /etc/hosts or resolv.conf: GPU training cannot run in it (issue 36, C1/C2).
+        cpu_only=True),
     "bubblewrap": RuntimeRow(  # Debian's bwrap, in every task
         image_kind="a root file system folder (an unpacked image, such as an OCI bundle's rootfs/)",
         # Slurm signals every process of the step: bwrap runs under the task's shell, which ignores the stop
