@@ -1,6 +1,8 @@
 """Test and fault-injection hooks of the worker, read once from the environment; unset in real runs.
 
 - ``FSDPJOB_STOP_AT_STEP=<n>``: rank 0 requests a stop after step n, as if a stop signal had come.
+- ``FSDPJOB_STOP_IN_REFERENCE=<k>``: rank 0 requests a stop once chunk k of a preference run's reference pass is
+  written (jobs/preference/reference.py), as if a stop signal had come.
 - ``FSDPJOB_LOG_SAMPLES=1``: append each step's global sample ids to samples.jsonl (proves a resume skips
   and repeats none).
 - ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>``: ranks sleep that long in a checkpoint save right after their shard
@@ -69,6 +71,7 @@ class TestHooks:
     __test__ = False  # not a pytest test class, whatever imports it
 
     stop_at_step: int = 0
+    stop_in_reference: int | None = None
     log_samples: bool = False
     save_pause_s: float = 0.0
     save_pause_rank: int | None = None  # None: every rank
@@ -87,6 +90,7 @@ class TestHooks:
         faults = worker.launch == 0
         return cls(
             stop_at_step=_int_or_none("FSDPJOB_STOP_AT_STEP") or 0,
+            stop_in_reference=_int_or_none("FSDPJOB_STOP_IN_REFERENCE"),
             log_samples=envvars.get("FSDPJOB_LOG_SAMPLES") is not None,  # any value, not only '1'
             save_pause_s=_number("FSDPJOB_FAULT_SAVE_PAUSE_S") if faults else 0.0,
             save_pause_rank=_int_or_none("FSDPJOB_FAULT_SAVE_RANK"),

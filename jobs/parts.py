@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -18,7 +19,8 @@ from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource
 from .data.cache import load_or_build
-from .data.packing import SequenceTable, packing_mode
+from .data.packing import PackingMode, SequenceTable, packing_mode
+from .data.preference import read_pair_table, read_unpaired_table
 from .data.sources import build_table, eval_spec
 from .data.stream import BatchStream, split_eval
 from .dist import DistEnv
@@ -86,7 +88,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
         read_weights=read_weights,
-        packed=packing_mode(spec.data.packing) == "boundary",
+        packed=data_packing(spec) == "boundary",
     )
     model.train()
     train = spec.train
@@ -114,6 +116,8 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
 
     heartbeat.enter(heartbeat.DATA_LOAD)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+    if spec.train.method != "sft":
+        return _preference_data(spec, tokenizer, report)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_data = time.time()
 
@@ -136,6 +140,25 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
     return table, eval_table, train_rows
 
 
+def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, Any, None]:
+    """A pair (or labelled answer) per row, both answers right-padded to seq_len: not packed, not cached (the
+    tokenizing is a small part of a preference job's set-up beside its reference pass)."""
+    t_data = time.time()
+    read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
+    options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
+    table = read(spec.data, tokenizer, spec.data.path, **options)
+    eval_table = read(spec.data, tokenizer, spec.data.eval_path, **options) if spec.data.eval_path else None
+    report.event(runlog.DATA, sequences=len(table), examples=len(table), truncated=table.truncated,
+                 dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
+                 **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))
+    return table, eval_table, None
+
+
+def data_packing(spec: JobSpec) -> PackingMode:
+    """How the run packs its rows: data.packing for SFT; a preference method's rows are never packed."""
+    return packing_mode(spec.data.packing) if spec.train.method == "sft" else "none"
+
+
 def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None,
            report: Reporter) -> tuple[BatchStream, dict[str, Any]]:
     """Load ``source`` (checkpoint/tiers.find_resume_source's) if there is one; return the data stream and the state
@@ -153,7 +176,7 @@ def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource 
     grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
     stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                          micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
-                         dp_rank=env.rank, dp_world=env.world_size, packing=packing_mode(spec.data.packing))
+                         dp_rank=env.rank, dp_world=env.world_size, packing=data_packing(spec))
     model_state = ModelOptimState(parts.model, parts.optimizer, trainable_only=spec.model.lora is not None)
     app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
                  "train": train_state, "data": DictState(stream, optional=BatchStream.ADDED),

@@ -101,6 +101,11 @@ def with_method_fields(raw: Any) -> Any:
     return {**raw, "data": {**defaults, **data}}
 
 
+# Methods the spec knows whose training is not built yet: refused at validate, never on a node.
+NOT_YET = {"kto": "its unpaired loss is written, its training loop is not",
+           "reward": "the scalar head and its export are not built"}
+
+
 def check_method_data(method: str, data: Any) -> None:
     """The data section fits the method: pairs for dpo, orpo and reward, labelled answers for kto, token streams
     for sft; pairs are not packed (both answers of a pair go through the same micro-batch, one row each)."""
@@ -111,8 +116,14 @@ def check_method_data(method: str, data: Any) -> None:
             raise field_error(f"data.{field}", f"{field} is for preference training, but train.method is sft; set "
                                                "train.method (dpo, orpo, kto or reward) or drop the field")
         return
+    if method in NOT_YET:
+        raise field_error("train.method", f"{method} is not supported in this version yet ({NOT_YET[method]}); "
+                                          "use dpo or orpo")
     if data.sources is not None:
         raise field_error("data.sources", f"a data mixture is not supported for {method} yet; give data.path")
+    if data.has_eval:
+        raise field_error("data.eval_path" if data.eval_path is not None else "data.eval_fraction",
+                          f"evaluation during {method} training is not supported in this version yet; drop it")
     if data.shape != wants:
         what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
         raise field_error("data", f"{method} trains on {'pairs' if wants == 'preference' else 'labelled answers'}; "
