@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError
 from .dataformats import check_data, check_not_all_dropped
 from .families import SUPPORTED_MODEL_TYPES
+from .promptroom import check_prompt_room
 
 if TYPE_CHECKING:
     from .spec import DataSpec, JobSpec
@@ -152,6 +153,7 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
     if not config_only:
         attempt(check_data, spec.data, doc)
         attempt(check_not_all_dropped, spec.data, folder, doc)
+        attempt(check_prompt_room, spec.data, folder)
     if len(found) == 1:
         raise found[0]
     if found:
