@@ -19,7 +19,7 @@ from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource
 from .data.cache import load_or_build
-from .data.packing import PackingMode, SequenceTable, packing_mode
+from .data.packing import SequenceTable, packing_mode
 from .data.preference import read_pair_table, read_unpaired_table
 from .data.sources import build_table, eval_spec
 from .data.stream import BatchStream, split_eval
@@ -88,7 +88,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
         read_weights=read_weights,
-        packed=data_packing(spec) == "boundary",
+        packed=packing_mode(spec.data.packing) == "boundary",
     )
     model.train()
     train = spec.train
@@ -146,17 +146,12 @@ def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, A
     t_data = time.time()
     read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
     options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
-    table = read(spec.data, tokenizer, spec.data.path, **options)
-    eval_table = read(spec.data, tokenizer, spec.data.eval_path, **options) if spec.data.eval_path else None
-    report.event(runlog.DATA, sequences=len(table), examples=len(table), truncated=table.truncated,
+    table = read(spec.data, tokenizer, **options)
+    eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
+    report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
                  dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
                  **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))
     return table, eval_table, None
-
-
-def data_packing(spec: JobSpec) -> PackingMode:
-    """How the run packs its rows: data.packing for SFT; a preference method's rows are never packed."""
-    return packing_mode(spec.data.packing) if spec.train.method == "sft" else "none"
 
 
 def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None,
@@ -176,7 +171,7 @@ def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource 
     grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
     stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
                          micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
-                         dp_rank=env.rank, dp_world=env.world_size, packing=data_packing(spec))
+                         dp_rank=env.rank, dp_world=env.world_size, packing=packing_mode(spec.data.packing))
     model_state = ModelOptimState(parts.model, parts.optimizer, trainable_only=spec.model.lora is not None)
     app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
                  "train": train_state, "data": DictState(stream, optional=BatchStream.ADDED),

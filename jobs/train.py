@@ -29,6 +29,7 @@ from . import gcpolicy, preemption
 from .checkpoint.io import plain_writer
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.tiers import Tiers, find_resume_source, open_memory_tier
+from .data.packing import StepBatch
 from .data.stream import BatchStream
 from .dist import (
     DistEnv,
@@ -44,7 +45,6 @@ from .hooks import StepHooks, TestHooks
 from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
 from .model.parallelize import build_mesh
-from .data.packing import StepBatch
 from .parts import TrainParts, TrainState, build, resume
 from .preference.setup import preference_step_function
 from .savepolicy import Checkpointer

@@ -75,7 +75,8 @@ class BatchStream:
         self._row_lengths = table.row_lengths()
         # A preference table (data/preference.py: a pair or an answer per row) makes its own micro-batches.
         self._micro_batch = ((lambda rows, positions: micro_batch(table, rows, positions))
-                             if isinstance(table, SequenceTable) else (lambda rows, _positions: table.micro_batch(rows)))
+                             if isinstance(table, SequenceTable)
+                             else (lambda rows, _positions: table.micro_batch(rows)))
 
     @property
     def global_batch_size(self) -> int:

@@ -87,7 +87,8 @@ def test_dpo_starts_at_ln2_and_its_loss_falls_as_the_chosen_answers_win(runs):
     assert set(m) == set(range(1, STEPS + 1))
     # The policy is the reference at the first step: every log-ratio is 0, the sigmoid loss ln 2.
     assert m[1]["loss"] == pytest.approx(math.log(2), abs=1e-6), m[1]
-    assert m[1]["rewards/chosen"] == pytest.approx(0, abs=1e-6) and m[1]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert m[1]["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+    assert m[1]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     first, last = sum(m[s]["loss"] for s in (1, 2, 3)) / 3, sum(m[s]["loss"] for s in range(STEPS - 2, STEPS + 1)) / 3
     assert last < first - 0.05, (first, last)
     assert sum(m[s]["rewards/accuracies"] for s in range(STEPS - 3, STEPS + 1)) / 4 >= 0.75, m

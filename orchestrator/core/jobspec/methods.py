@@ -89,16 +89,18 @@ DEFAULT_FIELDS["orpo"] = DEFAULT_FIELDS["reward"] = DEFAULT_FIELDS["dpo"]
 
 
 def with_method_fields(raw: Any) -> Any:
-    """The raw spec with a preference method's default field names filled in where its data section sets no field
-    (a ``prompt_field: null`` written out stays: a conversation's implicit prompt)."""
+    """The raw spec with a preference method's defaults filled in: its field names where its data section sets no
+    field (a ``prompt_field: null`` written out stays: a conversation's implicit prompt), and no packing."""
     if not isinstance(raw, dict) or not isinstance(raw.get("train"), dict) or not isinstance(raw.get("data"), dict):
         return raw
     method = raw["train"].get("method")
     defaults = DEFAULT_FIELDS.get(method) if isinstance(method, str) else None  # a wrong type: pydantic says so
     data = raw["data"]
-    if defaults is None or any(data.get(k) is not None for k in defaults if k != "prompt_field"):
+    if defaults is None:
         return raw
-    return {**raw, "data": {**defaults, **data}}
+    if any(data.get(k) is not None for k in defaults if k != "prompt_field"):
+        defaults = {}
+    return {**raw, "data": {**defaults, "packing": False, **data}}
 
 
 # Methods the spec knows whose training is not built yet: refused at validate, never on a node.
@@ -128,7 +130,7 @@ def check_method_data(method: str, data: Any) -> None:
         what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
         raise field_error("data", f"{method} trains on {'pairs' if wants == 'preference' else 'labelled answers'}; "
                                   f"set data.{what} (or leave every field unset for TRL's names)")
-    if data.packing is not False and "packing" in data.model_fields_set:
+    if data.packing is not False:
         raise field_error("data.packing", f"{method} does not pack: each answer is its own row, padded to "
                                           "seq_len (a pair's two answers in the same micro-batch); set packing: "
                                           "false or drop it")

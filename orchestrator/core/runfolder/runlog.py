@@ -39,8 +39,8 @@ MEMORY_TIER = "memory_tier"
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, REFERENCE, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, MEMORY_TIER,
-          EXPORT, DONE)
+EVENTS = (START, DATA, RESUME, REFERENCE, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL,
+          MEMORY_TIER, EXPORT, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 
