@@ -31,6 +31,7 @@ import jinja2
 
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
 from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
+from fsdpjob.orchestrator.core.jobspec.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from .examples import DataError, _bos, _encode, _eos
@@ -66,21 +67,6 @@ class Fitted(list):
         self.read = read  # records read, dropped ones included
         self.truncated = truncated  # records with an answer cut at its end
         self.dropped = dropped  # records left out (long_examples drop)
-
-
-class _WithMargin:
-    """A source read with one more role, the reward pair's margin (records.record_fields checks it is a number):
-    the margin's field is the reward section's, not the data section's."""
-
-    def __init__(self, source: DataSource, field: str):
-        self._source, self._field = source, field
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)
-
-    @property
-    def fields(self) -> dict[str, str]:
-        return {**self._source.fields, "margin": self._field}
 
 
 class _Rendered(NamedTuple):
@@ -202,7 +188,7 @@ def read_pairs(data: DataSpec, tokenizer: Any, path: str | Path | None = None,
     ``margin_field`` (reward.margin_field) each pair's margin, a number every record must hold."""
     source: Any = _source(data, path)
     if margin_field is not None:
-        source = _WithMargin(source, margin_field)
+        source = WithMargin(source, margin_field)
     records = load_records(source)
     tokenized = _tokenized(records, tokenizer, PAIR_ANSWERS)
     kept, answers, truncated = _fit(tokenized, records, source, data)
