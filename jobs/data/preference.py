@@ -175,7 +175,7 @@ def _fit(tokenized: list[tuple[list[int], list[list[int]]]], records: Records, s
 
 def _source(data: DataSpec, path: str | Path | None) -> DataSource:
     """The one source to read: data.path's, eval_path's (with its split) or ``path`` read with data's settings."""
-    if path is None:
+    if path is None or str(path) == str(data.path):
         return data.inputs()[0]
     if data.eval_path is not None and str(path) == str(data.eval_path):
         return eval_spec(data).inputs()[0]
@@ -221,6 +221,10 @@ def read_unpaired(data: DataSpec, tokenizer: Any, path: str | Path | None = None
     for i, (completion,) in zip(kept, answers):
         key, record = records.items[i]
         out.append(Unpaired(tokenized[i][0], completion, bool(record["label"]), records.where(key)[1]))
+    if len({a.desirable for a in out}) == 1:
+        raise DataError(f"long_examples drop left answers of one label only ({len(out)} of {len(tokenized)} kept): "
+                        "kto needs desirable and undesirable answers; raise data.seq_len or use long_examples: "
+                        "truncate", file=source.path, line=None)
     return Fitted(out, read=len(tokenized), truncated=truncated, dropped=len(tokenized) - len(kept))
 
 
