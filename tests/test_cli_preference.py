@@ -86,3 +86,20 @@ def test_parquet_pairs_and_labels_are_checked_by_their_columns(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "rejected": "b"}]), tmp_path / "p" / "data.parquet")
     line = refused(tmp_path / "p")
     assert "has no column 'chosen'" in line and "set chosen_field" in line, line
+
+
+def test_reward_margins_are_checked_where_the_pairs_are(tmp_path):
+    spec = job(tmp_path, "reward")
+    spec.write_text(spec.read_text() + "reward:\n  margin_field: margin\n")
+    data = jsonl(tmp_path / "data.jsonl", [PAIR | {"margin": 1.5}, PAIR | {"margin": 2}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    jsonl(data, [PAIR | {"margin": 1.5}, PAIR | {"margin": "big"}])
+    assert refused(tmp_path) == f"{data}:2: field 'margin': expected a number (the pair's margin), found a string"
+    jsonl(data, [PAIR | {"margin": 1.5}, PAIR])
+    assert refused(tmp_path).startswith(f"{data}:2: missing field 'margin' (set by reward.margin_field)")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    spec.write_text(spec.read_text().replace("data.jsonl", "data.parquet"))
+    pq.write_table(pa.Table.from_pylist([PAIR | {"margin": "1"}]), tmp_path / "data.parquet")
+    line = refused(tmp_path)
+    assert line.startswith("job.yaml:13: reward.margin_field: column 'margin' in") and "not a number column" in line

@@ -31,6 +31,7 @@ import jinja2
 
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
 from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
+from fsdpjob.orchestrator.core.jobspec.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from .examples import DataError, _bos, _encode, _eos
@@ -66,21 +67,6 @@ class Fitted(list):
         self.read = read  # records read, dropped ones included
         self.truncated = truncated  # records with an answer cut at its end
         self.dropped = dropped  # records left out (long_examples drop)
-
-
-class _WithMargin:
-    """A source read with one more role, the reward pair's margin (records.record_fields checks it is a number):
-    the margin's field is the reward section's, not the data section's."""
-
-    def __init__(self, source: DataSource, field: str):
-        self._source, self._field = source, field
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)
-
-    @property
-    def fields(self) -> dict[str, str]:
-        return {**self._source.fields, "margin": self._field}
 
 
 class _Rendered(NamedTuple):
@@ -189,7 +175,7 @@ def _fit(tokenized: list[tuple[list[int], list[list[int]]]], records: Records, s
 
 def _source(data: DataSpec, path: str | Path | None) -> DataSource:
     """The one source to read: data.path's, eval_path's (with its split) or ``path`` read with data's settings."""
-    if path is None:
+    if path is None or str(path) == str(data.path):
         return data.inputs()[0]
     if data.eval_path is not None and str(path) == str(data.eval_path):
         return eval_spec(data).inputs()[0]
@@ -202,7 +188,7 @@ def read_pairs(data: DataSpec, tokenizer: Any, path: str | Path | None = None,
     ``margin_field`` (reward.margin_field) each pair's margin, a number every record must hold."""
     source: Any = _source(data, path)
     if margin_field is not None:
-        source = _WithMargin(source, margin_field)
+        source = WithMargin(source, margin_field)
     records = load_records(source)
     tokenized = _tokenized(records, tokenizer, PAIR_ANSWERS)
     kept, answers, truncated = _fit(tokenized, records, source, data)
@@ -235,6 +221,10 @@ def read_unpaired(data: DataSpec, tokenizer: Any, path: str | Path | None = None
     for i, (completion,) in zip(kept, answers):
         key, record = records.items[i]
         out.append(Unpaired(tokenized[i][0], completion, bool(record["label"]), records.where(key)[1]))
+    if len({a.desirable for a in out}) == 1:
+        raise DataError(f"long_examples drop left answers of one label only ({len(out)} of {len(tokenized)} kept): "
+                        "kto needs desirable and undesirable answers; raise data.seq_len or use long_examples: "
+                        "truncate", file=source.path, line=None)
     return Fitted(out, read=len(tokenized), truncated=truncated, dropped=len(tokenized) - len(kept))
 
 

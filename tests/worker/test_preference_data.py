@@ -180,9 +180,28 @@ def test_kto_answers_and_their_labels(tmp_path, tokenizer):
     batch = table.micro_batch(torch.tensor([2, 1]))
     assert batch.rows.tolist() == [2, 1] and batch.desirable.tolist() == [True, False]
     assert torch.equal(batch.ids, table.ids[[2, 1]]) and torch.equal(batch.labels, table.labels[[2, 1]])
+    long = {"prompt": "hello", "completion": " the quick brown fox jumps" * 9, "label": False}
+    jsonl(path, [rows[0], long])
+    with pytest.raises(DataError, match="drop left answers of one label only"):
+        read_unpaired(spec(path, fields=KTO_FIELDS, long_examples="drop"), tokenizer)
     jsonl(path, [r | {"label": False} for r in rows])
     with pytest.raises(DataError, match=r"k\.jsonl:1: kto needs desirable and undesirable answers.*'label'"):
         read_unpaired(data, tokenizer)
+
+
+def test_eval_data_is_read_from_its_own_path(tmp_path, tokenizer):
+    train = jsonl(tmp_path / "train.jsonl", [{"prompt": "hello", "chosen": " world", "rejected": " fox"}])
+    held = jsonl(tmp_path / "eval.jsonl", [{"prompt": "four", "chosen": " four", "rejected": " 5"}] * 2)
+    data = spec(train, eval_path=str(held))
+    assert len(read_pair_table(data, tokenizer)) == 1
+    assert len(read_pair_table(data, tokenizer, path=data.eval_path)) == 2
+    kto = jsonl(tmp_path / "k.jsonl", [{"prompt": "a", "completion": " b", "label": True},
+                                       {"prompt": "a", "completion": " c", "label": False}])
+    kto_eval = jsonl(tmp_path / "ke.jsonl", [{"prompt": "a", "completion": " b", "label": True}])
+    data = spec(kto, fields=KTO_FIELDS, eval_path=str(kto_eval))
+    assert len(read_unpaired_table(data, tokenizer)) == 2
+    with pytest.raises(DataError, match=r"ke\.jsonl:1: kto needs desirable and undesirable"):  # as validate says
+        read_unpaired_table(data, tokenizer, path=data.eval_path)
 
 
 # ---------------------------------------------------------------- length rules

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InputError
 from .dataspec import DataSource
-from .records import SCAN_LINES, RecordError, iter_records, record_fields
+from .records import SCAN_LINES, RecordError, WithMargin, iter_records, record_fields
 
 if TYPE_CHECKING:
     from .spec import DataSpec
@@ -175,6 +175,8 @@ def _is_messages(pa: Any, t: Any) -> bool:
 
 def _type_problem(pa: Any, role: str, t: Any, shape: str) -> str | None:
     messages = "a list of {role: string, content: string} structs"
+    if role == "margin":
+        return None if pa.types.is_integer(t) or pa.types.is_floating(t) else f"is {t}, not a number column"
     if role == "label":
         return None if pa.types.is_boolean(t) else f"is {t}, not a boolean column (true: desirable)"
     if role == "messages":
@@ -286,6 +288,8 @@ def check_labels(located: Located, source: DataSource) -> None:
 def _field_loc(data: DataSpec, index: int | None, key: str, path_loc: tuple) -> tuple:
     """Where the spec sets ``key`` for a source: on the source, on the data section, or (the default 'text')
     nowhere: then at the source's path."""
+    if key == "margin_field":  # WithMargin's role: the reward section names its field
+        return ("reward", "margin_field")
     if index is not None and data.sources[index].sets_fields:
         return ("data", "sources", index, key)
     return ("data", key) if getattr(data, key) is not None else path_loc
@@ -311,11 +315,12 @@ def _check_source(data: DataSpec, source: DataSource, index: int | None, path_lo
         raise InputError.at(doc, path_loc, f"data {source.path} has no examples {what}")
 
 
-def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
+def check_data(data: DataSpec, doc: YamlDoc | None = None, margin_field: str | None = None) -> None:
     """Every training source and the eval data: found, of a known format, with the configured columns in the
-    right types and good first rows; raise InputError at the spec line to change, or at FILE:LINE of a bad row."""
+    right types and good first rows; raise InputError at the spec line to change, or at FILE:LINE of a bad row.
+    ``margin_field`` (reward.margin_field): every pair read holds a number there too."""
     if data.sources is None:
-        _check_source(data, data.inputs()[0], None, ("data", "path"), doc)
+        _check_source(data, _with_margin(data.inputs()[0], margin_field), None, ("data", "path"), doc)
     else:
         for index, source in enumerate(data.inputs()):
             _check_source(data, source, index, ("data", "sources", index, "path"), doc)
@@ -324,9 +329,12 @@ def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
             evaluation = eval_data(data)
         except SourceProblem as exc:
             raise InputError.at(doc, ("data", "eval_path"), str(exc)) from None
-        _check_source(evaluation, evaluation.inputs()[0], None, ("data", "eval_path"), doc)
+        _check_source(evaluation, _with_margin(evaluation.inputs()[0], margin_field), None, ("data", "eval_path"),
+                      doc)
 
 
+def _with_margin(source: DataSource, margin_field: str | None) -> Any:
+    return WithMargin(source, margin_field) if margin_field is not None and source.shape == "preference" else source
 
 
 LONG_SHARE = 0.05  # validate warns when more of the examples than this are longer than data.seq_len

@@ -19,6 +19,21 @@ _SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completio
 _ANSWERS = ("chosen", "rejected")  # a pair's answers: strings, or messages where the pair is a conversation
 
 
+class WithMargin:
+    """A source read with one more role, a reward pair's margin (a number; record_fields checks it): its field is
+    the reward section's (reward.margin_field), not the data section's. Everything else is the source's."""
+
+    def __init__(self, source: Any, field: str):
+        self._source, self._field = source, field
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {**self._source.fields, "margin": self._field}
+
+
 class RecordError(ValueError):
     """A JSONL line that cannot be used as an example; ``line`` is 1-based."""
 
