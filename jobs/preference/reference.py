@@ -48,16 +48,32 @@ def cache_dir(run_dir: Path, fingerprint: str, model_key: str) -> Path:
 
 @contextlib.contextmanager
 def as_reference(model: torch.nn.Module, lora: bool) -> Iterator[None]:
-    """The model as the reference: eval mode, no autograd, and with LoRA its adapters off (peft's
-    disable_adapter: the base the adapters were trained on, no second model)."""
+    """The model as the reference: eval mode, no autograd, and with LoRA its adapters off (the base the adapters
+    were trained on, no second model)."""
     was_training = model.training
     model.eval()
-    adapters_off = model.disable_adapter() if lora else contextlib.nullcontext()
     try:
-        with torch.no_grad(), adapters_off:
+        with torch.no_grad(), _adapters_off(model) if lora else contextlib.nullcontext():
             yield
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """peft's own switch on each of its layers (the injected model keeps no PeftModel and its disable_adapter):
+    LoRA layers and modules_to_save wrappers then compute as the base; switching back restores the adapters'
+    requires_grad as peft set it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 class ReferenceCache:

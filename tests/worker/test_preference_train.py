@@ -1,6 +1,6 @@
 """Preference training end to end (jobs.train.run on 2 real gloo ranks, the local profile's way): DPO with the cached
 reference pass, stopped and resumed in training and inside the pass, against one uninterrupted run, bitwise;
-live against cached; LoRA; ORPO. The data: 3-digit additions, the right sum chosen over a wrong one."""
+live against cached; LoRA; ORPO. The data: 3-digit additions, the right sum chosen over zeros."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
     lines = []
     for _ in range(n):
         a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
-        wrong = a + b + rng.choice([-10, -1, 1, 10, 100])
-        lines.append(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(wrong)}))
+        wrong = "0" * len(str(a + b))  # a pattern the tiny random model learns to avoid in a few steps
+        lines.append(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
