@@ -34,7 +34,7 @@ from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
 from fsdpjob.orchestrator.core.jobspec.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
-from .examples import DataError, _bos, _encode, _eos
+from .examples import DataError, bos_ids, encode, eos_ids
 from .pairtable import PairTable, UnpairedTable, build_pair_table, build_unpaired_table, pad_id_of
 from .sources import Records, eval_spec, load_records
 
@@ -135,9 +135,9 @@ def _tokenized(records: Records, tokenizer: Any, roles: tuple[str, ...]) -> list
             rendered.append(_render_record(tokenizer, record, roles))
         except ValueError as exc:
             raise DataError(str(exc), file=file, line=line) from None
-    prompts = _encode(tokenizer, [r.prompt for r in rendered])["input_ids"]
-    answers = [_encode(tokenizer, [r.answers[i] for r in rendered])["input_ids"] for i in range(len(roles))]
-    bos, eos = _bos(tokenizer), _eos(tokenizer)
+    prompts = encode(tokenizer, [r.prompt for r in rendered])["input_ids"]
+    answers = [encode(tokenizer, [r.answers[i] for r in rendered])["input_ids"] for i in range(len(roles))]
+    bos, eos = bos_ids(tokenizer), eos_ids(tokenizer)
     out = []
     for i, r in enumerate(rendered):
         if r.conversation:  # the template writes its own special tokens
