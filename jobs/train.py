@@ -208,8 +208,8 @@ def _step_function(launch: Launch, parts: TrainParts, control: dist.ProcessGroup
         return preference_step_function(spec, parts, env, launch.paths.run_dir, launch.report,
                                         stop_agreed=lambda: _stop_agreed(launch, control),
                                         hand_off=lambda signum: _hand_off_before_training(launch, signum, control),
-                                        on_chunk=lambda index: launch.stop.request()
-                                        if index == launch.hooks.stop_in_reference and env.is_main else None)
+                                        on_chunk=lambda index: launch.hooks.after_reference_chunk(
+                                            index, launch.stop, env.is_main))
     return lambda batch: train_step(parts.model, parts.optimizer, batch.micro_batches, env.device,
                                     tokens=batch.tokens, max_grad_norm=spec.train.max_grad_norm,
                                     defer_grad_sync=defer_grad_sync, processed=batch.processed)
