@@ -98,9 +98,11 @@ def with_method_fields(raw: Any) -> Any:
     data = raw["data"]
     if defaults is None:
         return raw
-    if any(data.get(k) is not None for k in defaults if k != "prompt_field"):
-        defaults = {}
-    return {**raw, "data": {**defaults, "packing": False, **data}}
+    # Unset is missing or null (a dumped spec writes every field); prompt_field only when missing: a null written
+    # out is the implicit prompt.
+    fill = {} if any(data.get(k) is not None for k in defaults if k != "prompt_field") else {
+        k: v for k, v in defaults.items() if k != "prompt_field" or k not in data}
+    return {**raw, "data": {**data, **fill, "packing": data.get("packing", False)}}
 
 
 # Methods the spec knows whose training is not built yet: refused at validate, never on a node.
