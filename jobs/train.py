@@ -154,15 +154,16 @@ def _set_up(launch: Launch) -> Training:
     launch.state = parts.state
     stream, app_state = resume(parts, spec, env, source, report)
     tiers.resumed_at(parts.state.step)
+    control = control_group(env)
+    # A preference method's reference pass runs here, where it is not done yet: training starts after it.
+    step = _step_function(launch, parts, control,
+                          defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
     report.event(runlog.READY, step=parts.state.step, setup_s=round(time.time() - t_start, 2))
 
-    control = control_group(env)
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
     waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
         if spec.checkpoint.export_final and env.world_size > 1 else control
     evaluator = _evaluator(spec, parts, env, report)
-    step = _step_function(launch, parts, control,
-                          defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
     saver = Checkpointer(tiers, spec.checkpoint, max_steps=spec.train.max_steps, stop=launch.stop, control=control,
                          report=report, hooks=launch.hooks, eval_loss_at=evaluator.loss_at if evaluator else None)
     hooks = launch.hooks.at(rank=env.rank, world_size=env.world_size, run_dir=paths.run_dir,
