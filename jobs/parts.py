@@ -20,6 +20,7 @@ from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource
 from .data.cache import load_or_build
 from .data.packing import SequenceTable, packing_mode
+from .data.pairtable import pad_id_of
 from .data.preference import read_pair_table, read_unpaired_table
 from .data.sources import build_table, eval_spec
 from .data.stream import BatchStream, split_eval
@@ -27,6 +28,7 @@ from .dist import DistEnv
 from .metrics import Reporter
 from .model.build import load_model
 from .model.lora import trainable_parameters
+from .preference.ktobatch import KtoTable
 from .schedule import lr_factor
 from .step import StepValues
 
@@ -147,6 +149,8 @@ def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, A
     read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
     options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
     table = read(spec.data, tokenizer, **options)
+    if spec.train.method == "kto":  # each answer with its mismatched KL row (its partner fixed by the seed)
+        table = KtoTable.of(table, spec.train.seed, pad_id_of(tokenizer))
     eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
                  dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),

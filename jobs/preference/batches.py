@@ -1,5 +1,6 @@
 """A preference micro-batch as the model sees it: both answers of every pair in one forward (chosen rows, then
-rejected rows, as TRL's concatenated forward), and their summed answer log-probabilities."""
+rejected rows, as TRL's concatenated forward), or kto's answers then their mismatched KL rows (ktobatch.py), and
+their summed answer log-probabilities."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ from .losses import answer_logps
 
 def answer_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Input ids and labels [R, L] of a micro-batch: a pair batch's chosen rows then its rejected rows (R = 2B),
-    an unpaired batch's rows as they are."""
+    kto's answers then their KL rows (R = 2B), an unpaired batch without KL rows as it is."""
     if hasattr(batch, "chosen_ids"):
         return (torch.cat([batch.chosen_ids, batch.rejected_ids]), torch.cat([batch.chosen_labels,
                                                                                batch.rejected_labels]))
+    if hasattr(batch, "kl_ids"):
+        return torch.cat([batch.ids, batch.kl_ids]), torch.cat([batch.labels, batch.kl_labels])
     return batch.ids, batch.labels
+
+
+def policy_logps(model: torch.nn.Module, batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's answer log-probabilities and token counts of answer_rows(batch), [R] each. kto's KL rows go
+    through a second forward without autograd (TRL's too): they enter only the detached KL estimate, so keeping
+    their activations for a backward would double the step's memory for nothing."""
+    if not hasattr(batch, "kl_ids"):
+        return concatenated_logps(model, *answer_rows(batch), device)
+    logps, counts = concatenated_logps(model, batch.ids, batch.labels, device)
+    with torch.no_grad():
+        kl_logps, kl_counts = concatenated_logps(model, batch.kl_ids, batch.kl_labels, device)
+    return torch.cat([logps, kl_logps]), torch.cat([counts, kl_counts])
 
 
 def concatenated_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,

@@ -18,13 +18,13 @@ from ..metrics import Reporter
 from ..model.build import load_model
 from .objective import needs_reference, objective_for
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
-from .step import preference_step
+from .step import preference_step, rank_mean
 
 
 def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter, *,
                              stop_agreed: Callable[[], int], hand_off: Callable[[int], None],
                              on_chunk: Callable[[int], None] | None = None) -> Callable[[StepBatch], object]:
-    objective = objective_for(spec.train.method, spec.method_options)
+    objective = objective_for(spec.train.method, spec.method_options, rank_mean=rank_mean)
     reference_of = _reference(spec, parts, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
         if needs_reference(spec.train.method) else (lambda _batch: None)
     pairs = spec.train.micro_batch_size * spec.train.grad_accum_steps * env.world_size
@@ -39,7 +39,8 @@ def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, 
 def _reference(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter,
                stop_agreed: Callable[[], int], hand_off: Callable[[int], None], on_chunk):
     lora = spec.model.lora is not None
-    width = 2 if hasattr(parts.table, "chosen_ids") else 1
+    # Two columns for a pair table (chosen, rejected) and for kto's (the answer, its KL row: ktobatch.py).
+    width = 2 if hasattr(parts.table, "chosen_ids") or hasattr(parts.table, "partners") else 1
     if spec.method_options.reference == "live":
         model = parts.model if lora else _frozen_copy(spec, env, parts.mesh)
 

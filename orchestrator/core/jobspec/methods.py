@@ -106,7 +106,7 @@ def with_method_fields(raw: Any) -> Any:
 
 
 # Methods the spec knows whose training is not built yet: refused at validate, never on a node.
-NOT_YET = {"kto": "its unpaired loss is written, its training loop is not",
+NOT_YET = {
            "reward": "the scalar head and its export are not built"}
 
 
