@@ -183,7 +183,7 @@ def _fits(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> tu
 
 
 def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int,
-           env: dict[str, str] | None = None) -> list[Fix]:
+           env: dict[str, str] | None = None, method: str = "dpo") -> list[Fix]:
     """Single changes that make the plan fit, cheapest first; each one has been planned and fits (and is not refused:
     no CPU offload where rank 0 would broadcast the weights over gloo)."""
     out: list[Fix] = []
@@ -213,7 +213,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
                      "same global batch, more micro-steps")
             break
     if u.reference_copy:
-        consider("dpo.reference=cached", replace(u, reference_copy=False),
+        consider(f"{method}.reference=cached", replace(u, reference_copy=False),
                  "the reference's log-probabilities computed once before training and kept on disk: no second "
                  "model in memory")
     if u.model_bytes > 2:
@@ -271,7 +271,7 @@ def make_plan(job: Resolved) -> FitPlan:
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
-    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
+    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env, spec.train.method))
     refusal = offload_broadcast_conflict(shape, params, u, spec.env)
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),
