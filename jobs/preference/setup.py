@@ -27,11 +27,12 @@ def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, 
     objective = objective_for(spec.train.method, spec.method_options, rank_mean=rank_mean)
     reference_of = _reference(spec, parts, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
         if needs_reference(spec.train.method) else (lambda _batch: None)
-    pairs = spec.train.micro_batch_size * spec.train.grad_accum_steps * env.world_size
 
     def step(batch: StepBatch):
         return preference_step(parts.model, parts.optimizer, batch.micro_batches, env.device, objective=objective,
-                               reference_of=reference_of, pairs=pairs, tokens=batch.tokens,
+                               # The global batch the run keeps on any world size (a resume on fewer ranks
+                               # accumulates more micro-batches), not this start's spec product.
+                               reference_of=reference_of, pairs=parts.state.global_batch, tokens=batch.tokens,
                                max_grad_norm=spec.train.max_grad_norm, processed=batch.processed)
     return step
 

@@ -138,3 +138,19 @@ def test_lora_dpo_uses_the_base_with_its_adapters_off_as_reference_and_orpo_trai
     assert m[10]["loss"] < m[1]["loss"] and "rewards/accuracies" in m[10], m
     assert not (orpo / "reference").exists()  # ORPO needs no reference
     shutil.rmtree(tmp_path / "lora" / "checkpoints", ignore_errors=True)
+
+
+def test_a_dpo_stop_on_2_ranks_resumes_on_1_with_the_reference_cache_it_wrote(tmp_path, assets):
+    """Resharding: the cache is keyed by pair, not by rank; one rank reads it and trains the same global batch
+    (4 pairs: 1 x 2 x 2 ranks, then 1 x 4 x 1) to the same losses, within the reduction order's rounding."""
+    full = make_run(tmp_path, "full", assets, steps=8)
+    assert train(full) == [0, 0]
+    moved = make_run(tmp_path, "moved", assets, steps=8)
+    assert train(moved, FSDPJOB_STOP_AT_STEP="4") == [0, 0]
+    assert train(moved, world=1) == [0]
+    a, b = metrics(full), metrics(moved)
+    for step in range(5, 9):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+    assert [p["phase"] for p in events(moved) if p["event"] == "reference"] == ["start", "done"]  # read, not redone
+    resume = next(e for e in events(moved) if e["event"] == "resume")
+    assert resume["world_size"] == 1 and resume["grad_accum_steps"] == 4, resume
