@@ -192,6 +192,20 @@ def _causal_keys(config, attn_implementation: str) -> tuple[set[str], list[list[
     return set(causal.state_dict()), _tie_groups(causal)
 
 
+def _on_meta(config, head: str, *, attn_implementation: str, dtype: torch.dtype, pad_token_id: int | None,
+             lora: Any) -> nn.Module:
+    """The causal LM (``head="lm"``) or the reward model (``"score"``) of ``config`` on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    if head == "score":
+        if lora is not None:  # the spec refuses it (core/jobspec/methods.py); a caller's mistake otherwise
+            raise ValueError("a reward model (head score) is trained in full: LoRA is not supported with it")
+        return classifier_on_meta(config, attn_implementation=attn_implementation, dtype=dtype,
+                                  pad_token_id=pad_token_id)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+
+
 def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module._buffers.items() if b is not None and n in module._non_persistent_buffers_set]
 
@@ -267,7 +281,7 @@ def load_model(
     ``head="score"``: the reward model instead, the backbone with a scalar head whose rows are scored at their
     last token that is not ``pad_token_id`` (jobs/model/scorehead.py).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"fsdp.mixed_precision {mixed_precision!r} is not one of {sorted(_MIXED_PRECISION)}")
@@ -276,14 +290,8 @@ def load_model(
     config = AutoConfig.from_pretrained(path)
     attn_implementation = resolve_attention(config, attn_implementation, device=env.device, packed=packed,
                                             mixed_precision=mixed_precision)
-    if head == "score":
-        if lora is not None:  # the spec refuses it (core/jobspec/methods.py); a caller's mistake otherwise
-            raise ValueError("a reward model (head score) is trained in full: LoRA is not supported with it")
-        model = classifier_on_meta(config, attn_implementation=attn_implementation, dtype=dtype,
-                                   pad_token_id=pad_token_id)
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = _on_meta(config, head, attn_implementation=attn_implementation, dtype=dtype, pad_token_id=pad_token_id,
+                     lora=lora)
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)
     # LoRA (spec model.lora): adapters injected before sharding, so FSDP2 wraps base and adapters together.
     adapters = attach_lora(model, lora, draw_initial=env.is_main) if lora is not None else None

@@ -106,6 +106,14 @@ def test_a_stop_at_step_5_resumes_bitwise(runs):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_the_rank0_weight_read_gives_the_sharded_start(tmp_path, assets, runs):
+    # FSDPJOB_WEIGHT_LOAD=rank0: rank 0 reads the causal LM and broadcasts the backbone and the head's draw.
+    rank0 = reward_run(tmp_path, "rank0", assets, steps=2)
+    assert train(rank0, FSDPJOB_WEIGHT_LOAD="rank0") == [0, 0]
+    full, read = metrics(runs["full"]), metrics(rank0)
+    assert [full[s]["loss"] for s in (1, 2)] == [read[s]["loss"] for s in (1, 2)]
+
+
 def test_a_margin_column_is_read_and_raises_the_loss(tmp_path, assets, runs):
     margin = reward_run(tmp_path, "margin", assets, steps=2, options={"margin_field": "margin"}, pairs="margins")
     assert train(margin) == [0, 0]
