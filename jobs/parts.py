@@ -91,6 +91,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         lora=spec.model.lora,
         read_weights=read_weights,
         packed=packing_mode(spec.data.packing) == "boundary",
+        **_head(spec),
     )
     model.train()
     train = spec.train
@@ -107,6 +108,15 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
     state = TrainState(global_batch=train.micro_batch_size * train.grad_accum_steps * env.world_size)
     table, eval_table, train_rows = _load_data(spec, paths, env, report)
     return TrainParts(model, optimizer, scheduler, table, state, mesh, eval_table, train_rows)
+
+
+def _head(spec: JobSpec) -> dict[str, Any]:
+    """A reward model's scalar head, which scores a row at its last token that is not the data's pad id."""
+    if spec.train.method != "reward":
+        return {}
+    from transformers import AutoTokenizer
+
+    return {"head": "score", "pad_token_id": pad_id_of(AutoTokenizer.from_pretrained(spec.model.path))}
 
 
 def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,

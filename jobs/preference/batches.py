@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from fsdpjob.jobs.data.examples import IGNORE
+
 from .losses import answer_logps
 
 
@@ -38,3 +40,11 @@ def concatenated_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.
     and the model is causal, so an answer attends to its prompt and itself only: no attention mask needed."""
     logits = model(input_ids=ids.to(device), use_cache=False).logits
     return answer_logps(logits, labels.to(device))
+
+
+def reward_scores(model: torch.nn.Module, batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of answer_rows(batch): a reward model's score (the sequence classifier's own pooling: its head at
+    the row's last token that is not the pad id, jobs/model/scorehead.py) and the answer's token count."""
+    ids, labels = answer_rows(batch)
+    scores = model(input_ids=ids.to(device), use_cache=False).logits.squeeze(-1)
+    return scores, (labels[:, 1:] != IGNORE).sum(dim=1).to(device)

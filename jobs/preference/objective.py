@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from fsdpjob.orchestrator.core.jobspec.methods import DpoSpec, KtoSpec, OrpoSpec
+from fsdpjob.orchestrator.core.jobspec.methods import DpoSpec, KtoSpec, OrpoSpec, RewardSpec
 
-from .losses import dpo_loss, kto_kl, kto_loss, orpo_loss, pair_metrics, rpo_term
+from .losses import dpo_loss, kto_kl, kto_loss, orpo_loss, pair_metrics, reward_loss, rpo_term
 
 # The metrics a pair method logs, in this order (metrics.jsonl, the trackers).
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -25,6 +25,12 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 # and their summed log-probabilities.
 KTO_SUMS = ("kl", "micro_batches", "rewards/chosen", "chosen", "rewards/rejected", "rejected", "logps/chosen",
             "logps/rejected")
+
+# A reward model's, per-pair means: TRL's RewardTrainer names (accuracy, margin, mean_reward), then the pair methods'
+# rewards/* on the scores (the same values under the names the other methods log). TRL's min_reward and max_reward
+# are not sums over pairs and are left out.
+REWARD_METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                  "rewards/margins")
 
 
 class Ratio(NamedTuple):
@@ -115,10 +121,24 @@ def kto_objective(options: KtoSpec, rank_mean: Callable[[torch.Tensor], torch.Te
             ("logps/chosen", "chosen"), ("logps/rejected", "rejected"))))
 
 
+def reward_objective(_options: RewardSpec) -> Objective:
+    """Bradley-Terry on the rows' scores (batches.reward_scores: chosen rows, then rejected), with each pair's
+    margin where reward.margin_field gives one (the batch's margins)."""
+    def objective(scores: torch.Tensor, _counts: torch.Tensor, _reference: torch.Tensor | None, batch) -> BatchLoss:
+        chosen, rejected = scores.float().chunk(2)
+        margins = batch.margins.to(scores.device) if batch.margins is not None else None
+        losses = reward_loss(chosen, rejected, margins)
+        c, r = chosen.detach(), rejected.detach()
+        accuracy, margin = (c > r).float(), c - r
+        per_pair = torch.stack([accuracy, margin, (c + r) / 2, c, r, accuracy, margin])  # REWARD_METRICS' order
+        return BatchLoss(losses, per_pair.sum(dim=1))
+    return Objective(objective, len(REWARD_METRICS), tuple(Ratio(name, i) for i, name in enumerate(REWARD_METRICS)))
+
+
 def objective_for(method: str, options, *, rank_mean: Callable[[torch.Tensor], torch.Tensor]) -> Objective:
     if method == "kto":
         return kto_objective(options, rank_mean)
-    return {"dpo": dpo_objective, "orpo": orpo_objective}[method](options)
+    return {"dpo": dpo_objective, "orpo": orpo_objective, "reward": reward_objective}[method](options)
 
 
 def needs_reference(method: str) -> bool:

@@ -16,6 +16,7 @@ from ..data.packing import StepBatch
 from ..dist import DistEnv
 from ..metrics import Reporter
 from ..model.build import load_model
+from .batches import policy_logps, reward_scores
 from .objective import needs_reference, objective_for
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
 from .step import preference_step, rank_mean
@@ -33,7 +34,8 @@ def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, 
                                # The global batch the run keeps on any world size (a resume on fewer ranks
                                # accumulates more micro-batches), not this start's spec product.
                                reference_of=reference_of, pairs=parts.state.global_batch, tokens=batch.tokens,
-                               max_grad_norm=spec.train.max_grad_norm, processed=batch.processed)
+                               max_grad_norm=spec.train.max_grad_norm, processed=batch.processed,
+                               forward=reward_scores if spec.train.method == "reward" else policy_logps)
     return step
 
 

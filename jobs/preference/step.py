@@ -19,6 +19,10 @@ from ..step import StepValues
 from .batches import policy_logps
 from .objective import Objective, Ratio
 
+# (model, micro-batch, device) -> per row of batches.answer_rows: the value the objective reads (the answer's summed
+# log-probability; a reward model's score) and the answer's token count.
+Forward = Callable[[torch.nn.Module, object, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
 
 class PairStepValues(StepValues):
     """A preference step's mean loss, gradient norm and metrics, read lazily (one all-reduce)."""
@@ -61,12 +65,12 @@ def rank_mean(value: torch.Tensor) -> torch.Tensor:
 
 def preference_step(model, optimizer, micro_batches, device: torch.device, *, objective: Objective,
                     reference_of: ReferenceOf, pairs: int, tokens: int, max_grad_norm: float,
-                    processed: int = 0) -> PairStepValues:
+                    processed: int = 0, forward: Forward = policy_logps) -> PairStepValues:
     scale = dist.get_world_size() / max(float(pairs), 1.0)
     sums = torch.zeros(1 + objective.sums, dtype=torch.float32, device=device)
     for batch in micro_batches:
         reference = reference_of(batch)
-        logps, counts = policy_logps(model, batch, device)
+        logps, counts = forward(model, batch, device)
         out = objective(logps, counts, reference, batch)
         (out.losses.sum() * scale).backward()
         sums += torch.cat([out.losses.detach().sum().float().reshape(1), out.metric_sums.to(device)])

@@ -106,8 +106,13 @@ def with_method_fields(raw: Any) -> Any:
 
 
 # Methods the spec knows whose training is not built yet: refused at validate, never on a node.
-NOT_YET = {
-           "reward": "the scalar head and its export are not built"}
+NOT_YET: dict[str, str] = {}
+
+
+def check_method_model(method: str, lora: Any) -> None:
+    """A reward model is trained in full: its new head and the export as a sequence classifier have no LoRA form."""
+    if method == "reward" and lora is not None:
+        raise field_error("model.lora", "a reward model is trained in full in this version; drop model.lora")
 
 
 def check_method_data(method: str, data: Any) -> None:
