@@ -1,6 +1,10 @@
 """Test and fault-injection hooks of the worker, read once from the environment; unset in real runs.
 
 - ``FSDPJOB_STOP_AT_STEP=<n>``: rank 0 requests a stop after step n, as if a stop signal had come.
+- ``FSDPJOB_STOP_IN_REFERENCE=<k>``: rank 0 requests a stop once chunk k of a preference run's reference pass is
+  written (jobs/preference/reference.py), as if a stop signal had come.
+- ``FSDPJOB_MIN_CHUNK_S=<s>``: in the job's first allocation, each chunk of the reference pass lasts at least this
+  long (a test preempts the job inside the pass).
 - ``FSDPJOB_LOG_SAMPLES=1``: append each step's global sample ids to samples.jsonl (proves a resume skips
   and repeats none).
 - ``FSDPJOB_FAULT_SAVE_PAUSE_S=<s>``: ranks sleep that long in a checkpoint save right after their shard
@@ -69,6 +73,7 @@ class TestHooks:
     __test__ = False  # not a pytest test class, whatever imports it
 
     stop_at_step: int = 0
+    stop_in_reference: int | None = None
     log_samples: bool = False
     save_pause_s: float = 0.0
     save_pause_rank: int | None = None  # None: every rank
@@ -79,7 +84,15 @@ class TestHooks:
     stop_rank: int = 0
     skip_final_save: bool = False
     min_step_s: float = 0.0
+    min_chunk_s: float = 0.0
     exit_step: int | None = None
+
+    def after_reference_chunk(self, index: int, stop, is_main: bool) -> None:
+        """After chunk ``index`` of the reference pass is written: the stop request and the pacing hooks."""
+        if self.min_chunk_s:
+            time.sleep(self.min_chunk_s)
+        if index == self.stop_in_reference and is_main:
+            stop.request()
 
     @classmethod
     def from_env(cls) -> TestHooks:
@@ -87,6 +100,7 @@ class TestHooks:
         faults = worker.launch == 0
         return cls(
             stop_at_step=_int_or_none("FSDPJOB_STOP_AT_STEP") or 0,
+            stop_in_reference=_int_or_none("FSDPJOB_STOP_IN_REFERENCE"),
             log_samples=envvars.get("FSDPJOB_LOG_SAMPLES") is not None,  # any value, not only '1'
             save_pause_s=_number("FSDPJOB_FAULT_SAVE_PAUSE_S") if faults else 0.0,
             save_pause_rank=_int_or_none("FSDPJOB_FAULT_SAVE_RANK"),
@@ -97,6 +111,7 @@ class TestHooks:
             stop_rank=_int_or_none("FSDPJOB_FAULT_STOP_RANK") or 0,
             skip_final_save=envvars.is_on("FSDPJOB_SKIP_FINAL_SAVE"),
             min_step_s=_number("FSDPJOB_MIN_STEP_S") if worker.restart_count == 0 else 0.0,
+            min_chunk_s=_number("FSDPJOB_MIN_CHUNK_S") if worker.restart_count == 0 else 0.0,
             exit_step=_int_or_none("FSDPJOB_FAULT_EXIT_STEP") if faults else None,
         )
 

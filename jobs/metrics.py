@@ -162,7 +162,7 @@ class Reporter:
         elapsed, steps = now - self._window_start, max(1, step - self._window_step)
         window_tokens = self._window_tokens
         self.step(step, {
-            "loss": values.loss, "lr": lr, "grad_norm": values.grad_norm, "tokens": tokens_seen,
+            "loss": values.loss, **values.extra(), "lr": lr, "grad_norm": values.grad_norm, "tokens": tokens_seen,
             "tokens_per_s": window_tokens / max(elapsed, 1e-9),
             "mfu": mfu(self._flops_per_token, window_tokens, elapsed, self._device, self._world_size),
             **memory_figures(self._device),

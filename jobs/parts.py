@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -19,12 +20,15 @@ from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource
 from .data.cache import load_or_build
 from .data.packing import SequenceTable, packing_mode
+from .data.pairtable import pad_id_of
+from .data.preference import read_pair_table, read_unpaired_table
 from .data.sources import build_table, eval_spec
 from .data.stream import BatchStream, split_eval
 from .dist import DistEnv
 from .metrics import Reporter
 from .model.build import load_model
 from .model.lora import trainable_parameters
+from .preference.ktobatch import KtoTable
 from .schedule import lr_factor
 from .step import StepValues
 
@@ -87,6 +91,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         lora=spec.model.lora,
         read_weights=read_weights,
         packed=packing_mode(spec.data.packing) == "boundary",
+        **_head(spec),
     )
     model.train()
     train = spec.train
@@ -105,6 +110,15 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
     return TrainParts(model, optimizer, scheduler, table, state, mesh, eval_table, train_rows)
 
 
+def _head(spec: JobSpec) -> dict[str, Any]:
+    """A reward model's scalar head, which scores a row at its last token that is not the data's pad id."""
+    if spec.train.method != "reward":
+        return {}
+    from transformers import AutoTokenizer
+
+    return {"head": "score", "pad_token_id": pad_id_of(AutoTokenizer.from_pretrained(spec.model.path))}
+
+
 def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
                report: Reporter) -> tuple[SequenceTable, SequenceTable | None, torch.Tensor | None]:
     """Tokenized and packed the same way on every rank (each rank later reads its own slice); cached per run.
@@ -114,6 +128,8 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
 
     heartbeat.enter(heartbeat.DATA_LOAD)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+    if spec.train.method != "sft":
+        return _preference_data(spec, tokenizer, report)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_data = time.time()
 
@@ -134,6 +150,22 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
                  split=table.split, dropped=table.dropped, packing_efficiency=round(table.efficiency, 4),
                  cached=cached, seconds=round(time.time() - t_data, 2), **extra)
     return table, eval_table, train_rows
+
+
+def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, Any, None]:
+    """A pair (or labelled answer) per row, both answers right-padded to seq_len: not packed, not cached (the
+    tokenizing is a small part of a preference job's set-up beside its reference pass)."""
+    t_data = time.time()
+    read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
+    options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
+    table = read(spec.data, tokenizer, **options)
+    if spec.train.method == "kto":  # each answer with its mismatched KL row (its partner fixed by the seed)
+        table = KtoTable.of(table, spec.train.seed, pad_id_of(tokenizer))
+    eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
+    report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
+                 dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
+                 **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))
+    return table, eval_table, None
 
 
 def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None,

@@ -55,6 +55,10 @@ class StepValues:
         """Total gradient norm before clipping."""
         return self._values()[1]
 
+    def extra(self) -> dict[str, float]:
+        """A method's own metrics (preference training's rewards and log-probabilities); none for SFT."""
+        return {}
+
 
 def copy_is_async(device: torch.device) -> bool:
     """Whether host-to-device copies pin the source and return at once: only to CUDA. A pageable source

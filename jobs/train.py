@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from . import gcpolicy, preemption
 from .checkpoint.io import plain_writer
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.tiers import Tiers, find_resume_source, open_memory_tier
+from .data.packing import StepBatch
 from .data.stream import BatchStream
 from .dist import (
     DistEnv,
@@ -44,8 +46,9 @@ from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
 from .model.parallelize import build_mesh
 from .parts import TrainParts, TrainState, build, resume
+from .preference.setup import preference_step_function
 from .savepolicy import Checkpointer
-from .step import train_step
+from .step import StepValues, train_step
 from .workerenv import WorkerEnv, process_started_at
 
 log = logging.getLogger("fsdpjob.train")
@@ -78,6 +81,7 @@ class Training:
     saver: Checkpointer
     evaluator: Evaluator | None
     hooks: StepHooks
+    step: Callable[[StepBatch], StepValues]  # the method's optimizer step over this rank's micro-batches
     control: dist.ProcessGroup | None  # host-side agreements, off the GPU stream
     waits_export: dist.ProcessGroup | None  # where the ranks wait for rank 0's export
     defer_grad_sync: bool  # the planner's memory verdict
@@ -150,9 +154,12 @@ def _set_up(launch: Launch) -> Training:
     launch.state = parts.state
     stream, app_state = resume(parts, spec, env, source, report)
     tiers.resumed_at(parts.state.step)
+    control = control_group(env)
+    # A preference method's reference pass runs here, where it is not done yet: training starts after it.
+    step = _step_function(launch, parts, control,
+                          defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
     report.event(runlog.READY, step=parts.state.step, setup_s=round(time.time() - t_start, 2))
 
-    control = control_group(env)
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
     waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
         if spec.checkpoint.export_final and env.world_size > 1 else control
@@ -161,7 +168,7 @@ def _set_up(launch: Launch) -> Training:
                          report=report, hooks=launch.hooks, eval_loss_at=evaluator.loss_at if evaluator else None)
     hooks = launch.hooks.at(rank=env.rank, world_size=env.world_size, run_dir=paths.run_dir,
                             train_rows=parts.train_rows)
-    return Training(parts, stream, app_state, saver, evaluator, hooks, control, waits_export,
+    return Training(parts, stream, app_state, saver, evaluator, hooks, step, control, waits_export,
                     defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")),
                     start_step=parts.state.step)
 
@@ -180,9 +187,7 @@ def _train(launch: Launch, training: Training) -> None:
         batch = training.stream.next_step()
         heartbeat.enter(heartbeat.STEP)
         saver.before_step(state.step + 1)  # every few steps, the stop/save flags travel while the step trains
-        state.last = train_step(parts.model, parts.optimizer, batch.micro_batches, env.device, tokens=batch.tokens,
-                                max_grad_norm=spec.train.max_grad_norm, defer_grad_sync=training.defer_grad_sync,
-                                processed=batch.processed)
+        state.last = training.step(batch)
         lr = parts.scheduler.get_last_lr()[0]
         parts.scheduler.step()
         state.step += 1
@@ -194,6 +199,38 @@ def _train(launch: Launch, training: Training) -> None:
             training.evaluator.maybe_run(state.step)
         if signum := saver.after_step(state.step, training.app_state):
             _hand_off(launch, training, signum)
+
+
+def _step_function(launch: Launch, parts: TrainParts, control: dist.ProcessGroup | None, *,
+                   defer_grad_sync: bool) -> Callable[[StepBatch], StepValues]:
+    """SFT's step, or a preference method's with its reference (preference/setup.py runs the reference pass)."""
+    spec, env = launch.spec, launch.env
+    if spec.train.method != "sft":
+        return preference_step_function(spec, parts, env, launch.paths.run_dir, launch.report,
+                                        stop_agreed=lambda: _stop_agreed(launch, control),
+                                        hand_off=lambda signum: _hand_off_before_training(launch, signum, control),
+                                        on_chunk=lambda index: launch.hooks.after_reference_chunk(
+                                            index, launch.stop, env.is_main))
+    return lambda batch: train_step(parts.model, parts.optimizer, batch.micro_batches, env.device,
+                                    tokens=batch.tokens, max_grad_norm=spec.train.max_grad_norm,
+                                    defer_grad_sync=defer_grad_sync, processed=batch.processed)
+
+
+def _stop_agreed(launch: Launch, control: dist.ProcessGroup | None) -> int:
+    """Every rank's stop signal, agreed (the largest): a stop between two chunks of the reference pass."""
+    flag = torch.tensor([launch.stop.signum], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+    return int(flag.item())
+
+
+def _hand_off_before_training(launch: Launch, signum: int, control: dist.ProcessGroup | None) -> None:
+    """A stop before the first step (the reference pass): nothing to save, the pass's chunks are written; every
+    rank leaves the way a stop checkpoint's hand-off does, and the next start resumes the pass."""
+    preemption.stop_and_hand_off(signum, launch.state.step if launch.state else 0, is_main=launch.env.is_main,
+                                 stop=launch.stop, worker=launch.worker,
+                                 max_requeues=launch.spec.preemption.max_requeues, save_started=time.time(),
+                                 run_dir=launch.paths.run_dir, ending=launch.report.ending,
+                                 share=lambda outcome: share_from_rank0(outcome, control))
 
 
 def _hand_off(launch: Launch, training: Training, signum: int) -> None:

@@ -99,6 +99,21 @@ def test_init_writes_a_commented_spec_that_validates(tmp_path):
     assert checked.exit_code == 0 and ": ok (profile local, world size 2" in checked.stdout, checked.output
 
 
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_init_method_writes_a_preference_starter_that_validates_on_pairs(tmp_path, method):
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    done = invoke("init", str(model), "--method", method, "--out", str(tmp_path / "job.yaml"))
+    assert done.exit_code == 0, done.output
+    text = (tmp_path / "job.yaml").read_text()
+    assert f"method: {method}" in text and f"\n{method}:\n" in text and '"chosen"' in text, text
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    checked = invoke("validate", str(tmp_path / "job.yaml"))
+    assert checked.exit_code == 0, checked.output
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2", "rejected": "3"}\n')
+    refused = invoke("validate", str(tmp_path / "job.yaml"))
+    assert refused.exit_code == 2 and "data.jsonl:1" in refused.stderr and "'chosen'" in refused.stderr, refused.output
+
+
 def test_init_refuses_a_family_validate_refuses_with_its_words(tmp_path):
     model = helpers.tiny_model_folder(tmp_path / "model")
     config = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}

@@ -77,10 +77,10 @@ def test_crash_loses_the_steps_beyond_the_checkpoint_the_next_attempt_resumed_fr
     rep = goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS)
     assert_adds_up(rep)
     first, second = rep.attempts
-    assert first.seconds == pytest.approx({"launch": 0, "startup": 20, "productive": 20, "checkpoint": 2, "lost": 23,
-                                           "hang": 0, "teardown": 7, "unexplained": 0})
-    assert second.seconds == pytest.approx({"launch": 0, "startup": 11, "productive": 31, "checkpoint": 3, "lost": 0,
-                                            "hang": 0, "teardown": 10, "unexplained": 0})
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 20, "reference": 0, "productive": 20,
+                                           "checkpoint": 2, "lost": 23, "hang": 0, "teardown": 7, "unexplained": 0})
+    assert second.seconds == pytest.approx({"launch": 0, "startup": 11, "reference": 0, "productive": 31,
+                                            "checkpoint": 3, "lost": 0, "hang": 0, "teardown": 10, "unexplained": 0})
     assert (first.queue_wait_s, first.held_s, second.queue_wait_s, second.held_s) == (10, 0, 123, 120)
     assert (first.start_step, first.reached_step, second.start_step, second.reached_step) == (0, 43, 20, 50)
     [cut] = rep.interruptions
@@ -123,8 +123,8 @@ def test_preemption_with_a_stop_checkpoint_loses_nothing_from_events_alone():
     first, second = rep.attempts
     # Without the scheduler's times an attempt spans its first to its last entry.
     assert (first.start, first.end, second.start, second.end) == (5, 36, 160, 185)
-    assert first.seconds == pytest.approx({"launch": 0, "startup": 5, "productive": 24, "checkpoint": 2, "lost": 0,
-                                           "hang": 0, "teardown": 0, "unexplained": 0})
+    assert first.seconds == pytest.approx({"launch": 0, "startup": 5, "reference": 0, "productive": 24, "checkpoint": 2,
+                                           "lost": 0, "hang": 0, "teardown": 0, "unexplained": 0})
     assert second.seconds["productive"] == pytest.approx(17) and second.seconds["checkpoint"] == pytest.approx(1)
     assert (first.queue_wait_s, second.queue_wait_s) == (5, 124)
     [cut] = rep.interruptions
@@ -132,6 +132,23 @@ def test_preemption_with_a_stop_checkpoint_loses_nothing_from_events_alone():
     assert cut.recovered == "requeued by the workers, resumed from step 24"
     assert (rep.units, rep.unit, rep.source) == (2, "CPU rank", "events")
     assert rep.goodput == pytest.approx(41 / 56)
+
+
+def test_a_reference_pass_is_its_own_part_in_the_allocation_it_stopped_in_and_the_one_that_finished_it():
+    """Preference training (jobs/preference/reference.py): a preemption inside the pass (its stop at step 0, no
+    ready), then the next allocation finishes the pass and trains."""
+    events = [ev("start", 5, restart=0), ev("data", 8), ev("reference", 10, phase="start", rows=96),
+              ev("reference", 30, phase="stopped", seconds=20), ev("stop", 31, step=0, reason="preemption",
+                                                                   save_s=0.5, requeued=True),
+              ev("start", 100, restart=1), ev("data", 103), ev("reference", 104, phase="start", rows=96),
+              ev("reference", 110, phase="done", seconds=6), ev("ready", 111, step=0),
+              ev("checkpoint", 130, step=12, reason="final", save_s=1.0), ev("done", 131, step=12)]
+    rep = goodput(record(0, gpus_per_node=0), None, events, [metric(6, 120), metric(12, 129)])
+    assert_adds_up(rep)
+    first, second = rep.attempts
+    assert first.seconds["reference"] == pytest.approx(20) and first.seconds["productive"] == 0, first.seconds
+    assert second.seconds["reference"] == pytest.approx(6) and second.seconds["startup"] == pytest.approx(5)
+    assert second.seconds["productive"] == pytest.approx(18), second.seconds
 
 
 def test_a_hang_counts_from_the_last_progress_to_the_timeout_and_an_eventless_allocation_is_unexplained():

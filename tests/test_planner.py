@@ -489,3 +489,21 @@ def test_the_planner_and_the_worker_read_one_peak_table(gpu_type: str, bf16: flo
     assert peak_flops(gpu_type) == bf16 and peak_flops(gpu_type, 4) < bf16 / 10
     assert peak_flops_for_name("NVIDIA " + gpu_type.rsplit("-", 1)[0].replace("-", " ")) == bf16
     assert peak_flops("H1000") is None and peak_flops("fake (CPU compute; torch sees no CUDA)") is None
+
+
+def test_dpo_counts_both_answers_rows_and_a_live_reference_copy_and_proposes_the_cache(seed_70b: JobSpec) -> None:
+    """Preference training (issue 39): each pair is two rows in the forward; reference: live on a full fine-tune
+    holds a frozen sharded copy of the weights; where that does not fit, the fix is reference: cached."""
+    three = with_changes(seed_70b, "resources.nodes=3 data.seq_len=6144")
+    sft = make_plan(resolve(three, A100))
+    dpo = "train.method=dpo data.packing=false data.prompt_field=prompt"
+    cached = make_plan(resolve(with_changes(three, dpo), A100))
+    live = make_plan(resolve(with_changes(three, f"{dpo} dpo.reference=live"), A100))
+    assert cached.device.peak > sft.device.peak  # twice the rows' activations and logits
+    copy = next(i for i in live.device.state if i.name == "reference model (live)")
+    assert copy.bytes == -(-live.trainable.weights // 24) * 4 and copy.bytes > 10 * GiB  # 70B fp32 over 24 ranks
+    assert not live.fits and cached.fits
+    assert live.fixes[0].change == "dpo.reference=cached", live.fixes
+    assert live.timing.flops_per_rank > cached.timing.flops_per_rank  # the reference's forward every step
+    lora = make_plan(resolve(with_changes(three, f"{dpo} dpo.reference=live model.lora={{}}"), A100))
+    assert not [i for i in lora.device.state if i.name == "reference model (live)" and i.bytes]  # adapters off

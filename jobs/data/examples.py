@@ -49,34 +49,34 @@ def _load_records(data: DataSpec) -> list[tuple[int, dict[str, Any]]]:
     return records
 
 
-def _encode(tokenizer: Any, texts: list[str], offsets: bool = False) -> Any:
+def encode(tokenizer: Any, texts: list[str], offsets: bool = False) -> Any:
     # add_special_tokens=False: bos/eos are placed explicitly, whatever the tokenizer would add on its own.
     return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
 
 
-def _bos(tokenizer: Any) -> list[int]:
+def bos_ids(tokenizer: Any) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-def _eos(tokenizer: Any) -> list[int]:
+def eos_ids(tokenizer: Any) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
 
 def _text_examples(records: list[tuple[int, dict]], tokenizer: Any) -> list[Example]:
-    encoded = _encode(tokenizer, [r["text"] for _, r in records])["input_ids"]
+    encoded = encode(tokenizer, [r["text"] for _, r in records])["input_ids"]
     out = []
     for (line, _), ids in zip(records, encoded):
-        ids = _bos(tokenizer) + ids + _eos(tokenizer)
+        ids = bos_ids(tokenizer) + ids + eos_ids(tokenizer)
         out.append(Example(ids, list(ids), line))
     return out
 
 
 def _prompt_completion_examples(records: list[tuple[int, dict]], tokenizer: Any) -> list[Example]:
-    prompts = _encode(tokenizer, [r["prompt"] for _, r in records])["input_ids"]
-    completions = _encode(tokenizer, [r["completion"] for _, r in records])["input_ids"]
+    prompts = encode(tokenizer, [r["prompt"] for _, r in records])["input_ids"]
+    completions = encode(tokenizer, [r["completion"] for _, r in records])["input_ids"]
     out = []
     for (line, _), p, c in zip(records, prompts, completions):
-        p, c = _bos(tokenizer) + p, c + _eos(tokenizer)
+        p, c = bos_ids(tokenizer) + p, c + eos_ids(tokenizer)
         out.append(Example(p + c, [IGNORE] * len(p) + c, line))
     return out
 
@@ -149,8 +149,8 @@ def _chat_examples(records: list[tuple[int, dict]], tokenizer: Any, path: str) -
             rendered.append(_chat_example(tokenizer, record["messages"]))
         except ValueError as exc:
             raise DataError(str(exc), file=path, line=line) from None
-    encoded = _encode(tokenizer, [text for text, _ in rendered], offsets=True)
-    eos = _eos(tokenizer)
+    encoded = encode(tokenizer, [text for text, _ in rendered], offsets=True)
+    eos = eos_ids(tokenizer)
     out = []
     for (line, _), (_, spans), ids, offsets in zip(records, rendered, encoded["input_ids"], encoded["offset_mapping"]):
         labels = [tok if _overlaps(start, end, spans) else IGNORE for tok, (start, end) in zip(ids, offsets)]

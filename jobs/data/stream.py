@@ -71,8 +71,12 @@ class BatchStream:
         self.epoch_size = len(table) if table.source is None else epoch_size(table.source, table.weights)
         # Every rank holds the whole table, so each counts the global batch's target tokens itself (the loss's
         # denominator) instead of summing the ranks' counts in a collective every step.
-        self._row_tokens = row_tokens(table.labels)
+        self._row_tokens = row_tokens(table.labels) if isinstance(table, SequenceTable) else table.row_tokens()
         self._row_lengths = table.row_lengths()
+        # A preference table (data/preference.py: a pair or an answer per row) makes its own micro-batches.
+        self._micro_batch = ((lambda rows, positions: micro_batch(table, rows, positions))
+                             if isinstance(table, SequenceTable)
+                             else (lambda rows, _positions: table.micro_batch(rows)))
 
     @property
     def global_batch_size(self) -> int:
@@ -126,7 +130,7 @@ class BatchStream:
         self.samples_consumed += self.global_batch_size
         batches = []
         for pos, row in zip(positions.split(self.micro_batch_size), rows.split(self.micro_batch_size)):
-            batches.append(micro_batch(self.table, row, pos))
+            batches.append(self._micro_batch(row, pos))
         return StepBatch(batches, tokens, processed)
 
     # Keys added after checkpoints were already written (absent from older ones; see DictState in

@@ -25,6 +25,8 @@ from .hfdir import (
 )
 from .lora import lora_writer
 
+SCORE_HEAD = "score"  # transformers' sequence classifier's head (jobs/model/scorehead.HEAD)
+
 log = logging.getLogger("fsdpjob.export")
 
 
@@ -68,8 +70,9 @@ def export_hf(
 
 
 def _write_folder(step_dir: Path, model_dir: Path, out: Path, target: torch.dtype, max_shard_bytes: int) -> int:
-    config = write_config(model_dir, out, target)
     prefix, entries = model_entries(step_dir)
+    # A reward model's checkpoint holds the sequence classifier's head (jobs/model/scorehead.py), no LM head.
+    config = write_config(model_dir, out, target, classifier=f"{SCORE_HEAD}.weight" in entries)
     if config.get("tie_word_embeddings", False):
         entries.pop("lm_head.weight", None)  # from_pretrained re-ties it to the input embeddings
     sizes = {n: _export_nbytes(m, target) for n, m in entries.items()}

@@ -69,14 +69,33 @@ def load_group(
     return {n: wanted[prefix + n] for n in names}
 
 
-def write_config(model_dir: Path, out_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
-    """The model folder's config.json into ``out_dir`` with the export's dtype; returns the config."""
+def write_config(model_dir: Path, out_dir: Path, dtype: torch.dtype, classifier: bool = False) -> dict[str, Any]:
+    """The model folder's config.json into ``out_dir`` with the export's dtype; returns the config.
+    ``classifier``: the weights are a reward model's (train.method reward), a sequence classifier's config."""
     config = json.loads((model_dir / "config.json").read_text())
+    if classifier:
+        config.update(_classifier_fields(config, model_dir))
     config["dtype"] = DTYPE_NAMES[dtype]
     if "torch_dtype" in config:  # readers older than transformers v5 look here
         config["torch_dtype"] = DTYPE_NAMES[dtype]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return config
+
+
+def _classifier_fields(config: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """What makes AutoModelForSequenceClassification load the reward model: one label, its class, and the pad id
+    training scored the rows by (their last token that is not it: jobs/model/scorehead.py)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    from ..data.pairtable import pad_id_of
+
+    fields: dict[str, Any] = {"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.get("model_type"))
+    if name:
+        fields["architectures"] = [name]
+    fields["pad_token_id"] = pad_id_of(AutoTokenizer.from_pretrained(model_dir))  # as jobs/parts.py gives training
+    return fields
 
 
 def copy_side_files(model_dir: Path, out_dir: Path) -> None:

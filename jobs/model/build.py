@@ -20,6 +20,7 @@ from ..dist import DistEnv
 from . import varlen
 from .lora import attach_lora
 from .parallelize import apply_fsdp
+from .scorehead import classifier_on_meta, load_classifier
 from .weightload import load_sharded
 
 log = logging.getLogger("fsdpjob.jobs.model")
@@ -182,6 +183,29 @@ def _read_on_rank0(env: DistEnv, path: Path, expected: set[str], tie_groups: lis
     return full
 
 
+def _causal_keys(config, attn_implementation: str) -> tuple[set[str], list[list[str]]]:
+    """The state-dict keys and tie groups of the causal LM a model folder holds (on meta: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        causal = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return set(causal.state_dict()), _tie_groups(causal)
+
+
+def _on_meta(config, head: str, *, attn_implementation: str, dtype: torch.dtype, pad_token_id: int | None,
+             lora: Any) -> nn.Module:
+    """The causal LM (``head="lm"``) or the reward model (``"score"``) of ``config`` on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    if head == "score":
+        if lora is not None:  # the spec refuses it (core/jobspec/methods.py); a caller's mistake otherwise
+            raise ValueError("a reward model (head score) is trained in full: LoRA is not supported with it")
+        return classifier_on_meta(config, attn_implementation=attn_implementation, dtype=dtype,
+                                  pad_token_id=pad_token_id)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+
+
 def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module._buffers.items() if b is not None and n in module._non_persistent_buffers_set]
 
@@ -245,6 +269,8 @@ def load_model(
     compile_layers: bool | str = False,
     read_weights: bool = True,
     packed: bool = False,
+    head: str = "lm",
+    pad_token_id: int | None = None,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False
     uninitialized (the caller loads a checkpoint that holds every weight).
@@ -252,8 +278,10 @@ def load_model(
     No rank builds the full model: it is created on the meta device, sharded, then materialized shard by
     shard; each rank reads its own shards of safetensors weights, or (stored names that need transformers'
     conversion, LoRA, FSDPJOB_WEIGHT_LOAD=rank0) rank 0 reads them and each tensor is broadcast and sliced.
+    ``head="score"``: the reward model instead, the backbone with a scalar head whose rows are scored at their
+    last token that is not ``pad_token_id`` (jobs/model/scorehead.py).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"fsdp.mixed_precision {mixed_precision!r} is not one of {sorted(_MIXED_PRECISION)}")
@@ -262,8 +290,8 @@ def load_model(
     config = AutoConfig.from_pretrained(path)
     attn_implementation = resolve_attention(config, attn_implementation, device=env.device, packed=packed,
                                             mixed_precision=mixed_precision)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = _on_meta(config, head, attn_implementation=attn_implementation, dtype=dtype, pad_token_id=pad_token_id,
+                     lora=lora)
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)
     # LoRA (spec model.lora): adapters injected before sharding, so FSDP2 wraps base and adapters together.
     adapters = attach_lora(model, lora, draw_initial=env.is_main) if lora is not None else None
@@ -281,6 +309,10 @@ def load_model(
     _materialize(model, env.device, cpu_offload)
     if not read_weights:
         log.info("built %s (%s) on rank %d; its weights come from the checkpoint", path, type(model).__name__, env.rank)
+        return model
+    if head == "score":
+        causal_keys, causal_ties = _causal_keys(config, attn_implementation)
+        load_classifier(model, path, env, causal_keys, lambda: _read_on_rank0(env, path, causal_keys, causal_ties))
         return model
     # Safetensors: each rank reads only its own shards (jobs/model/weightload.py); otherwise rank 0 reads and
     # broadcasts.

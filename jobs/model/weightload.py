@@ -41,7 +41,7 @@ from ..checkpoint.io import pread_into
 log = logging.getLogger("fsdpjob.jobs.weightload")
 
 SWITCH = "FSDPJOB_WEIGHT_LOAD"  # "rank0": read on rank 0 and broadcast, as before; unset or "sharded": this path
-_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's module, not in file names
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's module, not in file names
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -125,19 +125,21 @@ def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, .
 
 
 @torch.no_grad()
-def plan_pieces(model: nn.Module, path: Path, expected: set[str], tie_groups: list[list[str]]) -> list[Piece] | str:
-    """What this rank reads, or why the sharded path does not apply (every rank sees the same answer)."""
+def plan_pieces(model: nn.Module, path: Path, expected: set[str], tie_groups: list[list[str]],
+                ignore: set[str] = frozenset()) -> list[Piece] | str:
+    """What this rank reads, or why the sharded path does not apply (every rank sees the same answer); stored
+    tensors named in ``ignore`` are not the model's (a reward model's backbone leaves the LM head unread)."""
     if envvars.get(SWITCH, "sharded") == "rank0":
         return f"{SWITCH}=rank0"
     stored = stored_tensors(path)
     if stored is None:
         return "no safetensors weights"
-    names = map_names(expected, set(stored), tie_groups, getattr(model, "base_model_prefix", "") or "")
+    names = map_names(expected, set(stored) - ignore, tie_groups, getattr(model, "base_model_prefix", "") or "")
     if names is None:
         return "the stored names do not map onto the model's"
     pieces: list[Piece] = []
-    params = [(n.replace(_CHECKPOINT_WRAPPER, ""), p) for n, p in model.named_parameters()]
-    buffers = [(n.replace(_CHECKPOINT_WRAPPER, ""), b) for n, b in model.named_buffers() if b is not None]
+    params = [(n.replace(CHECKPOINT_WRAPPER, ""), p) for n, p in model.named_parameters()]
+    buffers = [(n.replace(CHECKPOINT_WRAPPER, ""), b) for n, b in model.named_buffers() if b is not None]
     twins = {name: group for group in tie_groups for name in group}
     covered = {twin for name, _ in params + buffers for twin in twins.get(name, [name])}
     strays = sorted(n for n, _ in params if n not in expected) + sorted(expected - covered)
@@ -187,14 +189,15 @@ def _agree(failure: str | None) -> list[tuple[int, str]]:
     return [(rank, text) for rank, text in enumerate(failures) if text]
 
 
-def load_sharded(model: nn.Module, path: Path, expected: set[str], tie_groups: list[list[str]]) -> bool:
+def load_sharded(model: nn.Module, path: Path, expected: set[str], tie_groups: list[list[str]],
+                 ignore: set[str] = frozenset()) -> bool:
     """Fill the materialized sharded model from the safetensors at ``path``, each rank its own shards (collective).
 
     False (nothing read, on every rank) when the sharded path does not apply: the caller then reads on rank 0
     and broadcasts. A read error on any rank raises on every rank.
     """
     try:
-        planned = plan_pieces(model, path, expected, tie_groups)
+        planned = plan_pieces(model, path, expected, tie_groups, ignore)
     except Exception as exc:  # an unreadable header: the rank-0 path reports it its own way
         planned = f"{type(exc).__name__}: {exc}"
     reasons = _agree(planned if isinstance(planned, str) else None)

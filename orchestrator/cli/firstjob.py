@@ -58,7 +58,8 @@ def _profile(profile: str) -> tuple[str, ClusterProfile]:
     return (profile if prof.name == profile else str(Path(profile).expanduser().resolve())), prof
 
 
-def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | None) -> StarterWritten:
+def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | None,
+                  method: str = "sft") -> StarterWritten:
     """Write the starter spec to ``out`` (never over an existing file)."""
     if any(ord(c) < 32 for c in str(out)):
         raise InputError("the file name has a control character (newline, tab); pick another", file="--out")
@@ -66,7 +67,7 @@ def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | 
         raise InputError(f"folder {model_dir} does not exist; give a local Hugging Face model folder", file="MODEL_DIR")
     ref, prof = _profile(profile)
     text = starter_spec(out, ref, prof, model_dir.resolve() if model_dir else None,
-                        str(data.resolve()) if data else None)
+                        str(data.resolve()) if data else None, method)
     try:
         with open(out, "x", encoding="utf-8") as f:
             f.write(text)
@@ -111,9 +112,11 @@ def quickstart(directory: Path | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The training data (JSONL) [default: data.jsonl beside the spec].",
 )
-def init(model_dir: Path | None, profile: str, out: Path, data: Path | None) -> None:
+@click.option("--method", type=click.Choice(["sft", "dpo", "orpo"]), default="sft", show_default=True,
+              help="Supervised fine-tuning, or preference training (docs/preference.md).")
+def init(model_dir: Path | None, profile: str, out: Path, data: Path | None, method: str) -> None:
     """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
-    written = write_starter(out, profile, model_dir, data)
+    written = write_starter(out, profile, model_dir, data, method)
     click.echo(f"wrote {out}; check it with: fsdpjob validate {written.quoted_out}")
     for todo in written.todo:
         click.echo(f"then: {todo}", err=True)

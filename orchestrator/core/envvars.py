@@ -39,6 +39,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
+    "FSDPJOB_STOP_IN_REFERENCE": "rank 0 requests a stop once this chunk of the reference pass is written",
+    "FSDPJOB_MIN_CHUNK_S": "in the first allocation, each chunk of the reference pass lasts at least this long",
     "FSDPJOB_LOG_SAMPLES": "append each step's global sample ids to samples.jsonl",
     "FSDPJOB_FAULT_SAVE_PAUSE_S": "ranks sleep this long in a checkpoint save after writing their shard",
     "FSDPJOB_FAULT_SAVE_RANK": "limits the save pause to this rank",

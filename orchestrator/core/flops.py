@@ -12,9 +12,14 @@ def train_flops_per_token(*, matmul_params: int, trained_params: int, layers: in
     gradients of frozen weights (LoRA's base: ~4N where full training is 6N). ``recompute``: activation
     checkpointing runs the forward twice (hardware FLOPs for a step time; MFU leaves it out).
     """
-    forward = 2 * matmul_params + 2 * layers * seq_len * q_dim
+    forward = forward_flops_per_token(matmul_params, layers, q_dim, seq_len)
     per_token = 3 * forward - 2 * max(matmul_params - trained_params, 0)
     return float(per_token + forward * recompute)
+
+
+def forward_flops_per_token(matmul_params: int, layers: int, q_dim: int, seq_len: int) -> int:
+    """A forward pass's FLOPs per token (train_flops_per_token's forward; a frozen reference model's whole cost)."""
+    return 2 * matmul_params + 2 * layers * seq_len * q_dim
 
 
 # Dense peaks per accelerator from the vendors' datasheets, FLOP/s: (bf16 tensor cores, fp32 without TF32 as torch

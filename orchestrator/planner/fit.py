@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdpjob.orchestrator.core import envvars, hostcpu
 from fsdpjob.orchestrator.core.jobspec.families import attention_for
+from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
@@ -147,7 +148,9 @@ class FitPlan:
 
 def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
     on_gpu = eff.gpus_per_node > 0
-    packed = spec.data.packing is True  # boundary-aware: each example attends to itself only
+    # Boundary-aware packing: each example attends to itself only; a preference method's rows are never packed.
+    packed = spec.data.packing is True and spec.train.method == "sft"
+    options = spec.method_options
     return Setup(
         nodes=eff.nodes,
         tasks_per_node=eff.tasks_per_node,
@@ -169,6 +172,8 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
         async_save=spec.checkpoint.async_save,
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
         onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),
+        rows_per_example=2 if spec.train.method in PAIRED_METHODS else 1,
+        reference_copy=getattr(options, "reference", None) == "live" and spec.model.lora is None,
     )
 
 
@@ -178,7 +183,7 @@ def _fits(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> tu
 
 
 def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak: int,
-           env: dict[str, str] | None = None) -> list[Fix]:
+           env: dict[str, str] | None = None, method: str = "dpo") -> list[Fix]:
     """Single changes that make the plan fit, cheapest first; each one has been planned and fits (and is not refused:
     no CPU offload where rank 0 would broadcast the weights over gloo)."""
     out: list[Fix] = []
@@ -207,6 +212,10 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
+    if u.reference_copy:
+        consider(f"{method}.reference=cached", replace(u, reference_copy=False),
+                 "the reference's log-probabilities computed once before training and kept on disk: no second "
+                 "model in memory")
     if u.model_bytes > 2:
         # The seed recipe's own choice (Llama 2 70B with FSDP kept its weights in bf16): half the sharded state,
         # no slower step. Offered after the changes that cost nothing in accuracy.
@@ -262,7 +271,7 @@ def make_plan(job: Resolved) -> FitPlan:
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
-    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env))
+    fixes = () if plan.fits else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env, spec.train.method))
     refusal = offload_broadcast_conflict(shape, params, u, spec.env)
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),

@@ -125,6 +125,13 @@ class Setup:
     memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
     packed: bool = False  # boundary-aware packing: with sdpa, transformers builds a dense block-diagonal mask
     onednn_bf16: bool = False  # CPU workers whose CPU runs bf16 matmuls in oneDNN (core/hostcpu.py)
+    rows_per_example: int = 1  # preference pairs: both answers go through the forward, one row each
+    reference_copy: bool = False  # dpo/kto reference: live on a full fine-tune: a frozen sharded copy of the model
+
+    @property
+    def rows(self) -> int:
+        """Rows of one micro-batch's forward."""
+        return self.micro_batch * self.rows_per_example
 
     @property
     def dense_mask(self) -> bool:
@@ -146,7 +153,7 @@ class Setup:
 
 def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes of its gradient working set) for one micro-batch."""
-    c, t, b = u.compute_bytes, u.micro_batch * u.seq_len, u.micro_batch
+    c, t, b = u.compute_bytes, u.rows * u.seq_len, u.rows
     per_token = 2 * (4 + 2 * c) * s.hidden + 4 * c * s.intermediate
     scores = 0
     if u.attn == "eager":
@@ -168,13 +175,15 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
     """The sharded state on the device (params, AdamW) and what each of the four moments adds, per rank."""
     m, c, r, w = u.model_bytes, u.compute_bytes, REDUCE_BYTES, u.shard_degree
     tr = trainable(s, p, u.lora)
-    t, shard, on_device = u.micro_batch * u.seq_len, math.ceil(tr.weights / w), not u.cpu_offload
+    t, shard, on_device = u.rows * u.seq_len, math.ceil(tr.weights / w), not u.cpu_offload
     trained_shard = math.ceil(tr.trained / w)
     frozen = f", {params_text(tr.trained)} of them train (LoRA)" if tr.is_lora else ""
     state = [
         Item("parameters", on_device * shard * m,
              f"{params_text(tr.weights)} params x {m} B / {count_text(w, 'shard')}{frozen}"),
         Item("AdamW state", on_device * 2 * trained_shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
+        Item("reference model (live)", on_device * shard * m * u.reference_copy,
+             "a frozen sharded copy of the starting weights; reference: cached holds none"),
     ]
     grads = Item("gradients", on_device * trained_shard * m, f"sharded, {m} B")
     early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
@@ -215,7 +224,7 @@ def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[M
 
 def _kept_per_layer(s: ModelShape, u: Setup) -> int:
     """Bytes one layer keeps for its backward: its input with activation checkpointing, else its activations."""
-    return u.micro_batch * u.seq_len * s.hidden * u.compute_bytes if u.activation_checkpointing \
+    return u.rows * u.seq_len * s.hidden * u.compute_bytes if u.activation_checkpointing \
         else _layer_activations(s, u)[0]
 
 
@@ -226,7 +235,7 @@ def _one_layer_activations(s: ModelShape, u: Setup) -> Item:
 
 
 def _saved_activations(s: ModelShape, u: Setup) -> Item:
-    c, t = u.compute_bytes, u.micro_batch * u.seq_len
+    c, t = u.compute_bytes, u.rows * u.seq_len
     per_layer = _kept_per_layer(s, u)
     final_norm = (4 + 3 * c) * t * s.hidden
     unit = unit_for(per_layer)

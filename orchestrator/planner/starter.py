@@ -42,7 +42,8 @@ def _seq_len(model_dir: Path | None) -> int:
     return min(DEFAULT_SEQ_LEN, limit) if isinstance(limit, int) and limit > 0 else DEFAULT_SEQ_LEN
 
 
-def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path | None, data: str | None) -> str:
+def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path | None, data: str | None,
+                 method: str = "sft") -> str:
     """The spec text; the model path absolute, the data path as given or data.jsonl beside the spec."""
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env.filters["yaml"] = json.dumps  # a JSON string is a YAML scalar: any path or name stays one value
@@ -54,5 +55,5 @@ def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path 
         cpu=cpu, gpus=prof.gpus_per_node, tasks=min(2, prof.cpus_per_node or 1),
         model_path=str(model_dir) if model_dir else PLACEHOLDER_MODEL,
         model_note="a local Hugging Face model folder" if model_dir else "CHANGE ME: a local Hugging Face model folder",
-        data_path=data or "data.jsonl", seq_len=_seq_len(model_dir),
+        data_path=data or "data.jsonl", seq_len=_seq_len(model_dir), method=method,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdpjob.orchestrator.core.flops import peak_flops, train_flops_per_token
+from fsdpjob.orchestrator.core.flops import forward_flops_per_token, peak_flops, train_flops_per_token
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
@@ -118,7 +118,9 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     # Every position of every row: the step's time. The worker's tokens_per_s and mfu count the non-pad positions
     # of the same rows (metrics.py), which boundary-aware packing keeps within its padding share (the data event's
     # packing_efficiency) of these; unpacked rows of short examples fall further below.
-    tokens = u.micro_batch * u.grad_accum * u.seq_len
+    tokens = u.rows * u.grad_accum * u.seq_len
+    if u.reference_copy:
+        per_token += forward_flops_per_token(matmul_params, s.layers, s.q_dim, u.seq_len)  # the reference's forward
     rate, note = _throughput(u, profile, cpus)
     comm = None
     if u.on_gpu and rate is not None:

@@ -16,7 +16,8 @@ from .goodput import CATEGORIES
 from .reportpicture import picture
 
 INSTALL_HINT = "pip install 'fsdpjob[plot]'"
-COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "productive": "#31a354", "checkpoint": "#3182bd",
+COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "reference": "#a1d99b", "productive": "#31a354",
+          "checkpoint": "#3182bd",
           "lost": "#de2d26", "hang": "#8c510a", "teardown": "#bdbdbd", "unexplained": "#fdae6b"}
 # One shape and colour per kind of stop; red is the crash's alone, so a cancel or a preemption never looks like one.
 MARKERS = {"preemption": ("v", "#e6550d"), "time_limit": ("s", "#756bb1"), "requeue": ("o", "#3182bd"),

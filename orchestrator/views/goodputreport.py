@@ -20,7 +20,8 @@ from .status import build_report
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.
 SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal")
-LABELS = {"launch": "launch of the workers", "startup": "start-up", "productive": "productive",
+LABELS = {"launch": "launch of the workers", "startup": "start-up", "reference": "reference pass",
+          "productive": "productive",
           "checkpoint": "checkpoint saves", "lost": "lost work", "hang": "hang", "teardown": "stop and teardown",
           "unexplained": "unexplained"}
 _LABEL_WIDTH = max(map(len, LABELS.values())) + 2

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InputError
 from .dataspec import DataSource
-from .records import SCAN_LINES, RecordError, iter_records, record_fields
+from .records import SCAN_LINES, RecordError, WithMargin, iter_records, record_fields
 
 if TYPE_CHECKING:
     from .spec import DataSpec
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("validation", "test")  # eval_path's default split, in this order
-_ROLE_KEY = {"text": "text_field", "prompt": "prompt_field", "completion": "completion_field",
-             "messages": "messages_field"}  # fmt: skip
 _BATCH_ROWS = 1024
 
 
@@ -166,16 +164,26 @@ def _stringlike(pa: Any, t: Any) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
-def _type_problem(pa: Any, role: str, t: Any) -> str | None:
-    if role != "messages":
-        return None if _stringlike(pa, t) else f"is {t}, not a string column"
+def _is_messages(pa: Any, t: Any) -> bool:
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
         item = t.value_type
-        if pa.types.is_struct(item) and all(
+        return pa.types.is_struct(item) and all(
             item.get_field_index(key) >= 0 and _stringlike(pa, item.field(key).type) for key in ("role", "content")
-        ):
-            return None
-    return f"is {t}, not a list of {{role: string, content: string}} structs"
+        )
+    return False
+
+
+def _type_problem(pa: Any, role: str, t: Any, shape: str) -> str | None:
+    messages = "a list of {role: string, content: string} structs"
+    if role == "margin":
+        return None if pa.types.is_integer(t) or pa.types.is_floating(t) else f"is {t}, not a number column"
+    if role == "label":
+        return None if pa.types.is_boolean(t) else f"is {t}, not a boolean column (true: desirable)"
+    if role == "messages":
+        return None if _is_messages(pa, t) else f"is {t}, not {messages}"
+    if shape == "preference":  # a pair's fields are strings, or messages where the pair is a conversation
+        return None if _stringlike(pa, t) or _is_messages(pa, t) else f"is {t}, not a string column nor {messages}"
+    return None if _stringlike(pa, t) else f"is {t}, not a string column"
 
 
 def schema(located: Located) -> Any:
@@ -194,11 +202,11 @@ def check_columns(located: Located, source: DataSource) -> tuple[str, str] | Non
     for file in files:
         found = pa.parquet.read_schema(file) if located.format == "parquet" else schema(located)
         for role, name in source.fields.items():
-            where, key = (located.root if located.format == "save_to_disk" else file), _ROLE_KEY[role]
+            where, key = (located.root if located.format == "save_to_disk" else file), f"{role}_field"
             if found.get_field_index(name) < 0:
                 names = ", ".join(found.names[:12])
                 return key, f"{where} has no column {name!r} (columns: {names}); set {key} to one of them"
-            if problem := _type_problem(pa, role, found.field(name).type):
+            if problem := _type_problem(pa, role, found.field(name).type, source.shape):
                 return key, f"column {name!r} in {where} {problem}"
     return None
 
@@ -255,9 +263,33 @@ def source_records(located: Located, source: DataSource,
 # ---------------------------------------------------------------- login-node checks
 
 
+def check_labels(located: Located, source: DataSource) -> None:
+    """kto learns from the contrast of desirable and undesirable answers: a source whose labels are all alike
+    raises RowError at its first record. A JSONL file is read whole, a table's label column alone (the worker
+    checks every record's type; a null is not a label here)."""
+    field, seen, first = source.fields["label"], set(), None
+    if located.format == "jsonl":
+        rows: Iterator[tuple[Path, int, Any]] = ((f, n, fields["label"]) for f, n, fields in
+                                                 source_records(located, source))
+    else:
+        rows = ((f, n, record[field]) for f, n, record in table_rows(located, [field]))
+    for where, line, label in rows:
+        first = first or (where, line)
+        if isinstance(label, bool):
+            seen.add(label)
+        if len(seen) > 1:
+            return
+    if first is not None and seen:
+        value = "true (desirable)" if seen.pop() else "false (undesirable)"
+        raise RowError(f"kto needs desirable and undesirable answers: every label in field {field!r} "
+                       f"(data.label_field) is {value}; add answers of the other kind", first[0], first[1])
+
+
 def _field_loc(data: DataSpec, index: int | None, key: str, path_loc: tuple) -> tuple:
     """Where the spec sets ``key`` for a source: on the source, on the data section, or (the default 'text')
     nowhere: then at the source's path."""
+    if key == "margin_field":  # WithMargin's role: the reward section names its field
+        return ("reward", "margin_field")
     if index is not None and data.sources[index].sets_fields:
         return ("data", "sources", index, key)
     return ("data", key) if getattr(data, key) is not None else path_loc
@@ -272,6 +304,8 @@ def _check_source(data: DataSpec, source: DataSource, index: int | None, path_lo
         if located.format == "jsonl" and (empty := next((f for f in located.files if not f.stat().st_size), None)):
             raise SourceProblem(f"data file {empty} is empty")
         found = sum(1 for _ in source_records(located, source, limit=SCAN_LINES))
+        if source.shape == "unpaired":
+            check_labels(located, source)
     except SourceProblem as exc:
         raise InputError.at(doc, path_loc, str(exc)) from None
     except RowError as exc:
@@ -281,11 +315,12 @@ def _check_source(data: DataSpec, source: DataSource, index: int | None, path_lo
         raise InputError.at(doc, path_loc, f"data {source.path} has no examples {what}")
 
 
-def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
+def check_data(data: DataSpec, doc: YamlDoc | None = None, margin_field: str | None = None) -> None:
     """Every training source and the eval data: found, of a known format, with the configured columns in the
-    right types and good first rows; raise InputError at the spec line to change, or at FILE:LINE of a bad row."""
+    right types and good first rows; raise InputError at the spec line to change, or at FILE:LINE of a bad row.
+    ``margin_field`` (reward.margin_field): every pair read holds a number there too."""
     if data.sources is None:
-        _check_source(data, data.inputs()[0], None, ("data", "path"), doc)
+        _check_source(data, _with_margin(data.inputs()[0], margin_field), None, ("data", "path"), doc)
     else:
         for index, source in enumerate(data.inputs()):
             _check_source(data, source, index, ("data", "sources", index, "path"), doc)
@@ -294,30 +329,49 @@ def check_data(data: DataSpec, doc: YamlDoc | None = None) -> None:
             evaluation = eval_data(data)
         except SourceProblem as exc:
             raise InputError.at(doc, ("data", "eval_path"), str(exc)) from None
-        _check_source(evaluation, evaluation.inputs()[0], None, ("data", "eval_path"), doc)
+        _check_source(evaluation, _with_margin(evaluation.inputs()[0], margin_field), None, ("data", "eval_path"),
+                      doc)
 
 
+def _with_margin(source: DataSource, margin_field: str | None) -> Any:
+    return WithMargin(source, margin_field) if margin_field is not None and source.shape == "preference" else source
 
 
 LONG_SHARE = 0.05  # validate warns when more of the examples than this are longer than data.seq_len
 
 
+def _as_text(value: Any) -> str:
+    if isinstance(value, list):  # the chat template's own tokens are left out: the count is a lower bound
+        return "\n".join(str(m.get("content") or "") for m in value)
+    return str(value or "")
+
+
 def _record_text(fields: dict[str, Any]) -> str:
-    if "messages" in fields:  # the chat template's own tokens are left out: the count is a lower bound
-        return "\n".join(str(m.get("content") or "") for m in fields["messages"])
-    return "".join(str(fields.get(role) or "") for role in ("text", "prompt", "completion"))
+    if "messages" in fields:
+        return _as_text(fields["messages"])
+    # A pair is two sequences, prompt + chosen and prompt + rejected: the longer answer counts.
+    answers = [_as_text(fields[role]) for role in ("chosen", "rejected") if role in fields]
+    longest = max(answers, key=len) if answers else ""
+    return "".join(_as_text(fields.get(role)) for role in ("text", "prompt", "completion")) + longest
+
+
+def login_tokenizer(model_folder: Path) -> Any:
+    """The model folder's tokenizer.json read by the tokenizers package (no transformers on the login node), or
+    None when either is missing."""
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(Path(model_folder) / "tokenizer.json"))
+    except Exception:  # no tokenizer.json or package: the worker checks what this would
+        return None
 
 
 def _long_counts(data: DataSpec, model_folder: Path) -> list[tuple[Any, int, int]]:
     """(source, examples longer than data.seq_len, examples read) for each JSONL or parquet source, in its first
     rows (those the other checks read, SCAN_LINES), by the model folder's tokenizer.json (the tokenizers package,
     no transformers); none when either is missing."""
-    tokenizer_file = Path(model_folder) / "tokenizer.json"
-    try:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception:  # no tokenizer.json or package: the worker still counts them (data event)
+    tokenizer = login_tokenizer(model_folder)
+    if tokenizer is None:  # the worker still counts them (data event)
         return []
     counts = []
     for source in data.inputs():

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError
 from .dataformats import check_data, check_not_all_dropped
 from .families import SUPPORTED_MODEL_TYPES
+from .promptroom import check_prompt_room
 
 if TYPE_CHECKING:
     from .spec import DataSpec, JobSpec
@@ -150,8 +151,9 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
             attempt(_check_tokenizer, folder, spec.data, doc)
         attempt(_check_seq_len, config, spec.data, folder, doc)
     if not config_only:
-        attempt(check_data, spec.data, doc)
+        attempt(check_data, spec.data, doc, getattr(spec.method_options, "margin_field", None))
         attempt(check_not_all_dropped, spec.data, folder, doc)
+        attempt(check_prompt_room, spec.data, folder)
     if len(found) == 1:
         raise found[0]
     if found:

@@ -4,6 +4,7 @@ the first SCAN_LINES of each source, the worker every record it reads)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,8 +15,23 @@ if TYPE_CHECKING:
 SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
 _SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",
             "messages": "data.messages_field", "chosen": "data.chosen_field", "rejected": "data.rejected_field",
-            "label": "data.label_field"}  # fmt: skip
+            "label": "data.label_field", "margin": "reward.margin_field"}  # fmt: skip
 _ANSWERS = ("chosen", "rejected")  # a pair's answers: strings, or messages where the pair is a conversation
+
+
+class WithMargin:
+    """A source read with one more role, a reward pair's margin (a number; record_fields checks it): its field is
+    the reward section's (reward.margin_field), not the data section's. Everything else is the source's."""
+
+    def __init__(self, source: Any, field: str):
+        self._source, self._field = source, field
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {**self._source.fields, "margin": self._field}
 
 
 class RecordError(ValueError):
@@ -75,6 +91,8 @@ def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
             problem = _messages_problem(value)
         elif role == "label":
             problem = None if isinstance(value, bool) else f"expected true or false, found {_json_type(value)}"
+        elif role == "margin":  # a reward pair's margin: read where the caller asks for it (jobs/data/preference.py)
+            problem = _margin_problem(value)
         else:
             problem = None if isinstance(value, str) else f"expected a string, found {_json_type(value)}"
         if problem:
@@ -85,9 +103,15 @@ def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
     return out
 
 
+def _margin_problem(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"expected a number (the pair's margin), found {_json_type(value)}"
+    return None if math.isfinite(value) else f"expected a finite number (the pair's margin), found {value}"
+
+
 def _pair_kinds(pair: dict[str, Any]) -> str | None:
     """A pair is text (every field a string) or a conversation (every field messages), not both."""
-    kinds = {role: isinstance(value, list) for role, value in pair.items()}
+    kinds = {role: isinstance(value, list) for role, value in pair.items() if role in _ANSWERS + ("prompt",)}
     if len(set(kinds.values())) > 1:
         texts = [r for r, is_list in kinds.items() if not is_list]
         lists = [r for r, is_list in kinds.items() if is_list]

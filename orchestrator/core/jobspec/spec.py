@@ -21,6 +21,7 @@ from .methods import (
     OrpoSpec,
     RewardSpec,
     check_method_data,
+    check_method_model,
     check_method_sections,
     method_options,
     with_method_fields,
@@ -286,6 +287,7 @@ class JobSpec(Strict):
     def _method_section(self) -> JobSpec:
         check_method_sections(self.train.method, self._method_sections())
         check_method_data(self.train.method, self.data)
+        check_method_model(self.train.method, self.model.lora)
         return self
 
     def _method_sections(self) -> dict:

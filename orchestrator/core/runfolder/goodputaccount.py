@@ -12,6 +12,7 @@ Each attempt's allocation is cut into labelled stretches; where two overlap the 
   (the ``start`` event's ``process_started_at``): the batch script, the supervisor, srun, and a container
   runtime's start (image pull or import included);
 - start-up: from there to ``ready``: imports, process group, model, data, checkpoint load;
+- reference: preference training's reference pass (``reference`` events, start to done or stopped): kept work;
 - productive: training of steps that were kept; lost: training of steps a later attempt redid (beyond the
   step it resumed from), and a crash's unfinished step;
 - checkpoint: saves that blocked training (``checkpoint`` events' ``save_s``; a stop save from ``stop``);
@@ -30,8 +31,8 @@ from . import runlog
 from .attempts import AttemptTimes, later_starts
 from .runmeta import RunFacts
 
-CATEGORIES = ("launch", "startup", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
-_PRIORITY = ("checkpoint", "hang", "lost", "productive", "launch", "startup", "teardown")  # who wins an overlap
+CATEGORIES = ("launch", "startup", "reference", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
+_PRIORITY = ("checkpoint", "hang", "lost", "productive", "launch", "reference", "startup", "teardown")  # overlaps
 _SLACK_S = 1.0  # sacct times are whole seconds; an event may carry a time just before its row's Start
 _STOP_KINDS = {"cancelled": "cancel"}  # a stop event's reason -> interruption kind (others as they are)
 _STATE_KINDS = {"PREEMPTED": "preemption", "TIMEOUT": "time_limit", "NODE_FAIL": "node_fail", "CANCELLED": "cancel",
@@ -308,6 +309,8 @@ def _stretches(s: _Segment) -> list[tuple[str, float, float]]:
     start = _first(s.events, runlog.START)
     launched = start.get("process_started_at") if start else None
     launch = [("launch", s.begin, float(launched))] if isinstance(launched, (int, float)) else []
+    passes = [e["time"] for e in s.events if e.get("event") == runlog.REFERENCE]  # start, then done or stopped
+    launch += [("reference", a, b) for a, b in zip(passes[::2], passes[1::2])]
     if s.ready is None:
         last = max([e["time"] for e in s.events] + [m["time"] for m in s.metrics])
         return [*launch, ("startup", s.begin, last), ("teardown", last, s.end)]

@@ -25,10 +25,11 @@ HEARTBEAT_S = 1.0  # how often each rank's thread rewrites its file
 # or by the previous attempt's setup time, the loop phases by the run's own step and save times.
 IMPORTS, PROCESS_GROUP, MODEL_LOAD = "imports", "process group", "model load"
 DATA_LOAD, CHECKPOINT_LOAD = "data", "checkpoint load"
+REFERENCE = "reference pass"  # preference training's reference log-probabilities (jobs/preference/reference.py)
 STEP, NEXT_BATCH, EVAL, SAVE, FINISH = "training step", "next batch", "eval", "save", "finish"
 EXPORT = "export"  # rank 0 writes the HF folder after the final save; the other ranks wait for it
 EXITED = "exited"  # the worker returned (done) or left after a stop checkpoint: its process may be gone
-SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD)
+SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD, REFERENCE)
 LONG_PHASES = (SAVE, EVAL, EXPORT)  # bounded by their own earlier durations, not by the step time
 LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXPORT, EXITED)
 PHASES = SETUP_PHASES + LOOP_PHASES

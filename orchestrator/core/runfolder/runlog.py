@@ -21,6 +21,7 @@ from .paths import RunPaths
 START = "start"  # an attempt's workers started: restart, world_size, job_id, host, launch, process_started_at
 DATA = "data"  # data ready: sequences, examples, truncated, split, dropped, packing_efficiency, cached, seconds
 RESUME = "resume"  # state loaded from a checkpoint: step, checkpoint, world_size, grad_accum_steps, load_s
+REFERENCE = "reference"  # preference training's reference pass: phase (start, stopped, done), rows, seconds
 READY = "ready"  # setup over, training starts at step: step, setup_s
 CHECKPOINT = "checkpoint"  # a checkpoint committed (or handed to the background writer): step, reason, save_s
 STAGED = "staged"  # an async save's copy is done: step (the save's), waited_s (how long the next step waited for it)
@@ -38,8 +39,8 @@ MEMORY_TIER = "memory_tier"
 EXPORT = "export"  # the final Hugging Face export was written: path
 DONE = "done"  # training finished: step, loss
 
-EVENTS = (START, DATA, RESUME, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL, MEMORY_TIER,
-          EXPORT, DONE)
+EVENTS = (START, DATA, RESUME, REFERENCE, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL,
+          MEMORY_TIER, EXPORT, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

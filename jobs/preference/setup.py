@@ -1,0 +1,94 @@
+"""A preference method's step, made once at set-up: its objective, and its reference (the cache, filled by the
+reference pass before the first step where it is not complete yet, or a live model)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.runfolder import runlog
+
+from ..data.packing import StepBatch
+from ..dist import DistEnv
+from ..metrics import Reporter
+from ..model.build import load_model
+from .batches import policy_logps, reward_scores
+from .objective import needs_reference, objective_for
+from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
+from .step import preference_step, rank_mean
+
+
+def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter, *,
+                             stop_agreed: Callable[[], int], hand_off: Callable[[int], None],
+                             on_chunk: Callable[[int], None] | None = None) -> Callable[[StepBatch], object]:
+    objective = objective_for(spec.train.method, spec.method_options, rank_mean=rank_mean)
+    reference_of = _reference(spec, parts, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
+        if needs_reference(spec.train.method) else (lambda _batch: None)
+
+    def step(batch: StepBatch):
+        return preference_step(parts.model, parts.optimizer, batch.micro_batches, env.device, objective=objective,
+                               # The global batch the run keeps on any world size (a resume on fewer ranks
+                               # accumulates more micro-batches), not this start's spec product.
+                               reference_of=reference_of, pairs=parts.state.global_batch, tokens=batch.tokens,
+                               max_grad_norm=spec.train.max_grad_norm, processed=batch.processed,
+                               forward=reward_scores if spec.train.method == "reward" else policy_logps)
+    return step
+
+
+def _reference(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter,
+               stop_agreed: Callable[[], int], hand_off: Callable[[int], None], on_chunk):
+    lora = spec.model.lora is not None
+    # Two columns for a pair table (chosen, rejected) and for kto's (the answer, its KL row: ktobatch.py).
+    width = 2 if hasattr(parts.table, "chosen_ids") or hasattr(parts.table, "partners") else 1
+    if spec.method_options.reference == "live":
+        model = parts.model if lora else _frozen_copy(spec, env, parts.mesh)
+
+        def live(batch) -> torch.Tensor:
+            with as_reference(model, lora):
+                return reference_logps(model, batch, env.device, width)
+        return live
+    cache = ReferenceCache(cache_dir(run_dir, parts.table.fingerprint(), _model_key(spec)), len(parts.table), width)
+    if not cache.complete:
+        if parts.state.step > 0 and not lora:
+            raise RuntimeError(f"the reference cache {cache.folder} is missing or incomplete, and this run resumes at "
+                               f"step {parts.state.step}: the weights it would be computed from are trained already. "
+                               "Restore the folder or start a new run")
+        _run_pass(spec, parts, env, cache, report, lora, stop_agreed, hand_off, on_chunk)
+    else:
+        cache.load_written()
+    return lambda batch: cache.lookup(batch.rows)
+
+
+def _run_pass(spec, parts, env, cache, report, lora, stop_agreed, hand_off, on_chunk) -> None:
+    started = time.time()
+    report.event(runlog.REFERENCE, phase="start", rows=cache.rows, folder=str(cache.folder))
+    signum = compute_reference(parts.model, parts.table, cache, lora=lora, device=env.device,
+                               micro_batch_size=spec.train.micro_batch_size, rank=env.rank,
+                               world_size=env.world_size, is_main=env.is_main, stop_agreed=stop_agreed,
+                               on_chunk=on_chunk)
+    seconds = round(time.time() - started, 3)
+    if signum:
+        report.event(runlog.REFERENCE, phase="stopped", seconds=seconds)
+        hand_off(signum)
+    report.event(runlog.REFERENCE, phase="done", seconds=seconds, rows=cache.rows)
+
+
+def _model_key(spec: JobSpec) -> str:
+    """What makes the reference: the model the run starts from (with LoRA, the base), its dtype and precision."""
+    return f"{spec.model.path}:{spec.model.dtype}:{spec.fsdp.mixed_precision}:{'lora' if spec.model.lora else 'full'}"
+
+
+def _frozen_copy(spec: JobSpec, env: DistEnv, mesh) -> torch.nn.Module:
+    """``reference: live`` on a full fine-tune: a second sharded copy of the starting weights, never trained."""
+    model = load_model(spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
+                       attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
+                       reshard_after_forward=spec.fsdp.reshard_after_forward, activation_checkpointing=False,
+                       cpu_offload=spec.fsdp.cpu_offload, compile_layers=False, lora=None, read_weights=True,
+                       packed=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,79 @@
+"""Login-node check of preference data (dpo, orpo, reward, kto) against data.seq_len: a string prompt that alone
+leaves no room for one answer token is refused at its file and line, as the worker would refuse it
+(jobs/data/preference.py) after the allocation starts.
+
+Only string prompts are counted: the model folder's tokenizer.json is read by the tokenizers package (no
+transformers here), which cannot render a chat template, so a conversation's prompt is left to the worker. The
+first SCAN_LINES records of the training and eval data are read, as the other data checks read them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InputError
+from .dataformats import RowError, SourceProblem, eval_data, locate, login_tokenizer, source_records
+from .records import SCAN_LINES
+
+if TYPE_CHECKING:
+    from .spec import DataSpec
+
+
+def _bos_count(model_folder: Path, tokenizer: Any) -> int:
+    """1 when the tokenizer has a bos token (the worker puts it before a string prompt), else 0."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            config = json.loads((Path(model_folder) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        bos = config.get("bos_token") if isinstance(config, dict) else None
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        if isinstance(bos, str):
+            return int(tokenizer.token_to_id(bos) is not None)
+    return 0
+
+
+def prompt_room_problem(prompt_field: str | None, tokens: int, seq_len: int) -> str:
+    """What is wrong with a prompt of ``tokens`` tokens (bos included) in data.seq_len ``seq_len``: the same words
+    on both sides. ``prompt_field`` None: the implicit prompt of a pair of conversations."""
+    what = (f"field {prompt_field!r}, data.prompt_field" if prompt_field is not None
+            else "the messages chosen and rejected start with")
+    return (f"the prompt ({what}) is {tokens} tokens and leaves no room for an answer within data.seq_len "
+            f"{seq_len}; raise data.seq_len to at least {tokens + 1} or shorten the prompt")
+
+
+def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
+    source = data.inputs()[0]
+    try:
+        located = locate(source)
+        if located.format == "save_to_disk":  # as long_example_warnings: the worker reads those
+            return
+        prompts = [(f, n, fields["prompt"]) for f, n, fields in source_records(located, source, limit=SCAN_LINES)
+                   if isinstance(fields.get("prompt"), str)]
+    except (SourceProblem, RowError):
+        return  # check_data reports these
+    encoded = tokenizer.encode_batch([p for _, _, p in prompts], add_special_tokens=False) if prompts else []
+    for (file, line, _), e in zip(prompts, encoded):
+        if len(e.ids) + bos >= data.seq_len:
+            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, data.seq_len),
+                             file=str(file), line=line)
+
+
+def check_prompt_room(data: DataSpec, model_folder: Path) -> None:
+    """Raise InputError at FILE:LINE of the first string prompt of the training or eval data that leaves no room
+    for an answer token within data.seq_len (preference and kto data only)."""
+    if data.shape not in ("preference", "unpaired") or data.sources is not None:
+        return
+    tokenizer = login_tokenizer(model_folder)
+    if tokenizer is None:
+        return
+    bos = _bos_count(model_folder, tokenizer)
+    _check_section(data, tokenizer, bos)
+    if data.eval_path is not None:
+        try:
+            evaluation = eval_data(data)
+        except SourceProblem:
+            return  # check_data reports it
+        _check_section(evaluation, tokenizer, bos)

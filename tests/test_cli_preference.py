@@ -1,0 +1,105 @@
+"""`fsdpjob validate` on preference data (dpo, orpo, reward: pairs; kto: labelled answers): a file without a pair's
+field, or a kto file whose labels are all alike, is refused before submission with one line naming the file, the
+line and the field, exit 2; good files pass."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import helpers
+import pytest
+
+fsdpjob = partial(helpers.fsdpjob, timeout_s=60)
+PAIR = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+
+
+def job(tmp_path: Path, method: str, data: str = "data.jsonl") -> Path:
+    helpers.tiny_model_folder(tmp_path / "model")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: pref\nprofile: test-cluster\nmodel:\n  path: model\ndata:\n  path: {data}\n"
+                    f"  packing: false\n  seq_len: 128\ntrain:\n  method: {method}\n  max_steps: 5\n")
+    return spec
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def refused(tmp_path: Path) -> str:
+    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    return done.stderr.strip()
+
+
+def test_good_pairs_and_kto_answers_pass(tmp_path):
+    job(tmp_path, "dpo")
+    jsonl(tmp_path / "data.jsonl", [PAIR, PAIR | {"chosen": "two"}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    job(tmp_path / "k", "kto") if (tmp_path / "k").mkdir() is None else None
+    jsonl(tmp_path / "k" / "data.jsonl", [{"prompt": "a", "completion": "b", "label": True},
+                                          {"prompt": "a", "completion": "c", "label": False}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path / "k").returncode == 0
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "reward"])
+def test_a_pair_without_its_chosen_field_is_refused_at_its_line(tmp_path, method):
+    job(tmp_path, method)
+    data = jsonl(tmp_path / "data.jsonl", [PAIR, {k: v for k, v in PAIR.items() if k != "chosen"}])
+    assert refused(tmp_path) == (f"{data}:2: missing field 'chosen' (set by data.chosen_field); this line has "
+                                 "'prompt', 'rejected'")
+
+
+def test_kto_with_one_label_is_refused(tmp_path):
+    job(tmp_path, "kto")
+    # The whole file is read: a second kind of label past the lines the other checks read still counts.
+    rows = [{"prompt": "a", "completion": "b", "label": True}] * 3
+    data = jsonl(tmp_path / "data.jsonl", rows)
+    assert refused(tmp_path) == (f"{data}:1: kto needs desirable and undesirable answers: every label in field "
+                                 "'label' (data.label_field) is true (desirable); add answers of the other kind")
+    jsonl(data, [*rows, {"prompt": "a", "completion": "c", "label": False}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+
+
+def test_parquet_pairs_and_labels_are_checked_by_their_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    job(tmp_path, "kto", data="data.parquet")
+    rows = [{"prompt": "a", "completion": "b", "label": False}] * 4
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    assert refused(tmp_path) == (f"{tmp_path / 'data.parquet'}:1: kto needs desirable and undesirable answers: every "
+                                 "label in field 'label' (data.label_field) is false (undesirable); add answers of "
+                                 "the other kind")
+    pq.write_table(pa.Table.from_pylist([r | {"label": "no"} for r in rows]), tmp_path / "data.parquet")
+    assert "column 'label' in" in refused(tmp_path) and "not a boolean column" in refused(tmp_path)
+    pq.write_table(pa.Table.from_pylist([*rows, rows[0] | {"label": True}]), tmp_path / "data.parquet")
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    # A pair's fields: strings or messages; a missing chosen column named with the field to set.
+    job(tmp_path / "p", "dpo", data="data.parquet") if (tmp_path / "p").mkdir() is None else None
+    conversation = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+                    "rejected": [{"role": "assistant", "content": "b"}]}
+    pq.write_table(pa.Table.from_pylist([conversation]), tmp_path / "p" / "data.parquet")
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path / "p").returncode == 0
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "rejected": "b"}]), tmp_path / "p" / "data.parquet")
+    line = refused(tmp_path / "p")
+    assert "has no column 'chosen'" in line and "set chosen_field" in line, line
+
+
+def test_reward_margins_are_checked_where_the_pairs_are(tmp_path):
+    spec = job(tmp_path, "reward")
+    spec.write_text(spec.read_text() + "reward:\n  margin_field: margin\n")
+    data = jsonl(tmp_path / "data.jsonl", [PAIR | {"margin": 1.5}, PAIR | {"margin": 2}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    jsonl(data, [PAIR | {"margin": 1.5}, PAIR | {"margin": "big"}])
+    assert refused(tmp_path) == f"{data}:2: field 'margin': expected a number (the pair's margin), found a string"
+    jsonl(data, [PAIR | {"margin": 1.5}, PAIR])
+    assert refused(tmp_path).startswith(f"{data}:2: missing field 'margin' (set by reward.margin_field)")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    spec.write_text(spec.read_text().replace("data.jsonl", "data.parquet"))
+    pq.write_table(pa.Table.from_pylist([PAIR | {"margin": "1"}]), tmp_path / "data.parquet")
+    line = refused(tmp_path)
+    assert line.startswith("job.yaml:13: reward.margin_field: column 'margin' in") and "not a number column" in line

@@ -1,0 +1,156 @@
+"""Preference training end to end (jobs.train.run on 2 real gloo ranks, the local profile's way): DPO with the cached
+reference pass, stopped and resumed in training and inside the pass, against one uninterrupted run, bitwise;
+live against cached; LoRA; ORPO. The data: 3-digit additions, the right sum chosen over zeros."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from distributed import committed_model_state, run_ranks, write_run
+from distributed import train_worker as _worker
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS, STOP_AT = 16, 6
+
+
+def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+        wrong = "0" * len(str(a + b))  # a pattern the tiny random model learns to avoid in a few steps
+        lines.append(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    from fsdpjob.jobs.quickstart import make_quickstart
+
+    folder = tmp_path_factory.mktemp("assets")
+    made = make_quickstart(folder)
+    return {**made, "pairs": str(write_pairs(folder / "pairs.jsonl", 40))}
+
+
+def make_run(root: Path, name: str, assets: dict, *, method: str = "dpo", options: dict | None = None,
+             lora: bool = False, steps: int = STEPS) -> Path:
+    return write_run(root, name, {
+        "model": {"path": assets["model_path"], **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
+        "data": {"path": assets["pairs"], "seq_len": 16},
+        # Global batch 4 pairs = 1 x 2 x 2 ranks.
+        "train": {"max_steps": steps, "micro_batch_size": 1, "grad_accum_steps": 2, "lr": 2e-3, "log_every": 1,
+                  "method": method, "lr_schedule": "constant"},
+        "fsdp": {"mixed_precision": "fp32"},
+        "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
+        **({method: options} if options is not None else {}),
+    })
+
+
+def train(run_dir: Path, world: int = 2, **env: str) -> list[int]:
+    return run_ranks(_worker, world, run_dir=str(run_dir), env=env)
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines) if "loss" in m}
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, assets) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    full = make_run(root, "full", assets)
+    assert train(full) == [0, 0]
+    stopped = make_run(root, "stopped", assets)
+    assert train(stopped, FSDPJOB_STOP_AT_STEP=str(STOP_AT)) == [0, 0]
+    assert train(stopped) == [0, 0]
+    in_pass = make_run(root, "in-pass", assets)
+    assert train(in_pass, FSDPJOB_STOP_IN_REFERENCE="0") == [0, 0]  # 40 pairs: 3 chunks of 16 on 2 ranks
+    assert train(in_pass) == [0, 0]
+    live = make_run(root, "live", assets, options={"reference": "live"})
+    assert train(live) == [0, 0]
+    return {"full": full, "stopped": stopped, "in_pass": in_pass, "live": live}
+
+
+def test_dpo_starts_at_ln2_and_its_loss_falls_as_the_chosen_answers_win(runs):
+    m = metrics(runs["full"])
+    assert set(m) == set(range(1, STEPS + 1))
+    # The policy is the reference at the first step: every log-ratio is 0, the sigmoid loss ln 2.
+    assert m[1]["loss"] == pytest.approx(math.log(2), abs=1e-6), m[1]
+    assert m[1]["rewards/chosen"] == pytest.approx(0, abs=1e-6)
+    assert m[1]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    first, last = sum(m[s]["loss"] for s in (1, 2, 3)) / 3, sum(m[s]["loss"] for s in range(STEPS - 2, STEPS + 1)) / 3
+    assert last < first - 0.05, (first, last)
+    assert sum(m[s]["rewards/accuracies"] for s in range(STEPS - 3, STEPS + 1)) / 4 >= 0.75, m
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert all(math.isfinite(m[s][key]) for s in m), key
+    passes = [e for e in events(runs["full"]) if e["event"] == "reference"]
+    assert [p["phase"] for p in passes] == ["start", "done"] and passes[-1]["rows"] == 40, passes
+
+
+def test_a_stop_in_training_resumes_bitwise(runs):
+    full, stopped = metrics(runs["full"]), metrics(runs["stopped"])
+    assert [full[s]["loss"] for s in full] == [stopped[s]["loss"] for s in full]
+    a, b = committed_model_state(runs["full"]), committed_model_state(runs["stopped"])
+    assert all((a[k] == b[k]).all() for k in a)
+    # The restart read the reference cache: no second pass.
+    assert [p["phase"] for p in events(runs["stopped"]) if p["event"] == "reference"] == ["start", "done"]
+
+
+def test_a_stop_inside_the_reference_pass_resumes_the_pass_and_ends_bitwise(runs):
+    passes = [p for p in events(runs["in_pass"]) if p["event"] == "reference"]
+    assert [p["phase"] for p in passes] == ["start", "stopped", "start", "done"], passes
+    stop = next(e for e in events(runs["in_pass"]) if e["event"] == "stop")
+    assert stop["step"] == 0, stop
+    full, resumed = metrics(runs["full"]), metrics(runs["in_pass"])
+    assert [full[s]["loss"] for s in full] == [resumed[s]["loss"] for s in full]
+    a, b = committed_model_state(runs["full"]), committed_model_state(runs["in_pass"])
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_live_reference_gives_the_cached_losses(runs):
+    cached, live = metrics(runs["cached" if "cached" in runs else "full"]), metrics(runs["live"])
+    for step in cached:
+        assert live[step]["loss"] == pytest.approx(cached[step]["loss"], rel=1e-5, abs=1e-6), step
+    assert not [e for e in events(runs["live"]) if e["event"] == "reference"]  # no pass, no cache
+    assert not (runs["live"] / "reference").exists()
+
+
+def test_lora_dpo_uses_the_base_with_its_adapters_off_as_reference_and_orpo_trains(tmp_path, assets):
+    lora = make_run(tmp_path, "lora", assets, lora=True, steps=10)
+    assert train(lora) == [0, 0]
+    m = metrics(lora)
+    assert m[1]["loss"] == pytest.approx(math.log(2), abs=1e-6), m[1]  # LoRA's B starts at 0: the base
+    assert m[10]["loss"] < m[1]["loss"], m
+    orpo = make_run(tmp_path, "orpo", assets, method="orpo", steps=10)
+    assert train(orpo) == [0, 0]
+    m = metrics(orpo)
+    assert m[10]["loss"] < m[1]["loss"] and "rewards/accuracies" in m[10], m
+    assert not (orpo / "reference").exists()  # ORPO needs no reference
+    shutil.rmtree(tmp_path / "lora" / "checkpoints", ignore_errors=True)
+
+
+def test_a_dpo_stop_on_2_ranks_resumes_on_1_with_the_reference_cache_it_wrote(tmp_path, assets):
+    """Resharding: the cache is keyed by pair, not by rank; one rank reads it and trains the same global batch
+    (4 pairs: 1 x 2 x 2 ranks, then 1 x 4 x 1) to the same losses, within the reduction order's rounding."""
+    full = make_run(tmp_path, "full", assets, steps=8)
+    assert train(full) == [0, 0]
+    moved = make_run(tmp_path, "moved", assets, steps=8)
+    assert train(moved, FSDPJOB_STOP_AT_STEP="4") == [0, 0]
+    assert train(moved, world=1) == [0]
+    a, b = metrics(full), metrics(moved)
+    for step in range(5, 9):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+    assert [p["phase"] for p in events(moved) if p["event"] == "reference"] == ["start", "done"]  # read, not redone
+    resume = next(e for e in events(moved) if e["event"] == "resume")
+    assert resume["world_size"] == 1 and resume["grad_accum_steps"] == 4, resume
