@@ -169,22 +169,28 @@ class Reporter:
         }, step_time_s=elapsed / steps)
         self._window_start, self._window_step, self._window_tokens = now, step, 0
 
-    def on_eval(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def on_eval(self, step: int, loss: float, tokens: int, seconds: float,
+                extra: dict[str, float] | None = None) -> None:
         """Log an evaluation on its own metrics line (``step``, ``time``, ``eval_loss``, ``eval_tokens``,
-        ``eval_s``) and as eval/loss. Its time is left out of the open window's throughput."""
+        ``eval_s``, and a method's ``extra``: preference training's ``eval_rewards/accuracies`` ...) and as eval/loss
+        (eval/rewards/accuracies ...). Its time is left out of the open window's throughput. ``tokens``: what the
+        evaluation counted (target tokens; a preference evaluation's examples)."""
         self._window_start += seconds
         if not self.enabled:
             return
         finite = loss if math.isfinite(loss) else None
+        extra = {k: v for k, v in (extra or {}).items() if math.isfinite(v)}
         record = {"step": step, "time": time.time(), "eval_loss": finite, "eval_tokens": tokens,
-                  "eval_s": round(seconds, 3)}
+                  "eval_s": round(seconds, 3), **extra}
         if finite is None:
             record["nonfinite"] = ["eval_loss"]
         runlog.append_metric(self.run_dir, record)
+        named = {"eval/" + k.removeprefix("eval_"): v for k, v in extra.items()}
         if self._tb is not None and finite is not None:
-            self._tb.add_scalar("eval/loss", finite, step)
+            for key, value in {"eval/loss": finite, **named}.items():
+                self._tb.add_scalar(key, value, step)
         if self._trackers is not None and finite is not None:
-            self._trackers.log(step, {"eval/loss": finite})
+            self._trackers.log(step, {"eval/loss": finite, **named})
         log.info("step %d/%d eval_loss %.4f over %d tokens in %.1f s", step, self.max_steps, loss, tokens, seconds)
 
     def step(self, step: int, values: dict[str, float], step_time_s: float) -> None:

@@ -159,9 +159,10 @@ def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, A
     read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
     options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
     table = read(spec.data, tokenizer, **options)
+    eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
     if spec.train.method == "kto":  # each answer with its mismatched KL row (its partner fixed by the seed)
         table = KtoTable.of(table, spec.train.seed, pad_id_of(tokenizer))
-    eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
+        eval_table = KtoTable.of(eval_table, spec.train.seed, pad_id_of(tokenizer)) if eval_table else None
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
                  dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
                  **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))

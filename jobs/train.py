@@ -163,7 +163,7 @@ def _set_up(launch: Launch) -> Training:
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
     waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
         if spec.checkpoint.export_final and env.world_size > 1 else control
-    evaluator = _evaluator(spec, parts, env, report)
+    evaluator = _evaluator(spec, parts, env, report, step)
     saver = Checkpointer(tiers, spec.checkpoint, max_steps=spec.train.max_steps, stop=launch.stop, control=control,
                          report=report, hooks=launch.hooks, eval_loss_at=evaluator.loss_at if evaluator else None)
     hooks = launch.hooks.at(rank=env.rank, world_size=env.world_size, run_dir=paths.run_dir,
@@ -265,9 +265,12 @@ def _flops_per_token(spec: JobSpec, model: torch.nn.Module) -> float:
                                  trained_params=trained if spec.model.lora else None)
 
 
-def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter) -> Evaluator | None:
+def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter,
+               step: Callable[[StepBatch], StepValues]) -> Evaluator | None:
     if not spec.train.eval_every or parts.eval_table is None:
         return None
+    if spec.train.method != "sft":  # the method's own loss and metrics, with its reference (preference/evaluate.py)
+        return step.evaluator(spec.train.eval_every, report)
     return Evaluator(parts.model, parts.eval_table, eval_every=spec.train.eval_every,
                      max_batches=spec.train.eval_batches, micro_batch_size=spec.train.micro_batch_size,
                      rank=env.rank, world_size=env.world_size, device=env.device, report=report)

@@ -17,17 +17,35 @@ from ..dist import DistEnv
 from ..metrics import Reporter
 from ..model.build import load_model
 from .batches import policy_logps, reward_scores
+from .evaluate import PreferenceEvaluator
 from .objective import needs_reference, objective_for
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
 from .step import preference_step, rank_mean
 
 
+class PreferenceTraining:
+    """A preference method's step (callable on a StepBatch) and, with eval data, its evaluator."""
+
+    def __init__(self, step: Callable[[StepBatch], object], evaluator: Callable[[int, Reporter], object] | None):
+        self._step, self.evaluator = step, evaluator
+
+    def __call__(self, batch: StepBatch):
+        return self._step(batch)
+
+
 def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter, *,
                              stop_agreed: Callable[[], int], hand_off: Callable[[int], None],
-                             on_chunk: Callable[[int], None] | None = None) -> Callable[[StepBatch], object]:
+                             on_chunk: Callable[[int], None] | None = None) -> PreferenceTraining:
     objective = objective_for(spec.train.method, spec.method_options, rank_mean=rank_mean)
-    reference_of = _reference(spec, parts, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
-        if needs_reference(spec.train.method) else (lambda _batch: None)
+    forward = reward_scores if spec.train.method == "reward" else policy_logps
+    reference = needs_reference(spec.train.method)
+    reference_of = _reference(spec, parts, parts.table, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
+        if reference else (lambda _batch: None)
+    # The eval rows' reference too, before training: a pass of their own where cached; live, the same model.
+    eval_reference = reference_of
+    if reference and parts.eval_table is not None and spec.method_options.reference == "cached":
+        eval_reference = _reference(spec, parts, parts.eval_table, env, run_dir, report, stop_agreed, hand_off,
+                                    on_chunk, what="eval")
 
     def step(batch: StepBatch):
         return preference_step(parts.model, parts.optimizer, batch.micro_batches, env.device, objective=objective,
@@ -35,15 +53,22 @@ def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, 
                                # accumulates more micro-batches), not this start's spec product.
                                reference_of=reference_of, pairs=parts.state.global_batch, tokens=batch.tokens,
                                max_grad_norm=spec.train.max_grad_norm, processed=batch.processed,
-                               forward=reward_scores if spec.train.method == "reward" else policy_logps)
-    return step
+                               forward=forward)
+
+    def evaluator(eval_every: int, evaluated: Reporter) -> PreferenceEvaluator:
+        return PreferenceEvaluator(parts.model, parts.eval_table, objective=objective, reference_of=eval_reference,
+                                   forward=forward, eval_every=eval_every, max_batches=spec.train.eval_batches,
+                                   micro_batch_size=spec.train.micro_batch_size, rank=env.rank,
+                                   world_size=env.world_size, device=env.device, report=evaluated,
+                                   as_eval=lambda model: as_reference(model, False))
+    return PreferenceTraining(step, evaluator if parts.eval_table is not None else None)
 
 
-def _reference(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter,
-               stop_agreed: Callable[[], int], hand_off: Callable[[int], None], on_chunk):
+def _reference(spec: JobSpec, parts, table, env: DistEnv, run_dir: Path, report: Reporter,
+               stop_agreed: Callable[[], int], hand_off: Callable[[int], None], on_chunk, what: str = "train"):
     lora = spec.model.lora is not None
     # Two columns for a pair table (chosen, rejected) and for kto's (the answer, its KL row: ktobatch.py).
-    width = 2 if hasattr(parts.table, "chosen_ids") or hasattr(parts.table, "partners") else 1
+    width = 2 if hasattr(table, "chosen_ids") or hasattr(table, "partners") else 1
     if spec.method_options.reference == "live":
         model = parts.model if lora else _frozen_copy(spec, env, parts.mesh)
 
@@ -51,30 +76,31 @@ def _reference(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Report
             with as_reference(model, lora):
                 return reference_logps(model, batch, env.device, width)
         return live
-    cache = ReferenceCache(cache_dir(run_dir, parts.table.fingerprint(), _model_key(spec)), len(parts.table), width)
+    cache = ReferenceCache(cache_dir(run_dir, table.fingerprint(), _model_key(spec)), len(table), width)
     if not cache.complete:
         if parts.state.step > 0 and not lora:
             raise RuntimeError(f"the reference cache {cache.folder} is missing or incomplete, and this run resumes at "
                                f"step {parts.state.step}: the weights it would be computed from are trained already. "
                                "Restore the folder or start a new run")
-        _run_pass(spec, parts, env, cache, report, lora, stop_agreed, hand_off, on_chunk)
+        _run_pass(spec, parts.model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what)
     else:
         cache.load_written()
     return lambda batch: cache.lookup(batch.rows)
 
 
-def _run_pass(spec, parts, env, cache, report, lora, stop_agreed, hand_off, on_chunk) -> None:
+def _run_pass(spec, model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what) -> None:
     started = time.time()
-    report.event(runlog.REFERENCE, phase="start", rows=cache.rows, folder=str(cache.folder))
-    signum = compute_reference(parts.model, parts.table, cache, lora=lora, device=env.device,
+    named = {"table": what} if what != "train" else {}  # the eval rows' pass says so; the training rows' as before
+    report.event(runlog.REFERENCE, phase="start", rows=cache.rows, folder=str(cache.folder), **named)
+    signum = compute_reference(model, table, cache, lora=lora, device=env.device,
                                micro_batch_size=spec.train.micro_batch_size, rank=env.rank,
                                world_size=env.world_size, is_main=env.is_main, stop_agreed=stop_agreed,
                                on_chunk=on_chunk)
     seconds = round(time.time() - started, 3)
     if signum:
-        report.event(runlog.REFERENCE, phase="stopped", seconds=seconds)
+        report.event(runlog.REFERENCE, phase="stopped", seconds=seconds, **named)
         hand_off(signum)
-    report.event(runlog.REFERENCE, phase="done", seconds=seconds, rows=cache.rows)
+    report.event(runlog.REFERENCE, phase="done", seconds=seconds, rows=cache.rows, **named)
 
 
 def _model_key(spec: JobSpec) -> str:

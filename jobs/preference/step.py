@@ -38,17 +38,21 @@ class PairStepValues(StepValues):
             dist.all_reduce(self._sums)
             norm = self._grad_norm
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            totals = (self._sums / max(self._pairs, 1)).tolist()  # the loss, and per-example means
-            metrics, counts = self._sums[1:], self._sums[1:].tolist()
-            self._metrics = {r.name: totals[1 + r.numerator] if r.denominator is None
-                             else float(metrics[r.numerator] / metrics[r.denominator])
-                             for r in self._ratios if r.denominator is None or counts[r.denominator] > 0}
-            self._read = (totals[0], float(norm))
+            self._metrics = ratios(self._sums, self._pairs, self._ratios)
+            self._read = (float(self._sums[0]) / max(self._pairs, 1), float(norm))
         return self._read
 
     def extra(self) -> dict[str, float]:
         self._values()
         return dict(self._metrics or {})
+
+
+def ratios(sums: torch.Tensor, examples: int, metrics: tuple[Ratio, ...]) -> dict[str, float]:
+    """The logged metrics from a step's (or an evaluation's) reduced sums: [loss, objective sums...]; a metric
+    over a count that is 0 here is left out (TRL logs it only then)."""
+    values = sums[1:].tolist()
+    return {r.name: values[r.numerator] / (max(examples, 1) if r.denominator is None else values[r.denominator])
+            for r in metrics if r.denominator is None or values[r.denominator] > 0}
 
 
 # A micro-batch's reference log-probabilities [B, 2] (cached: looked up by its rows; live: a forward).

@@ -40,8 +40,8 @@ def assets(tmp_path_factory) -> dict:
 
 
 def make_run(root: Path, name: str, assets: dict, *, method: str = "dpo", options: dict | None = None,
-             lora: bool = False, steps: int = STEPS) -> Path:
-    return write_run(root, name, {
+             lora: bool = False, steps: int = STEPS, more: dict | None = None) -> Path:
+    spec = {
         "model": {"path": assets["model_path"], **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
         "data": {"path": assets["pairs"], "seq_len": 16},
         # Global batch 4 pairs = 1 x 2 x 2 ranks.
@@ -50,7 +50,10 @@ def make_run(root: Path, name: str, assets: dict, *, method: str = "dpo", option
         "fsdp": {"mixed_precision": "fp32"},
         "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
         **({method: options} if options is not None else {}),
-    })
+    }
+    for section, values in (more or {}).items():
+        spec[section] = {**spec.get(section, {}), **values}
+    return write_run(root, name, spec)
 
 
 def train(run_dir: Path, world: int = 2, **env: str) -> list[int]:
@@ -154,3 +157,25 @@ def test_a_dpo_stop_on_2_ranks_resumes_on_1_with_the_reference_cache_it_wrote(tm
     assert [p["phase"] for p in events(moved) if p["event"] == "reference"] == ["start", "done"]  # read, not redone
     resume = next(e for e in events(moved) if e["event"] == "resume")
     assert resume["world_size"] == 1 and resume["grad_accum_steps"] == 4, resume
+
+
+def test_dpo_evaluates_on_its_eval_pairs_with_their_own_reference_and_keeps_the_best(tmp_path, assets):
+    """Evaluation during preference training: eval_loss (the method's loss over the eval pairs) and the eval
+    metrics under TRL's names every eval_every steps and at the end; the eval pairs' reference has its own cached
+    pass before training; keep_best records eval_loss in each checkpoint."""
+    evals = write_pairs(tmp_path / "eval.jsonl", 10, seed=5)  # 10 pairs on 2 ranks: 5 each, the last batch short
+    run = make_run(tmp_path, "eval", assets, steps=8, more={
+        "data": {"eval_path": str(evals)}, "train": {"eval_every": 4, "micro_batch_size": 2, "grad_accum_steps": 1},
+        "checkpoint": {"keep_best": True, "interval_steps": 4}})
+    assert train(run) == [0, 0]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {m["step"]: m for m in lines if "eval_loss" in m}
+    assert sorted(evaluated) == [4, 8], evaluated
+    assert evaluated[8]["eval_loss"] < math.log(2) and evaluated[8]["eval_tokens"] == 10, evaluated
+    assert 0 <= evaluated[8]["eval_rewards/accuracies"] <= 1 and "eval_rewards/margins" in evaluated[8]
+    passes = [(e.get("table", "train"), e["phase"]) for e in events(run) if e["event"] == "reference"]
+    assert passes == [("train", "start"), ("train", "done"), ("eval", "start"), ("eval", "done")], passes
+    kinds = [e["event"] for e in events(run) if e["event"] in ("reference", "ready")]
+    assert kinds[-1] == "ready", kinds
+    facts = json.loads((run / "checkpoints" / "step-00000008" / "fsdpjob.json").read_text())
+    assert facts["eval_loss"] == pytest.approx(evaluated[8]["eval_loss"]), facts
