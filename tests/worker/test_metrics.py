@@ -81,6 +81,9 @@ class Values:
         Values.reads += 1
         return self._loss
 
+    def extra(self) -> dict[str, float]:
+        return {}  # a method's own metrics: none for SFT
+
 
 def test_only_logged_steps_read_the_loss(tmp_path):
     """Reading a step's loss is a collective and a host sync: the reporter does it at log steps only."""
