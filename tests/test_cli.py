@@ -148,7 +148,7 @@ def test_profile_option_overrides_the_spec():
     done = fsdpjob("validate", SPEC, "--no-file-checks", "--profile", "h100")
     assert done.returncode == 0 and "(profile h100, world size 8," in done.stdout
     done = fsdpjob("validate", SPEC, "--no-file-checks", "--profile", "nope")
-    assert done.returncode == 2 and "valid profiles are: a100-80gb, example" in done.stderr
+    assert done.returncode == 2 and "valid profiles are: a100-80gb, cpu-oci, example" in done.stderr
     assert len(done.stderr.splitlines()) == 1
 
 
