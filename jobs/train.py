@@ -40,7 +40,7 @@ from .dist import (
     init_distributed,
     share_from_rank0,
 )
-from .evaluate import Evaluator
+from .evaluate import EvalSchedule, Evaluator
 from .hooks import StepHooks, TestHooks
 from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
@@ -79,7 +79,7 @@ class Training:
     stream: BatchStream
     app_state: dict[str, Any]  # what every save writes
     saver: Checkpointer
-    evaluator: Evaluator | None
+    evaluator: EvalSchedule | None
     hooks: StepHooks
     step: Callable[[StepBatch], StepValues]  # the method's optimizer step over this rank's micro-batches
     control: dist.ProcessGroup | None  # host-side agreements, off the GPU stream
@@ -266,7 +266,7 @@ def _flops_per_token(spec: JobSpec, model: torch.nn.Module) -> float:
 
 
 def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter,
-               step: Callable[[StepBatch], StepValues]) -> Evaluator | None:
+               step: Callable[[StepBatch], StepValues]) -> EvalSchedule | None:
     if not spec.train.eval_every or parts.eval_table is None:
         return None
     if spec.train.method != "sft":  # the method's own loss and metrics, with its reference (preference/evaluate.py)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder import heartbeat
 
+from ..evaluate import EvalSchedule
 from ..metrics import Reporter
 from .objective import Objective
 from .step import Forward, ReferenceOf, ratios
@@ -31,27 +32,18 @@ def eval_rows(total: int, micro_batch_size: int, rank: int, world_size: int) -> 
     return batches + [None] * (count - len(batches))
 
 
-class PreferenceEvaluator:
-    """The same schedule and interface as jobs/evaluate.Evaluator (maybe_run, run_final, run, loss_at)."""
+class PreferenceEvaluator(EvalSchedule):
+    """A preference method's evaluation on jobs/evaluate.EvalSchedule's schedule."""
 
     def __init__(self, model: torch.nn.Module, table, *, objective: Objective, reference_of: ReferenceOf,
                  forward: Forward, eval_every: int, max_batches: int, micro_batch_size: int, rank: int, world_size: int,
                  device: torch.device, report: Reporter, as_eval: Callable):
+        super().__init__(eval_every)
         self.model, self.table, self.objective, self.device = model, table, objective, device
         self.reference_of, self.forward, self.report, self.as_eval = reference_of, forward, report, as_eval
-        self.eval_every = eval_every
         # train.eval_batches: the first that many micro-batches per rank's worth of rows; 0: every row.
         self.rows = len(table) if not max_batches else min(len(table), max_batches * micro_batch_size * world_size)
         self.batches = eval_rows(self.rows, micro_batch_size, rank, world_size)
-        self.last: tuple[int, float] | None = None
-
-    def maybe_run(self, step: int) -> None:
-        if step % self.eval_every == 0:
-            self.run(step)
-
-    def run_final(self, step: int, start_step: int) -> None:
-        if step > start_step and (self.last is None or self.last[0] != step):
-            self.run(step)
 
     def run(self, step: int) -> float:
         heartbeat.enter(heartbeat.EVAL)
@@ -71,6 +63,3 @@ class PreferenceEvaluator:
         self.report.on_eval(step, loss, rows, time.time() - started, extra=metrics)
         self.last = (step, loss)
         return loss
-
-    def loss_at(self, step: int) -> float | None:
-        return self.last[1] if self.last is not None and self.last[0] == step else None

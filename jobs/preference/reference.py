@@ -139,8 +139,7 @@ def compute_reference(model: torch.nn.Module, table, cache: ReferenceCache, *, l
                 rows = mine[at:at + micro_batch_size]
                 values[at:at + len(rows)] = reference_logps(model, table.micro_batch(rows), device, cache.width)
         gathered = _gather(values, world_size)
-        rows_all = _gather(torch.where(valid, mine, torch.full_like(mine, -1)).unsqueeze(1).float(),
-                           world_size).squeeze(1).long()
+        rows_all = _gather(torch.where(valid, mine, torch.full_like(mine, -1)), world_size)  # int64: any row count
         keep = rows_all >= 0
         cache.logps[rows_all[keep]] = gathered[keep]
         if is_main:
