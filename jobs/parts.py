@@ -86,7 +86,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
         reshard_after_forward=spec.fsdp.reshard_after_forward,
-        activation_checkpointing=spec.model.activation_checkpointing, cpu_offload=spec.fsdp.cpu_offload,
+        activation_checkpointing=spec.model.activation_checkpointing != "none", cpu_offload=spec.fsdp.cpu_offload,
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
         read_weights=read_weights,

@@ -161,7 +161,7 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
         seq_len=spec.data.seq_len,
         micro_batch=spec.train.micro_batch_size,
         grad_accum=spec.train.grad_accum_steps,
-        activation_checkpointing=spec.model.activation_checkpointing,
+        activation_checkpointing=spec.model.activation_checkpointing != "none",  # selective: counted as full for now
         # What the worker will run (jobs/model/build.resolve_attention, by the same rule).
         attn=attention_for(shape.model_type, spec.model.attn_implementation, on_gpu=on_gpu, packed=packed,
                            half=spec.fsdp.mixed_precision == "bf16", windowed=shape.windowed),

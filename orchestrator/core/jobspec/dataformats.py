@@ -181,7 +181,7 @@ def _type_problem(pa: Any, role: str, t: Any, shape: str) -> str | None:
         return None if pa.types.is_boolean(t) else f"is {t}, not a boolean column (true: desirable)"
     if role == "messages":
         return None if _is_messages(pa, t) else f"is {t}, not {messages}"
-    if shape == "preference":  # a pair's fields are strings, or messages where the pair is a conversation
+    if shape in ("preference", "prompts"):  # strings, or messages where a pair (a grpo prompt) is a conversation
         return None if _stringlike(pa, t) or _is_messages(pa, t) else f"is {t}, not a string column nor {messages}"
     return None if _stringlike(pa, t) else f"is {t}, not a string column"
 

@@ -13,7 +13,7 @@ from .validation import Strict, field_error, path_value
 DataFormat = Literal["auto", "jsonl", "parquet", "save_to_disk"]
 FIELD_KEYS = ("text_field", "prompt_field", "completion_field", "messages_field", "chosen_field", "rejected_field",
               "label_field")
-Shape = Literal["text", "prompt_completion", "chat", "preference", "unpaired"]
+Shape = Literal["text", "prompt_completion", "chat", "preference", "unpaired", "prompts"]
 # Weights are shares: written as decimals they rarely add up to exactly 1 in binary floating point.
 WEIGHT_TOLERANCE = 1e-6
 
@@ -41,9 +41,9 @@ class FieldOptions:
         ]
         if len(shapes) > 1:
             return f"give one data shape, not {' and '.join(shapes)}"
-        if (self.prompt_field is None) != (self.completion_field is None):
-            return "prompt_field and completion_field go together; set both"
-        return None
+        if self.completion_field is not None and self.prompt_field is None:
+            return "completion_field goes with prompt_field; set both"
+        return None  # a prompt alone is grpo's shape (prompts to generate for); other methods refuse it
 
     def _pair_problem(self) -> str | None:
         if self.chosen_field is None or self.rejected_field is None:
@@ -65,7 +65,7 @@ class FieldOptions:
         if self.label_field is not None:
             return "unpaired"
         if self.prompt_field is not None:
-            return "prompt_completion"
+            return "prompt_completion" if self.completion_field is not None else "prompts"
         if self.messages_field is not None:
             return "chat"
         return "text"
@@ -82,6 +82,8 @@ class FieldOptions:
                     "label": self.label_field}
         if self.shape == "prompt_completion":
             return {"prompt": self.prompt_field, "completion": self.completion_field}  # type: ignore[dict-item]
+        if self.shape == "prompts":
+            return {"prompt": self.prompt_field}  # type: ignore[dict-item]
         if self.shape == "chat":
             return {"messages": self.messages_field}  # type: ignore[dict-item]
         return {"text": self.text_field or "text"}

@@ -5,20 +5,24 @@ TRL's names for their options and losses so that a recipe carries over:
 - ``dpo``: Direct Preference Optimization against a frozen reference (cached log-probabilities by default);
 - ``orpo``: odds-ratio preference optimization, no reference;
 - ``kto``: unpaired answers labelled desirable or undesirable, against a reference;
-- ``reward``: a Bradley-Terry reward model (a scalar head on the backbone), exported as a sequence classifier.
-A method's section (``dpo:``, ``orpo:``, ``kto:``, ``reward:``) may be left out for its defaults; a section of
-another method is refused (it would silently do nothing).
+- ``reward``: a Bradley-Terry reward model (a scalar head on the backbone), exported as a sequence classifier;
+- ``grpo``: reinforcement learning with verifiable rewards (group relative policy optimization): the ranks generate
+  completions for prompts, the user's reward functions score them, the policy trains on the group-normalised
+  advantages (TRL's GRPOTrainer's names and losses).
+A method's section (``dpo:``, ``orpo:``, ``kto:``, ``reward:``) may be left out for its defaults (``grpo:`` names its
+reward functions, so it is required); a section of another method is refused (it would silently do nothing).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from .validation import Strict, field_error
 
-Method = Literal["sft", "dpo", "orpo", "kto", "reward"]
+Method = Literal["sft", "dpo", "orpo", "kto", "reward", "grpo"]
 PREFERENCE_METHODS = ("dpo", "orpo", "kto", "reward")  # trained on pairs or labelled answers, not token streams
 PAIRED_METHODS = ("dpo", "orpo", "reward")  # a chosen and a rejected answer per prompt
 Reference = Literal["cached", "live"]
@@ -64,11 +68,105 @@ class RewardSpec(Strict):
      "none: no margin.")
 
 
-SECTIONS: dict[str, type[Strict]] = {"dpo": DpoSpec, "orpo": OrpoSpec, "kto": KtoSpec, "reward": RewardSpec}
+# path/to/file.py:function (relative to the spec file) or dotted.module:function
+REWARD_FUNCTION = re.compile(r"(?P<where>[^:\x00]+\.py|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)"
+                             r":(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
+
+
+class RewardFunctionSpec(Strict):
+    function: str
+    ("path/to/file.py:function (relative to the spec file) or module:function. Called as TRL's reward functions are: "
+     "function(prompts=[...], completions=[...], **fields) with every other field of the prompts' records as a list, "
+     "returning one float per completion.")
+    weight: Annotated[float, Field(strict=True)] = 1.0
+    """Weight of this function's reward in the sum each completion is trained on."""
+
+    @field_validator("function")
+    @classmethod
+    def _form(cls, value: str) -> str:
+        if not REWARD_FUNCTION.fullmatch(value):
+            raise ValueError(f"{value!r} is not path/to/file.py:function or module:function; e.g. "
+                             "rewards.py:exact_answer")
+        return value
+
+    @property
+    def name(self) -> str:
+        """The function's name (metrics: rewards/<name>)."""
+        return value_name(self.function)
+
+
+def value_name(function: str) -> str:
+    return function.rsplit(":", 1)[1]
+
+
+class GeneratorSpec(Strict):
+    backend: Literal["inprocess", "server"] = "inprocess"
+    ("inprocess: the training ranks generate with the policy they train, in lockstep (no gather of the whole model on "
+     "one rank). server: a generation server runs as its own step of the same Slurm job on `nodes` of its nodes and "
+     "loads each new policy before the next generation.")
+    nodes: Annotated[int, Field(strict=True, gt=0)] = 1
+    """Nodes of the allocation that run the generation server (backend: server); the others train."""
+    deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
+    ("Bound on one generation request and on one weight load by the server (backend: server): a server that does not "
+     "answer in time is a fault the supervisor blames and restarts, never an endless wait.")
+
+
+class GrpoSpec(Strict):
+    reward: Annotated[list[RewardFunctionSpec], Field(min_length=1)]
+    """The reward functions: [{function: rewards.py:exact_answer, weight: 1.0}, ...] (a plain string: weight 1)."""
+    num_generations: Annotated[int, Field(strict=True, ge=2)] = 8
+    ("Completions per prompt (the group whose rewards are normalised); divides train.micro_batch_size x "
+     "train.grad_accum_steps, the completions each rank trains on per step.")
+    max_new_tokens: Annotated[int, Field(strict=True, gt=0)] = 256
+    """Tokens generated per completion at most (TRL's max_completion_length); prompts get seq_len minus this."""
+    temperature: Positive = 1.0
+    """Sampling temperature."""
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probabilities add up to top_p."""
+    beta: Annotated[float, Field(strict=True, ge=0)] = 0.0
+    """KL penalty to the reference (the starting model); 0: no reference model (TRL's default)."""
+    epsilon: Positive = 0.2
+    """Clip range of the importance ratio (lower and, without epsilon_high, upper)."""
+    epsilon_high: Positive | None = None
+    """Upper clip range (DAPO's clip-higher); none: epsilon."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    ("TRL's names: grpo (each completion's mean over its tokens, then the mean over completions), dr_grpo (sum over "
+     "tokens divided by completions x max_new_tokens), dapo (sum over the global batch's tokens divided by their "
+     "count; TRL's default), bnpo (as dapo, over this rank's tokens).")
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide the advantages by the standard deviation of the rewards in the group, in the batch, or not at all."""
+    steps_per_generation: Annotated[int, Field(strict=True, gt=0)] = 1
+    ("Optimizer steps trained on one round of generations (later steps of a round clip against the policy that "
+     "generated them).")
+    generator: GeneratorSpec = Field(default_factory=GeneratorSpec)
+    """Where completions are generated."""
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _plain_names(cls, value: Any) -> Any:
+        if isinstance(value, (str, dict)):
+            value = [value]
+        return [{"function": v} if isinstance(v, str) else v for v in value] if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _distinct(self) -> GrpoSpec:
+        names = [r.name for r in self.reward]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}); "
+                                        "give each a distinct name")
+        return self
+
+
+SECTIONS: dict[str, type[Strict]] = {"dpo": DpoSpec, "orpo": OrpoSpec, "kto": KtoSpec, "reward": RewardSpec,
+                                     "grpo": GrpoSpec}
+REQUIRED_SECTIONS = ("grpo",)  # no defaults: the section names the reward functions
 
 
 def check_method_sections(method: str, sections: dict[str, Strict | None]) -> None:
     """A section of a method the job does not train with is an error: its options would do nothing."""
+    if method in REQUIRED_SECTIONS and sections.get(method) is None:
+        raise field_error("train.method", f"{method} needs its section: add {method}: with reward: [file.py:function]"
+                                          " (see fsdpjob init --method grpo)")
     for name, section in sections.items():
         if section is not None and name != method:
             raise field_error(name, f"this section configures method {name}, but train.method is {method}; "
@@ -86,6 +184,7 @@ def method_options(method: str, sections: dict[str, Strict | None]) -> Strict | 
 DEFAULT_FIELDS = {"dpo": {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"},
                   "kto": {"prompt_field": "prompt", "completion_field": "completion", "label_field": "label"}}
 DEFAULT_FIELDS["orpo"] = DEFAULT_FIELDS["reward"] = DEFAULT_FIELDS["dpo"]
+DEFAULT_FIELDS["grpo"] = {"prompt_field": "prompt"}
 
 
 def with_method_fields(raw: Any) -> Any:
@@ -109,6 +208,38 @@ def with_method_fields(raw: Any) -> Any:
 NOT_YET: dict[str, str] = {}
 
 
+def _check_grpo_data(data: Any) -> None:
+    if data.has_eval:
+        which = "eval_path" if data.eval_path is not None else "eval_fraction"
+        raise field_error(f"data.{which}", "grpo has no evaluation pass in this version (its metrics are the rewards "
+                                           f"of every step); drop data.{which} and train.eval_every")
+    if data.shape != "prompts":
+        raise field_error("data", "grpo trains on prompts: set data.prompt_field alone (or leave every field unset "
+                                  "for TRL's name, prompt); the reward functions read the records' other fields")
+    if data.packing is not False:
+        raise field_error("data.packing", "grpo does not pack: each completion is its own row; set packing: false "
+                                          "or drop it")
+
+
+def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any, resources: Any) -> None:
+    """GRPO's options against the rest of the spec: a group on one rank, room for the completions, nodes left to
+    train beside the generation server."""
+    if grpo is None:
+        return
+    per_rank = train.micro_batch_size * train.grad_accum_steps
+    if per_rank % grpo.num_generations:
+        raise field_error("grpo.num_generations", f"{grpo.num_generations} completions per prompt do not divide the "
+                                                  f"{per_rank} completions each rank trains per step "
+                                                  f"(train.micro_batch_size x grad_accum_steps); make it a multiple")
+    if grpo.max_new_tokens >= data.seq_len:
+        raise field_error("grpo.max_new_tokens", f"{grpo.max_new_tokens} new tokens leave no room for the prompt in "
+                                                 f"data.seq_len {data.seq_len}; raise seq_len or lower max_new_tokens")
+    if grpo.generator.backend == "server" and grpo.generator.nodes >= resources.nodes:
+        raise field_error("grpo.generator.nodes", f"the generation server's {grpo.generator.nodes} node(s) leave "
+                                                  f"none of resources.nodes ({resources.nodes}) to train; raise "
+                                                  "resources.nodes")
+
+
 def check_method_model(method: str, lora: Any) -> None:
     """A reward model is trained in full: its new head and the export as a sequence classifier have no LoRA form."""
     if method == "reward" and lora is not None:
@@ -118,8 +249,12 @@ def check_method_model(method: str, lora: Any) -> None:
 def check_method_data(method: str, data: Any) -> None:
     """The data section fits the method: pairs for dpo, orpo and reward, labelled answers for kto, token streams
     for sft; pairs are not packed (both answers of a pair go through the same micro-batch, one row each)."""
-    wants = {"dpo": "preference", "orpo": "preference", "reward": "preference", "kto": "unpaired"}.get(method)
+    wants = {"dpo": "preference", "orpo": "preference", "reward": "preference", "kto": "unpaired",
+             "grpo": "prompts"}.get(method)
     if wants is None:
+        if data.shape == "prompts":
+            raise field_error("data.completion_field", "prompt_field and completion_field go together; set both (a "
+                                                       "prompt alone is for train.method: grpo)")
         if data.shape in ("preference", "unpaired"):
             field = "chosen_field" if data.shape == "preference" else "label_field"
             raise field_error(f"data.{field}", f"{field} is for preference training, but train.method is sft; set "
@@ -130,6 +265,9 @@ def check_method_data(method: str, data: Any) -> None:
                                           "use dpo or orpo")
     if data.sources is not None:
         raise field_error("data.sources", f"a data mixture is not supported for {method} yet; give data.path")
+    if method == "grpo":
+        _check_grpo_data(data)
+        return
     if data.eval_fraction:
         raise field_error("data.eval_fraction", f"{method} evaluates on data.eval_path (its own pairs or answers); "
                                                 "an eval_fraction held out of the training rows is not supported yet")

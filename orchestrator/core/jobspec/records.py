@@ -86,7 +86,7 @@ def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
             present = ", ".join(repr(k) for k in list(obj)[:8]) or "no fields"
             raise RecordError(f"missing field {field!r} (set by {_SETTING[role]}); this line has {present}", line)
         value = obj[field]
-        if role == "messages" or (role in _ANSWERS + ("prompt",) and data.shape == "preference"
+        if role == "messages" or (role in _ANSWERS + ("prompt",) and data.shape in ("preference", "prompts")
                                   and isinstance(value, list)):
             problem = _messages_problem(value)
         elif role == "label":

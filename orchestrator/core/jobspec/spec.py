@@ -16,16 +16,19 @@ from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
 from .methods import (
     DpoSpec,
+    GrpoSpec,
     KtoSpec,
     Method,
     OrpoSpec,
     RewardSpec,
+    check_grpo,
     check_method_data,
     check_method_model,
     check_method_sections,
     method_options,
     with_method_fields,
 )
+from .modelspec import LoraSpec, ModelSpec  # noqa: F401  (LoraSpec: imported from here too)
 from .notifyspec import NotifySpec
 from .resources import Resources
 from .validation import (
@@ -44,62 +47,6 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 # Environment variable names whose values are treated as secret unless the spec says otherwise.
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-
-
-_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
-
-
-def _module_names(value: list[str]) -> list[str]:
-    bad = [n for n in value if not isinstance(n, str) or not _MODULE_NAME.fullmatch(n)]
-    if bad:
-        raise ValueError(f"{bad} are not module names; give names like q_proj or model.embed_tokens")
-    if len(set(value)) != len(value):
-        raise ValueError("names are listed twice; list each module once")
-    return value
-
-
-class LoraSpec(Strict):
-    r: PositiveInt = 16
-    """Rank of the adapter matrices (A: r x in, B: out x r)."""
-    alpha: Annotated[float, Field(strict=True, gt=0)] = 32.0
-    """Adapter scaling: the adapters' output is multiplied by alpha / r."""
-    dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
-    """Dropout on the adapters' input (0: off)."""
-    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
-    ("Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or "
-     "all-linear: every linear layer but the output head.")
-    modules_to_save: list[str] = []
-    ("Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and "
-     "exported with them.")
-
-    _names = field_validator("modules_to_save")(_module_names)
-
-    @field_validator("target_modules")
-    @classmethod
-    def _targets(cls, value: str | list[str]) -> str | list[str]:
-        return value if isinstance(value, str) else _module_names(value)
-
-
-class ModelSpec(Strict):
-    path: str
-    """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    ("Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual "
-     "choice.")
-    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"
-    ("Attention kernel. auto: varlen on GPUs for boundary-aware packing in bf16 (each example attends to itself with "
-     "torch's flash varlen kernel, no mask, no package to install), else sdpa. varlen: that kernel wherever asked (on "
-     "CPU: SDPA per example). sdpa on a packed batch builds a dense S x S mask (counted by the plan) and runs eager on "
-     "the families transformers has no sdpa path for (gemma2). flash_attention_2 needs the flash-attn package on CUDA.")
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward: far less activation memory for ~30% more compute."""
-    compile: bool = False
-    """torch.compile each decoder block (in place, before FSDP2 wraps it). The first steps pay the compilation;
-    on GPUs it fuses the blocks' elementwise work. Measure it on your model before relying on it."""
-    lora: LoraSpec | None = None
-    """Train LoRA adapters (peft) on the frozen base model instead of every weight; none: full fine-tuning."""
-
-    _path = field_validator("path")(path_value)
 
 
 class TrainSpec(Strict):
@@ -132,9 +79,16 @@ class TrainSpec(Strict):
     """Evaluate on the eval data (data.eval_path or data.eval_fraction) every this many steps and at the end; 0: off."""
     eval_batches: NonNegativeInt = 0
     """Micro-batches per worker per evaluation; 0: the whole eval set."""
+    loss: Literal["auto", "standard", "chunked"] = "auto"
+    ("standard: the cross-entropy over the full logits in fp32. chunked: over chunks of the sequence, never holding "
+     "the whole sequence's logits in fp32 (the same loss; far less memory at a large vocabulary). auto: chunked where "
+     "the plan finds the logits the largest item of a step's memory.")
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of AdamW's two moment states (bfloat16 halves their memory; the master weights stay model.dtype)."""
     method: Method = "sft"
-    ("sft: supervised fine-tuning. dpo, orpo, kto: preference training; reward: a reward model. Each reads its own "
-     "section (dpo:, orpo:, kto:, reward:), which may be left out for its defaults.")
+    ("sft: supervised fine-tuning. dpo, orpo, kto: preference training; reward: a reward model; grpo: reinforcement "
+     "learning with verifiable rewards. Each reads its own section (dpo:, orpo:, kto:, reward:, grpo:), which may be "
+     "left out for its defaults (grpo: needs its reward functions).")
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -157,7 +111,13 @@ class FsdpSpec(Strict):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype; gradients are reduced in fp32 either way."""
+    """Compute dtype."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradients' reduce-scatter (bfloat16 halves its traffic and buffers, at some precision)."""
+    separate_root: Literal["auto"] | bool = "auto"
+    ("Shard the embedding and the final norm with lm_head as FSDP units of their own, freed between forward and "
+     "backward, instead of with the root module (held gathered from forward into backward); auto: where the plan "
+     "finds it lowers the peak.")
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     replicate_degree: PositiveInt = 1
@@ -216,12 +176,14 @@ class RecoverySpec(Strict):
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
 _ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples",
                           "chosen_field", "rejected_field", "label_field"),
-                 "train": ("eval_every", "eval_batches", "method"),
-                 "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile"),
-                 "resources": ("min_nodes",)}
+                 "train": ("eval_every", "eval_batches", "method", "loss", "optimizer_state_dtype"),
+                 "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile", "selective_ac"),
+                 "resources": ("min_nodes",), "fsdp": ("reduce_dtype", "separate_root")}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
 # Defaults that changed name: a spec that leaves the field alone hashes as it did under the old default's value.
 _RENAMED_DEFAULTS = {("model", "attn_implementation"): ("auto", "sdpa")}
+# Values that were written another way when specs were already hashed (a bool before the selective option).
+_RENAMED_VALUES = {("model", "activation_checkpointing"): {"none": False, "full": True}}
 
 
 class JobSpec(Strict):
@@ -255,6 +217,8 @@ class JobSpec(Strict):
     """KTO's options (train.method: kto)."""
     reward: RewardSpec | None = None
     """The reward model's options (train.method: reward)."""
+    grpo: GrpoSpec | None = None
+    """GRPO's options (train.method: grpo): its reward functions, generation and loss."""
 
     @field_validator("name")
     @classmethod
@@ -288,13 +252,14 @@ class JobSpec(Strict):
         check_method_sections(self.train.method, self._method_sections())
         check_method_data(self.train.method, self.data)
         check_method_model(self.train.method, self.model.lora)
+        check_grpo(self.grpo, self.train, self.data, self.resources)
         return self
 
     def _method_sections(self) -> dict:
-        return {"dpo": self.dpo, "orpo": self.orpo, "kto": self.kto, "reward": self.reward}
+        return {"dpo": self.dpo, "orpo": self.orpo, "kto": self.kto, "reward": self.reward, "grpo": self.grpo}
 
     @property
-    def method_options(self) -> DpoSpec | OrpoSpec | KtoSpec | RewardSpec | None:
+    def method_options(self) -> DpoSpec | OrpoSpec | KtoSpec | RewardSpec | GrpoSpec | None:
         """The options of train.method (its section or its defaults); None for sft."""
         return method_options(self.train.method, self._method_sections())
 
@@ -352,12 +317,14 @@ class JobSpec(Strict):
         for (section, key), (now, before) in _RENAMED_DEFAULTS.items():
             if dumped[section][key] == now:
                 dumped[section][key] = before
+        for (section, key), renames in _RENAMED_VALUES.items():
+            dumped[section][key] = renames.get(dumped[section][key], dumped[section][key])
         for section in _ADDED_SECTIONS:
             if getattr(self, section) == type(self).model_fields[section].default_factory():
                 del dumped[section]
         if self.container is None:
             del dumped["container"]  # added later: a spec without one keeps its hash
-        for later in ("notify", "dpo", "orpo", "kto", "reward"):  # added later too, likewise
+        for later in ("notify", "dpo", "orpo", "kto", "reward", "grpo"):  # added later too, likewise
             if getattr(self, later) is None:
                 del dumped[later]
         blob = json.dumps(dumped, sort_keys=True)
@@ -381,12 +348,17 @@ class JobSpec(Strict):
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
-    """Make model.path, data.path, data.eval_path, each data.sources path and checkpoint.dir absolute, relative to the
-    spec file's folder (a glob too: its pattern part stays as it is)."""
+    """Make model.path, data.path, data.eval_path, each data.sources path, checkpoint.dir and each grpo reward
+    function's file absolute, relative to the spec file's folder (a glob too: its pattern part stays as it is)."""
     places = [(data.get(section), key) for section, key in
               (("model", "path"), ("data", "path"), ("data", "eval_path"), ("checkpoint", "dir"))]
     sources = data["data"].get("sources") if isinstance(data.get("data"), dict) else None
     places += [(source, "path") for source in sources] if isinstance(sources, list) else []
+    grpo = data.get("grpo")
+    rewards = grpo.get("reward") if isinstance(grpo, dict) else None
+    rewards = [rewards] if isinstance(rewards, (str, dict)) else rewards
+    if isinstance(rewards, list):  # each file.py:function's file (a module:function stays as it is)
+        grpo["reward"] = [_resolve_function(r, base) for r in rewards]
     for sec, key in places:
         # A NUL cannot be resolved, and an over-long path would cost a file system lookup per part (a 250 KB
         # one took 30 s): leave both for the field validator to report.
@@ -395,6 +367,16 @@ def _resolve_paths(data: dict, base: Path) -> dict:
             p = Path(os.path.expanduser(sec[key]))  # unlike Path.expanduser, leaves an unknown ~user as it is
             sec[key] = str(p if p.is_absolute() else (base / p).resolve())
     return data
+
+
+def _resolve_function(reward: Any, base: Path) -> Any:
+    item = {"function": reward} if isinstance(reward, str) else reward
+    function = item.get("function") if isinstance(item, dict) else None
+    if not isinstance(function, str) or ".py:" not in function or "\x00" in function:
+        return reward
+    where, name = function.rsplit(":", 1)
+    p = Path(os.path.expanduser(where))
+    return {**item, "function": f"{p if p.is_absolute() else (base / p).resolve()}:{name}"}
 
 
 def spec_from_doc(doc: YamlDoc, overrides: list[str] = (), base_dir: Path | None = None) -> JobSpec:

@@ -1,0 +1,85 @@
+"""The spec's model section (ModelSpec, part of spec.py's JobSpec): the model folder, its dtype and kernels, the
+memory savers that change how it runs (activation checkpointing, compile) and LoRA."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .validation import Strict, field_error, path_value
+
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+def _module_names(value: list[str]) -> list[str]:
+    bad = [n for n in value if not isinstance(n, str) or not _MODULE_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"{bad} are not module names; give names like q_proj or model.embed_tokens")
+    if len(set(value)) != len(value):
+        raise ValueError("names are listed twice; list each module once")
+    return value
+
+
+class LoraSpec(Strict):
+    r: PositiveInt = 16
+    """Rank of the adapter matrices (A: r x in, B: out x r)."""
+    alpha: Annotated[float, Field(strict=True, gt=0)] = 32.0
+    """Adapter scaling: the adapters' output is multiplied by alpha / r."""
+    dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
+    """Dropout on the adapters' input (0: off)."""
+    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
+    ("Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or "
+     "all-linear: every linear layer but the output head.")
+    modules_to_save: list[str] = []
+    ("Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and "
+     "exported with them.")
+
+    _names = field_validator("modules_to_save")(_module_names)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        return value if isinstance(value, str) else _module_names(value)
+
+
+class ModelSpec(Strict):
+    path: str
+    """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    ("Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual "
+     "choice.")
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"
+    ("Attention kernel. auto: varlen on GPUs for boundary-aware packing in bf16 (each example attends to itself with "
+     "torch's flash varlen kernel, no mask, no package to install), else sdpa. varlen: that kernel wherever asked (on "
+     "CPU: SDPA per example). sdpa on a packed batch builds a dense S x S mask (counted by the plan) and runs eager on "
+     "the families transformers has no sdpa path for (gemma2). flash_attention_2 needs the flash-attn package on CUDA.")
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"  # a bool: read as full or none
+    ("Recompute activations in backward instead of keeping them. full: each decoder layer's (far less activation "
+     "memory for ~30% more compute); selective: part of them, as model.selective_ac says; none: keep all. true and "
+     "false stay as full and none.")
+    selective_ac: Literal["op"] | Annotated[int, Field(strict=True, gt=0)] = "op"
+    ("With activation_checkpointing: selective. op: keep the matmuls' outputs and recompute the rest (torchtitan's op "
+     "option); a number N: checkpoint every N-th decoder layer in full, keep the others.")
+    compile: bool = False
+    """torch.compile each decoder block (in place, before FSDP2 wraps it). The first steps pay the compilation;
+    on GPUs it fuses the blocks' elementwise work. Measure it on your model before relying on it."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters (peft) on the frozen base model instead of every weight; none: full fine-tuning."""
+
+    _path = field_validator("path")(path_value)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _ac_aliases(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _selective_alone(self) -> ModelSpec:
+        if self.selective_ac != "op" and self.activation_checkpointing != "selective":
+            raise field_error("selective_ac", "selective_ac applies to activation_checkpointing: selective; set it "
+                                              "or drop selective_ac")
+        return self
