@@ -4,6 +4,7 @@ the same way on every rank for a fresh start, then resumed from a checkpoint tie
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,8 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
 
     heartbeat.enter(heartbeat.DATA_LOAD)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+    if spec.train.method == "grpo":
+        return _prompt_data(spec, tokenizer, report)
     if spec.train.method != "sft":
         return _preference_data(spec, tokenizer, report)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -169,8 +172,20 @@ def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, A
     return table, eval_table, None
 
 
-def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None,
-           report: Reporter) -> tuple[BatchStream, dict[str, Any]]:
+def _prompt_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, None, None]:
+    """grpo's prompts, each with room for its completion (validate refused longer ones), and their records' fields
+    for the reward functions."""
+    from .grpo.prompts import read_prompt_table
+
+    t_data = time.time()
+    table = read_prompt_table(spec.data, tokenizer, max_prompt_tokens=spec.data.seq_len - spec.grpo.max_new_tokens)
+    report.event(runlog.DATA, sequences=len(table), examples=len(table), truncated=0, dropped=0, cached=False,
+                 seconds=round(time.time() - t_data, 2))
+    return table, None, None
+
+
+def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None, report: Reporter,
+           stream_for: Callable[[int], Any] | None = None) -> tuple[BatchStream, dict[str, Any]]:
     """Load ``source`` (checkpoint/tiers.find_resume_source's) if there is one; return the data stream and the state
     every save writes.
 
@@ -184,12 +199,14 @@ def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource 
     if source is not None:
         source.load({"train": train_state})
     grad_accum = _grad_accum(state.global_batch, spec.train.micro_batch_size, env.world_size)
-    stream = BatchStream(parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle,
-                         micro_batch_size=spec.train.micro_batch_size, grad_accum_steps=grad_accum,
-                         dp_rank=env.rank, dp_world=env.world_size, packing=packing_mode(spec.data.packing))
+    # grpo's stream (rounds of generations over its prompts) is the method's own, made for this start's batch.
+    stream = stream_for(grad_accum) if stream_for is not None else BatchStream(
+        parts.table, seed=spec.train.seed, shuffle=spec.data.shuffle, micro_batch_size=spec.train.micro_batch_size,
+        grad_accum_steps=grad_accum, dp_rank=env.rank, dp_world=env.world_size,
+        packing=packing_mode(spec.data.packing))
     model_state = ModelOptimState(parts.model, parts.optimizer, trainable_only=spec.model.lora is not None)
     app_state = {"model": model_state, "scheduler": DictState(parts.scheduler),
-                 "train": train_state, "data": DictState(stream, optional=BatchStream.ADDED),
+                 "train": train_state, "data": DictState(stream, optional=stream.ADDED),
                  "rng": RNGState(spec.train.seed, env.rank, env.world_size)}
     if source is not None:
         source.load(app_state)

@@ -152,12 +152,17 @@ def _set_up(launch: Launch) -> Training:
                   # minutes of every restart); LoRA's holds the adapters only.
                   read_weights=source is None or spec.model.lora is not None)
     launch.state = parts.state
-    stream, app_state = resume(parts, spec, env, source, report)
-    tiers.resumed_at(parts.state.step)
     control = control_group(env)
+    grpo = None
+    if spec.train.method == "grpo":  # its generation, rewards and losses are loaded for grpo runs only
+        from .grpo.setup import grpo_training
+
+        grpo = grpo_training(spec, parts, env, control)
+    stream, app_state = resume(parts, spec, env, source, report, stream_for=grpo.stream_for if grpo else None)
+    tiers.resumed_at(parts.state.step)
     # A preference method's reference pass runs here, where it is not done yet: training starts after it.
-    step = _step_function(launch, parts, control,
-                          defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
+    step = grpo.step if grpo else _step_function(
+        launch, parts, control, defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
     report.event(runlog.READY, step=parts.state.step, setup_s=round(time.time() - t_start, 2))
 
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').

@@ -326,3 +326,16 @@ def test_a_short_local_resumed_run_names_its_source_and_its_units_and_measures_i
     assert "measured: step 0.9 s, blocking save 0.3 s" in text
     headline = {"goodput": rep.goodput, "ettr": rep.ettr, "allocated_unit_s": rep.allocated_unit_s, "unit": rep.unit}
     assert goodput_line(headline, "r-1").startswith("goodput    55.6 % of 32.4 CPU rank-seconds allocated")
+
+
+def test_grpo_splits_productive_time_into_generation_and_training_of_kept_steps_only():
+    """grpo logs each logged step's generation seconds (since the previous logged step): the productive part is
+    split by them, counting only steps a later start kept (the crashed attempt's steps 21-43 were redone)."""
+    gen = {10: 4.0, 20: 4.0, 30: 4.0, 40: 4.0}
+    metrics = [dict(m, generation_s=gen[m["step"]] if m["step"] in gen else 4.0) for m in CRASH_METRICS]
+    rep = goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, metrics)
+    assert_adds_up(rep)
+    # Kept: steps 10 and 20 of attempt 0 (it resumed from 20), and 30, 40, 50 of attempt 1: 5 x 4 s on 2 GPUs.
+    assert rep.productive_split["generation"] == pytest.approx(5 * 4.0 * 2)
+    assert sum(rep.productive_split.values()) == pytest.approx(rep.productive_unit_s)
+    assert goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS).productive_split is None  # not grpo

@@ -70,7 +70,7 @@ def _reference(spec: JobSpec, parts, table, env: DistEnv, run_dir: Path, report:
     # Two columns for a pair table (chosen, rejected) and for kto's (the answer, its KL row: ktobatch.py).
     width = 2 if hasattr(table, "chosen_ids") or hasattr(table, "partners") else 1
     if spec.method_options.reference == "live":
-        model = parts.model if lora else _frozen_copy(spec, env, parts.mesh)
+        model = parts.model if lora else frozen_copy(spec, env, parts.mesh)
 
         def live(batch) -> torch.Tensor:
             with as_reference(model, lora):
@@ -108,7 +108,7 @@ def _model_key(spec: JobSpec) -> str:
     return f"{spec.model.path}:{spec.model.dtype}:{spec.fsdp.mixed_precision}:{'lora' if spec.model.lora else 'full'}"
 
 
-def _frozen_copy(spec: JobSpec, env: DistEnv, mesh) -> torch.nn.Module:
+def frozen_copy(spec: JobSpec, env: DistEnv, mesh) -> torch.nn.Module:
     """``reference: live`` on a full fine-tune: a second sharded copy of the starting weights, never trained."""
     model = load_model(spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
                        attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,

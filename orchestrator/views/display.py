@@ -48,6 +48,7 @@ def status_text(r) -> str:
         f"progress   step {r.step if r.step is not None else '-'}/{r.max_steps}"
         + (f"  loss {r.loss:.4f}" if r.loss is not None else "")
         + (f"  eval loss {r.eval_loss:.4f}" if r.eval_loss is not None else "")
+        + (f"  reward {r.reward:.4f}" if r.reward is not None else "")
         + (f"  {r.tokens_per_s:.0f} tok/s" if r.tokens_per_s else "")
         + f"  eta {format_eta(r.eta_s)}",
         f"checkpoint last committed step {r.last_checkpoint_step if r.last_checkpoint_step is not None else '-'}",

@@ -121,6 +121,11 @@ def format_report(r: RunReport) -> str:
     for k in CATEGORIES:
         share = g.unit_seconds[k] / g.allocated_unit_s if g.allocated_unit_s else None
         lines.append(f"  {LABELS[k]:<{_LABEL_WIDTH}}{amount_text(g.unit_seconds[k]):>10} {g.unit}-s  {_pct(share):>8}")
+        if k == "productive" and g.productive_split:  # grpo: its generation, then its training
+            for part, seconds in g.productive_split.items():
+                of = seconds / g.productive_unit_s if g.productive_unit_s else None
+                lines.append(f"    {part:<{_LABEL_WIDTH - 2}}{amount_text(seconds):>10} {g.unit}-s  {_pct(of):>8} "
+                             "of productive")
     lines += ["", f"goodput {_pct(g.goodput)} (productive / allocated); "
                   f"ETTR {_pct(g.ettr)} (productive / (end - submit))"]
     if g.step_s is not None or g.save_s is not None:

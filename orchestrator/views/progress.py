@@ -15,6 +15,7 @@ class Progress:
     step: int | None = None
     loss: float | None = None
     eval_loss: float | None = None  # the newest evaluation's (train.eval_every)
+    reward: float | None = None  # grpo: the newest logged step's mean reward
     eval_step: int | None = None
     tokens_per_s: float | None = None
     eta_s: float | None = None
@@ -66,6 +67,7 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         last = trained[-1]
         prog.step, prog.loss = last.get("step"), last.get("loss")
         prog.tokens_per_s, prog.eta_s = last.get("tokens_per_s"), last.get("eta_s")
+        prog.reward = last.get("reward")
     if evals := [m for m in metrics if "eval_loss" in m]:
         prog.eval_loss, prog.eval_step = evals[-1].get("eval_loss"), evals[-1].get("step")
     events = runlog.read_events(run_dir, EVENTS_TAIL_BYTES)

@@ -47,7 +47,7 @@ STATUS_KEYS = (
     "run_id", "name", "job_id", "scheduler", "profile", "phase", "scheduler_state", "reason", "restarts",
     "step", "max_steps", "loss", "eval_loss", "tokens_per_s", "last_checkpoint_step", "steps_lost", "eta_s", "nodes",
     "world_size", "run_dir", "submitted_at", "failure_reason", "last_stop", "goodput", "recovery", "data",
-    "resumed_from", "after",
+    "resumed_from", "after", "reward",
 )
 
 
@@ -94,6 +94,8 @@ class StatusReport:
     # A chain (submit --after, orchestrator/cli/chain.py): {"run_id", "job_id", "kind": afterok|afterany, "state":
     # waiting|never|released, "message"}; None for a run that waits for no other.
     after: dict | None = None
+    # grpo: the mean reward of the newest logged step (its completions' weighted reward); None for other methods.
+    reward: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -143,6 +145,7 @@ def build_report(record: JobRecord, view: SchedView | None, parent_phase: str | 
         max_steps=record.max_steps,
         loss=progress.loss,
         eval_loss=progress.eval_loss,
+        reward=progress.reward,
         tokens_per_s=progress.tokens_per_s,
         last_checkpoint_step=progress.last_checkpoint_step,
         steps_lost=progress.steps_lost,

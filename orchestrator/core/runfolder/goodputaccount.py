@@ -23,12 +23,11 @@ Each attempt's allocation is cut into labelled stretches; where two overlap the 
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
-from statistics import median
 
 from . import runlog
 from .attempts import AttemptTimes, later_starts
+from .goodputseries import generation_share, series, step_time
 from .runmeta import RunFacts
 
 CATEGORIES = ("launch", "startup", "reference", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
@@ -38,7 +37,6 @@ _STOP_KINDS = {"cancelled": "cancel"}  # a stop event's reason -> interruption k
 _STATE_KINDS = {"PREEMPTED": "preemption", "TIMEOUT": "time_limit", "NODE_FAIL": "node_fail", "CANCELLED": "cancel",
                 "REQUEUED": "requeue", "FAILED": "crash", "OUT_OF_MEMORY": "crash", "BOOT_FAIL": "node_fail"}
 _HANG_WORDS = ("timed out", "timeout", "watchdog")  # a failure that says a collective waited too long
-SERIES_POINTS = 2000  # at most this many metric points in the report (and the picture)
 
 
 @dataclass
@@ -90,6 +88,8 @@ class GoodputReport:
     step_s: float | None  # median measured step time
     save_s: float | None  # mean measured blocking save
     series: dict[str, list] = field(default_factory=dict)  # time, step, loss, tokens_per_s (the picture's curves)
+    # grpo: productive unit-seconds split into generation (completions and their rewards) and training; else None.
+    productive_split: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,8 +131,12 @@ def goodput(facts: RunFacts, attempts: list[AttemptTimes] | None, events: list[d
         alloc.start_step = group[0].ready.get("step") if group and group[0].ready else None
         alloc.reached_step = max((s.reached for s in group if s.reached is not None), default=None)
     cuts = [_interruption(s, nxt, now is not None) for s, nxt in zip(segments, [*segments[1:], None])]
-    return _report(facts, allocs, [c for c in cuts if c], events, metrics, now,
-                   account if attempts else "events")
+    report = _report(facts, allocs, [c for c in cuts if c], events, metrics, now, account if attempts else "events")
+    generation = generation_share(metrics, [(s.begin, s.end, s.kept_until) for s in segments]) * report.units
+    if generation:
+        generation = min(generation, report.productive_unit_s)
+        report.productive_split = {"generation": generation, "training": report.productive_unit_s - generation}
+    return report
 
 
 def _from_scheduler(attempts: list[AttemptTimes], now: float | None) -> list[Attempt]:
@@ -409,8 +413,8 @@ def _report(facts, allocs, interruptions, events, metrics, now, source) -> Goodp
         unit_seconds={k: v * units for k, v in per.items()}, productive_unit_s=per["productive"] * units,
         goodput=per["productive"] / alloc_wall if alloc_wall > 0 else None,
         ettr=per["productive"] / wall if wall > 0 else None,
-        attempts=allocs, interruptions=interruptions, step_s=_step_time(events, metrics),
-        save_s=sum(saves) / len(saves) if saves else None, series=_series(metrics),
+        attempts=allocs, interruptions=interruptions, step_s=step_time(events, metrics),
+        save_s=sum(saves) / len(saves) if saves else None, series=series(metrics),
     )
 
 
@@ -418,30 +422,3 @@ def _units(facts: RunFacts) -> tuple[int, str]:
     if facts.gpus_per_node:
         return facts.nodes * facts.gpus_per_node, "GPU"
     return facts.world_size, "CPU rank" if facts.gpus_per_node == 0 else "rank"
-
-
-def _step_time(events: list[dict], metrics: list[dict]) -> float | None:
-    """Median seconds per step between consecutive progress points of one start (metrics lines, and each
-    start's ready event, where the worker opens its first window: a resumed start may log one line only).
-    A window with a restart in it is skipped; one with checkpoint saves counts without their blocking time
-    (where a save comes every logged window, e.g. interval_steps = log_every, skipping them left none)."""
-    starts = sorted(e["time"] for e in events if e.get("event") == runlog.START)
-    saves = sorted((e["time"], float(e.get("save_s") or 0.0)) for e in events if e.get("event") == runlog.CHECKPOINT)
-    points = sorted([*metrics, *(e for e in events if e.get("event") == runlog.READY)], key=lambda p: p["time"])
-    rates = []
-    for a, b in zip(points, points[1:]):
-        steps = (b.get("step") or 0) - (a.get("step") or 0)
-        # any start in (a, b]: the first start after a's time comes at or before b's
-        i = bisect_right(starts, a["time"])
-        if steps <= 0 or (i < len(starts) and starts[i] <= b["time"]):
-            continue
-        saving = sum(save_s for t, save_s in saves if a["time"] < t <= b["time"])
-        if b["time"] - a["time"] > saving:
-            rates.append((b["time"] - a["time"] - saving) / steps)
-    return median(rates) if rates else None
-
-
-def _series(metrics: list[dict]) -> dict[str, list]:
-    keep = metrics[:: max(1, -(-len(metrics) // SERIES_POINTS))]
-    return {k: [m.get(k) for m in keep] for k in ("time", "step", "loss", "tokens_per_s")}
-

@@ -28,10 +28,11 @@ DATA_LOAD, CHECKPOINT_LOAD = "data", "checkpoint load"
 REFERENCE = "reference pass"  # preference training's reference log-probabilities (jobs/preference/reference.py)
 STEP, NEXT_BATCH, EVAL, SAVE, FINISH = "training step", "next batch", "eval", "save", "finish"
 EXPORT = "export"  # rank 0 writes the HF folder after the final save; the other ranks wait for it
+GENERATION = "generation"  # grpo's round of completions and their rewards (jobs/grpo/rounds.py)
 EXITED = "exited"  # the worker returned (done) or left after a stop checkpoint: its process may be gone
 SETUP_PHASES = (IMPORTS, PROCESS_GROUP, MODEL_LOAD, DATA_LOAD, CHECKPOINT_LOAD, REFERENCE)
-LONG_PHASES = (SAVE, EVAL, EXPORT)  # bounded by their own earlier durations, not by the step time
-LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXPORT, EXITED)
+LONG_PHASES = (SAVE, EVAL, EXPORT, GENERATION)  # bounded by their own earlier durations, not by the step time
+LOOP_PHASES = (NEXT_BATCH, STEP, EVAL, SAVE, FINISH, EXPORT, EXITED, GENERATION)
 PHASES = SETUP_PHASES + LOOP_PHASES
 FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with (recovery.setup_timeout_s auto)
 

@@ -1,0 +1,225 @@
+"""GRPO's data: rounds of generations. A round takes the prompts of ``steps_per_generation`` steps from a resumable
+prompt stream, generates ``num_generations`` completions per prompt on every rank with the policy as it is at the
+round's first step, scores them, and keeps the whole round (every rank's completions, in one global order) until
+its steps have trained on it.
+
+Why the round is global: the group statistics (and TRL's batch scaling) are over every rank's rewards, the loss's
+normaliser (dapo) is the step's global token count, and a checkpoint written in the middle of a round must hold the
+generations not yet trained on (they came from a policy the run no longer has): one all-gather per round on the
+host group gives all three, and every rank saves the same bytes (DCP keeps one copy). Sampling draws from a generator
+seeded by (seed, the round's first step, rank): a resumed run generates what the uninterrupted one did.
+
+Global order of a round's completions: step k of the round, then rank r, then the rank's rows; a prompt's group is
+``num_generations`` consecutive rows on one rank. A resume on another world size re-slices each step's block, which
+keeps the groups whole because ``num_generations`` divides every rank's share (spec check_grpo).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpjob.orchestrator.core.runfolder import heartbeat
+
+from ..checkpoint.state import derived_seed
+from ..data.packing import StepBatch
+from ..data.stream import BatchStream
+
+
+@dataclass
+class Round:
+    """One round's completions in global order (identical on every rank)."""
+
+    start_step: int  # the optimizer step the round's generations were made before (its policy version)
+    rows: torch.Tensor  # [R] the prompt table's row of each completion
+    completion_ids: torch.Tensor  # [R, T] padded after the end
+    mask: torch.Tensor  # [R, T] the completion's tokens (EOS included)
+    rewards: torch.Tensor  # [R] the weighted sum
+    per_function: torch.Tensor  # [F, R]
+    advantages: torch.Tensor  # [R]
+    old_logps: torch.Tensor | None  # [R, T] the generating policy's log-probabilities (steps_per_generation > 1)
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.__dict__, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Round:
+        return cls(**torch.load(io.BytesIO(blob), weights_only=True))
+
+
+@dataclass
+class CompletionBatch:
+    """A micro-batch of this rank's completions to train on."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+
+
+@dataclass
+class StepSlice:
+    """The global step's facts every rank knows from the round: what the loss is normalised by and the metrics
+    of its completions (no collective)."""
+
+    completions: int  # the global step's completions
+    tokens: int  # their completion tokens
+    rank_tokens: int  # this rank's share of them
+    metrics: dict[str, float]
+
+
+class PromptRows:
+    """The prompt table as the batch stream's table: a row per prompt, its micro-batch the row indices."""
+
+    def __init__(self, table: Any):
+        self.table, self.source = table, None
+        self._lengths = torch.tensor([len(ids) for ids in table.prompt_ids], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def micro_batch(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def row_tokens(self) -> torch.Tensor:
+        return self._lengths
+
+    def row_lengths(self) -> torch.Tensor:
+        return self._lengths
+
+
+Generate = Callable[[list[list[int]], torch.Generator], Any]  # prompt ids -> Completions (generate.py)
+Score = Callable[[list[int], torch.Tensor, torch.Tensor], Any]  # rows, completion ids, mask -> Scores (rewards.py)
+OldLogps = Callable[[list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]  # the generating policy's logps
+Advantages = Callable[[torch.Tensor], torch.Tensor]  # the round's rewards -> advantages (losses.py)
+
+
+class GrpoRounds:
+    """The loop's data stream for GRPO: ``next_step()`` gives this rank's micro-batches of scored completions,
+    generating a round first where the last one is used up; its state (the prompt cursor and the round not yet
+    trained on) is saved with every checkpoint."""
+
+    def __init__(self, table: Any, *, seed: int, shuffle: bool, num_generations: int, steps_per_generation: int,
+                 per_rank: int, micro_batch_size: int, rank: int, world_size: int, device: torch.device,
+                 generate: Generate, score: Score, advantages: Advantages, old_logps: OldLogps | None,
+                 control: dist.ProcessGroup | None, step_of: Callable[[], int]):
+        self.table, self.seed, self.rank, self.world = table, seed, rank, world_size
+        self.num_generations, self.steps_per_generation = num_generations, steps_per_generation
+        self.per_rank, self.micro_batch_size, self.device = per_rank, micro_batch_size, device
+        self._generate, self._score, self._advantages, self._old_logps = generate, score, advantages, old_logps
+        self._control, self._step_of = control, step_of
+        self.prompts = BatchStream(PromptRows(table), seed=seed, shuffle=shuffle,
+                                   micro_batch_size=per_rank // num_generations, grad_accum_steps=1, dp_rank=rank,
+                                   dp_world=world_size, packing="none")
+        self.round: Round | None = None
+        self.trained = 0  # steps of the round trained already
+        self.last: StepSlice | None = None
+        self._generation_s = 0.0  # seconds of generating and scoring since the last logged step
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def next_step(self) -> StepBatch:
+        if self.round is None or self.trained >= self.steps_per_generation:
+            self._new_round()
+        k, self.trained = self.trained, self.trained + 1
+        block = self.per_rank * self.world
+        mine = slice(k * block + self.rank * self.per_rank, k * block + (self.rank + 1) * self.per_rank)
+        r = self.round
+        step_mask = r.mask[k * block:(k + 1) * block]
+        self.last = StepSlice(completions=block, tokens=int(step_mask.sum()), rank_tokens=int(r.mask[mine].sum()),
+                              metrics=self._metrics(slice(k * block, (k + 1) * block)))
+        batches = []
+        for at in range(mine.start, mine.stop, self.micro_batch_size):
+            rows = slice(at, min(at + self.micro_batch_size, mine.stop))
+            batches.append(CompletionBatch(
+                prompt_ids=[self.table.prompt_ids[i] for i in r.rows[rows].tolist()],
+                completion_ids=r.completion_ids[rows], mask=r.mask[rows], advantages=r.advantages[rows],
+                old_logps=None if r.old_logps is None else r.old_logps[rows]))
+        return StepBatch(batches, self.last.tokens, self.last.tokens)
+
+    def _new_round(self) -> None:
+        started = time.monotonic()
+        heartbeat.enter(heartbeat.GENERATION)
+        start_step = self._step_of()
+        generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, start_step, self.rank))
+        rows = torch.cat([self.prompts.next_step().micro_batches[0] for _ in range(self.steps_per_generation)])
+        rows = rows.repeat_interleave(self.num_generations)  # a prompt's group: consecutive rows
+        ids, masks = [], []
+        for at in range(0, len(rows), self.per_rank):  # one step's share per call: bounded memory, equal on ranks
+            part = rows[at:at + self.per_rank].tolist()
+            out = self._generate([self.table.prompt_ids[i] for i in part], generator)
+            ids.append(out.completion_ids.cpu())
+            masks.append(out.mask.cpu())
+        completion_ids, mask = torch.cat(ids), torch.cat(masks)
+        scores = self._score(rows.tolist(), completion_ids, mask)
+        mine = {"rows": rows, "completion_ids": completion_ids, "mask": mask, "rewards": scores.total.float(),
+                "per_function": torch.stack([v.float() for v in scores.per_function.values()])}
+        glob = self._gather(mine)
+        advantages = self._advantages(glob["rewards"])
+        old = None
+        if self._old_logps is not None:  # later steps of the round clip against the policy that generated
+            mine_old = self._old_logps([self.table.prompt_ids[i] for i in rows.tolist()], completion_ids, mask)
+            old = self._gather({"old": mine_old.float().cpu()})["old"]
+        self.round = Round(start_step, glob["rows"], glob["completion_ids"], glob["mask"], glob["rewards"],
+                           glob["per_function"], advantages, old)
+        self.function_names = list(scores.per_function)
+        self.trained = 0
+        self._generation_s += time.monotonic() - started
+        heartbeat.enter(heartbeat.STEP)
+
+    def _gather(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's tensors in the round's global order (step, rank, row): one object all-gather on the host
+        group. ``per_function`` is [F, rows]: joined along its rows."""
+        parts: list[Any] = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(parts, mine, group=self._control)
+        else:
+            parts = [mine]
+        out = {}
+        for key in mine:
+            axis = 1 if key == "per_function" else 0
+            steps = [p[key].chunk(self.steps_per_generation, dim=axis) for p in parts]  # [rank][k]
+            out[key] = torch.cat([steps[r][k] for k in range(self.steps_per_generation) for r in range(self.world)],
+                                 dim=axis)
+        return out
+
+    def _metrics(self, block: slice) -> dict[str, float]:
+        """TRL's names over the global step's completions: reward (mean), reward_std (the groups' mean standard
+        deviation), rewards/<function>, completion_length."""
+        r = self.round
+        rewards = r.rewards[block]
+        groups = rewards.view(-1, self.num_generations)
+        out = {"reward": float(rewards.mean()), "reward_std": float(groups.std(dim=1).mean()),
+               "completion_length": float(r.mask[block].sum(dim=1).float().mean())}
+        for name, values in zip(self.function_names, r.per_function[:, block]):
+            out[f"rewards/{name}"] = float(values.mean())
+        return out
+
+    def take_generation_s(self) -> float:
+        """Seconds spent generating and scoring since the last call (a logged step's metrics read it)."""
+        taken, self._generation_s = self._generation_s, 0.0
+        return taken
+
+    # ------------------------------------------------------------------ checkpoint
+
+    ADDED = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts.state_dict(), "trained": self.trained,
+                "round": self.round.to_bytes() if self.round is not None else b"",
+                "functions": list(getattr(self, "function_names", []))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.trained = int(state["trained"])
+        self.round = Round.from_bytes(state["round"]) if state["round"] else None
+        self.function_names = list(state["functions"])

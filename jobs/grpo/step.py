@@ -1,0 +1,86 @@
+"""One GRPO optimizer step over this rank's micro-batches of scored completions (rounds.py).
+
+Each micro-batch's loss is its share of TRL's loss over the global step (losses.py normalises by the global step's
+completions or tokens, which every rank knows from the round), scaled by the world size because FSDP averages the
+gradients over ranks, as jobs/step.py does for SFT. The KL and clip metrics are sums and counts, all-reduced with
+the loss in one collective when a log step reads them; the rewards' metrics are known on every rank already.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..step import StepValues
+from .losses import loss_terms, reduce_loss
+from .rounds import CompletionBatch, StepSlice
+
+# (micro-batch) -> the reference's per-token log-probabilities [rows, T], or None without a reference (beta 0)
+ReferenceOf = Callable[[CompletionBatch], torch.Tensor | None]
+# (model, prompt ids, completion ids, mask) -> per-token log-probabilities [rows, T] (generate.completion_logps)
+Logps = Callable[[torch.nn.Module, list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The sums a step reduces: loss, kl (masked sum), tokens, clip low, clip high, clip region (token counts)
+_LOSS, _KL, _TOKENS, _LOW, _HIGH, _REGION = range(6)
+
+
+class GrpoStepValues(StepValues):
+    """A GRPO step's loss, gradient norm and metrics (TRL's names), read lazily (one all-reduce)."""
+
+    def __init__(self, sums: torch.Tensor, step: StepSlice, grad_norm: torch.Tensor, *, beta: float,
+                 generation_s: Callable[[], float]):
+        super().__init__(sums[_LOSS], step.tokens, grad_norm, step.tokens)
+        self._sums, self._step, self._beta, self._generation_s = sums, step, beta, generation_s
+        self._metrics: dict[str, float] | None = None
+
+    def _values(self) -> tuple[float, float]:
+        if self._read is None:
+            dist.all_reduce(self._sums)
+            norm = self._grad_norm
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            s = self._sums.tolist()
+            tokens = max(s[_TOKENS], 1.0)
+            self._metrics = {**self._step.metrics, "clip_ratio": s[_REGION] / tokens,
+                             "clip_ratio/low_mean": s[_LOW] / tokens, "clip_ratio/high_mean": s[_HIGH] / tokens}
+            if self._beta > 0:
+                self._metrics["kl"] = s[_KL] / tokens
+            # The sum of every micro-batch's share is the step's loss already (losses.reduce_loss normalises).
+            self._read = (s[_LOSS], float(norm))
+        return self._read
+
+    def extra(self) -> dict[str, float]:
+        """The logged metrics (only log steps read them: a save's read of the loss leaves generation_s alone)."""
+        self._values()
+        if "generation_s" not in self._metrics:
+            # Seconds of generating and scoring since the last logged step (goodput splits productive time by it).
+            self._metrics["generation_s"] = round(self._generation_s(), 4)
+        return dict(self._metrics)
+
+
+def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[CompletionBatch],
+              step: StepSlice, *, logps_of: Logps, reference_of: ReferenceOf, options, max_grad_norm: float,
+              generation_s: Callable[[], float]) -> GrpoStepValues:
+    world = dist.get_world_size()
+    sums = None
+    for batch in micro_batches:
+        reference = reference_of(batch)
+        logps = logps_of(model, batch.prompt_ids, batch.completion_ids, batch.mask)
+        mask = batch.mask.to(logps.device)
+        terms = loss_terms(logps, None if batch.old_logps is None else batch.old_logps.to(logps.device),
+                           None if reference is None else reference.to(logps.device),
+                           batch.advantages.to(logps.device), mask, epsilon=options.epsilon,
+                           epsilon_high=options.epsilon_high or options.epsilon, beta=options.beta)
+        share = reduce_loss(terms.per_token, mask, options.loss_type, completions_global=step.completions,
+                            tokens_global=step.tokens, tokens_local=step.rank_tokens,
+                            max_new_tokens=options.max_new_tokens, world_size=world)
+        (share * world).backward()
+        part = torch.stack([share.detach().float(), terms.kl_sum.float(), mask.sum().float(),
+                            terms.clip_low.float(), terms.clip_high.float(), terms.clip_region.float()])
+        sums = part if sums is None else sums + part
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return GrpoStepValues(sums, step, norm, beta=options.beta, generation_s=generation_s)

@@ -1,0 +1,52 @@
+"""The measured figures beside goodput's accounting (goodputaccount.py): the median step time, the curves the
+report's picture draws, and grpo's split of productive time into generation and training."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from statistics import median
+
+from . import runlog
+
+SERIES_POINTS = 2000  # at most this many metric points in the report (and the picture)
+
+
+def step_time(events: list[dict], metrics: list[dict]) -> float | None:
+    """Median seconds per step between consecutive progress points of one start (metrics lines, and each
+    start's ready event, where the worker opens its first window: a resumed start may log one line only).
+    A window with a restart in it is skipped; one with checkpoint saves counts without their blocking time
+    (where a save comes every logged window, e.g. interval_steps = log_every, skipping them left none)."""
+    starts = sorted(e["time"] for e in events if e.get("event") == runlog.START)
+    saves = sorted((e["time"], float(e.get("save_s") or 0.0)) for e in events if e.get("event") == runlog.CHECKPOINT)
+    points = sorted([*metrics, *(e for e in events if e.get("event") == runlog.READY)], key=lambda p: p["time"])
+    rates = []
+    for a, b in zip(points, points[1:]):
+        steps = (b.get("step") or 0) - (a.get("step") or 0)
+        # any start in (a, b]: the first start after a's time comes at or before b's
+        i = bisect_right(starts, a["time"])
+        if steps <= 0 or (i < len(starts) and starts[i] <= b["time"]):
+            continue
+        saving = sum(save_s for t, save_s in saves if a["time"] < t <= b["time"])
+        if b["time"] - a["time"] > saving:
+            rates.append((b["time"] - a["time"] - saving) / steps)
+    return median(rates) if rates else None
+
+
+def series(metrics: list[dict]) -> dict[str, list]:
+    keep = metrics[:: max(1, -(-len(metrics) // SERIES_POINTS))]
+    return {k: [m.get(k) for m in keep] for k in ("time", "step", "loss", "tokens_per_s")}
+
+
+
+def generation_share(metrics: list[dict], kept: list[tuple[float, float, int | None]]) -> float:
+    """Wall seconds of grpo's generation (and scoring) in kept steps: the logged steps' ``generation_s`` (each the
+    seconds since the previous logged step), counted where a start's step was kept (``kept``: each start's
+    (begin, end, kept_until step)). 0 for every other method."""
+    total = 0.0
+    for m in metrics:
+        seconds, step, t = m.get("generation_s"), m.get("step"), m.get("time")
+        if not isinstance(seconds, (int, float)) or not isinstance(step, int):
+            continue
+        if any(begin <= t <= end and until is not None and step <= until for begin, end, until in kept):
+            total += float(seconds)
+    return total
