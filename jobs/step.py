@@ -40,10 +40,13 @@ class StepValues:
     def _values(self) -> tuple[float, float]:
         if self._read is None:
             dist.all_reduce(self._loss_sum)
-            norm = self._grad_norm  # a DTensor from sharded gradients: its full value is one more collective
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            self._read = (self._loss_sum.item() / max(float(self.tokens), 1.0), float(norm))
+            self._read = (self._loss_sum.item() / max(float(self.tokens), 1.0), self._norm())
         return self._read
+
+    def _norm(self) -> float:
+        """The gradient norm's value: a DTensor from sharded gradients, whose full value is one more collective."""
+        norm = self._grad_norm
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @property
     def loss(self) -> float:

@@ -39,8 +39,6 @@ class GrpoStepValues(StepValues):
     def _values(self) -> tuple[float, float]:
         if self._read is None:
             dist.all_reduce(self._sums)
-            norm = self._grad_norm
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             s = self._sums.tolist()
             tokens = max(s[_TOKENS], 1.0)
             self._metrics = {**self._step.metrics, "clip_ratio": s[_REGION] / tokens,
@@ -48,7 +46,7 @@ class GrpoStepValues(StepValues):
             if self._beta > 0:
                 self._metrics["kl"] = s[_KL] / tokens
             # The sum of every micro-batch's share is the step's loss already (losses.reduce_loss normalises).
-            self._read = (s[_LOSS], float(norm))
+            self._read = (s[_LOSS], self._norm())
         return self._read
 
     def extra(self) -> dict[str, float]:

@@ -36,10 +36,8 @@ class PairStepValues(StepValues):
     def _values(self) -> tuple[float, float]:
         if self._read is None:
             dist.all_reduce(self._sums)
-            norm = self._grad_norm
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             self._metrics = ratios(self._sums, self._pairs, self._ratios)
-            self._read = (float(self._sums[0]) / max(self._pairs, 1), float(norm))
+            self._read = (float(self._sums[0]) / max(self._pairs, 1), self._norm())
         return self._read
 
     def extra(self) -> dict[str, float]:
