@@ -264,6 +264,13 @@ def srun_on_nodes_left(command: list[str], excluded: tuple[str, ...], nodes: int
             f"--ntasks-per-node={tasks_per_node}", *command[1:]]
 
 
+def srun_on_nodes(argv: list[str], nodes: tuple[str, ...]) -> list[str]:
+    """A step of its own on ``nodes``, one task each (grpo's generation server beside the training step, which
+    leaves these nodes out)."""
+    return ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=1", *argv]
+
+
 def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30) -> str:
     """Run ``argv`` on one node of a running job, beside its steps (``srun --overlap``: no new resources)."""
     return run(["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",

@@ -176,6 +176,12 @@ class SlurmAllocation:
         """The step's command; after nodes were lost, srun on the ones left."""
         return slurm_cli.srun_on_nodes_left(command, excluded, nodes, tasks_per_node)
 
+    def side_step(self, argv: list[str], count: int) -> tuple[list[str], tuple[str, ...]]:
+        """``argv`` as a step of its own on the allocation's last ``count`` nodes, and those nodes (the training
+        step leaves them out)."""
+        nodes = tuple(self._node_names()[-count:])
+        return slurm_cli.srun_on_nodes(argv, nodes), nodes
+
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""
         proc.send_signal(signal.SIGINT)
@@ -225,6 +231,10 @@ class LocalAllocation:
     def step_command(self, command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:
         """One machine: no node is ever left out."""
         return command
+
+    def side_step(self, argv: list[str], count: int) -> tuple[list[str], tuple[str, ...]]:
+        """One machine: a process beside the workers, no node left out."""
+        return argv, ()
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """A local tree (controller and ranks) gets SIGKILL."""

@@ -39,6 +39,7 @@ from fsdpjob.orchestrator.core.runfolder.taskexit import read_task_exits
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
+from .genserver import GenerationServer, ServerDown
 from .policy import Fault, restart_in_allocation
 from .stall import Bounds, Verdict, Watch
 
@@ -78,6 +79,23 @@ class Supervisor:
         self.faults: list[Fault] = []
         self._launch_took: list[float] = []  # per launch in this allocation: seconds until every rank reported
         self._gather = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-facts")
+        self.server, self.server_nodes = self._generation_server(spec)
+
+    def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
+        """grpo with generator backend server: the server's step on the allocation's last nodes (genserver.py)."""
+        generator = spec.grpo.generator if spec.grpo is not None else None
+        if generator is None or generator.backend != "server":
+            return None, ()
+        nodes: list[tuple[str, ...]] = []
+
+        def step_for(argv: list[str]) -> list[str]:
+            line, used = self.allocation.side_step(argv, generator.nodes)
+            nodes[:] = [used]
+            return line
+        step_for(["true"])  # which nodes: known before the first launch (the training step leaves them out)
+        server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
+                                  deadline_s=generator.deadline_s, step_for=step_for, python=sys.executable)
+        return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -88,6 +106,8 @@ class Supervisor:
             # whatever ended the loop, it goes, from every node. The workers of a completed run removed theirs
             # already; this covers the crashes given up on and the stops. This host's first (a node folder per
             # emulated node on a dev cluster), then the others through the allocation.
+            if self.server is not None:
+                self.server.stop()
             if self.memory_tier and self.job_id:
                 memtier.remove_job(self.memory_tier, self.job_id)
                 if self.nodes > 1:
@@ -142,6 +162,11 @@ class Supervisor:
         heartbeat.heartbeat_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1",
                "FSDPJOB_HOST_BUILD": buildid.build_id()}
+        if self.server is not None:  # grpo's generation server, up and answering before the workers start
+            try:
+                env["FSDPJOB_GENERATION_SERVER"] = self._start_server(env)
+            except ServerDown as exc:
+                return 1, self._server_down(exc)
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
         # srun's stderr passes through here: its task reports name the rank that failed first (blame.py).
         srun = self.allocation.srun_reports
@@ -153,7 +178,7 @@ class Supervisor:
                        if srun else None)
         if self._relay is not None:
             self._relay.start()
-        world = (self.nodes - len(self.excluded)) * self.tasks_per_node
+        world = (self.nodes - len(self.excluded) - len(self.server_nodes)) * self.tasks_per_node
         watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
                                              self.recovery.stall_factor, self.planned.get("planned_step_s"),
                                              self.planned.get("planned_save_s"), self._launch_bound(launch)))
@@ -198,8 +223,26 @@ class Supervisor:
                 self._srun_exits.append(report)
 
     def _command(self) -> list[str]:
-        """The step's command; after nodes were lost, the allocation's launch on the ones left."""
-        return self.allocation.step_command(self.command, tuple(self.excluded), self.nodes, self.tasks_per_node)
+        """The step's command; after nodes were lost (or beside a generation server), the allocation's launch on the
+        ones left."""
+        return self.allocation.step_command(self.command, (*self.excluded, *self.server_nodes), self.nodes,
+                                            self.tasks_per_node)
+
+    def _start_server(self, env: dict[str, str]) -> str:
+        """A new generation server for every launch (a restart after a fault never reuses one that may be the
+        fault), its address for the workers."""
+        self.server.start(env)
+        address = self.server.wait_ready()
+        runlog.append(self.run_dir, runlog.SERVER, phase="ready", address=address, nodes=list(self.server_nodes),
+                      start=self.server.starts)
+        return address
+
+    def _server_down(self, exc: ServerDown) -> Verdict:
+        self.server.stop()
+        self._stall_info = {"reason": str(exc), "ranks": [], "detected_at": time.time(), "server": True}
+        self._stall_hosts = self.server_nodes
+        print(f"fsdpjob supervisor: {exc}", file=sys.stderr, flush=True)
+        return Verdict("hang", (), f"generation server: {exc}", float(self.server.deadline_s))
 
     def _stall(self, verdict: Verdict, beats: list[heartbeat.Beat], launch: int) -> None:
         detected_at = time.time()

@@ -37,10 +37,11 @@ FAULT = "fault"
 # checkpoint.memory_interval_steps auto chose its interval: steps, stall_s, step_s, mtbi_s, at_step
 MEMORY_TIER = "memory_tier"
 EXPORT = "export"  # the final Hugging Face export was written: path
+SERVER = "server"  # grpo's generation server (supervisor): phase ready, address, nodes, start (its count)
 DONE = "done"  # training finished: step, loss
 
 EVENTS = (START, DATA, RESUME, REFERENCE, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL,
-          MEMORY_TIER, EXPORT, DONE)
+          MEMORY_TIER, EXPORT, SERVER, DONE)
 METRIC = "metric"  # the `event` a metrics line gets in a timeline (metrics.jsonl lines carry none)
 
 

@@ -1,0 +1,103 @@
+"""grpo's generation server (``grpo.generator: {backend: server, nodes: N}``) as the supervisor runs it: its own step
+of the job on the allocation's last N nodes (on the local profile a process on this machine), started before each
+launch of the training step and ready (its ready file written, ``GET /health`` answered) before the training step
+starts; the training step runs on the other nodes. A server that does not come up within its deadline fails the
+launch like a hang; one that stops answering later makes the workers' requests time out (jobs/grpo/client.py), the
+step crashes and the supervisor restarts both, inside the allocation.
+
+Why the supervisor and not the workers: the server must outlive a crashed training step (or be restarted beside it)
+and must never be waited on without a bound; the supervisor already owns both (the launch loop, the stall bounds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+POLL_S = 0.5
+
+
+class ServerDown(RuntimeError):
+    """The generation server did not come up, or went away, within its deadline."""
+
+
+def server_dir(run_dir: Path) -> Path:
+    return run_dir / "generation-server"
+
+
+class GenerationServer:
+    """One generation server step: ``start`` launches it (``step_for`` turns the server's argv into the allocation's
+    launch on its nodes), ``wait_ready`` bounds its start, ``address`` is what the workers are given, ``stop`` ends
+    it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, deadline_s: float, step_for, python: str):
+        self.run_dir, self.model_path, self.dtype, self.deadline_s = run_dir, model_path, dtype, deadline_s
+        self.step_for, self.python = step_for, python
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+        self.starts = 0
+
+    @property
+    def ready_file(self) -> Path:
+        return server_dir(self.run_dir) / "ready.json"
+
+    def start(self, env: dict[str, str]) -> None:
+        self.stop()
+        folder = server_dir(self.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.ready_file.unlink(missing_ok=True)
+        argv = [self.python, "-m", "fsdpjob.jobs.grpo.server", "--model", self.model_path, "--host", "0.0.0.0",
+                "--port", "0", "--dtype", self.dtype, "--ready-file", str(self.ready_file)]
+        log = open(folder / f"server-{self.starts}.log", "ab")
+        self.proc = subprocess.Popen(self.step_for(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._log, self.starts = log, self.starts + 1
+        print(f"fsdpjob supervisor: generation server started (log {log.name})", file=sys.stderr, flush=True)
+
+    def wait_ready(self) -> str:
+        """The server's address once it answers /health; ServerDown after deadline_s or when its step ended."""
+        started = time.monotonic()
+        while time.monotonic() - started < self.deadline_s:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerDown(f"the generation server's step ended with exit code {self.proc.returncode} before "
+                                 f"it was ready; see {server_dir(self.run_dir)}")
+            if self.ready_file.exists():
+                try:
+                    address = json.loads(self.ready_file.read_text())["address"]
+                    with urllib.request.urlopen(f"http://{address}/health", timeout=5) as answer:
+                        json.load(answer)
+                    self.address = address
+                    return address
+                except (OSError, ValueError, KeyError, urllib.error.URLError):
+                    pass  # written but not answering yet, or half-written: ask again
+            time.sleep(POLL_S)
+        raise ServerDown(f"the generation server was not ready within {self.deadline_s:.0f} s "
+                         "(grpo.generator.deadline_s)")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        # SIGCONT right after SIGTERM: a stopped (SIGSTOPped, frozen) server handles its SIGTERM only once continued.
+        for sig, wait in ((signal.SIGTERM, 0.0), (signal.SIGCONT, 10.0), (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait) if wait else None
+            except subprocess.TimeoutExpired:
+                pass
+        self._log.close()
+        self.proc, self.address = None, None
