@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 POLL_S = 0.5
+SERVER_THREADS = 2
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a site's http_proxy is for outside traffic
 
 
 class ServerDown(RuntimeError):
@@ -37,16 +39,18 @@ class GenerationServer:
     launch on its nodes), ``wait_ready`` bounds its start, ``address`` is what the workers are given, ``stop`` ends
     it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, deadline_s: float, step_for, python: str):
+    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, deadline_s: float, step_for, python: str,
+                 host: str):
         self.run_dir, self.model_path, self.dtype, self.deadline_s = run_dir, model_path, dtype, deadline_s
         self.step_for, self.python = step_for, python
+        self.host = host  # where the workers reach it: its node's name or address (the server listens on all)
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.starts = 0
 
     @property
     def ready_file(self) -> Path:
-        return server_dir(self.run_dir) / "ready.json"
+        return server_dir(self.run_dir) / "ready"
 
     def start(self, env: dict[str, str]) -> None:
         self.stop()
@@ -54,7 +58,9 @@ class GenerationServer:
         folder.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
         argv = [self.python, "-m", "fsdpjob.jobs.grpo.server", "--model", self.model_path, "--host", "0.0.0.0",
-                "--port", "0", "--dtype", self.dtype, "--ready-file", str(self.ready_file)]
+                "--port", "0", "--dtype", self.dtype, "--ready-file", str(self.ready_file),
+                # Pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
+                "--threads", str(SERVER_THREADS)]
         log = open(folder / f"server-{self.starts}.log", "ab")
         self.proc = subprocess.Popen(self.step_for(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -70,12 +76,13 @@ class GenerationServer:
                                  f"it was ready; see {server_dir(self.run_dir)}")
             if self.ready_file.exists():
                 try:
-                    address = json.loads(self.ready_file.read_text())["address"]
-                    with urllib.request.urlopen(f"http://{address}/health", timeout=5) as answer:
+                    port = self.ready_file.read_text().strip().rsplit(":", 1)[1]  # host:port, renamed into place
+                    address = f"{self.host}:{int(port)}"
+                    with _DIRECT.open(f"http://{address}/health", timeout=5) as answer:
                         json.load(answer)
                     self.address = address
                     return address
-                except (OSError, ValueError, KeyError, urllib.error.URLError):
+                except (OSError, ValueError, IndexError, urllib.error.URLError):
                     pass  # written but not answering yet, or half-written: ask again
             time.sleep(POLL_S)
         raise ServerDown(f"the generation server was not ready within {self.deadline_s:.0f} s "

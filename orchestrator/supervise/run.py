@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import buildid
+from fsdpjob.orchestrator.core import buildid, slurmenv
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -93,8 +93,11 @@ class Supervisor:
             nodes[:] = [used]
             return line
         step_for(["true"])  # which nodes: known before the first launch (the training step leaves them out)
+        addrs = slurmenv.node_addrs(self.worker_env.get("FSDPJOB_NODE_ADDRS"))
+        host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
         server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
-                                  deadline_s=generator.deadline_s, step_for=step_for, python=sys.executable)
+                                  deadline_s=generator.deadline_s, step_for=step_for, python=sys.executable,
+                                  host=host)
         return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------
