@@ -157,7 +157,7 @@ def _set_up(launch: Launch) -> Training:
     if spec.train.method == "grpo":  # its generation, rewards and losses are loaded for grpo runs only
         from .grpo.setup import grpo_training
 
-        grpo = grpo_training(spec, parts, env, control)
+        grpo = grpo_training(spec, parts, env, control, launch.paths.run_dir)
     stream, app_state = resume(parts, spec, env, source, report, stream_for=grpo.stream_for if grpo else None)
     tiers.resumed_at(parts.state.step)
     # A preference method's reference pass runs here, where it is not done yet: training starts after it.

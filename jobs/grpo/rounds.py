@@ -111,12 +111,13 @@ class GrpoRounds:
     def __init__(self, table: Any, *, seed: int, shuffle: bool, num_generations: int, steps_per_generation: int,
                  per_rank: int, micro_batch_size: int, rank: int, world_size: int, device: torch.device,
                  generate: Generate, score: Score, advantages: Advantages, old_logps: OldLogps | None,
-                 control: dist.ProcessGroup | None, step_of: Callable[[], int]):
+                 control: dist.ProcessGroup | None, step_of: Callable[[], int],
+                 before_round: Callable[[int], None] | None = None):
         self.table, self.seed, self.rank, self.world = table, seed, rank, world_size
         self.num_generations, self.steps_per_generation = num_generations, steps_per_generation
         self.per_rank, self.micro_batch_size, self.device = per_rank, micro_batch_size, device
         self._generate, self._score, self._advantages, self._old_logps = generate, score, advantages, old_logps
-        self._control, self._step_of = control, step_of
+        self._control, self._step_of, self._before_round = control, step_of, before_round
         self.prompts = BatchStream(PromptRows(table), seed=seed, shuffle=shuffle,
                                    micro_batch_size=per_rank // num_generations, grad_accum_steps=1, dp_rank=rank,
                                    dp_world=world_size, packing="none")
@@ -150,6 +151,8 @@ class GrpoRounds:
         started = time.monotonic()
         heartbeat.enter(heartbeat.GENERATION)
         start_step = self._step_of()
+        if self._before_round is not None:  # a generation server loads the policy of this step first
+            self._before_round(start_step)
         generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, start_step, self.rank))
         rows = torch.cat([self.prompts.next_step().micro_batches[0] for _ in range(self.steps_per_generation)])
         rows = rows.repeat_interleave(self.num_generations)  # a prompt's group: consecutive rows

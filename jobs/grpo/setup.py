@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from ..preference.reference import as_reference
 from ..preference.setup import frozen_copy
 from .generate import completion_logps, generate
 from .losses import group_advantages
+from .remote import RemoteGeneration
 from .rewards import RewardFunctions
 from .rounds import GrpoRounds
 from .step import GrpoStepValues, grpo_step
@@ -30,7 +32,8 @@ class GrpoTraining:
     step: Callable[[StepBatch], GrpoStepValues]
 
 
-def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup | None) -> GrpoTraining:
+def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup | None,
+                  run_dir: Path) -> GrpoTraining:
     from transformers import AutoTokenizer
 
     options, table, model = spec.grpo, parts.table, parts.model
@@ -53,6 +56,11 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
         return generate(model, prompt_ids, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
+    before_round = None
+    if options.generator.backend == "server":  # the supervisor's server generates; the policy goes to it per round
+        remote = RemoteGeneration(spec, model, env, run_dir, pad, control)
+        gen, before_round = remote.generate, remote.before_round
+
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):
         texts = [tokenizer.decode(ids[:int(m.sum())].tolist(), skip_special_tokens=True)
                  for ids, m in zip(completion_ids, mask)]
@@ -70,7 +78,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             advantages=lambda r: group_advantages(r, options.num_generations, options.scale_rewards),
             # One step per round: the ratio is 1 and its gradient the policy's own (TRL: logps.detach()).
             old_logps=old_logps if options.steps_per_generation > 1 else None,
-            control=control, step_of=lambda: parts.state.step)
+            control=control, step_of=lambda: parts.state.step, before_round=before_round)
 
     reference_of = _reference(spec, parts, env, logps_of)
     holder: dict[str, GrpoRounds] = {}
