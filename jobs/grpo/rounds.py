@@ -124,7 +124,8 @@ class GrpoRounds:
         self.round: Round | None = None
         self.trained = 0  # steps of the round trained already
         self.last: StepSlice | None = None
-        self._generation_s = 0.0  # seconds of generating and scoring since the last logged step
+        # Seconds of generating (with the gathers and the old policy's pass) and of scoring since the last logged step
+        self._timings = {"generation_s": 0.0, "scoring_s": 0.0}
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -148,7 +149,7 @@ class GrpoRounds:
         return StepBatch(batches, self.last.tokens, self.last.tokens)
 
     def _new_round(self) -> None:
-        started = time.monotonic()
+        started, scoring_before = time.monotonic(), self._timings["scoring_s"]
         heartbeat.enter(heartbeat.GENERATION)
         start_step = self._step_of()
         if self._before_round is not None:  # a generation server loads the policy of this step first
@@ -163,7 +164,9 @@ class GrpoRounds:
             ids.append(out.completion_ids.cpu())
             masks.append(out.mask.cpu())
         completion_ids, mask = torch.cat(ids), torch.cat(masks)
+        scored = time.monotonic()
         scores = self._score(rows.tolist(), completion_ids, mask)
+        self._timings["scoring_s"] += time.monotonic() - scored
         mine = {"rows": rows, "completion_ids": completion_ids, "mask": mask, "rewards": scores.total.float(),
                 "per_function": torch.stack([v.float() for v in scores.per_function.values()])}
         glob = self._gather(mine)
@@ -176,7 +179,7 @@ class GrpoRounds:
                            glob["per_function"], advantages, old)
         self.function_names = list(scores.per_function)
         self.trained = 0
-        self._generation_s += time.monotonic() - started
+        self._timings["generation_s"] += time.monotonic() - started - self._timings["scoring_s"] + scoring_before
         heartbeat.enter(heartbeat.STEP)
 
     def _gather(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -207,10 +210,10 @@ class GrpoRounds:
             out[f"rewards/{name}"] = float(values.mean())
         return out
 
-    def take_generation_s(self) -> float:
-        """Seconds spent generating and scoring since the last call (a logged step's metrics read it)."""
-        taken, self._generation_s = self._generation_s, 0.0
-        return taken
+    def take_timings(self) -> dict[str, float]:
+        """Seconds spent generating and scoring since the last call (a logged step's metrics read them)."""
+        taken, self._timings = self._timings, {"generation_s": 0.0, "scoring_s": 0.0}
+        return {k: round(v, 4) for k, v in taken.items()}
 
     # ------------------------------------------------------------------ checkpoint
 

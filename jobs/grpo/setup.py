@@ -87,7 +87,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
         rounds = holder["rounds"]
         return grpo_step(model, parts.optimizer, batch.micro_batches, rounds.last, logps_of=logps_of,
                          reference_of=reference_of, options=options, max_grad_norm=spec.train.max_grad_norm,
-                         generation_s=rounds.take_generation_s)
+                         timings=rounds.take_timings)
 
     def made(grad_accum: int) -> GrpoRounds:
         holder["rounds"] = stream_for(grad_accum)

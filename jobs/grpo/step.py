@@ -31,9 +31,9 @@ class GrpoStepValues(StepValues):
     """A GRPO step's loss, gradient norm and metrics (TRL's names), read lazily (one all-reduce)."""
 
     def __init__(self, sums: torch.Tensor, step: StepSlice, grad_norm: torch.Tensor, *, beta: float,
-                 generation_s: Callable[[], float]):
+                 timings: Callable[[], dict[str, float]]):
         super().__init__(sums[_LOSS], step.tokens, grad_norm, step.tokens)
-        self._sums, self._step, self._beta, self._generation_s = sums, step, beta, generation_s
+        self._sums, self._step, self._beta, self._timings = sums, step, beta, timings
         self._metrics: dict[str, float] | None = None
 
     def _values(self) -> tuple[float, float]:
@@ -53,14 +53,14 @@ class GrpoStepValues(StepValues):
         """The logged metrics (only log steps read them: a save's read of the loss leaves generation_s alone)."""
         self._values()
         if "generation_s" not in self._metrics:
-            # Seconds of generating and scoring since the last logged step (goodput splits productive time by it).
-            self._metrics["generation_s"] = round(self._generation_s(), 4)
+            # Seconds of generating and of scoring since the last logged step (goodput's split of productive time).
+            self._metrics.update(self._timings())
         return dict(self._metrics)
 
 
 def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[CompletionBatch],
               step: StepSlice, *, logps_of: Logps, reference_of: ReferenceOf, options, max_grad_norm: float,
-              generation_s: Callable[[], float]) -> GrpoStepValues:
+              timings: Callable[[], dict[str, float]]) -> GrpoStepValues:
     world = dist.get_world_size()
     sums = None
     for batch in micro_batches:
@@ -81,4 +81,4 @@ def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return GrpoStepValues(sums, step, norm, beta=options.beta, generation_s=generation_s)
+    return GrpoStepValues(sums, step, norm, beta=options.beta, timings=timings)

@@ -92,7 +92,7 @@ def test_the_reward_rises_and_every_metric_has_trls_name(runs):
     last = sum(m[s]["reward"] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last >= 2 * first and last > 0, (first, last)
     for key in ("reward", "reward_std", "rewards/digits", "rewards/answer_seen", "completion_length", "clip_ratio",
-                "loss", "grad_norm", "generation_s"):
+                "loss", "grad_norm", "generation_s", "scoring_s"):
         assert key in m[STEPS], (key, m[STEPS])
     assert "kl" not in m[STEPS]  # beta 0: no reference, no kl
     assert 0 < m[1]["completion_length"] <= 12

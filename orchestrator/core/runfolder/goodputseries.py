@@ -39,14 +39,16 @@ def series(metrics: list[dict]) -> dict[str, list]:
 
 
 def generation_share(metrics: list[dict], kept: list[tuple[float, float, int | None]]) -> float:
-    """Wall seconds of grpo's generation (and scoring) in kept steps: the logged steps' ``generation_s`` (each the
-    seconds since the previous logged step), counted where a start's step was kept (``kept``: each start's
-    (begin, end, kept_until step)). 0 for every other method."""
+    """Wall seconds of grpo's generation and scoring in kept steps: the logged steps' ``generation_s`` and
+    ``scoring_s`` (each the seconds since the previous logged step), counted where a start's step was kept
+    (``kept``: each start's (begin, end, kept_until step)). 0 for every other method."""
     total = 0.0
     for m in metrics:
-        seconds, step, t = m.get("generation_s"), m.get("step"), m.get("time")
-        if not isinstance(seconds, (int, float)) or not isinstance(step, int):
+        step, t = m.get("step"), m.get("time")
+        parts = [m.get(k) for k in ("generation_s", "scoring_s")]
+        if not any(isinstance(p, (int, float)) for p in parts) or not isinstance(step, int):
             continue
+        seconds = sum(p for p in parts if isinstance(p, (int, float)))
         if any(begin <= t <= end and until is not None and step <= until for begin, end, until in kept):
             total += float(seconds)
     return total
