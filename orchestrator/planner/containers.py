@@ -68,6 +68,11 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         return (*where, field) if spec.container is not None else where
 
     out: list[tuple[tuple, str]] = []
+    if spec.grpo is not None and spec.grpo.generator.backend == "server":
+        # The supervisor starts the server with its own python, outside any container (supervise/genserver.py).
+        out.append((("grpo", "generator", "backend"), "the generation server does not run in a container in this "
+                                                      "version; use generator backend inprocess in a container, or "
+                                                      "run without one"))
     if not profile.kind.containers:
         out.append((where, f"profile {profile.name!r} is a {profile.scheduler} profile: containers run on Slurm only "
                            "(drop the container section, or use a Slurm profile)"))
