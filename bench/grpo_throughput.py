@@ -60,7 +60,7 @@ def start_server(model: Path, folder: Path) -> tuple[subprocess.Popen, str]:
     ready = folder / "ready"
     proc = subprocess.Popen([sys.executable, "-m", "fsdpjob.jobs.grpo.server", "--model", str(model), "--port", "0",
                              "--ready-file", str(ready), "--threads", "2", "--device", "cpu"],
-                            stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     for _ in range(600):
         if ready.exists():
