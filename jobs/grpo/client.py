@@ -25,7 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # as jobs/grpo/weights.py
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's adapter folder
+# Straight to the server: an http_proxy set for the site's outside traffic must not route calls inside the allocation.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class GenerationServerError(RuntimeError):
@@ -75,6 +77,14 @@ class GenerationClient:
         loaded."""
         return self._call("POST", "/load_weights", {"path": str(path), "version": int(version)}, deadline_s)
 
+    def ensure_version(self, path: str | Path, version: int, *, deadline_s: float | None = None) -> bool:
+        """Load ``path`` as ``version`` unless the server already serves that version (a restarted server starts
+        at 0, the base); True when it loaded. Call before generating with a server that may have been restarted."""
+        if self.health(deadline_s=deadline_s)["version"] == version:
+            return False
+        self.load_weights(path, version, deadline_s=deadline_s)
+        return True
+
     def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None) -> dict[str, Any]:
         deadline = self.deadline_s if deadline_s is None else deadline_s
         url = self.base_url + route
@@ -84,7 +94,7 @@ class GenerationClient:
 
         def attempt() -> None:
             try:
-                with urllib.request.urlopen(request, timeout=deadline) as response:
+                with _OPENER.open(request, timeout=deadline) as response:
                     outcome["answer"] = json.loads(response.read())
             except BaseException as err:  # handed to the caller's thread
                 outcome["error"] = err

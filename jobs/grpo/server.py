@@ -41,6 +41,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -218,11 +219,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         routes = {"/health": self.server.engine.health, "/v1/models": self.server.engine.models}
-        self._answer(routes.get(self.path.rstrip("/") or "/"), None)
+        self._answer(routes.get(_route(self.path)), None)
 
     def do_POST(self) -> None:
         routes = {"/v1/completions": self.server.engine.complete, "/load_weights": self.server.engine.load}
-        route = routes.get(self.path.rstrip("/"))
+        route = routes.get(_route(self.path))
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -268,6 +269,11 @@ class Handler(BaseHTTPRequestHandler):
         log.info("%s %s", self.address_string(), format % args)
 
 
+def _route(path: str) -> str:
+    """The request's route without its query string or a trailing slash (TRL's client calls /health/)."""
+    return urlsplit(path).path.rstrip("/") or "/"
+
+
 def _error(message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
@@ -302,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s grpo-server %(levelname)s %(message)s")
-    if args.device is None:
-        import torch
+    import torch
 
+    if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     started = time.monotonic()
     engine = Engine(args.model, dtype=args.dtype, device=args.device)
@@ -319,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     if args.ready_file is not None:
         write_ready_file(args.ready_file, host, port)
-    log.info("serving %s (%s, %s) on %s:%d after %.1f s", args.model, args.dtype, args.device, host, port,
-             time.monotonic() - started)
+    # Completions repeat bitwise on the same device, dtype and thread count (CPU reductions follow the threads).
+    log.info("serving %s (%s, %s, %d torch threads) on %s:%d after %.1f s", args.model, args.dtype, args.device,
+             torch.get_num_threads(), host, port, time.monotonic() - started)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

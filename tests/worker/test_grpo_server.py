@@ -96,7 +96,8 @@ def greedy(client) -> list[list[int]]:
     return sample(client, seed=0, prompts=PROMPTS, temperature=0.0)
 
 
-def test_health_answers_the_version(client):
+def test_health_answers_the_version_past_a_proxy_setting(client, monkeypatch):
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a site proxy for outside traffic is not used
     answer = client.health()
     assert answer["status"] == "ok" and isinstance(answer["version"], int)
 
@@ -158,8 +159,9 @@ def test_full_weights_change_greedy_output_and_version(client, model_dir, tmp_pa
     assert path.name == "v00000011.safetensors" and client.load_weights(path, 11)["kind"] == "full"
     assert client.health()["version"] == 11
     assert greedy(client) != before
-    client.load_weights(publish_weights(base, tmp_path, 12), 12)
+    assert client.ensure_version(publish_weights(base, tmp_path, 12), 12) is True
     assert greedy(client) == before and client.health()["version"] == 12
+    assert client.ensure_version(tmp_path / "v00000012.safetensors", 12) is False  # already served
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
