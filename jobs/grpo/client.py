@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's adapter folder
+_PEFT_PREFIX, _ADAPTER = "base_model.model.", "default"  # peft's saved-key prefix; the adapter name training uses
 # Straight to the server: an http_proxy set for the site's outside traffic must not route calls inside the allocation.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -135,8 +136,9 @@ def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, 
     """Write weights where the server can load them and return that path (pass it to ``load_weights``).
 
     ``source`` is one of: a full state dict by Hugging Face names (-> ``folder/v{version}.safetensors``); the
-    adapter tensors of a LoRA model by peft's saved names (``base_model.model....lora_A.weight``) with
-    ``lora_config`` (the adapter_config.json content); or a peft adapter folder already on disk (copied). An
+    adapter tensors of a LoRA model (the injected model's names or peft's saved ones, see ``peft_saved_name``)
+    with ``lora_config`` (the adapter_config.json content, e.g. ``LoraConfig.to_dict()``); or a peft adapter
+    folder already on disk (copied). An
     adapter lands in ``folder/v{version}/``. Everything is written under a temporary name in ``folder`` and
     renamed into place, so a server never reads a half-written file. Older versions beyond the last ``keep`` are
     removed (0 keeps all).
@@ -171,9 +173,22 @@ def _publish_adapter_folder(source: Path, folder: Path, version: int) -> Path:
 def _publish_adapter_tensors(tensors: Mapping[str, Any], config: Mapping[str, Any], folder: Path,
                              version: int) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder))
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True))
-    _save_tensors(tensors, tmp / ADAPTER_WEIGHTS)
+    # peft's LoraConfig.to_dict() holds sets (target_modules): written as sorted lists, as its save_pretrained does
+    text = json.dumps(dict(config), indent=2, sort_keys=True,
+                      default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o))
+    (tmp / ADAPTER_CONFIG).write_text(text)
+    _save_tensors({peft_saved_name(k): v for k, v in tensors.items()}, tmp / ADAPTER_WEIGHTS)
     return _rename_dir(tmp, folder / f"v{version:08d}")
+
+
+def peft_saved_name(key: str) -> str:
+    """An adapter tensor's name in peft's saved folder, from the injected model's own name (the one training and
+    its checkpoints use: ``...q_proj.lora_A.default.weight``, ``lm_head.modules_to_save.default.weight``); a name
+    already under ``base_model.model.`` is kept. The same mapping as jobs/export/lora.py's adapter export."""
+    if key.startswith(_PEFT_PREFIX):
+        return key
+    name = key.replace(f".modules_to_save.{_ADAPTER}.", ".").replace(f".{_ADAPTER}.", ".")
+    return _PEFT_PREFIX + name.removesuffix(f".{_ADAPTER}")  # lora_embedding_A.default: a ParameterDict entry
 
 
 def _save_tensors(tensors: Mapping[str, Any], path: Path) -> None:

@@ -95,13 +95,13 @@ class PolicyWeights:
                 targets[name].copy_(original)
             touched = [d.weight for d in deltas] + list(replaced)
             self._originals = {name: targets[name].detach().to("cpu", copy=True) for name in touched}
+            for name, tensor in replaced.items():  # first: an adapted embedding's saved base weight is one of them
+                targets[name].copy_(tensor)
             for d in deltas:
                 target = targets[d.weight]
                 delta = d.b.to(target.device, torch.float32) @ d.a.to(target.device, torch.float32)
                 delta = delta.T if d.transpose else delta
                 target.copy_(target.float() + scaling * delta)
-            for name, tensor in replaced.items():
-                targets[name].copy_(tensor)
 
 
 def _full_files(path: Path) -> list[Path]:
@@ -184,8 +184,8 @@ def _plan(tensors: dict[str, torch.Tensor], fan_in_fan_out: bool,
     replaced: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         part = next((p for p in _LORA_PARTS if key.endswith(p)), None)
-        if part is None:
-            replaced[key] = tensor
+        if part is None:  # modules_to_save, or the embedding weights peft saves beside an embedding's adapter
+            replaced[key.replace(".base_layer.", ".")] = tensor
             continue
         module = key[: -len(part)]
         half, kind = _LORA_PARTS[part]

@@ -165,21 +165,26 @@ def test_full_weights_change_greedy_output_and_version(client, model_dir, tmp_pa
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    """A peft adapter with random (not zero) B, strong enough to change greedy output; and its merged model."""
+    """A peft adapter folder with random (not zero) B, strong enough to change greedy output."""
+    return adapter_model(model_dir, out, seed)[0]
+
+
+def adapter_model(model_dir: Path, out: Path, seed: int):
+    """The adapter folder, and the peft model that saved it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"],
                         init_lora_weights=False, modules_to_save=["lm_head"])
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         head = peft_model.base_model.model.lm_head.modules_to_save["default"].weight
         head.add_(0.3 * torch.randn(head.shape))
     peft_model.save_pretrained(out)
-    return out
+    return out, peft_model
 
 
 def local_greedy(model_dir: Path, adapter: Path) -> list[list[int]]:
@@ -221,16 +226,25 @@ def test_adapter_tensors_publish_as_a_folder_the_server_loads(client, model_dir,
 
     from fsdpjob.jobs.grpo.client import publish_weights
 
-    adapter = make_adapter(model_dir, tmp_path / "a", seed=1)
-    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    client.load_weights(publish_weights(base_state(model_dir), tmp_path / "pub", 29), 29)
+    adapter, peft_model = adapter_model(model_dir, tmp_path / "a", seed=1)
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
     config = json.loads((adapter / "adapter_config.json").read_text())
-    copied = publish_weights(adapter, tmp_path / "pub", 30)
-    client.load_weights(copied, 30)
+    client.load_weights(publish_weights(adapter, tmp_path / "pub", 30), 30)  # the folder, copied
     expected = greedy(client)
-    written = publish_weights(tensors, tmp_path / "pub", 31, lora_config=config)
+    written = publish_weights(saved, tmp_path / "pub", 31, lora_config=config)  # peft's saved names
     assert written.name == "v00000031" and sorted(p.name for p in written.iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     client.load_weights(written, 31)
+    assert greedy(client) == expected
+    injected = {k: v for k, v in peft_model.base_model.model.state_dict().items()  # the names training uses
+                if ".lora_" in k or ".modules_to_save." in k}
+    assert set(injected) != set(saved)
+    renamed = publish_weights(injected, tmp_path / "pub", 32, lora_config=peft_model.peft_config["default"].to_dict())
+    # peft also saves the embedding's base weight beside its adapter (in case the vocabulary grew): not trained
+    assert set(load_file(str(renamed / "adapter_model.safetensors"))) == set(saved) - {
+        "base_model.model.model.embed_tokens.base_layer.weight"}
+    client.load_weights(renamed, 32)
     assert greedy(client) == expected
 
 
@@ -293,11 +307,16 @@ def test_an_unreachable_server_is_unresponsive_not_an_endless_wait():
 def test_publish_writes_atomically_and_keeps_the_last_versions(tmp_path):
     import torch
 
-    from fsdpjob.jobs.grpo.client import publish_weights
+    from fsdpjob.jobs.grpo.client import peft_saved_name, publish_weights
 
     for version in range(1, 5):
         publish_weights({"w": torch.full((2,), float(version))}, tmp_path, version, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003.safetensors", "v00000004.safetensors"]
+    names = ("model.embed_tokens.lora_embedding_A.default", "lm_head.modules_to_save.default.weight",
+             "model.layers.0.mlp.up_proj.lora_B.default.weight", "base_model.model.x.lora_A.weight")
+    assert [peft_saved_name(k) for k in names] == [
+        "base_model.model.model.embed_tokens.lora_embedding_A", "base_model.model.lm_head.weight",
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight", "base_model.model.x.lora_A.weight"]
     with pytest.raises(FileNotFoundError, match="not a peft adapter folder"):
         publish_weights(tmp_path, tmp_path / "out", 5)
 
