@@ -2,7 +2,7 @@
 completions endpoint that loads the trainer's published weights between generations.
 
     python -m fsdpjob.jobs.grpo.server --model PATH --host H --port P [--dtype float32|bfloat16]
-                                       [--device cpu|cuda] [--ready-file F]
+                                       [--device cpu|cuda] [--ready-file F] [--threads N]
 
 Routes (JSON in and out; errors are ``{"error": {"message": one line, ...}}`` with an HTTP 4xx/5xx status):
 
@@ -301,6 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="Weights' dtype.")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="Default: cuda when available.")
     parser.add_argument("--ready-file", type=Path, default=None, help="Write host:port here once serving.")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's). Pin it: CPU completions repeat bitwise only at "
+                             "the same thread count, e.g. across a restart.")
     return parser
 
 
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     started = time.monotonic()
     engine = Engine(args.model, dtype=args.dtype, device=args.device)
     server = GenerationServer((args.host, args.port), engine)

@@ -41,7 +41,7 @@ def start_server(model: Path, where: Path) -> tuple[subprocess.Popen, str, Path]
     log = (where / "server.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdpjob.jobs.grpo.server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", "0", "--device", "cpu", "--ready-file", str(ready)],
+         "--port", "0", "--device", "cpu", "--threads", "1", "--ready-file", str(ready)],
         stdout=log, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -129,6 +129,26 @@ def test_openai_answer_with_token_ids_that_decode_to_the_text(server, model_dir)
         assert choice["finish_reason"] in ("stop", "length")
         assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
     assert answer["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in answer["choices"])
+
+
+def test_health_answers_while_a_generation_runs(client, server):
+    import threading
+
+    from fsdpjob.jobs.grpo.client import GenerationClient
+
+    finished = {}
+
+    def long_generation():
+        client.generate(PROMPTS, max_tokens=100, temperature=1.0, n=16, seed=1)
+        finished["generation"] = time.monotonic()
+
+    worker = threading.Thread(target=long_generation)
+    worker.start()
+    time.sleep(0.5)
+    assert GenerationClient(server, deadline_s=5).health()["status"] == "ok"
+    answered = time.monotonic()
+    worker.join()
+    assert answered < finished["generation"]  # it did not wait for the generation's lock
 
 
 def test_requests_it_cannot_honour_are_refused_in_one_line(server):
@@ -352,9 +372,9 @@ def test_vllm_command_is_rendered_for_both_weight_routes():
     )
     assert vllm_lora_load("/run/weights/v00000003") == (
         "/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "/run/weights/v00000003", "load_inplace": True})
-    assert server_argv("/m", host="0.0.0.0", port=8001, ready_file="/run/ready") == [
+    assert server_argv("/m", host="0.0.0.0", port=8001, ready_file="/run/ready", threads=4) == [
         "python", "-m", "fsdpjob.jobs.grpo.server", "--model", "/m", "--host", "0.0.0.0", "--port", "8001",
-        "--dtype", "float32", "--ready-file", "/run/ready"]
+        "--dtype", "float32", "--ready-file", "/run/ready", "--threads", "4"]
 
 
 def test_the_client_imports_without_torch():
