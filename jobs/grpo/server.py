@@ -302,8 +302,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="Default: cuda when available.")
     parser.add_argument("--ready-file", type=Path, default=None, help="Write host:port here once serving.")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's). Pin it: CPU completions repeat bitwise only at "
-                             "the same thread count, e.g. across a restart.")
+                        help="torch CPU threads (default: torch's). Pin it: CPU completions are promised bitwise "
+                             "only at the same thread count, e.g. across a restart.")
     return parser
 
 
@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     if args.ready_file is not None:
         write_ready_file(args.ready_file, host, port)
-    # Completions repeat bitwise on the same device, dtype and thread count (CPU reductions follow the threads).
+    # Completions are promised bitwise on the same device, dtype and thread count (CPU kernels may split
+    # reductions by thread).
     log.info("serving %s (%s, %s, %d torch threads) on %s:%d after %.1f s", args.model, args.dtype, args.device,
              torch.get_num_threads(), host, port, time.monotonic() - started)
     try:
