@@ -133,11 +133,12 @@ class Engine:
         prompts = self._prompt_ids(request.prompt)
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         seed = request.seed if request.seed is not None else secrets.randbits(63)
+        for prompt in prompts:  # all refused before any is generated
+            self._check_length(prompt, request.max_tokens)
         choices, generated = [], 0
         with self.lock:
             version = self.version
             for p, prompt in enumerate(prompts):
-                self._check_length(prompt, request.max_tokens)
                 for j in range(request.n):
                     index = p * request.n + j
                     done = generate_one(
