@@ -1,0 +1,220 @@
+"""The trainer's side of the generation server: calls bounded by a deadline, and weights published atomically.
+
+Every call of ``GenerationClient`` ends within its deadline: the socket times out, and the request runs in a
+helper thread the caller stops waiting for at the deadline, so even a server that accepts the connection and
+then freezes (SIGSTOP, a hung GPU) or trickles bytes cannot hold the trainer. It raises ``ServerUnresponsive``
+naming the URL, the route and the seconds waited, which the supervisor blames like a hung rank (trl#6797 is the
+endless wait this avoids). A server that answers with an error raises ``ServerRefused`` with its one line.
+
+Nothing here imports torch at module level (``publish_weights`` does, when called), so the login side and the
+supervisor can import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's adapter folder
+_PEFT_PREFIX, _ADAPTER = "base_model.model.", "default"  # peft's saved-key prefix; the adapter name training uses
+# Straight to the server: an http_proxy set for the site's outside traffic must not route calls inside the allocation.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class GenerationServerError(RuntimeError):
+    """Any failure talking to the generation server."""
+
+
+class ServerUnresponsive(GenerationServerError):
+    """The server did not answer within the deadline, or could not be reached at all."""
+
+
+class ServerRefused(GenerationServerError):
+    """The server answered with an error (HTTP 4xx/5xx): a bad request or a load it refused."""
+
+
+class GenerationClient:
+    """Talks to one server at ``base_url`` (``http://host:port``); ``deadline_s`` bounds every call unless the
+    call passes its own."""
+
+    def __init__(self, base_url: str, deadline_s: float):
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        self.base_url = base_url.rstrip("/")
+        self.deadline_s = deadline_s
+
+    def health(self, *, deadline_s: float | None = None) -> dict[str, Any]:
+        """``{"status": "ok", "version": N}``."""
+        return self._call("GET", "/health", None, deadline_s)
+
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]], *, max_tokens: int, temperature: float,
+                 top_p: float = 1.0, n: int = 1, seed: int, deadline_s: float | None = None) -> list[list[int]]:
+        """The completions' token ids, prompt by prompt and ``n`` per prompt (``len(prompts) * n`` lists; a group
+        of ``n`` is contiguous). Same arguments and weights, same ids (the server seeds completion i from
+        (seed, i))."""
+        if not prompts_token_ids:
+            return []
+        body = {"prompt": [list(map(int, p)) for p in prompts_token_ids], "max_tokens": max_tokens,
+                "temperature": float(temperature), "top_p": float(top_p), "n": n, "seed": int(seed)}
+        answer = self._call("POST", "/v1/completions", body, deadline_s)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts_token_ids) * n:
+            raise GenerationServerError(f"{self.base_url}/v1/completions: {len(choices)} choices for "
+                                        f"{len(prompts_token_ids)} prompts x n={n}")
+        return [list(c["token_ids"]) for c in choices]
+
+    def load_weights(self, path: str | Path, version: int, *, deadline_s: float | None = None) -> dict[str, Any]:
+        """Have the server load ``path`` (published by ``publish_weights``) as policy ``version``; returns once
+        loaded."""
+        return self._call("POST", "/load_weights", {"path": str(path), "version": int(version)}, deadline_s)
+
+    def ensure_version(self, path: str | Path, version: int, *, deadline_s: float | None = None) -> bool:
+        """Load ``path`` as ``version`` unless the server already serves that version (a restarted server starts
+        at 0, the base); True when it loaded. Call before generating with a server that may have been restarted."""
+        if self.health(deadline_s=deadline_s)["version"] == version:
+            return False
+        self.load_weights(path, version, deadline_s=deadline_s)
+        return True
+
+    def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None) -> dict[str, Any]:
+        deadline = self.deadline_s if deadline_s is None else deadline_s
+        url = self.base_url + route
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        outcome: dict[str, Any] = {}
+
+        def attempt() -> None:
+            try:
+                with _OPENER.open(request, timeout=deadline) as response:
+                    outcome["answer"] = json.loads(response.read())
+            except BaseException as err:  # handed to the caller's thread
+                outcome["error"] = err
+
+        started = time.monotonic()
+        worker = threading.Thread(target=attempt, name=f"grpo-client {route}", daemon=True)
+        worker.start()
+        worker.join(deadline)
+        waited = time.monotonic() - started
+        if worker.is_alive():
+            raise ServerUnresponsive(self._late(url, route, waited, deadline, "no answer"))
+        error = outcome.get("error")
+        if error is None:
+            return outcome["answer"]
+        if isinstance(error, urllib.error.HTTPError):
+            raise ServerRefused(f"generation server {url}: HTTP {error.code}: {_message(error)}") from None
+        if isinstance(error, urllib.error.URLError | socket.timeout | TimeoutError | ConnectionError):
+            reason = getattr(error, "reason", error)
+            raise ServerUnresponsive(self._late(url, route, waited, deadline, str(reason))) from None
+        if isinstance(error, ValueError):
+            raise GenerationServerError(f"generation server {url}: unreadable answer ({error})") from None
+        raise error
+
+    def _late(self, url: str, route: str, waited: float, deadline: float, why: str) -> str:
+        return (f"generation server {self.base_url} did not answer {route} ({url}) after {waited:.1f} s "
+                f"(deadline {deadline:g} s): {why}")
+
+
+def _message(error: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(error.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return error.reason or "no message"
+
+
+def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, version: int, *,
+                    lora_config: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
+    """Write weights where the server can load them and return that path (pass it to ``load_weights``).
+
+    ``source`` is one of: a full state dict by Hugging Face names (-> ``folder/v{version}.safetensors``); the
+    adapter tensors of a LoRA model (the injected model's names or peft's saved ones, see ``peft_saved_name``)
+    with ``lora_config`` (the adapter_config.json content, e.g. ``LoraConfig.to_dict()``); or a peft adapter
+    folder already on disk (copied). An
+    adapter lands in ``folder/v{version}/``. Everything is written under a temporary name in ``folder`` and
+    renamed into place, so a server never reads a half-written file. Older versions beyond the last ``keep`` are
+    removed (0 keeps all).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, str | Path):
+        final = _publish_adapter_folder(Path(source), folder, version)
+    elif lora_config is not None:
+        final = _publish_adapter_tensors(source, lora_config, folder, version)
+    else:
+        final = folder / f"v{version:08d}.safetensors"
+        fd, tmp = tempfile.mkstemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        _save_tensors(source, Path(tmp))
+        os.replace(tmp, final)
+    if keep > 0:
+        _prune(folder, version - keep + 1)
+    return final
+
+
+def _publish_adapter_folder(source: Path, folder: Path, version: int) -> Path:
+    missing = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (source / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{source}: not a peft adapter folder (no {', '.join(missing)})")
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder))
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copyfile(source / name, tmp / name)
+    return _rename_dir(tmp, folder / f"v{version:08d}")
+
+
+def _publish_adapter_tensors(tensors: Mapping[str, Any], config: Mapping[str, Any], folder: Path,
+                             version: int) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder))
+    # peft's LoraConfig.to_dict() holds sets (target_modules): written as sorted lists, as its save_pretrained does
+    text = json.dumps(dict(config), indent=2, sort_keys=True,
+                      default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o))
+    (tmp / ADAPTER_CONFIG).write_text(text)
+    _save_tensors({peft_saved_name(k): v for k, v in tensors.items()}, tmp / ADAPTER_WEIGHTS)
+    return _rename_dir(tmp, folder / f"v{version:08d}")
+
+
+def peft_saved_name(key: str) -> str:
+    """An adapter tensor's name in peft's saved folder, from the injected model's own name (the one training and
+    its checkpoints use: ``...q_proj.lora_A.default.weight``, ``lm_head.modules_to_save.default.weight``); a name
+    already under ``base_model.model.`` is kept. The same mapping as jobs/export/lora.py's adapter export."""
+    if key.startswith(_PEFT_PREFIX):
+        return key
+    name = key.replace(f".modules_to_save.{_ADAPTER}.", ".").replace(f".{_ADAPTER}.", ".")
+    return _PEFT_PREFIX + name.removesuffix(f".{_ADAPTER}")  # lora_embedding_A.default: a ParameterDict entry
+
+
+def _save_tensors(tensors: Mapping[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Contiguous CPU copies: safetensors refuses views and shared storage (tied weights are two names here).
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+
+
+def _rename_dir(tmp: Path, final: Path) -> Path:
+    if final.exists():  # a republished version (a resumed run): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def _prune(folder: Path, below: int) -> None:
+    """Remove published versions older than ``below`` (never temporary files another writer may own)."""
+    for entry in folder.glob("v[0-9]*"):
+        try:
+            number = int(entry.name[1:].split(".")[0])
+        except ValueError:
+            continue
+        if number < below:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
