@@ -73,7 +73,7 @@ class StepSlice:
 
     completions: int  # the global step's completions
     tokens: int  # their completion tokens
-    rank_tokens: int  # this rank's share of them
+    tokens_norm: float  # dapo's normaliser: the round's completion tokens per step (TRL's num_items_in_batch / K)
     metrics: dict[str, float]
 
 
@@ -137,7 +137,8 @@ class GrpoRounds:
         mine = slice(k * block + self.rank * self.per_rank, k * block + (self.rank + 1) * self.per_rank)
         r = self.round
         step_mask = r.mask[k * block:(k + 1) * block]
-        self.last = StepSlice(completions=block, tokens=int(step_mask.sum()), rank_tokens=int(r.mask[mine].sum()),
+        self.last = StepSlice(completions=block, tokens=int(step_mask.sum()),
+                              tokens_norm=float(r.mask.sum()) / self.steps_per_generation,
                               metrics=self._metrics(slice(k * block, (k + 1) * block)))
         batches = []
         for at in range(mine.start, mine.stop, self.micro_batch_size):

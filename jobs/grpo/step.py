@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..step import StepValues
-from .losses import loss_terms, reduce_loss
+from .losses import loss_terms, metric_means, metric_sums, reduce
 from .rounds import CompletionBatch, StepSlice
 
 # (micro-batch) -> the reference's per-token log-probabilities [rows, T], or None without a reference (beta 0)
@@ -23,34 +23,29 @@ ReferenceOf = Callable[[CompletionBatch], torch.Tensor | None]
 # (model, prompt ids, completion ids, mask) -> per-token log-probabilities [rows, T] (generate.completion_logps)
 Logps = Callable[[torch.nn.Module, list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
 
-# The sums a step reduces: loss, kl (masked sum), tokens, clip low, clip high, clip region (token counts)
-_LOSS, _KL, _TOKENS, _LOW, _HIGH, _REGION = range(6)
-
 
 class GrpoStepValues(StepValues):
-    """A GRPO step's loss, gradient norm and metrics (TRL's names), read lazily (one all-reduce)."""
+    """A GRPO step's loss, gradient norm and metrics (TRL's names), read lazily (one all-reduce of [loss, the
+    metric sums])."""
 
     def __init__(self, sums: torch.Tensor, step: StepSlice, grad_norm: torch.Tensor, *, beta: float,
                  timings: Callable[[], dict[str, float]]):
-        super().__init__(sums[_LOSS], step.tokens, grad_norm, step.tokens)
+        super().__init__(sums[0], step.tokens, grad_norm, step.tokens)
         self._sums, self._step, self._beta, self._timings = sums, step, beta, timings
         self._metrics: dict[str, float] | None = None
 
     def _values(self) -> tuple[float, float]:
         if self._read is None:
             dist.all_reduce(self._sums)
-            s = self._sums.tolist()
-            tokens = max(s[_TOKENS], 1.0)
-            self._metrics = {**self._step.metrics, "clip_ratio": s[_REGION] / tokens,
-                             "clip_ratio/low_mean": s[_LOW] / tokens, "clip_ratio/high_mean": s[_HIGH] / tokens}
-            if self._beta > 0:
-                self._metrics["kl"] = s[_KL] / tokens
-            # The sum of every micro-batch's share is the step's loss already (losses.reduce_loss normalises).
-            self._read = (s[_LOSS], self._norm())
+            means = metric_means(self._sums[1:], beta=self._beta)
+            means["clip_ratio"] = means["clip_ratio/region_mean"]  # the issue's (and older TRL's) name
+            self._metrics = {**self._step.metrics, **means}
+            # The sum of every micro-batch's share is the step's loss already (losses.reduce normalises).
+            self._read = (float(self._sums[0]), self._norm())
         return self._read
 
     def extra(self) -> dict[str, float]:
-        """The logged metrics (only log steps read them: a save's read of the loss leaves generation_s alone)."""
+        """The logged metrics (only log steps read them: a save's read of the loss leaves the timings alone)."""
         self._values()
         if "generation_s" not in self._metrics:
             # Seconds of generating and of scoring since the last logged step (goodput's split of productive time).
@@ -66,17 +61,15 @@ def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     for batch in micro_batches:
         reference = reference_of(batch)
         logps = logps_of(model, batch.prompt_ids, batch.completion_ids, batch.mask)
-        mask = batch.mask.to(logps.device)
-        terms = loss_terms(logps, None if batch.old_logps is None else batch.old_logps.to(logps.device),
-                           None if reference is None else reference.to(logps.device),
-                           batch.advantages.to(logps.device), mask, epsilon=options.epsilon,
-                           epsilon_high=options.epsilon_high or options.epsilon, beta=options.beta)
-        share = reduce_loss(terms.per_token, mask, options.loss_type, completions_global=step.completions,
-                            tokens_global=step.tokens, tokens_local=step.rank_tokens,
-                            max_new_tokens=options.max_new_tokens, world_size=world)
-        (share * world).backward()
-        part = torch.stack([share.detach().float(), terms.kl_sum.float(), mask.sum().float(),
-                            terms.clip_low.float(), terms.clip_high.float(), terms.clip_region.float()])
+        device = logps.device
+        mask = batch.mask.to(device)
+        terms = loss_terms(logps, None if batch.old_logps is None else batch.old_logps.to(device),
+                           None if reference is None else reference.to(device), batch.advantages.to(device),
+                           epsilon=options.epsilon, epsilon_high=options.epsilon_high, beta=options.beta)
+        share = reduce(terms.per_token, mask, options.loss_type, completions_global=step.completions,
+                       tokens_global=step.tokens_norm, max_new_tokens=options.max_new_tokens)
+        (share * world).backward()  # FSDP averages the gradients over the ranks
+        part = torch.cat([share.detach().float().reshape(1), metric_sums(terms, mask)])
         sums = part if sums is None else sums + part
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
