@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 STOP_CHECK_EVERY = 16  # tokens between the all-reduces that let every rank stop once all completions have ended
@@ -175,6 +176,9 @@ def completion_logps(model: nn.Module, prompt_ids: Sequence[Sequence[int]], comp
     attention = torch.cat([prompt_mask, mask.long()], dim=1)
     logits = model(input_ids=torch.cat([prompts, completion_ids], dim=1), attention_mask=attention,
                    position_ids=positions(attention), use_cache=False, logits_to_keep=width + 1).logits
-    scores = logits[:, :-1].float() / temperature  # position j predicts completion token j
-    chosen = scores.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return (chosen - scores.logsumexp(dim=-1)).masked_fill(mask == 0, 0.0)
+    # Position j predicts completion token j. Only the completion's positions are upcast and scored (as
+    # jobs/preference/losses.py answer_logps): an fp32 [N, T, V] copy is what a large vocabulary cannot afford.
+    rows, cols = (mask != 0).nonzero(as_tuple=True)
+    scores = logits[:, :-1][rows, cols].float() / temperature
+    picked = -F.cross_entropy(scores, completion_ids[rows, cols], reduction="none")
+    return scores.new_zeros(completion_ids.shape).index_put((rows, cols), picked)
