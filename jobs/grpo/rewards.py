@@ -42,10 +42,13 @@ class Scores:
 
 
 def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else (" ".join(str(m.get("content", "")) for m in value)
-                                                 if isinstance(value, list) else repr(value))
-    text = " ".join(str(text).split())
-    return repr(text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "...")
+    """A prompt or a returned value in an error: text (a conversation's contents) quoted, anything else as its repr;
+    on one line and shortened to SHOWN_CHARS."""
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        value = " ".join(str(m.get("content", "")) for m in value)
+    text = " ".join((value if isinstance(value, str) else repr(value)).split())
+    text = text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+    return repr(text) if isinstance(value, str) else text
 
 
 def _number(value: Any) -> float | None:
