@@ -196,3 +196,31 @@ def test_signature_problem_reads_keyword_only_and_positional_only_parameters():
     assert "needs an argument 'prompts'" in signature_problem(pos_only, [])
     assert signature_problem(len, []) is not None or True  # builtins: checked at their first call
     assert load_function("os.path:join") is __import__("os").path.join
+
+
+def test_the_grpo_example_validates_with_its_reward_functions(tmp_path):
+    """examples/grpo-math.yaml with file checks: its reward functions load without torch and take its records'
+    fields (test_examples.py validates it without file checks, like every example)."""
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    done = fsdpjob("validate", "examples/grpo-math.yaml", "--set", f"model.path={model}")
+    assert done.returncode == 0, done.stderr
+
+
+def test_init_method_grpo_writes_a_spec_prompts_and_rewards_that_validate(tmp_path):
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    done = fsdpjob("init", str(model), "--method", "grpo", "--out", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    text = (tmp_path / "job.yaml").read_text()
+    assert "method: grpo" in text and "\ngrpo:\n" in text and "rewards.py:exact_answer" in text, text
+    assert '"answer": "' in (tmp_path / "data.jsonl").read_text()
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    # The rewards score as they say (no torch needed to import them).
+    fns = {n: load_function(f"{tmp_path / 'rewards.py'}:{n}", forbid=LOGIN_FORBIDDEN)
+           for n in ("exact_answer", "format_reward")}
+    completions = ["<answer>19</answer>", "It is 19", "<answer>18</answer>", [{"role": "assistant",
+                                                                               "content": "7+12 is 19"}]]
+    assert fns["exact_answer"](prompts=["q"] * 4, completions=completions, answer=["19"] * 4) == [1.0, 1.0, 0.0, 1.0]
+    assert fns["format_reward"](completions=completions) == [1.0, 0.0, 1.0, 0.0]
+    # A second init beside them keeps both files and says so.
+    again = fsdpjob("init", str(model), "--method", "grpo", "--out", "two.yaml", cwd=tmp_path)
+    assert again.returncode == 0 and "rewards.py existed and was kept" in again.stderr, again.stderr
