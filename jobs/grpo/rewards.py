@@ -71,10 +71,11 @@ class RewardFunctions:
     @classmethod
     def load(cls, specs: Sequence[RewardFunctionSpec]) -> RewardFunctions:
         """Import each function (its file or module); RewardError naming the function when one cannot load."""
-        functions = []
+        functions: list[Callable[..., Any]] = []
+        loaded: dict[str, Any] = {}  # a file of two functions runs once: they share its state
         for spec in specs:
             try:
-                functions.append(load_function(spec.function))
+                functions.append(load_function(spec.function, loaded=loaded))
             except RewardLoadError as exc:
                 raise RewardError(f"reward function {spec.function}: {exc}") from None
         return cls(specs, functions)

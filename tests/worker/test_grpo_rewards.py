@@ -50,6 +50,7 @@ def test_scores_are_the_weighted_sum_with_each_function_apart(rewards_file):
     scores = fns.score([PROMPTS[0]] * 2 + [PROMPTS[1]] * 2, ["2", "3", " 4", "four"],
                        [{"answer": "2"}] * 2 + [{"answer": "4"}] * 2)
     assert isinstance(scores, Scores) and fns.names == ["exact", "length"]
+    assert fns.functions[0].__globals__ is fns.functions[1].__globals__  # one file, loaded once
     assert scores.total.dtype == torch.float32 and scores.total.shape == (4,)
     assert scores.per_function["exact"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert scores.per_function["length"].tolist() == [1.0, 1.0, 2.0, 4.0]

@@ -90,7 +90,8 @@ def _exec_file(path: Path) -> Any:
         sys.modules.pop(name, None)
         raise
     finally:
-        sys.path.remove(str(path.parent))
+        if str(path.parent) in sys.path:  # the module may have changed sys.path itself
+            sys.path.remove(str(path.parent))
     return module
 
 
@@ -120,11 +121,17 @@ def _module(where: str, forbid: tuple[str, ...]) -> Any:
                           "runs on the workers only")
 
 
-def load_function(function: str, *, forbid: tuple[str, ...] = ()) -> Callable[..., Any]:
+def load_function(function: str, *, forbid: tuple[str, ...] = (),
+                  loaded: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The callable named by ``function`` (file.py:name or module:name), with the packages of ``forbid`` refused
-    while its module loads (the login node: LOGIN_FORBIDDEN); RewardLoadError says what is wrong."""
+    while its module loads (the login node: LOGIN_FORBIDDEN); RewardLoadError says what is wrong. ``loaded``
+    (file or module -> module) is shared by the functions of one spec: a file that holds two runs once, and its
+    functions share its module's state."""
     where, name = function.rsplit(":", 1)
-    module = _module(where, forbid)
+    loaded = {} if loaded is None else loaded
+    if where not in loaded:
+        loaded[where] = _module(where, forbid)
+    module = loaded[where]
     if not hasattr(module, name):
         defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
         listed = ", ".join(defined) or "no functions"
@@ -170,13 +177,14 @@ def check_reward_functions(spec: JobSpec, doc: YamlDoc | None = None) -> None:
             raise InputError.at(doc, ("data", "path"), problem)
     found: list[InputError] = []
     failed: set[str] = set()  # modules that failed to load
+    loaded: dict[str, Any] = {}
     for index, reward in enumerate(spec.grpo.reward):
         where = reward.function.rsplit(":", 1)[0]
         if where in failed:
             continue
         loc = ("grpo", "reward", index)
         try:
-            fn = load_function(reward.function, forbid=LOGIN_FORBIDDEN)
+            fn = load_function(reward.function, forbid=LOGIN_FORBIDDEN, loaded=loaded)
         except RewardLoadError as exc:
             found.append(InputError.at(doc, loc, f"{reward.function}: {exc}"))
             if exc.of_module:
