@@ -78,7 +78,7 @@ class _Rendered(NamedTuple):
 # ---------------------------------------------------------------- records to text
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except jinja2.TemplateError as exc:  # raised by the template itself, e.g. roles out of order
@@ -107,10 +107,10 @@ def _render_record(tokenizer: Any, record: dict[str, Any], roles: tuple[str, ...
     prompt = record.get("prompt")
     if prompt is None:
         prompt, answers = implicit_prompt(answers)
-    head = _render(tokenizer, prompt, True)
+    head = render_chat(tokenizer, prompt, True)
     texts = []
     for role, answer in zip(roles, answers):
-        whole = _render(tokenizer, prompt + answer, False)
+        whole = render_chat(tokenizer, prompt + answer, False)
         if not whole.startswith(head):
             raise ValueError(f"the chat template renders the prompt with the generation prompt as {head[-60:]!r} "
                              f"(its end), which is not how the conversation with the {role} answer starts: the "

@@ -12,7 +12,7 @@ import click
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.runfolder.paths import fsdpjob_home
-from fsdpjob.orchestrator.planner.starter import starter_spec
+from fsdpjob.orchestrator.planner.starter import GRPO_FILES, grpo_file, starter_spec
 
 from .options import command, profile_option
 
@@ -76,9 +76,29 @@ def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | 
     except OSError as exc:
         raise InputError(f"cannot write {out}: {exc.strerror}", file="--out") from None
     todo = [] if model_dir else [f"set model.path in {out} to your model folder"]
+    if method == "grpo":
+        todo += _write_grpo_files(out.parent, data)
     if data is None and not (out.parent / "data.jsonl").exists():
         todo.append(f"put the training data at {out.parent / 'data.jsonl'} (or set data.path)")
     return StarterWritten(shlex.quote(str(out)), todo)
+
+
+def _write_grpo_files(folder: Path, data: Path | None) -> list[str]:
+    """A GRPO starter's reward functions and (without --data) math-answer prompts beside the spec; a file there
+    already is kept (init never overwrites one) and said so."""
+    todo = []
+    for name in GRPO_FILES:
+        if name == "data.jsonl" and data is not None:
+            continue
+        try:
+            with open(folder / name, "x", encoding="utf-8") as f:
+                f.write(grpo_file(name))
+        except FileExistsError:
+            what = "defines exact_answer and format_reward" if name == "rewards.py" else "holds the prompts"
+            todo.append(f"{folder / name} existed and was kept: check that it {what} (grpo.reward names them)")
+        except OSError as exc:
+            raise InputError(f"cannot write {folder / name}: {exc.strerror}", file="--out") from None
+    return todo
 
 
 @command()
@@ -112,8 +132,9 @@ def quickstart(directory: Path | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The training data (JSONL) [default: data.jsonl beside the spec].",
 )
-@click.option("--method", type=click.Choice(["sft", "dpo", "orpo"]), default="sft", show_default=True,
-              help="Supervised fine-tuning, or preference training (docs/preference.md).")
+@click.option("--method", type=click.Choice(["sft", "dpo", "orpo", "grpo"]), default="sft", show_default=True,
+              help="Supervised fine-tuning, preference training (docs/preference.md), or GRPO (also writes "
+                   "rewards.py and math-answer prompts beside the spec).")
 def init(model_dir: Path | None, profile: str, out: Path, data: Path | None, method: str) -> None:
     """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
     written = write_starter(out, profile, model_dir, data, method)

@@ -17,6 +17,13 @@ from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 PLACEHOLDER_MODEL = "/path/to/hf-model-folder"
 DEFAULT_SEQ_LEN = 512
+GRPO_NEW_TOKENS = 128  # a starter's grpo.max_new_tokens where seq_len leaves room for it
+GRPO_FILES = {"rewards.py": "starter_rewards.py.j2", "data.jsonl": "starter_prompts.jsonl.j2"}  # beside the spec
+
+
+def grpo_file(name: str) -> str:
+    """The text of a GRPO starter's file ``name`` (GRPO_FILES: plain text, nothing to fill in)."""
+    return resources.files("fsdpjob.templates").joinpath(GRPO_FILES[name]).read_text(encoding="utf-8")
 
 
 def job_name(out: Path) -> str:
@@ -49,11 +56,13 @@ def starter_spec(out: Path, profile: str, prof: ClusterProfile, model_dir: Path 
     env.filters["yaml"] = json.dumps  # a JSON string is a YAML scalar: any path or name stays one value
     text = resources.files("fsdpjob.templates").joinpath("starter.yaml.j2").read_text(encoding="utf-8")
     cpu = prof.gpus_per_node == 0
+    seq_len = _seq_len(model_dir)
     return env.from_string(text).render(
         out=shlex.quote(str(out)), name=job_name(out), profile=profile, profile_name=prof.name,
         profile_description=" ".join(prof.description.split()),
         cpu=cpu, gpus=prof.gpus_per_node, tasks=min(2, prof.cpus_per_node or 1),
         model_path=str(model_dir) if model_dir else PLACEHOLDER_MODEL,
         model_note="a local Hugging Face model folder" if model_dir else "CHANGE ME: a local Hugging Face model folder",
-        data_path=data or "data.jsonl", seq_len=_seq_len(model_dir), method=method,
+        data_path=data or "data.jsonl", seq_len=seq_len, method=method,
+        max_new_tokens=max(1, min(GRPO_NEW_TOKENS, seq_len // 2)),  # half the room at most: prompts get the rest
     )

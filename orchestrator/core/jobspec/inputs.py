@@ -10,6 +10,7 @@ from ..errors import InputError
 from .dataformats import check_data, check_not_all_dropped
 from .families import SUPPORTED_MODEL_TYPES
 from .promptroom import check_prompt_room
+from .rewardfns import check_reward_functions
 
 if TYPE_CHECKING:
     from .spec import DataSpec, JobSpec
@@ -153,7 +154,8 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
     if not config_only:
         attempt(check_data, spec.data, doc, getattr(spec.method_options, "margin_field", None))
         attempt(check_not_all_dropped, spec.data, folder, doc)
-        attempt(check_prompt_room, spec.data, folder)
+        attempt(check_prompt_room, spec.data, folder, getattr(spec.method_options, "max_new_tokens", None))
+        attempt(check_reward_functions, spec, doc)  # grpo's: they load here, without torch
     if len(found) == 1:
         raise found[0]
     if found:

@@ -64,16 +64,20 @@ def _messages_problem(value: Any) -> str | None:
     return None
 
 
-def parse_record(raw: bytes, data: FieldOptions, line: int) -> dict[str, Any]:
-    """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
+def parse_object(raw: bytes, line: int) -> Any:
+    """One JSONL line as JSON (grpo's prompts keep every field of it: the reward functions read them)."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
     except json.JSONDecodeError as exc:
         message = f"malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
         raise RecordError(message, line) from None
-    return record_fields(obj, data, line)
+
+
+def parse_record(raw: bytes, data: FieldOptions, line: int) -> dict[str, Any]:
+    """The configured fields of one JSONL line, keyed by role (text, prompt, completion or messages)."""
+    return record_fields(parse_object(raw, line), data, line)
 
 
 def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
