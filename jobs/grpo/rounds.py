@@ -208,7 +208,7 @@ class GrpoRounds:
         out = {"reward": float(rewards.mean()), "reward_std": float(groups.std(dim=1).mean()),
                "completion_length": float(r.mask[block].sum(dim=1).float().mean())}
         for name, values in zip(self.function_names, r.per_function[:, block]):
-            out[f"rewards/{name}"] = float(values.mean())
+            out[f"rewards/{name}"] = float(values.nanmean())  # NaN: the function said None (not applicable)
         return out
 
     def take_timings(self) -> dict[str, float]:

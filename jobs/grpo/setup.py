@@ -39,6 +39,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
     options, table, model = spec.grpo, parts.table, parts.model
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     rewards = RewardFunctions.load(options.reward)
+    rewards.check_fields(table.field_names)  # a field only later records have: before the first generation
     eos = _eos_ids(tokenizer, spec.model.path)
     pad = pad_id_of(tokenizer)
     mbs = spec.train.micro_batch_size
@@ -64,7 +65,8 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):
         texts = [tokenizer.decode(ids[:int(m.sum())].tolist(), skip_special_tokens=True)
                  for ids, m in zip(completion_ids, mask)]
-        return rewards.score([table.prompts[i] for i in rows], texts, [table.fields[i] for i in rows])
+        return rewards.score([table.prompts[i] for i in rows], texts, [table.fields[i] for i in rows], rows=rows,
+                             places=table.places)
 
     def old_logps(prompt_ids, completion_ids, mask) -> torch.Tensor:
         with torch.no_grad():
