@@ -10,6 +10,7 @@ process, and any change to a token id, a label or the row count changes it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ def _rows(sequences: list[tuple[list[int], list[int]]], seq_len: int,
     return ids, labels, lengths
 
 
+def _take(table: Any, rows: torch.Tensor) -> Any:
+    """``table`` with only ``rows`` (in that order): every per-row tensor indexed, the counts of what was read
+    kept (they describe the file, not the split)."""
+    n = len(table)
+    per_row = {f.name: getattr(table, f.name)[rows] for f in dataclasses.fields(table)
+               if isinstance(getattr(table, f.name), torch.Tensor) and getattr(table, f.name).shape[:1] == (n,)}
+    return dataclasses.replace(table, **per_row)
+
+
 # ---------------------------------------------------------------- pairs
 
 
@@ -72,6 +82,10 @@ class PairBatch:
     rejected_ids: torch.Tensor
     rejected_labels: torch.Tensor
     margins: torch.Tensor | None  # [mbs] float, reward.margin_field's
+
+    # A pair is one sample: the samples log (FSDPJOB_LOG_SAMPLES, jobs/hooks.py) names it by its row.
+    sample_ids = property(lambda self: self.rows)
+    sequence_ids = sample_ids
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,10 @@ class PairTable:
 
     def __len__(self) -> int:
         return self.chosen_ids.shape[0]
+
+    def take(self, rows: torch.Tensor) -> PairTable:
+        """The pairs at ``rows``, both answers of each (data.eval_fraction's split)."""
+        return _take(self, rows)
 
     def micro_batch(self, rows: torch.Tensor) -> PairBatch:
         margins = self.margins[rows] if self.margins is not None else None
@@ -140,6 +158,9 @@ class UnpairedBatch:
     labels: torch.Tensor
     desirable: torch.Tensor  # [mbs] bool
 
+    sample_ids = property(lambda self: self.rows)  # as a pair's (PairBatch)
+    sequence_ids = sample_ids
+
 
 @dataclass(frozen=True)
 class UnpairedTable:
@@ -157,6 +178,10 @@ class UnpairedTable:
 
     def __len__(self) -> int:
         return self.ids.shape[0]
+
+    def take(self, rows: torch.Tensor) -> UnpairedTable:
+        """The answers at ``rows`` (kto's KL partners are drawn after the split, within each side: ktobatch.py)."""
+        return _take(self, rows)
 
     def micro_batch(self, rows: torch.Tensor) -> UnpairedBatch:
         return UnpairedBatch(rows, self.ids[rows], self.labels[rows], self.desirable[rows])

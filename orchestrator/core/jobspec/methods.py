@@ -130,9 +130,6 @@ def check_method_data(method: str, data: Any) -> None:
                                           "use dpo or orpo")
     if data.sources is not None:
         raise field_error("data.sources", f"a data mixture is not supported for {method} yet; give data.path")
-    if data.eval_fraction:
-        raise field_error("data.eval_fraction", f"{method} evaluates on data.eval_path (its own pairs or answers); "
-                                                "an eval_fraction held out of the training rows is not supported yet")
     if data.shape != wants:
         what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
         raise field_error("data", f"{method} trains on {'pairs' if wants == 'preference' else 'labelled answers'}; "
