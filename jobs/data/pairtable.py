@@ -71,6 +71,19 @@ def _take(table: Any, rows: torch.Tensor) -> Any:
     return dataclasses.replace(table, **per_row)
 
 
+def mixture_table(tables: Sequence[Any], weights: Sequence[float]) -> Any:
+    """One table of a mixture's sources (each read on its own, in data.sources' order): their rows one after the
+    other, each row's source, the weights, and the counts of what was read summed."""
+    first = tables[0]
+    if not tables or len(tables) != len(weights):
+        raise ValueError(f"{len(tables)} tables for {len(weights)} weights: one table per source")
+    per_row = {f.name: torch.cat([getattr(t, f.name) for t in tables]) for f in dataclasses.fields(first)
+               if isinstance(getattr(first, f.name), torch.Tensor) and f.name != "source"}
+    counts = {name: sum(getattr(t, name) for t in tables) for name in ("num_examples", "truncated", "dropped")}
+    source = torch.cat([torch.full((len(t),), i, dtype=torch.long) for i, t in enumerate(tables)])
+    return dataclasses.replace(first, **per_row, **counts, source=source, weights=tuple(weights))
+
+
 # ---------------------------------------------------------------- pairs
 
 
@@ -100,10 +113,11 @@ class PairTable:
     num_examples: int = 0  # records read (dropped ones included)
     truncated: int = 0  # pairs with an answer cut at its end (long_examples truncate)
     dropped: int = 0  # pairs left out (long_examples drop)
+    # A mixture's (data.sources): each row's source index [N] long, and the sources' weights; BatchStream draws
+    # each epoch's rows by them (mixture.py). None: one source.
+    source: torch.Tensor | None = None
+    weights: tuple[float, ...] | None = None
     split = 0  # never split (the spec refuses it); SequenceTable's count, for the data event
-    # BatchStream reads these of a mixture's table; preference data is one source.
-    source = None
-    weights = None
 
     def __len__(self) -> int:
         return self.chosen_ids.shape[0]
@@ -172,9 +186,9 @@ class UnpairedTable:
     num_examples: int = 0
     truncated: int = 0
     dropped: int = 0
+    source: torch.Tensor | None = None  # as a PairTable's
+    weights: tuple[float, ...] | None = None
     split = 0
-    source = None
-    weights = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]

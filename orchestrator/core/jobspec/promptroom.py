@@ -45,7 +45,11 @@ def prompt_room_problem(prompt_field: str | None, tokens: int, seq_len: int) -> 
 
 
 def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
-    source = data.inputs()[0]
+    for source in data.inputs():  # data.path's, or each source of a mixture
+        _check_source(source, data.seq_len, tokenizer, bos)
+
+
+def _check_source(source: Any, seq_len: int, tokenizer: Any, bos: int) -> None:
     try:
         located = locate(source)
         if located.format == "save_to_disk":  # as long_example_warnings: the worker reads those
@@ -56,15 +60,15 @@ def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
         return  # check_data reports these
     encoded = tokenizer.encode_batch([p for _, _, p in prompts], add_special_tokens=False) if prompts else []
     for (file, line, _), e in zip(prompts, encoded):
-        if len(e.ids) + bos >= data.seq_len:
-            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, data.seq_len),
+        if len(e.ids) + bos >= seq_len:
+            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, seq_len),
                              file=str(file), line=line)
 
 
 def check_prompt_room(data: DataSpec, model_folder: Path) -> None:
     """Raise InputError at FILE:LINE of the first string prompt of the training or eval data that leaves no room
     for an answer token within data.seq_len (preference and kto data only)."""
-    if data.shape not in ("preference", "unpaired") or data.sources is not None:
+    if data.shape not in ("preference", "unpaired"):
         return
     tokenizer = login_tokenizer(model_folder)
     if tokenizer is None:
