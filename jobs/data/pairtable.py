@@ -74,9 +74,9 @@ def _take(table: Any, rows: torch.Tensor) -> Any:
 def mixture_table(tables: Sequence[Any], weights: Sequence[float]) -> Any:
     """One table of a mixture's sources (each read on its own, in data.sources' order): their rows one after the
     other, each row's source, the weights, and the counts of what was read summed."""
-    first = tables[0]
     if not tables or len(tables) != len(weights):
         raise ValueError(f"{len(tables)} tables for {len(weights)} weights: one table per source")
+    first = tables[0]
     per_row = {f.name: torch.cat([getattr(t, f.name) for t in tables]) for f in dataclasses.fields(first)
                if isinstance(getattr(first, f.name), torch.Tensor) and f.name != "source"}
     counts = {name: sum(getattr(t, name) for t in tables) for name in ("num_examples", "truncated", "dropped")}
