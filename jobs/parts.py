@@ -155,21 +155,26 @@ def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
     return table, eval_table, train_rows
 
 
-def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, Any, None]:
+def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, Any, torch.Tensor | None]:
     """A pair (or labelled answer) per row, both answers right-padded to seq_len: not packed, not cached (the
-    tokenizing is a small part of a preference job's set-up beside its reference pass)."""
+    tokenizing is a small part of a preference job's set-up beside its reference pass). data.eval_fraction holds
+    whole rows out (a pair's two answers together); kto's KL partners are drawn after, within each side."""
     t_data = time.time()
     read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
     options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
     table = read(spec.data, tokenizer, **options)
-    eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options) if spec.data.eval_path else None
+    eval_table, train_rows = None, None
+    if spec.data.eval_fraction:
+        table, eval_table, train_rows, _ = split_eval(table, spec.data.eval_fraction, spec.train.seed)
+    elif spec.data.eval_path:
+        eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options)
     if spec.train.method == "kto":  # each answer with its mismatched KL row (its partner fixed by the seed)
         table = KtoTable.of(table, spec.train.seed, pad_id_of(tokenizer))
         eval_table = KtoTable.of(eval_table, spec.train.seed, pad_id_of(tokenizer)) if eval_table else None
     report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
                  dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
                  **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))
-    return table, eval_table, None
+    return table, eval_table, train_rows
 
 
 def _prompt_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, None, None]:

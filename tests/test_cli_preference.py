@@ -103,3 +103,33 @@ def test_reward_margins_are_checked_where_the_pairs_are(tmp_path):
     pq.write_table(pa.Table.from_pylist([PAIR | {"margin": "1"}]), tmp_path / "data.parquet")
     line = refused(tmp_path)
     assert line.startswith("job.yaml:13: reward.margin_field: column 'margin' in") and "not a number column" in line
+
+
+def mixture_job(tmp_path: Path, method: str, extra: str = "") -> Path:
+    helpers.tiny_model_folder(tmp_path / "model")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: pref\nprofile: test-cluster\nmodel:\n  path: model\ndata:\n  seq_len: 128\n  sources:\n"
+                    "    - path: a.jsonl\n      weight: 0.7\n    - path: b.jsonl\n      weight: 0.3\n"
+                    f"train:\n  method: {method}\n  max_steps: 5\n{extra}")
+    return spec
+
+
+def test_a_mixture_of_pairs_is_checked_source_by_source(tmp_path):
+    mixture_job(tmp_path, "reward", "reward:\n  margin_field: margin\n")
+    jsonl(tmp_path / "a.jsonl", [PAIR | {"margin": 1}])
+    b = jsonl(tmp_path / "b.jsonl", [PAIR | {"margin": 1}, PAIR | {"margin": 2}])
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    jsonl(b, [PAIR | {"margin": 1}, PAIR])  # the margin is read in every source
+    assert refused(tmp_path).startswith(f"{b}:2: missing field 'margin' (set by reward.margin_field)")
+    jsonl(b, [PAIR | {"margin": 1}, {k: v for k, v in PAIR.items() if k != "chosen"} | {"margin": 1}])
+    assert refused(tmp_path).startswith(f"{b}:2: missing field 'chosen' (set by data.chosen_field)")
+
+
+def test_a_kto_mixture_checks_each_sources_labels(tmp_path):
+    mixture_job(tmp_path, "kto")
+    both = [{"prompt": "a", "completion": "b", "label": True}, {"prompt": "a", "completion": "c", "label": False}]
+    jsonl(tmp_path / "a.jsonl", both)
+    b = jsonl(tmp_path / "b.jsonl", both)
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    jsonl(b, both[:1] * 2)
+    assert refused(tmp_path).startswith(f"{b}:1: kto needs desirable and undesirable answers")

@@ -99,7 +99,7 @@ def test_init_writes_a_commented_spec_that_validates(tmp_path):
     assert checked.exit_code == 0 and ": ok (profile local, world size 2" in checked.stdout, checked.output
 
 
-@pytest.mark.parametrize("method", ["dpo", "orpo"])
+@pytest.mark.parametrize("method", ["dpo", "orpo", "reward"])
 def test_init_method_writes_a_preference_starter_that_validates_on_pairs(tmp_path, method):
     model = helpers.tiny_model_folder(tmp_path / "model")
     done = invoke("init", str(model), "--method", method, "--out", str(tmp_path / "job.yaml"))
@@ -112,6 +112,31 @@ def test_init_method_writes_a_preference_starter_that_validates_on_pairs(tmp_pat
     (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2", "rejected": "3"}\n')
     refused = invoke("validate", str(tmp_path / "job.yaml"))
     assert refused.exit_code == 2 and "data.jsonl:1" in refused.stderr and "'chosen'" in refused.stderr, refused.output
+
+
+def test_init_kto_writes_a_starter_that_validates_on_labelled_answers(tmp_path):
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    done = invoke("init", str(model), "--method", "kto", "--out", str(tmp_path / "job.yaml"))
+    assert done.exit_code == 0, done.output
+    text = (tmp_path / "job.yaml").read_text()
+    assert "method: kto" in text and "\nkto:\n" in text and '"completion"' in text and '"label"' in text, text
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2", "label": true}\n'
+                    '{"prompt": "1+1=", "completion": "3", "label": false}\n')
+    checked = invoke("validate", str(tmp_path / "job.yaml"))
+    assert checked.exit_code == 0, checked.output
+    data.write_text('{"prompt": "1+1=", "completion": "2", "label": true}\n')
+    refused = invoke("validate", str(tmp_path / "job.yaml"))
+    assert refused.exit_code == 2 and "data.jsonl:1" in refused.stderr and "desirable and undesirable" in \
+        refused.stderr, refused.output
+
+
+def test_init_reward_leaves_lora_out(tmp_path):
+    """A reward model trains in full (validate refuses model.lora with it): its starter offers no LoRA line."""
+    model = helpers.tiny_model_folder(tmp_path / "model")
+    assert invoke("init", str(model), "--method", "reward", "--out", str(tmp_path / "job.yaml")).exit_code == 0
+    text = (tmp_path / "job.yaml").read_text()
+    assert "lora:" not in text and "\nreward:\n  margin_field: null" in text, text
 
 
 def test_init_refuses_a_family_validate_refuses_with_its_words(tmp_path):

@@ -5,6 +5,7 @@ lists it keeps by hand match the code."""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import subprocess
@@ -127,3 +128,31 @@ def test_a_broken_link_fails_the_build(tmp_path: Path):
                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert built.returncode != 0
     assert "'nope.md'" in built.stderr and "index.md#nope" in built.stderr
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "kto", "reward"])
+def test_each_preference_methods_worked_example_validates_with_its_data_line(tmp_path: Path, method: str):
+    """docs/preference/<method>.md: its worked example is a spec of that method that validates (the model folder
+    left unchecked), and its data line is a record of the fields that spec reads."""
+    from click.testing import CliRunner
+
+    from fsdpjob.orchestrator.cli import cli
+    from fsdpjob.orchestrator.core.jobspec.records import record_fields
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
+
+    page = (DOCS / "preference" / f"{method}.md").read_text(encoding="utf-8")
+    example = page.split("## A worked example", 1)[1].split("\n## ", 1)[0]
+    line = re.search(r"```json\n(.*?)\n```", example, re.S).group(1)
+    spec_text = re.search(r"```yaml\n(.*?)```", example, re.S).group(1)
+    spec = yaml.safe_load(spec_text)
+    assert spec["train"]["method"] == method
+    path = tmp_path / "job.yaml"
+    path.write_text(spec_text)
+    (tmp_path / spec["data"]["path"]).write_text(line + "\n")
+    validated = CliRunner().invoke(cli, ["validate", "--no-file-checks", str(path)])
+    assert validated.exit_code == 0, validated.output
+    loaded, _ = load_spec(path)
+    fields = record_fields(json.loads(line), loaded.data.inputs()[0], 1)
+    assert set(fields) >= ({"prompt", "completion", "label"} if method == "kto" else {"prompt", "chosen", "rejected"})
+    if method == "reward":
+        assert loaded.reward.margin_field in json.loads(line)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import run_cli
 from specs import quickstart_spec, write_spec
 from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
@@ -107,6 +108,33 @@ def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_pat
     data = json.loads(out)
     assert code in (0, None) and [v["name"] for v in data["variants"]] == ["lr-0", "lr-1", "lr-2"]
     assert data["array"] == "0-2%2" and "#SBATCH --array=0-2%2" in data["script"]
+    assert not (tmp_path / "home" / "runs").exists()
+
+
+def test_a_dpo_beta_sweep_is_one_array_of_distinct_specs(tiny_spec, tmp_path, monkeypatch):
+    """issue 39: a beta sweep as one array job. Each variant's spec has its beta (the dpo section made by --set),
+    and its hash differs from the others' for that alone (the names made equal)."""
+    from fsdpjob.orchestrator.cli.sweepsubmit import plan_sweep
+
+    monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": "0"}) + "\n"
+                             for a in range(8)))
+    base = yaml.safe_load(tiny_spec.read_text())
+    spec = write_spec(tmp_path / "dpo.yaml", {**base, "name": "beta", "data": {"path": str(pairs), "seq_len": 16},
+                                              "train": {**base["train"], "method": "dpo"}})
+    grid = "dpo.beta=0.05,0.1,0.5"
+    plan = plan_sweep(str(spec), make_sweep((grid,)), profile=None, sets=(), force=False)
+    specs = [p.job.spec for p in plan.variants]
+    assert [s.train.method for s in specs] == ["dpo"] * 3 and [s.dpo.beta for s in specs] == [0.05, 0.1, 0.5]
+    assert [s.name for s in specs] == ["beta-0", "beta-1", "beta-2"]
+    hashes = {s.model_copy(update={"name": "same"}).spec_hash() for s in specs}
+    assert len(hashes) == 3, hashes
+    code, out, err = run_cli("sweep", str(spec), "--grid", grid, "--dry-run", "--json")
+    data = json.loads(out)
+    assert code in (0, None) and [v["sets"] for v in data["variants"]] == [[f"dpo.beta={b}"] for b in
+                                                                           ("0.05", "0.1", "0.5")], err
+    assert data["array"] == "0-2" and "#SBATCH --array=0-2" in data["script"]
     assert not (tmp_path / "home" / "runs").exists()
 
 

@@ -10,6 +10,7 @@ process, and any change to a token id, a label or the row count changes it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,28 @@ def _rows(sequences: list[tuple[list[int], list[int]]], seq_len: int,
     return ids, labels, lengths
 
 
+def _take(table: Any, rows: torch.Tensor) -> Any:
+    """``table`` with only ``rows`` (in that order): every per-row tensor indexed, the counts of what was read
+    kept (they describe the file, not the split)."""
+    n = len(table)
+    per_row = {f.name: getattr(table, f.name)[rows] for f in dataclasses.fields(table)
+               if isinstance(getattr(table, f.name), torch.Tensor) and getattr(table, f.name).shape[:1] == (n,)}
+    return dataclasses.replace(table, **per_row)
+
+
+def mixture_table(tables: Sequence[Any], weights: Sequence[float]) -> Any:
+    """One table of a mixture's sources (each read on its own, in data.sources' order): their rows one after the
+    other, each row's source, the weights, and the counts of what was read summed."""
+    if not tables or len(tables) != len(weights):
+        raise ValueError(f"{len(tables)} tables for {len(weights)} weights: one table per source")
+    first = tables[0]
+    per_row = {f.name: torch.cat([getattr(t, f.name) for t in tables]) for f in dataclasses.fields(first)
+               if isinstance(getattr(first, f.name), torch.Tensor) and f.name != "source"}
+    counts = {name: sum(getattr(t, name) for t in tables) for name in ("num_examples", "truncated", "dropped")}
+    source = torch.cat([torch.full((len(t),), i, dtype=torch.long) for i, t in enumerate(tables)])
+    return dataclasses.replace(first, **per_row, **counts, source=source, weights=tuple(weights))
+
+
 # ---------------------------------------------------------------- pairs
 
 
@@ -72,6 +95,10 @@ class PairBatch:
     rejected_ids: torch.Tensor
     rejected_labels: torch.Tensor
     margins: torch.Tensor | None  # [mbs] float, reward.margin_field's
+
+    # A pair is one sample: the samples log (FSDPJOB_LOG_SAMPLES, jobs/hooks.py) names it by its row.
+    sample_ids = property(lambda self: self.rows)
+    sequence_ids = sample_ids
 
 
 @dataclass(frozen=True)
@@ -86,13 +113,18 @@ class PairTable:
     num_examples: int = 0  # records read (dropped ones included)
     truncated: int = 0  # pairs with an answer cut at its end (long_examples truncate)
     dropped: int = 0  # pairs left out (long_examples drop)
+    # A mixture's (data.sources): each row's source index [N] long, and the sources' weights; BatchStream draws
+    # each epoch's rows by them (mixture.py). None: one source.
+    source: torch.Tensor | None = None
+    weights: tuple[float, ...] | None = None
     split = 0  # never split (the spec refuses it); SequenceTable's count, for the data event
-    # BatchStream reads these of a mixture's table; preference data is one source.
-    source = None
-    weights = None
 
     def __len__(self) -> int:
         return self.chosen_ids.shape[0]
+
+    def take(self, rows: torch.Tensor) -> PairTable:
+        """The pairs at ``rows``, both answers of each (data.eval_fraction's split)."""
+        return _take(self, rows)
 
     def micro_batch(self, rows: torch.Tensor) -> PairBatch:
         margins = self.margins[rows] if self.margins is not None else None
@@ -140,6 +172,9 @@ class UnpairedBatch:
     labels: torch.Tensor
     desirable: torch.Tensor  # [mbs] bool
 
+    sample_ids = property(lambda self: self.rows)  # as a pair's (PairBatch)
+    sequence_ids = sample_ids
+
 
 @dataclass(frozen=True)
 class UnpairedTable:
@@ -151,12 +186,16 @@ class UnpairedTable:
     num_examples: int = 0
     truncated: int = 0
     dropped: int = 0
+    source: torch.Tensor | None = None  # as a PairTable's
+    weights: tuple[float, ...] | None = None
     split = 0
-    source = None
-    weights = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
+
+    def take(self, rows: torch.Tensor) -> UnpairedTable:
+        """The answers at ``rows`` (kto's KL partners are drawn after the split, within each side: ktobatch.py)."""
+        return _take(self, rows)
 
     def micro_batch(self, rows: torch.Tensor) -> UnpairedBatch:
         return UnpairedBatch(rows, self.ids[rows], self.labels[rows], self.desirable[rows])

@@ -35,7 +35,14 @@ from fsdpjob.orchestrator.core.jobspec.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from .examples import DataError, bos_ids, encode, eos_ids
-from .pairtable import PairTable, UnpairedTable, build_pair_table, build_unpaired_table, pad_id_of
+from .pairtable import (
+    PairTable,
+    UnpairedTable,
+    build_pair_table,
+    build_unpaired_table,
+    mixture_table,
+    pad_id_of,
+)
 from .sources import Records, eval_spec, load_records
 
 PAIR_ANSWERS = ("chosen", "rejected")
@@ -173,8 +180,11 @@ def _fit(tokenized: list[tuple[list[int], list[list[int]]]], records: Records, s
 # ---------------------------------------------------------------- reading
 
 
-def _source(data: DataSpec, path: str | Path | None) -> DataSource:
-    """The one source to read: data.path's, eval_path's (with its split) or ``path`` read with data's settings."""
+def _source(data: DataSpec, path: str | Path | None | DataSource) -> DataSource:
+    """The one source to read: data.path's, eval_path's (with its split), ``path`` read with data's settings, or
+    ``path`` itself where it is a source (one of a mixture's, data.inputs())."""
+    if isinstance(path, DataSource):
+        return path
     if path is None or str(path) == str(data.path):
         return data.inputs()[0]
     if data.eval_path is not None and str(path) == str(data.eval_path):
@@ -182,10 +192,11 @@ def _source(data: DataSpec, path: str | Path | None) -> DataSource:
     return data.model_copy(update={"path": str(path), "sources": None, "split": None}).inputs()[0]
 
 
-def read_pairs(data: DataSpec, tokenizer: Any, path: str | Path | None = None,
+def read_pairs(data: DataSpec, tokenizer: Any, path: str | Path | DataSource | None = None,
                margin_field: str | None = None) -> Fitted:
-    """Every pair of ``path`` (default data.path) as token ids within data.seq_len (module docstring); with
-    ``margin_field`` (reward.margin_field) each pair's margin, a number every record must hold."""
+    """Every pair of ``path`` (default data.path; or a source of data.sources) as token ids within data.seq_len
+    (module docstring); with ``margin_field`` (reward.margin_field) each pair's margin, a number every record must
+    hold."""
     source: Any = _source(data, path)
     if margin_field is not None:
         source = WithMargin(source, margin_field)
@@ -210,8 +221,9 @@ def _check_labels(records: Records, source: Any) -> None:
                         "kind", file=file, line=line)
 
 
-def read_unpaired(data: DataSpec, tokenizer: Any, path: str | Path | None = None) -> Fitted:
-    """Every labelled answer of ``path`` (default data.path) for kto, as token ids within data.seq_len."""
+def read_unpaired(data: DataSpec, tokenizer: Any, path: str | Path | DataSource | None = None) -> Fitted:
+    """Every labelled answer of ``path`` (default data.path; or a source of data.sources) for kto, as token ids
+    within data.seq_len. Each source needs answers of both labels (validate checks them so, file by file)."""
     source = _source(data, path)
     records = load_records(source)
     _check_labels(records, source)
@@ -230,10 +242,22 @@ def read_unpaired(data: DataSpec, tokenizer: Any, path: str | Path | None = None
 
 def read_pair_table(data: DataSpec, tokenizer: Any, margin_field: str | None = None,
                     path: str | Path | None = None) -> PairTable:
-    """The pair table of data.path (or ``path``: data.eval_path for the eval data), padded to data.seq_len."""
-    return build_pair_table(read_pairs(data, tokenizer, path, margin_field), data.seq_len, pad_id_of(tokenizer))
+    """The pair table of data.path, or of a mixture's sources (each read on its own, then one table with each
+    row's source and the weights), or of ``path`` (data.eval_path for the eval data), padded to data.seq_len."""
+    def table(source: str | Path | DataSource | None) -> PairTable:
+        return build_pair_table(read_pairs(data, tokenizer, source, margin_field), data.seq_len, pad_id_of(tokenizer))
+    return _tables(data, path, table)
 
 
 def read_unpaired_table(data: DataSpec, tokenizer: Any, path: str | Path | None = None) -> UnpairedTable:
-    """kto's table of data.path (or ``path``: data.eval_path for the eval data), padded to data.seq_len."""
-    return build_unpaired_table(read_unpaired(data, tokenizer, path), data.seq_len, pad_id_of(tokenizer))
+    """kto's table of data.path, of a mixture's sources, or of ``path`` (data.eval_path), padded to data.seq_len."""
+    def table(source: str | Path | DataSource | None) -> UnpairedTable:
+        return build_unpaired_table(read_unpaired(data, tokenizer, source), data.seq_len, pad_id_of(tokenizer))
+    return _tables(data, path, table)
+
+
+def _tables(data: DataSpec, path: str | Path | None, table: Any) -> Any:
+    if path is not None or data.sources is None:
+        return table(path)
+    sources = data.inputs()
+    return mixture_table([table(source) for source in sources], [source.weight for source in sources])

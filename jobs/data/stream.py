@@ -170,16 +170,17 @@ class BatchStream:
 
 
 class EvalSplit(NamedTuple):
-    train: SequenceTable
-    eval: SequenceTable
+    train: Any  # a SequenceTable, or a preference table (data/pairtable.py)
+    eval: Any
     train_rows: torch.Tensor  # places of train's rows in the packed table
     eval_rows: torch.Tensor
 
 
-def split_eval(table: SequenceTable, fraction: float, seed: int) -> EvalSplit:
-    """Hold out ``fraction`` of the packed sequences for evaluation, chosen from ``seed``.
+def split_eval(table: Any, fraction: float, seed: int) -> EvalSplit:
+    """Hold out ``fraction`` of the packed sequences (or a preference table's rows: whole pairs, or labelled
+    answers) for evaluation, chosen from ``seed``.
 
-    At least one sequence each way; the rows keep their table order on both sides. The same table and seed give
+    At least one row each way; the rows keep their table order on both sides. The same table and seed give
     the same split on every rank, every start and any world size.
     """
     n = len(table)
@@ -191,8 +192,9 @@ def split_eval(table: SequenceTable, fraction: float, seed: int) -> EvalSplit:
     perm = torch.randperm(n, generator=gen)
     eval_rows, train_rows = perm[:n_eval].sort().values, perm[n_eval:].sort().values
 
-    def take(rows: torch.Tensor) -> SequenceTable:
-        return table_rows(table, rows)
+    def take(rows: torch.Tensor) -> Any:
+        # A preference table (data/pairtable.py) takes its own rows: a pair's two answers are one row of it.
+        return table_rows(table, rows) if isinstance(table, SequenceTable) else table.take(rows)
 
     return EvalSplit(take(train_rows), take(eval_rows), train_rows, eval_rows)
 

@@ -80,6 +80,11 @@ class KtoTable(UnpairedTable):
         values = {f.name: getattr(table, f.name) for f in fields(table)}
         return cls(**values, partners=kl_partners(len(table), seed), pad_id=pad_id)
 
+    def take(self, rows: torch.Tensor) -> KtoTable:
+        # The partners point at rows of the whole table: a part of it would pair answers across the split.
+        raise TypeError("take the rows of the UnpairedTable, then KtoTable.of each part: its partners are drawn "
+                        "within it (data.eval_fraction never pairs a training answer with a held-out one)")
+
     def micro_batch(self, rows: torch.Tensor) -> KtoBatch:
         partners = self.partners[rows]
         kl_ids, kl_labels = mismatched_rows(self.ids[rows], prompt_lengths(self.labels[rows], self.lengths[rows]),

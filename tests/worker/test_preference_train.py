@@ -1,6 +1,7 @@
 """Preference training end to end (jobs.train.run on 2 real gloo ranks, the local profile's way): DPO with the cached
 reference pass, stopped and resumed in training and inside the pass, against one uninterrupted run, bitwise;
-live against cached; LoRA; ORPO. The data: 3-digit additions, the right sum chosen over zeros."""
+live against cached; LoRA; ORPO, and its own stop and resume. The data: 3-digit additions, the right sum
+chosen over zeros."""
 
 from __future__ import annotations
 
@@ -179,3 +180,21 @@ def test_dpo_evaluates_on_its_eval_pairs_with_their_own_reference_and_keeps_the_
     assert kinds[-1] == "ready", kinds
     facts = json.loads((run / "checkpoints" / "step-00000008" / "fsdpjob.json").read_text())
     assert facts["eval_loss"] == pytest.approx(evaluated[8]["eval_loss"]), facts
+
+
+def test_an_orpo_stop_in_training_resumes_bitwise(tmp_path, assets):
+    """ORPO has no reference: the resume is the weights, AdamW, schedule, data position and RNG alone."""
+    full = make_run(tmp_path, "full", assets, method="orpo", steps=10)
+    assert train(full) == [0, 0]
+    stopped = make_run(tmp_path, "stopped", assets, method="orpo", steps=10)
+    assert train(stopped, FSDPJOB_STOP_AT_STEP="4") == [0, 0]
+    assert max(metrics(stopped)) == 4
+    assert train(stopped) == [0, 0]
+    a, b = metrics(full), metrics(stopped)
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert [a[s][key] for s in a] == [b[s][key] for s in a], key
+    resume = next(e for e in events(stopped) if e["event"] == "resume")
+    assert resume["step"] == 4, resume
+    x, y = committed_model_state(full), committed_model_state(stopped)
+    assert x.keys() == y.keys() and all((x[k] == y[k]).all() for k in x)

@@ -25,14 +25,28 @@ KEY = f"wandb-{secrets.token_hex(16)}"  # unique: finding it anywhere is a leak
 TOKEN = f"mlflow-{secrets.token_hex(16)}"
 
 
-def make_spec(model: str = "/m", data: dict | None = None, *, wandb_mode: str = "offline", **logging) -> JobSpec:
+def make_spec(model: str = "/m", data: dict | None = None, *, wandb_mode: str = "offline", train: dict | None = None,
+              **logging) -> JobSpec:
     return job_spec({
         "name": "trk", "env": {"WANDB_API_KEY": KEY, "MLFLOW_TRACKING_TOKEN": TOKEN},
         "model": {"path": model}, "data": data or {"path": "/d.jsonl", "seq_len": 32},
-        "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum_steps": 2, "lr": 3e-3, "log_every": 1},
+        "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum_steps": 2, "lr": 3e-3, "log_every": 1,
+                  **(train or {})},
         "fsdp": {"mixed_precision": "fp32"}, "checkpoint": {"interval_steps": 0, "interval_minutes": 0},
         "logging": logging or {"wandb": {"project": "fsdpjob-test", "mode": wandb_mode}, "mlflow": {}},
     })
+
+
+def write_tracked_run(root: Path, spec: JobSpec) -> Path:
+    """A run folder as submit writes it, the spec redacted (its secrets reach the workers through their env)."""
+    run_dir = root / spec.name
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps({"spec": spec.redacted().model_dump(mode="json"), "resume_from": None,
+                                                   "plan": {"defer_grad_sync": True}}))
+    return run_dir
+
+
+TRACKED_ENV = {"WANDB_API_KEY": KEY, "MLFLOW_TRACKING_TOKEN": TOKEN, "WANDB_SILENT": "true"}
 
 
 # ---------------------------------------------------------------- reading what the trackers wrote
@@ -184,11 +198,8 @@ def test_the_worker_stopped_and_resumed_keeps_one_tracker_run(tmp_path_factory, 
     data = {"sources": [{"path": str(folder / "a.parquet"), "weight": 0.6},
                         {"path": str(folder / "saved"), "weight": 0.4, "text_field": "body"}], "seq_len": 32}
     spec = make_spec(assets["model_path"], data)
-    run_dir = tmp_path_factory.mktemp("runs") / spec.name
-    run_dir.mkdir()
-    (run_dir / "spec.json").write_text(json.dumps({"spec": spec.redacted().model_dump(mode="json"), "resume_from": None,
-                                                   "plan": {"defer_grad_sync": True}}))
-    env = {"WANDB_API_KEY": KEY, "MLFLOW_TRACKING_TOKEN": TOKEN, "WANDB_SILENT": "true"}
+    run_dir = write_tracked_run(tmp_path_factory.mktemp("runs"), spec)
+    env = TRACKED_ENV
     assert run_ranks(train_worker, 2, run_dir=str(run_dir), env={**env, "FSDPJOB_STOP_AT_STEP": "3"}) == [0, 0]
     assert run_ranks(train_worker, 2, run_dir=str(run_dir), env=env) == [0, 0]
 
@@ -203,4 +214,42 @@ def test_the_worker_stopped_and_resumed_keeps_one_tracker_run(tmp_path_factory, 
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == [r["train/loss"] for r in rows if "train/loss" in r]
+    assert_no_secret(run_dir)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dpo_metrics_reach_both_trackers_under_trls_names(tmp_path, worker_env):
+    """A DPO run's own metrics (rewards/margins, rewards/accuracies, logps/chosen ...) and its evaluation's
+    (eval_rewards/accuracies ...) reach W&B and MLflow as train/<name> and eval/<name>, with metrics.jsonl's
+    values."""
+    from test_preference_train import write_pairs
+
+    from fsdpjob.jobs.quickstart import make_quickstart
+
+    assets = make_quickstart(tmp_path / "assets")
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 24)
+    spec = make_spec(assets["model_path"], {"path": str(pairs), "seq_len": 16, "eval_fraction": 0.25},
+                     train={"method": "dpo", "eval_every": 3})
+    run_dir = write_tracked_run(tmp_path, spec)
+    assert run_ranks(train_worker, 2, run_dir=str(run_dir), env=TRACKED_ENV) == [0, 0]
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in lines if "loss" in m]
+    evaluated = [m for m in lines if "eval_loss" in m]
+    assert len(trained) == 6 and [m["step"] for m in evaluated] == [3, 6]
+    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+             "logps/rejected")
+    [rows] = wandb_runs(run_dir).values()
+    for name in names:
+        assert [r[f"train/{name}"] for r in rows if f"train/{name}" in r] == [m[name] for m in trained], name
+    assert [r["eval/rewards/accuracies"] for r in rows if "eval/rewards/accuracies" in r] == \
+        [m["eval_rewards/accuracies"] for m in evaluated]
+    client, run = mlflow_run(run_dir)
+    for key, values in ((f"train/{n}", [m[n] for m in trained]) for n in names):
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [m.value for m in history] == pytest.approx(values), key
+    history = client.get_metric_history(run.info.run_id, "eval/rewards/margins")
+    assert sorted(m.step for m in history) == [3, 6]
+    assert run.data.params["train.method"] == "dpo"
     assert_no_secret(run_dir)

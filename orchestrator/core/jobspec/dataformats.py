@@ -323,7 +323,7 @@ def check_data(data: DataSpec, doc: YamlDoc | None = None, margin_field: str | N
         _check_source(data, _with_margin(data.inputs()[0], margin_field), None, ("data", "path"), doc)
     else:
         for index, source in enumerate(data.inputs()):
-            _check_source(data, source, index, ("data", "sources", index, "path"), doc)
+            _check_source(data, _with_margin(source, margin_field), index, ("data", "sources", index, "path"), doc)
     if data.eval_path is not None:
         try:
             evaluation = eval_data(data)

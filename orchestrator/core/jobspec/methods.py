@@ -263,6 +263,7 @@ def check_method_data(method: str, data: Any) -> None:
     if method in NOT_YET:
         raise field_error("train.method", f"{method} is not supported in this version yet ({NOT_YET[method]}); "
                                           "use dpo or orpo")
+<<<<<<< HEAD
     if data.sources is not None:
         raise field_error("data.sources", f"a data mixture is not supported for {method} yet; give data.path")
     if method == "grpo":
@@ -271,10 +272,19 @@ def check_method_data(method: str, data: Any) -> None:
     if data.eval_fraction:
         raise field_error("data.eval_fraction", f"{method} evaluates on data.eval_path (its own pairs or answers); "
                                                 "an eval_fraction held out of the training rows is not supported yet")
+=======
+    what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
+    rows = "pairs" if wants == "preference" else "labelled answers"
+>>>>>>> p39
     if data.shape != wants:
-        what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
-        raise field_error("data", f"{method} trains on {'pairs' if wants == 'preference' else 'labelled answers'}; "
-                                  f"set data.{what} (or leave every field unset for TRL's names)")
+        raise field_error("data", f"{method} trains on {rows}; set data.{what} (or leave every field unset for TRL's "
+                                  "names)")
+    # A mixture's source that sets fields of its own reads them instead of the section's: the same shape too.
+    for index, source in enumerate(data.sources or ()):
+        if source.sets_fields and source.shape != wants:
+            raise field_error(f"data.sources.{index}", f"{method} trains on {rows}, and this source's own fields "
+                                                       f"read another shape; set its {what} (and prompt_field), or "
+                                                       "none of its own")
     if data.packing is not False:
         raise field_error("data.packing", f"{method} does not pack: each answer is its own row, padded to "
                                           "seq_len (a pair's two answers in the same micro-batch); set packing: "

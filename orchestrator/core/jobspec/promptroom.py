@@ -79,7 +79,11 @@ def _check_generation_prompts(data: DataSpec, tokenizer: Any, bos: int, max_new_
 
 
 def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
-    source = data.inputs()[0]
+    for source in data.inputs():  # data.path's, or each source of a mixture
+        _check_source(source, data.seq_len, tokenizer, bos)
+
+
+def _check_source(source: Any, seq_len: int, tokenizer: Any, bos: int) -> None:
     try:
         located = locate(source)
         if located.format == "save_to_disk":  # as long_example_warnings: the worker reads those
@@ -90,8 +94,8 @@ def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
         return  # check_data reports these
     encoded = tokenizer.encode_batch([p for _, _, p in prompts], add_special_tokens=False) if prompts else []
     for (file, line, _), e in zip(prompts, encoded):
-        if len(e.ids) + bos >= data.seq_len:
-            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, data.seq_len),
+        if len(e.ids) + bos >= seq_len:
+            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, seq_len),
                              file=str(file), line=line)
 
 
@@ -99,7 +103,7 @@ def check_prompt_room(data: DataSpec, model_folder: Path, max_new_tokens: int | 
     """Raise InputError at FILE:LINE of the first string prompt of the training or eval data that leaves no room
     for an answer token within data.seq_len (preference and kto data), or of the first grpo prompt longer than
     data.seq_len - ``max_new_tokens`` (grpo.max_new_tokens)."""
-    if data.shape not in ("preference", "unpaired", "prompts") or data.sources is not None:
+    if data.shape not in ("preference", "unpaired", "prompts"):
         return
     tokenizer = login_tokenizer(model_folder)
     if tokenizer is None:

@@ -178,7 +178,8 @@ def errors_from_validation(
     for err in exc.errors():
         loc = _field_loc(tuple(err["loc"]), doc.data if data is None else data)
         if err["type"] == "field_error":
-            loc = loc + tuple(err["ctx"]["field"].split("."))
+            # "data.sources.1": a list's index is an int in a location (the YAML's line lookup takes it so).
+            loc = loc + tuple(int(p) if p.isdigit() else p for p in err["ctx"]["field"].split("."))
         messages.setdefault(loc, []).append(_message(dict(err, loc=loc), model))
         raw.setdefault(loc, []).append(dict(err))
     # A union (e.g. 'auto' or a positive int) fails once per branch: one line for the field says both.
