@@ -132,14 +132,9 @@ def quickstart(directory: Path | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The training data (JSONL) [default: data.jsonl beside the spec].",
 )
-<<<<<<< HEAD
-@click.option("--method", type=click.Choice(["sft", "dpo", "orpo", "grpo"]), default="sft", show_default=True,
-              help="Supervised fine-tuning, preference training (docs/preference.md), or GRPO (also writes "
-                   "rewards.py and math-answer prompts beside the spec).")
-=======
-@click.option("--method", type=click.Choice(["sft", "dpo", "orpo", "kto", "reward"]), default="sft",
-              show_default=True, help="Supervised fine-tuning, or preference training (docs/preference.md).")
->>>>>>> p39
+@click.option("--method", type=click.Choice(["sft", "dpo", "orpo", "kto", "reward", "grpo"]), default="sft",
+              show_default=True, help="Supervised fine-tuning, preference training (docs/preference.md), or GRPO "
+                                      "(also writes rewards.py and math-answer prompts beside the spec).")
 def init(model_dir: Path | None, profile: str, out: Path, data: Path | None, method: str) -> None:
     """Write a commented starter spec that validates, for MODEL_DIR (a local Hugging Face model folder)."""
     written = write_starter(out, profile, model_dir, data, method)

@@ -263,19 +263,13 @@ def check_method_data(method: str, data: Any) -> None:
     if method in NOT_YET:
         raise field_error("train.method", f"{method} is not supported in this version yet ({NOT_YET[method]}); "
                                           "use dpo or orpo")
-<<<<<<< HEAD
-    if data.sources is not None:
-        raise field_error("data.sources", f"a data mixture is not supported for {method} yet; give data.path")
     if method == "grpo":
+        if data.sources is not None:
+            raise field_error("data.sources", "a data mixture is not supported for grpo yet; give data.path")
         _check_grpo_data(data)
         return
-    if data.eval_fraction:
-        raise field_error("data.eval_fraction", f"{method} evaluates on data.eval_path (its own pairs or answers); "
-                                                "an eval_fraction held out of the training rows is not supported yet")
-=======
     what = "chosen_field and rejected_field" if wants == "preference" else "completion_field and label_field"
     rows = "pairs" if wants == "preference" else "labelled answers"
->>>>>>> p39
     if data.shape != wants:
         raise field_error("data", f"{method} trains on {rows}; set data.{what} (or leave every field unset for TRL's "
                                   "names)")
