@@ -1,0 +1,29 @@
+"""The memory savers' shared rules (issue 41): what the worker runs and the planner counts, in one torch-free place.
+
+The worker (jobs/) imports these to run the savers; the planner (planner/memory.py, timing.py) imports them to count
+them, so the plan's terms and the worker's behaviour cannot drift apart.
+
+- ``LOSS_CHUNK_TOKENS``: train.loss: chunked computes the cross-entropy over chunks of at most this many positions of
+  the micro-batch's flattened [rows x seq] hidden states: one chunk's lm_head output, its fp32 upcast, log-softmax
+  and their gradients exist at a time, and no logits are kept from the forward into the backward (each chunk's
+  lm_head matmul is recomputed in backward, or its gradient computed in forward: either way one chunk at a time).
+  2048 positions at a 128K vocabulary is 0.5 GiB of bf16 logits per chunk (1 GiB in fp32): small beside the
+  full-sequence logits of a 16K-token micro-batch (4 GiB bf16, 8 GiB fp32 each), still large enough that the
+  chunk's matmul runs at full speed (a [2048, hidden] x [hidden, vocab] GEMM).
+- ``checkpointed_layers``: model.selective_ac: N checkpoints every N-th decoder layer in full (torchtitan's rule:
+  the N-th, 2N-th, ... layer, counted from 1) and keeps the others' activations.
+- ``SELECTIVE_OP_KEEPS``: model.selective_ac: op keeps the outputs of every matmul of a decoder layer (q, k, v, o
+  projections, the attention kernel's output, gate, up and down projections) and recomputes the rest (norms, RoPE,
+  the activation function and products, residual adds) in backward.
+"""
+
+from __future__ import annotations
+
+LOSS_CHUNK_TOKENS = 2048
+
+SELECTIVE_OP_KEEPS = ("q_proj", "k_proj", "v_proj", "attention", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def checkpointed_layers(layers: int, every: int) -> tuple[int, ...]:
+    """The indices (from 0) of the decoder layers model.selective_ac: ``every`` checkpoints in full."""
+    return tuple(i for i in range(layers) if (i + 1) % every == 0)
