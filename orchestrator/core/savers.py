@@ -12,16 +12,17 @@ them, so the plan's terms and the worker's behaviour cannot drift apart.
   chunk's matmul runs at full speed (a [2048, hidden] x [hidden, vocab] GEMM).
 - ``checkpointed_layers``: model.selective_ac: N checkpoints every N-th decoder layer in full (torchtitan's rule:
   the N-th, 2N-th, ... layer, counted from 1) and keeps the others' activations.
-- ``SELECTIVE_OP_KEEPS``: model.selective_ac: op keeps the outputs of every matmul of a decoder layer (q, k, v, o
-  projections, the attention kernel's output, gate, up and down projections) and recomputes the rest (norms, RoPE,
-  the activation function and products, residual adds) in backward.
+- ``SELECTIVE_OP_KEEPS``: model.selective_ac: op is torchtitan's op policy: a decoder layer keeps the attention
+  kernel's output (and logsumexp) and every other matmul's output, counted from the layer's first (q, k, v, o,
+  gate, up, down: q, v, gate and down are kept; k, o and up recomputed; a plain MLP's up is kept, its down
+  recomputed) and recomputes the rest (norms, RoPE, the activation function and products, residual adds).
 """
 
 from __future__ import annotations
 
 LOSS_CHUNK_TOKENS = 2048
 
-SELECTIVE_OP_KEEPS = ("q_proj", "k_proj", "v_proj", "attention", "o_proj", "gate_proj", "up_proj", "down_proj")
+SELECTIVE_OP_KEEPS = ("q_proj", "v_proj", "attention", "gate_proj", "down_proj")
 
 
 def checkpointed_layers(layers: int, every: int) -> tuple[int, ...]:

@@ -16,10 +16,12 @@ recompute and it saves the fewest bytes. Nothing else changes: the matmul and at
 the blocks only, so the plan counts no such saving.)
 
 Full activation checkpointing keeps each layer's input (c h per token) and recomputes one layer at a time in
-backward. Selective, op-level (core/savers.SELECTIVE_OP_KEEPS) keeps the layer's input and every matmul's output:
-  c (h + 2 q_dim + 2 kv_dim + 2 h + (2 | 1) intermediate) + 4 heads  (input; q, k, v, attention output and
-  its fp32 logsumexp; o and down projections; gate and up, or the one up projection of a plain MLP)
-and recomputes the rest of the layer in backward. Selective every-N (core/savers.checkpointed_layers)
+backward. Selective, op-level (core/savers.SELECTIVE_OP_KEEPS, torchtitan's op policy) keeps the layer's input,
+the attention kernel's output and every other matmul's output, counted from the layer's first:
+  c (h + 2 q_dim + kv_dim + intermediate + h) + 4 heads  (input; q and v; attention output and its fp32
+  logsumexp; gate and down projections, or the up projection of a plain MLP)
+and recomputes the rest of the layer in backward (k, o and up projections among it).
+Selective every-N (core/savers.checkpointed_layers)
 checkpoints every N-th layer in full and keeps the others' activations.
 """
 
@@ -56,10 +58,12 @@ def layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
 
 
 def op_kept(s: ModelShape, u: Setup) -> int:
-    """Bytes one layer keeps with op-level selective checkpointing: its input and every matmul's output."""
+    """Bytes one layer keeps with op-level selective checkpointing: its input, the attention output and every
+    other matmul's output."""
     c, t, b = u.compute_bytes, u.rows * u.seq_len, u.rows
-    mlp = (2 if s.gated_mlp else 1) * s.intermediate
-    per_token = c * (3 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + mlp) + 4 * s.heads
+    # Every other matmul, counted from the layer's first (q, k, v, o, [gate,] up, down): q, v and gate + down, or up.
+    mlp = s.intermediate + (s.hidden if s.gated_mlp else 0)
+    per_token = c * (s.hidden + 2 * s.q_dim + s.kv_dim + mlp) + 4 * s.heads
     per_token += adapter_activations(s, u.lora, c)  # the adapters' A outputs are matmul outputs too
     scores = 0
     if u.attn == "eager":
@@ -108,9 +112,13 @@ def recomputed(s: ModelShape, u: Setup, index: int) -> int:
 
 def recomputed_flops_share(s: ModelShape, u: Setup) -> float:
     """The share of one forward that the backward runs again: 1 with full checkpointing; the checkpointed share of
-    layers with every-N; op-level recomputes no matmul (its elementwise work is not counted in FLOPs): 0."""
+    layers with every-N; op-level recomputes every other matmul of the layers (k, o, up projections): their share."""
     if u.activation_checkpointing:
         return 1.0
     if isinstance(u.selective_ac, int):
         return len(checkpointed_layers(s.layers, u.selective_ac)) / s.layers
+    if u.selective_ac == "op":
+        recomputed_mm = s.kv_dim + s.q_dim + (s.intermediate if s.gated_mlp else 0)  # k, o, up (per hidden unit)
+        every_mm = 2 * s.q_dim + 2 * s.kv_dim + (3 if s.gated_mlp else 2) * s.intermediate
+        return recomputed_mm / every_mm
     return 0.0

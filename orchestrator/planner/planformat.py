@@ -24,9 +24,22 @@ def _memory_lines(d: DeviceMemory) -> list[str]:
         _row("total", f"{size_text(d.peak, unit)} / {size_text(d.budget, unit)}", "FITS" if d.fits else "DOES NOT FIT"),
         "  other moments, on top of params + AdamW: "
         + ", ".join(f"{mo.name} {size_text(mo.bytes, unit)}" for mo in d.moments),
-    ] + ([f"  budget: {size_text(d.budget, unit)} {unit[0]} usable per GPU ({d.budget_note})",
+    ] + _allocator_lines(d, unit) + (
+        [f"  budget: {size_text(d.budget, unit)} {unit[0]} usable per GPU ({d.budget_note})",
           f"  assumed, not measured: {d.runtime.name.removesuffix(' (assumed)')} {d.runtime.note} "
           "(bench/gpu measures device-used minus reserved)"] if d.kind == "gpu" and d.budget else [])
+
+
+def _allocator_lines(d: DeviceMemory, unit: tuple) -> list[str]:
+    """torch's allocated and reserved peaks (what max_memory_allocated / _reserved report), and on GPUs the reserved
+    peak with the other expandable_segments setting."""
+    if d.kind != "gpu":
+        return []
+    slack = f"{d.fragmentation:.0%} slack" + (" (expandable_segments)" if d.fragmentation < d.other_fragmentation
+                                               else " (no expandable_segments)")
+    other = "without" if d.fragmentation < d.other_fragmentation else "with"
+    return [f"  torch peaks: allocated {size_text(d.allocated, unit)}, reserved {size_text(d.reserved, unit)} "
+            f"{unit[0]} ({slack}; {other} expandable_segments: reserved {size_text(d.reserved_other, unit)})"]
 
 
 def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:

@@ -58,9 +58,10 @@ def decide_savers(spec: JobSpec, s: ModelShape, p: ParamCount, u: Setup, profile
 def saver_fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> list[tuple[str, Setup, str]]:
     """(change, setup, why) for each saver the plan does not use yet that would lower its peak, cheapest first."""
     out: list[tuple[str, Setup, str]] = []
-    if not u.chunked_loss and logits_largest(s, p, u, profile):
+    if not u.chunked_loss:
+        why = "the logits are the largest item" if logits_largest(s, p, u, profile) else "no full logits held"
         out.append(("train.loss=chunked", replace(u, chunked_loss=True),
-                    "the logits are the largest item: the cross-entropy over chunks of the sequence, the same loss"))
+                    f"{why}: the cross-entropy over chunks of the sequence, the same loss"))
     if not u.separate_root and u.lora is None:
         out.append(("fsdp.separate_root=true", replace(u, separate_root=True),
                     "the embedding and lm_head freed between forward and backward: one more all-gather of each"))
