@@ -240,8 +240,9 @@ def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
     spec = plan_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
     plan = make_plan(resolve(spec, A100))
     first_keys = [f.change.split()[0] for f in plan.fixes]
-    assert first_keys == ["model.activation_checkpointing=true", "train.micro_batch_size=3"]
-    changed = with_changes(spec, plan.fixes[1].change)
+    assert first_keys == ["model.activation_checkpointing=selective", "model.activation_checkpointing=true",
+                          "train.micro_batch_size=3"]  # selective AC (issue 41) between none and full
+    changed = with_changes(spec, plan.fixes[2].change)
     assert changed.train.grad_accum_steps == 6  # ceil(8 x 2 / 3): the global batch does not shrink
     assert make_plan(resolve(changed, A100)).fits
 
