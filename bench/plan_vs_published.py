@@ -115,7 +115,8 @@ def planned_gib(case: Case, folder: Path) -> float:
         "name": "published", "model": {"path": str(model), **case.model},
         "data": {"path": "train.jsonl", "seq_len": case.seq_len},
         "train": {"max_steps": 100, "micro_batch_size": case.micro_batch, "loss": case.loss},
-        "fsdp": {"separate_root": case.separate_root, "replicate_degree": case.replicate}, "resources": {"nodes": nodes, "gpus_per_node": per_node},
+        "fsdp": {"separate_root": case.separate_root, "replicate_degree": case.replicate},
+        "resources": {"nodes": nodes, "gpus_per_node": per_node},
         "env": case.env,
     })
     profile = load_profile("h100").model_copy(update={"gpu_type": case.gpu_type, "gpu_memory_gb": 192.0, "env": {},

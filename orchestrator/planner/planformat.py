@@ -30,6 +30,16 @@ def _memory_lines(d: DeviceMemory) -> list[str]:
           "(bench/gpu measures device-used minus reserved)"] if d.kind == "gpu" and d.budget else [])
 
 
+def _savers_line(u: Setup) -> str:
+    """The memory savers the plan counts (the loss and the root as decided: they go to the workers)."""
+    ac = ("full" if u.activation_checkpointing else "none" if u.selective_ac is None
+          else "selective op" if u.selective_ac == "op" else f"selective every {u.selective_ac}")
+    states = "bf16" if u.moment_bytes == 2 else "fp32"
+    return (f"savers: activation checkpointing {ac}, loss {'chunked' if u.chunked_loss else 'standard'}, root "
+            f"{'in units of its own' if u.separate_root else 'held gathered'}, AdamW states {states}, reduce-scatter "
+            f"{'bf16' if u.reduce_bytes == 2 else 'fp32'}{', compiled blocks' if u.compile else ''}")
+
+
 def _allocator_lines(d: DeviceMemory, unit: tuple) -> list[str]:
     """torch's allocated and reserved peaks (what max_memory_allocated / _reserved report), and on GPUs the reserved
     peak with the other expandable_segments setting."""
@@ -85,6 +95,7 @@ def format_plan(plan: FitPlan) -> str:
         f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = "
         f"{count_text(u.world, 'rank')} on {d.kind.upper()}, shard degree {u.shard_degree}, "
         f"replicate {u.replicate_degree}",
+        _savers_line(u),
         "",
         *_memory_lines(d),
         "",
