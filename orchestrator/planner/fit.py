@@ -210,7 +210,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             out.append(Fix(change, new_peak, peak - new_peak, why))
         return ok
 
-    for change, new, why in saver_fixes(s, p, u, profile):
+    for change, new, why in saver_fixes(s, p, u, profile, method):
         consider(change, new, why)
     ac = replace(u, activation_checkpointing=True, selective_ac=None)
     if not u.activation_checkpointing:

@@ -1,11 +1,12 @@
 """The moments of one training step and what is alive at each, per rank (memory.py's docstring has the model).
 
-With fsdp.separate_root (decided by the planner, fit.py) the embedding and the final norm with lm_head are FSDP
-units of their own, resharded after their forward like the layers: nothing of the root is held gathered from the
-forward into the backward. The lm_head unit is gathered again for its backward (its own moment, "backward,
-lm_head") and reduce-scattered right after it, so no lm_head gradient is held through the layers' backward; the
-embedding is prefetched during the first layer's backward and reduce-scattered at the end. A tied embedding is one
-unit used at both ends: only its forward-end copy goes. With train.loss: chunked the logits are never held whole:
+With fsdp.separate_root (decided by the planner, savers.py) the embedding and the final norm with lm_head are FSDP
+units of their own (the worker's jobs/model/parallelize.root_units): the embedding reshards after its forward like
+the layers, the norm + lm_head unit stays gathered from its forward into its own backward (the backward starts
+there: its own moment, "backward, lm_head") and is resharded and reduce-scattered right after it, so neither it
+nor the lm_head gradient is held through the layers' backward; the embedding is prefetched during the first
+layer's backward and reduce-scattered at the end. Tied embeddings are one parameter, one unit: the worker keeps
+them with the root, and so does the plan. With train.loss: chunked the logits are never held whole:
 the loss moment holds one chunk of core/savers.LOSS_CHUNK_TOKENS positions (and the lm_head, which the chunks use).
 """
 
@@ -90,7 +91,7 @@ def step_moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], li
                 "logits + fp32 log-softmax and gradients" + (f", one chunk of {loss_positions(u)} positions"
                                                              if u.chunked_loss else ""))
     moments = [
-        Moment("forward end (loss)", (early_grads, saved, gathered, root["forward"], loss, kernels)),
+        Moment("forward end (loss)", (early_grads, saved, gathered, *_listed(root["forward"]), loss, kernels)),
         *([Moment("backward, lm_head", (early_grads, saved, gathered, *root["head"], logits,
                                          Item("logits gradient", loss_positions(u) * s.vocab * c), kernels))]
           if root["head"] else []),
@@ -117,25 +118,28 @@ def _root_items(s: ModelShape, p: ParamCount, u: Setup) -> dict:
                      "unsharded until the root's reduce-scatter")
     grads = Item("root gradients", tr.root_trained * (c + r), f"unsharded + {_DTYPE_NAMES[r]} reduce-scatter input")
     items = {"forward": whole, "layers": whole, "first": whole, "head_grad": head_grad, "grads": grads, "head": ()}
-    if not u.separate_root:
+    if not u.separate_root or s.tied:  # tied: one parameter, one unit: the worker keeps it with the root
         return items
-    head = p.lm_head if not s.tied else tr.root_weights
-    # The chunked loss runs the lm_head chunk by chunk, so its unit stays gathered through the loss.
-    forward = Item("lm_head gathered", head * c * u.chunked_loss, "its own unit (fsdp.separate_root), for the "
-                   "chunked loss" if u.chunked_loss else "fsdp.separate_root: freed after its forward")
-    if s.tied:
-        return {**items, "forward": forward}
     trained_head = p.lm_head * tr.head_trained
-    embedding = tr.root_weights - p.lm_head
+    embedding = tr.root_weights - p.lm_head - p.final_norm  # the final norm goes with the head
+    # The embedding reshards after its forward as the layers do (kept gathered with reshard_after_forward: false);
+    # the norm + lm_head unit stays gathered after its forward (the backward starts with it), as torchtitan's.
+    held = Item("embedding gathered", embedding * c * (not u.reshard), "its own unit, fsdp.reshard_after_forward: "
+                "false")
+    head = Item("lm_head gathered", (p.lm_head + p.final_norm) * c,
+                "final norm + lm_head, their own unit (fsdp.separate_root), from their forward into their backward")
     return {
-        "forward": forward, "layers": Item("root gathered", 0), "head_grad": Item("lm_head gradient", 0),
+        "forward": [held, head], "layers": held, "head_grad": Item("lm_head gradient", 0),
         "first": Item("embedding gathered", embedding * c, "its own unit, prefetched for its backward"),
         "grads": replace(grads, bytes=(tr.root_trained - trained_head) * (c + r),
                          note="the embedding's: " + grads.note),
-        "head": (Item("lm_head gathered", head * c, "its own unit, gathered again for its backward"),
-                 Item("lm_head gradient", trained_head * (c + r), f"unsharded + {_DTYPE_NAMES[r]} reduce-scatter "
-                      "input, reduce-scattered right after")),
+        "head": (held, head, Item("lm_head gradient", trained_head * (c + r), f"unsharded + {_DTYPE_NAMES[r]} "
+                                  "reduce-scatter input, reduce-scattered right after its backward")),
     }
+
+
+def _listed(item: Item | list[Item]) -> list[Item]:
+    return item if isinstance(item, list) else [item]
 
 
 def _logits_held(s: ModelShape, u: Setup) -> Item:

@@ -8,8 +8,9 @@ the decisions reach the workers through the run's worker facts (fit.FitPlan.work
 - fsdp.separate_root: auto is true where it lowers the planned peak: the root's gathered weights (and the
   lm_head's unsharded gradient) are no longer held through the layers' backward, for one more all-gather of the
   embedding and the lm_head per micro-batch.
-With LoRA the root is frozen: auto keeps it with the root module. Both stay standard / false on CPU workers: the
-CPU plan's accuracy is measured with them (bench/plan_accuracy.py).
+With LoRA the root is frozen and tied embeddings are one unit (the worker keeps them with the root): auto keeps them
+there. The chunked loss is the SFT step's (the preference methods refuse it). Both stay standard / false on CPU
+workers: the CPU plan's accuracy is measured with them (bench/plan_accuracy.py).
 """
 
 from __future__ import annotations
@@ -46,23 +47,24 @@ def decide_savers(spec: JobSpec, s: ModelShape, p: ParamCount, u: Setup, profile
     """``u`` with train.loss: auto and fsdp.separate_root: auto decided (GPU workers; CPU keeps the plain path)."""
     if not u.on_gpu:
         return u
-    if spec.train.loss == "auto" and logits_largest(s, p, u, profile):
+    if spec.train.loss == "auto" and spec.train.method == "sft" and logits_largest(s, p, u, profile):
         u = replace(u, chunked_loss=True)
-    if spec.fsdp.separate_root == "auto" and u.lora is None:  # LoRA's root is frozen: no head gradient to free
+    if spec.fsdp.separate_root == "auto" and u.lora is None and not s.tied:
         separate = replace(u, separate_root=True)
         if device_memory(s, p, separate, profile).peak < device_memory(s, p, u, profile).peak:
             u = separate
     return u
 
 
-def saver_fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> list[tuple[str, Setup, str]]:
+def saver_fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
+                method: str = "sft") -> list[tuple[str, Setup, str]]:
     """(change, setup, why) for each saver the plan does not use yet that would lower its peak, cheapest first."""
     out: list[tuple[str, Setup, str]] = []
-    if not u.chunked_loss:
+    if not u.chunked_loss and method == "sft":  # the preference methods' losses read the logits themselves
         why = "the logits are the largest item" if logits_largest(s, p, u, profile) else "no full logits held"
         out.append(("train.loss=chunked", replace(u, chunked_loss=True),
                     f"{why}: the cross-entropy over chunks of the sequence, the same loss"))
-    if not u.separate_root and u.lora is None:
+    if not u.separate_root and u.lora is None and not s.tied:
         out.append(("fsdp.separate_root=true", replace(u, separate_root=True),
                     "the embedding and lm_head freed between forward and backward: one more all-gather of each"))
     if not u.activation_checkpointing and u.selective_ac is None:
