@@ -76,6 +76,7 @@ def llama2_70b_spec(folder: Path, nodes: int) -> Path:
         "name": "llama2-70b", "profile": "a100-80gb", "resources": {"nodes": nodes, "time_limit": "12:00:00"},
         "model": {"path": "llama-2-70b", "activation_checkpointing": True},
         "data": {"path": "data.jsonl", "seq_len": 2048}, "train": {"max_steps": 100, "micro_batch_size": 1},
+        "fsdp": {"separate_root": False},  # the recipe's root unit, held gathered (auto would separate it)
     })  # fmt: skip
 
 

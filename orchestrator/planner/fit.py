@@ -36,6 +36,7 @@ from .lora import Trainable, trainable
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
+from .savers import decide_savers, expandable_segments, saver_fixes
 from .timing import Timing, plan_timing
 
 
@@ -81,7 +82,8 @@ class FitPlan:
         """What the batch side takes from the plan (spec.json "worker_facts"): decisions that depend on memory,
         and the planned step and save times, which bound the first step and save before any is measured."""
         return {"defer_grad_sync": self.setup.defer_grad_sync, "planned_step_s": self.timing.step_s,
-                "planned_save_s": self.timing.save_s}
+                "planned_save_s": self.timing.save_s, "loss": "chunked" if self.setup.chunked_loss else "standard",
+                "separate_root": self.setup.separate_root}
 
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
@@ -101,7 +103,12 @@ class FitPlan:
           training_bytes, offloaded_per_rank_bytes, fits, own_shards (each rank reads only its own weight shards)
         - checkpoint: bytes, save_s; step: seconds, flops_per_rank, flops_per_s_per_rank, communication_s, assumption
         - signal: lead_s, needed_s
-        - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it)
+        - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it),
+          planned_step_s, planned_save_s, loss ("standard" | "chunked": train.loss decided), separate_root (bool:
+          fsdp.separate_root decided); the workers follow these
+        - device_memory also has allocated_bytes and reserved_bytes (torch's max_memory_allocated / _reserved at the
+          peak), reserved_other_bytes (with the other expandable_segments setting; null on CPU) and
+          expandable_segments
         - fixes [{change, peak_bytes, saves_bytes, why}], cheapest first; warnings [str]
         - checkpoint_interval: null, or (profile's expected_interruptions_per_day) save_s, mtbi_s, optimal_s,
           current_s, current_note, lost_per_hour_optimal_s, lost_per_hour_current_s (Young/Daly)
@@ -124,7 +131,8 @@ class FitPlan:
             },
             "device_memory": {
                 "kind": d.kind, "budget_bytes": d.budget, "budget_note": d.budget_note, "peak_bytes": d.peak,
-                "peak_moment": d.peak_moment.name,
+                "peak_moment": d.peak_moment.name, "allocated_bytes": d.allocated, "reserved_bytes": d.reserved,
+                "reserved_other_bytes": d.reserved_other, "expandable_segments": u.expandable_segments,
                 "fits": d.fits, "breakdown": [asdict(i) for i in d.breakdown],
                 "moments": {mo.name: mo.bytes for mo in d.moments},
             },
@@ -146,8 +154,9 @@ class FitPlan:
         }
 
 
-def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
+def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterProfile) -> Setup:
     on_gpu = eff.gpus_per_node > 0
+    ac = spec.model.activation_checkpointing
     # Boundary-aware packing: each example attends to itself only; a preference method's rows are never packed.
     packed = spec.data.packing is True and spec.train.method == "sft"
     options = spec.method_options
@@ -161,7 +170,14 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape) -> Setup:
         seq_len=spec.data.seq_len,
         micro_batch=spec.train.micro_batch_size,
         grad_accum=spec.train.grad_accum_steps,
-        activation_checkpointing=spec.model.activation_checkpointing != "none",  # selective: counted as full for now
+        activation_checkpointing=ac == "full",
+        selective_ac=spec.model.selective_ac if ac == "selective" else None,
+        chunked_loss=spec.train.loss == "chunked",  # auto: decided by make_plan
+        state_bytes=2 if spec.train.optimizer_state_dtype == "bfloat16" else 0,
+        reduce_bytes=DTYPE_BYTES[spec.fsdp.reduce_dtype],
+        separate_root=spec.fsdp.separate_root is True,  # auto: decided by make_plan
+        compile=spec.model.compile and on_gpu,  # inductor's partitioner; the CPU tests' aot_eager keeps all
+        expandable_segments=expandable_segments({**profile.env, **spec.env}),
         # What the worker will run (jobs/model/build.resolve_attention, by the same rule).
         attn=attention_for(shape.model_type, spec.model.attn_implementation, on_gpu=on_gpu, packed=packed,
                            half=spec.fsdp.mixed_precision == "bf16", windowed=shape.windowed),
@@ -194,7 +210,9 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             out.append(Fix(change, new_peak, peak - new_peak, why))
         return ok
 
-    ac = replace(u, activation_checkpointing=True)
+    for change, new, why in saver_fixes(s, p, u, profile, method):
+        consider(change, new, why)
+    ac = replace(u, activation_checkpointing=True, selective_ac=None)
     if not u.activation_checkpointing:
         consider("model.activation_checkpointing=true", ac, "recompute layers in backward: ~30% more compute")
     # A smaller micro-batch alone, else together with AC (only when neither alone was enough).
@@ -263,7 +281,7 @@ def make_plan(job: Resolved) -> FitPlan:
     spec, profile, eff = job.spec, job.profile, job.eff
     shape = read_model_shape(spec.model.path)
     params = count_params(shape)
-    u = _setup(spec, eff, shape)
+    u = decide_savers(spec, shape, params, _setup(spec, eff, shape, profile), profile)
     if u.grad_accum > 1 and _fits(shape, params, replace(u, defer_grad_sync=True), profile)[0]:
         # One reduce-scatter per step instead of one per micro-batch, where the unsharded gradients fit.
         u = replace(u, defer_grad_sync=True)

@@ -23,20 +23,20 @@ Per-rank peak = sharded params + AdamW state + the largest of five moments of a 
   * backward end: sharded gradients + the root's unsharded gradients and fp32 reduce-scatter input;
   * optimizer step: sharded gradients.
 Gradients held across micro-batches (grad_accum_steps > 1) are added to the first two moments. Then a runtime
-item and allocator slack: 5 % for CUDA's caching allocator, 30 % for glibc's (it keeps freed blocks in its heap for
-reuse). The CUDA runtime item is an assumption, printed as one with the plan (cuda_runtime): the CUDA context, the
-cuBLAS/cuBLASLt workspaces and NCCL's buffers per communicator the worker opens (the default group, which a 1-D mesh
-reuses; HSDP adds its two dimension groups; the gloo groups hold no GPU memory). Not measured yet: bench/gpu
-reports device-used minus reserved (what the item stands for) to check it. A CPU worker's process is 0.4 GiB.
-The GPU budget is what torch can allocate (usable_gpu_memory), not the card's nominal size: the driver and ECC
-keep ~1 % (an 80 GB A100/H100 shows ~79.1 GiB, a 141 GB H200 ~139.5 GiB).
-Saved activations per layer and token, with sdpa / flash attention:
-  2 RMSNorms x (4 + 2c) h  (fp32 upcast kept for backward, normalized and output)
-  + 3c q_dim + 2c kv_dim   (q, k after RoPE, v for attention; attention output and its contiguous copy for o_proj)
-  + 4c intermediate        (gate, silu(gate), up, gate*up for SwiGLU)
-eager attention instead keeps q, repeated k/v and output (4c q_dim) plus micro_batch x heads x seq^2 x (4 + c)
-(fp32 softmax and its compute-dtype copy). Activation checkpointing keeps each layer's input (c h per token) and
-recomputes one layer at a time in backward. On CPU, bf16 matmuls also hold ~12 MiB of oneDNN buffers.
+item and allocator slack: 5 or 12 % for CUDA's caching allocator (below), 30 % for glibc's (it keeps freed blocks
+in its heap for reuse). The CUDA runtime item is an assumption, printed as one with the plan (cuda_runtime): the
+CUDA context, the cuBLAS/cuBLASLt workspaces and NCCL's buffers per communicator the worker opens (the default
+group, which a 1-D mesh reuses; HSDP adds its two dimension groups; the gloo groups hold no GPU memory). Not
+measured yet: bench/gpu reports device-used minus reserved (what the item stands for) to check it. A CPU worker's
+process is 0.4 GiB. The GPU budget is what torch can allocate (usable_gpu_memory), not the card's nominal size:
+the driver and ECC keep ~1 % (an 80 GB A100/H100 shows ~79.1 GiB, a 141 GB H200 ~139.5 GiB).
+Saved activations per layer (eager or compiled blocks, no, full or selective activation checkpointing): see
+activations.py; the moments and the root's items with fsdp.separate_root and train.loss: chunked: moments.py. On
+CPU, bf16 matmuls also hold ~12 MiB of oneDNN buffers.
+The savers (issue 41) change these terms: train.optimizer_state_dtype the AdamW state (and its offloaded, staged
+and checkpointed copies), fsdp.reduce_dtype the reduce-scatter inputs and the deferred-sync accumulators, and the
+allocator's slack is 5 % with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, 12 % without (the plan prints the
+allocated and the reserved peak, and the reserved one with the other setting).
 With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as sharded weights only: gradients,
 AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
 gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
@@ -52,17 +52,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.units import GiB, count_text, params_text, size_text, unit_for
+from fsdpjob.orchestrator.core.units import GiB, count_text
 
-from .lora import adapter_activations, trainable
+from .lora import trainable
 from .modelshape import ModelShape, ParamCount
+from .moments import CPU_BF16_KERNEL_BYTES, Item, Moment, step_moments
+from .setup import REDUCE_BYTES, Setup
+
+__all__ = ["CPU_BF16_KERNEL_BYTES", "REDUCE_BYTES", "Item", "Moment", "Setup"]  # re-exported: their old home
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 whatever the compute dtype
 
 # The CUDA runtime item's parts (assumed; bench/gpu's device-used minus reserved checks their sum):
 CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # the context and the kernel images CUDA loads lazily
@@ -72,198 +75,17 @@ CPU_RUNTIME_BYTES = int(0.4 * GiB)  # python + torch + transformers per worker p
 # A CUDA torch worker's own RSS: the CUDA runtime, cuBLAS/cuDNN and NCCL libraries and their host buffers. Not
 # measured here (no GPU lent yet): 1.5-3 GiB is the range CUDA torch processes show; the high end is planned.
 CUDA_PROCESS_BYTES = 3 * GiB
-CUDA_FRAGMENTATION = 0.05  # caching-allocator blocks freed but not reusable for the next size
+# The caching allocator's reserved-over-allocated slack: blocks freed but not reusable for the next size. With
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (every shipped GPU profile sets it) segments grow in place and
+# the slack is small: 5 %, the figure bench/gpu's worker runs land within 1 % of device-used memory with. Without
+# it: 12 %, what Answer.AI's FSDP runs measured (Llama-2 7B LoRA, seq 2048: 10.22 GiB reserved over 9.16 GiB
+# allocated; bench/plan_vs_published.py), against 5 % with them.
+CUDA_FRAGMENTATION = 0.05
+CUDA_FRAGMENTATION_PLAIN = 0.12
 # glibc's default allocator keeps freed blocks (activations, gathered layers) in its heap for reuse: peak RSS
 # runs 19-37 % above what the frozen-threshold measurement saw (bench/plan_accuracy.py --frozen). Modelled as
 # slack on the live bytes rather than trading ~25 % of the step time for a tidy RSS (MALLOC_MMAP_THRESHOLD_).
 CPU_FRAGMENTATION = 0.30
-# oneDNN's buffers for bf16 matmuls on a CPU it runs them on (core/hostcpu.py; measured, whatever the model size)
-CPU_BF16_KERNEL_BYTES = 12 * 1024**2
-
-
-@dataclass(frozen=True)
-class Item:
-    name: str
-    bytes: int
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Moment:
-    """One moment of a training step and what is alive then, per rank."""
-
-    name: str
-    items: tuple[Item, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(i.bytes for i in self.items)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The knobs of one plan (spec + profile resolved); fixes change these and plan again."""
-
-    nodes: int
-    tasks_per_node: int
-    replicate_degree: int
-    on_gpu: bool
-    model_bytes: int  # m: master weights, gradients, AdamW moments
-    compute_bytes: int  # c: gathered parameters and activations
-    seq_len: int
-    micro_batch: int
-    grad_accum: int
-    activation_checkpointing: bool
-    attn: str
-    cpu_offload: bool
-    reshard: bool  # reshard_after_forward, for the layers (the root stays gathered after forward either way)
-    # With grad_accum > 1: micro-batches before the last skip the reduce-scatter and accumulate unsharded
-    # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
-    defer_grad_sync: bool = False
-    lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
-    async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
-    memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
-    packed: bool = False  # boundary-aware packing: with sdpa, transformers builds a dense block-diagonal mask
-    onednn_bf16: bool = False  # CPU workers whose CPU runs bf16 matmuls in oneDNN (core/hostcpu.py)
-    rows_per_example: int = 1  # preference pairs: both answers go through the forward, one row each
-    reference_copy: bool = False  # dpo/kto reference: live on a full fine-tune: a frozen sharded copy of the model
-
-    @property
-    def rows(self) -> int:
-        """Rows of one micro-batch's forward."""
-        return self.micro_batch * self.rows_per_example
-
-    @property
-    def dense_mask(self) -> bool:
-        """sdpa on packed rows on GPUs: a [B, 1, S, S] bool mask per forward, which SDPA's memory-efficient kernel
-        turns into a bias in the compute dtype per layer and keeps for backward (no flash kernel takes a mask);
-        varlen attention needs none. On CPU the measured peaks show no such bias kept (tests/worker/
-        test_plan_accuracy.py's S case on an AVX-512 CPU: 69-71 MiB against 73 planned without the term, 78 with
-        it)."""
-        return self.packed and self.attn == "sdpa" and self.on_gpu
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-    @property
-    def shard_degree(self) -> int:
-        return self.world // self.replicate_degree
-
-
-def _layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
-    """(bytes one layer keeps for backward, bytes of its gradient working set) for one micro-batch."""
-    c, t, b = u.compute_bytes, u.rows * u.seq_len, u.rows
-    per_token = 2 * (4 + 2 * c) * s.hidden + 4 * c * s.intermediate
-    scores = 0
-    if u.attn == "eager":
-        per_token += 4 * c * s.q_dim
-        scores = b * s.heads * u.seq_len**2 * (4 + (c if c < 4 else 0))
-    else:
-        per_token += 3 * c * s.q_dim + 2 * c * s.kv_dim
-        if u.dense_mask:
-            scores = b * u.seq_len**2 * c  # the layer's bias from the packed mask, saved for backward
-    if s.qk_norm:
-        per_token += (4 + c) * (s.q_dim + s.kv_dim)
-    per_token += adapter_activations(s, u.lora, c)
-    working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if u.attn == "eager" else 0)
-    mask = b * u.seq_len**2 if u.dense_mask else 0  # the bool mask itself, shared by the layers
-    return t * per_token + scores, working + 2 * 4 * t * s.hidden + mask
-
-
-def _moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[Moment]]:
-    """The sharded state on the device (params, AdamW) and what each of the four moments adds, per rank."""
-    m, c, r, w = u.model_bytes, u.compute_bytes, REDUCE_BYTES, u.shard_degree
-    tr = trainable(s, p, u.lora)
-    t, shard, on_device = u.rows * u.seq_len, math.ceil(tr.weights / w), not u.cpu_offload
-    trained_shard = math.ceil(tr.trained / w)
-    frozen = f", {params_text(tr.trained)} of them train (LoRA)" if tr.is_lora else ""
-    state = [
-        Item("parameters", on_device * shard * m,
-             f"{params_text(tr.weights)} params x {m} B / {count_text(w, 'shard')}{frozen}"),
-        Item("AdamW state", on_device * 2 * trained_shard * m, f"exp_avg + exp_avg_sq, {m} B each"),
-        Item("reference model (live)", on_device * shard * m * u.reference_copy,
-             "a frozen sharded copy of the starting weights; reference: cached holds none"),
-    ]
-    grads = Item("gradients", on_device * trained_shard * m, f"sharded, {m} B")
-    early_grads = replace(grads, bytes=grads.bytes * (u.grad_accum > 1), note="held across micro-batches")
-    if u.grad_accum > 1 and u.defer_grad_sync:
-        early_grads = Item("accumulated gradients", tr.trained * REDUCE_BYTES,
-                           "unsharded fp32, held across micro-batches (reduce-scatter on the last only)")
-    root = Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype")
-    # The first layer's own shard of gradients comes only from its reduce-scatter, after its backward.
-    other_grads = replace(grads, bytes=on_device * (trained_shard - math.ceil(tr.layer_trained / w)) * m,
-                          note=f"sharded, {m} B, every layer's but the first")
-    kept = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
-                "fsdp.reshard_after_forward: false")
-    head = [
-        Item("lm_head gradient", s.vocab * s.hidden * c * tr.head_trained,
-             "unsharded until the root's reduce-scatter"),
-        Item("logits", t * s.vocab * c, "held by the loss code through backward"),
-    ]
-    kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2 and u.onednn_bf16),
-                   "oneDNN (measured)")
-    root_grads = Item("root gradients", tr.root_trained * (c + r), "unsharded + fp32 reduce-scatter input")
-    moments = [
-        Moment("forward end (loss)", (early_grads, _saved_activations(s, u), kept,
-                                      root,
-                                      Item("loss", (12 + c) * t * s.vocab, "logits + fp32 log-softmax and gradients"),
-                                      kernels)),
-        Moment("backward, last layer", (early_grads, _saved_activations(s, u), kept, root, *head,
-                                        *_layer_transients(s, p, u), kernels)),
-        # With one micro-batch the first layer's backward runs with every other layer's gradients already
-        # reduce-scattered: all sharded gradients, the root and its head gradient, the first layer's saved
-        # activations and its transients are alive together.
-        Moment("backward, first layer", (other_grads, _one_layer_activations(s, u), root, *head,
-                                         *_layer_transients(s, p, u), kernels)),
-        Moment("backward end", (grads, root_grads, kernels)),
-        Moment("optimizer step", (grads, kernels)),
-    ]
-    return state, moments
-
-
-def _kept_per_layer(s: ModelShape, u: Setup) -> int:
-    """Bytes one layer keeps for its backward: its input with activation checkpointing, else its activations."""
-    return u.rows * u.seq_len * s.hidden * u.compute_bytes if u.activation_checkpointing \
-        else _layer_activations(s, u)[0]
-
-
-def _one_layer_activations(s: ModelShape, u: Setup) -> Item:
-    per_layer = _kept_per_layer(s, u)
-    return Item("first layer's activations", per_layer, "saved for its backward" + (" (input, AC)" if
-                                                                                   u.activation_checkpointing else ""))
-
-
-def _saved_activations(s: ModelShape, u: Setup) -> Item:
-    c, t = u.compute_bytes, u.rows * u.seq_len
-    per_layer = _kept_per_layer(s, u)
-    final_norm = (4 + 3 * c) * t * s.hidden
-    unit = unit_for(per_layer)
-    note = f"{s.layers} layers x {size_text(per_layer, unit)} {unit[0]}"
-    note += " (layer inputs, AC)" if u.activation_checkpointing else ""
-    return Item("activations", s.layers * per_layer + final_norm, note)
-
-
-def _layer_transients(s: ModelShape, p: ParamCount, u: Setup) -> list[Item]:
-    """The decoder layer in backward: gathered params (+ prefetched next), its gradients and working set."""
-    tr = trainable(s, p, u.lora)
-    c, layer, layer_grads = u.compute_bytes, tr.layer_weights, tr.layer_trained
-    if u.reshard:
-        prefetch = u.shard_degree > 1  # world size 1 copies the shard in place of an all-gather
-        gathered = Item("layer gathered", (2 if prefetch else 1) * c * layer + c * layer_grads,
-                        "params + unsharded grads" + (" + prefetched next layer" if prefetch else ""))
-    else:
-        gathered = Item("layer gradients", c * layer_grads, "unsharded, before the reduce-scatter")
-    acts, working = _layer_activations(s, u)
-    recompute = acts if u.activation_checkpointing else 0
-    return [
-        gathered,
-        Item("reduce-scatter buffer", REDUCE_BYTES * layer_grads, "previous layer's fp32 reduce-scatter input"),
-        Item("layer working set", working + recompute,
-             "activation gradients" + (" + recomputed layer" if recompute else "")),
-    ]
-
-
 # What torch can allocate per GPU (torch.cuda.get_device_properties().total_memory), in GiB: nvidia-smi's total
 # less the driver's reserve. The first pattern found in the profile's gpu_type (lower case) whose figure is within
 # 5 % under its gpu_memory_gb wins (so an "A100" of 80 GiB is not planned as the 40 GiB one).
@@ -310,6 +132,24 @@ class DeviceMemory:
     runtime: Item
     fragmentation: float
     budget_note: str = ""  # where a GPU budget comes from (usable, not nominal)
+    other_fragmentation: float | None = None  # GPUs: the slack with the other expandable_segments setting
+
+    @property
+    def allocated(self) -> int:
+        """torch's allocated peak (max_memory_allocated): the live tensors at the peak moment."""
+        return sum(i.bytes for i in (*self.state, *self.peak_moment.items))
+
+    @property
+    def reserved(self) -> int:
+        """torch's reserved peak (max_memory_reserved): allocated + the allocator's slack."""
+        return self.allocated + int(self.fragmentation * self.allocated)
+
+    @property
+    def reserved_other(self) -> int | None:
+        """The reserved peak with the other expandable_segments setting (GPUs only)."""
+        if self.other_fragmentation is None:
+            return None
+        return self.allocated + int(self.other_fragmentation * self.allocated)
 
     @property
     def peak_moment(self) -> Moment:
@@ -356,11 +196,12 @@ class HostMemory:
 
 
 def device_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile) -> DeviceMemory:
-    state, moments = _moments(s, p, u)
+    state, moments = step_moments(s, p, u)
     if u.on_gpu:
         usable, where = usable_gpu_memory(profile)
-        return DeviceMemory("gpu", usable or None, tuple(state), tuple(moments), cuda_runtime(u), CUDA_FRAGMENTATION,
-                            where)
+        slack = (CUDA_FRAGMENTATION, CUDA_FRAGMENTATION_PLAIN)
+        used, other = slack if u.expandable_segments else slack[::-1]
+        return DeviceMemory("gpu", usable or None, tuple(state), tuple(moments), cuda_runtime(u), used, where, other)
     runtime = Item("process", CPU_RUNTIME_BYTES, "python + torch + transformers")
     budget = int(profile.host_ram_gb * GiB / u.tasks_per_node)
     return DeviceMemory("cpu", budget, tuple(state), tuple(moments), runtime, CPU_FRAGMENTATION)
@@ -376,12 +217,13 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     process = u.tasks_per_node * process_per_rank
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
     trained_bytes = math.ceil(tr.trained / u.shard_degree) * u.model_bytes
+    moments = math.ceil(tr.trained / u.shard_degree) * u.moment_bytes  # one AdamW moment
     # params + grads + 2 AdamW moments (of what trains)
-    offloaded = (shard_bytes + 3 * trained_bytes) * u.cpu_offload
+    offloaded = (shard_bytes + trained_bytes + 2 * moments) * u.cpu_offload
     # DefaultStager keeps its (pinned) buffers between saves: the saved tensors, params + exp_avg + exp_avg_sq. On
     # CPU workers the device model (dev.peak, which is host RAM) does not hold it either, but the CPU plan is
     # left as measured (bench/plan_accuracy.py) until a staged CPU run is measured too.
-    staged = (shard_bytes + 2 * trained_bytes) * (u.async_save and u.on_gpu)
+    staged = (shard_bytes + 2 * moments) * (u.async_save and u.on_gpu)
     training = process + u.tasks_per_node * (offloaded + staged) if u.on_gpu else u.tasks_per_node * dev.peak
     tier = memory_tier_bytes(s, p, u)
     training += tier
@@ -407,7 +249,7 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
         return 0
     tr = trainable(s, p, u.lora)
     saved = (math.ceil(tr.weights / u.shard_degree) * u.model_bytes
-             + 2 * math.ceil(tr.trained / u.shard_degree) * u.model_bytes)
+             + 2 * math.ceil(tr.trained / u.shard_degree) * u.moment_bytes)
     copies = 2 if u.nodes > 1 else 1  # own + replica
     return u.tasks_per_node * saved * (2 * copies + 1)
 

@@ -24,9 +24,32 @@ def _memory_lines(d: DeviceMemory) -> list[str]:
         _row("total", f"{size_text(d.peak, unit)} / {size_text(d.budget, unit)}", "FITS" if d.fits else "DOES NOT FIT"),
         "  other moments, on top of params + AdamW: "
         + ", ".join(f"{mo.name} {size_text(mo.bytes, unit)}" for mo in d.moments),
-    ] + ([f"  budget: {size_text(d.budget, unit)} {unit[0]} usable per GPU ({d.budget_note})",
+    ] + _allocator_lines(d, unit) + (
+        [f"  budget: {size_text(d.budget, unit)} {unit[0]} usable per GPU ({d.budget_note})",
           f"  assumed, not measured: {d.runtime.name.removesuffix(' (assumed)')} {d.runtime.note} "
           "(bench/gpu measures device-used minus reserved)"] if d.kind == "gpu" and d.budget else [])
+
+
+def _savers_line(u: Setup) -> str:
+    """The memory savers the plan counts (the loss and the root as decided: they go to the workers)."""
+    ac = ("full" if u.activation_checkpointing else "none" if u.selective_ac is None
+          else "selective op" if u.selective_ac == "op" else f"selective every {u.selective_ac}")
+    states = "bf16" if u.moment_bytes == 2 else "fp32"
+    return (f"savers: activation checkpointing {ac}, loss {'chunked' if u.chunked_loss else 'standard'}, root "
+            f"{'in units of its own' if u.separate_root else 'held gathered'}, AdamW states {states}, reduce-scatter "
+            f"{'bf16' if u.reduce_bytes == 2 else 'fp32'}{', compiled blocks' if u.compile else ''}")
+
+
+def _allocator_lines(d: DeviceMemory, unit: tuple) -> list[str]:
+    """torch's allocated and reserved peaks (what max_memory_allocated / _reserved report), and on GPUs the reserved
+    peak with the other expandable_segments setting."""
+    if d.kind != "gpu":
+        return []
+    slack = f"{d.fragmentation:.0%} slack" + (" (expandable_segments)" if d.fragmentation < d.other_fragmentation
+                                               else " (no expandable_segments)")
+    other = "without" if d.fragmentation < d.other_fragmentation else "with"
+    return [f"  torch peaks: allocated {size_text(d.allocated, unit)}, reserved {size_text(d.reserved, unit)} "
+            f"{unit[0]} ({slack}; {other} expandable_segments: reserved {size_text(d.reserved_other, unit)})"]
 
 
 def _host_lines(h: HostMemory, s: ModelShape, u: Setup) -> list[str]:
@@ -72,6 +95,7 @@ def format_plan(plan: FitPlan) -> str:
         f"topology: {count_text(u.nodes, 'node')} x {count_text(u.tasks_per_node, 'task')} = "
         f"{count_text(u.world, 'rank')} on {d.kind.upper()}, shard degree {u.shard_degree}, "
         f"replicate {u.replicate_degree}",
+        _savers_line(u),
         "",
         *_memory_lines(d),
         "",

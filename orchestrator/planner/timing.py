@@ -13,17 +13,22 @@ from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.stopping import stop_wait_s
 from fsdpjob.orchestrator.core.units import GB, count_text
 
+from .activations import recomputed_flops_share
 from .lora import trainable
 from .memory import Setup
 from .modelshape import ModelShape, ParamCount
+from .moments import loss_positions
 
 MFU = 0.40  # assumed model FLOPs utilisation on GPUs
+# model.compile: compiled blocks fuse the elementwise work. torchtitan measured 1.157x tokens/s at Llama 3.1 8B on
+# 8 H100 (5,762 -> 6,667, selective AC; benchmarks/llama3_h100_202412_torchtitan.md); fsdpjob's own 1.2B run on an
+# H200 gained more (1.52x, most of it the varlen path's fused transposes: bench/RESULTS.md). The smaller is planned.
+COMPILE_SPEEDUP = 1.157
 # Achieved FLOP/s per CPU core on the dev machine (374M Llama, FSDP2 on gloo, one thread per rank).
 CPU_FLOPS_PER_CORE = {2: 53e9, 4: 31e9}
 # FSDP2 prefetches the next layer's all-gather and overlaps the reduce-scatters with the backward. Without the
 # profile's fabric_bandwidth_gbps no communication term is added; said with every GPU step time.
 COMMUNICATION = "communication assumed hidden behind compute (no fabric bandwidth modelled)"
-REDUCE_BYTES = 4  # gradients are reduced in fp32 (jobs/model/build.py's MixedPrecisionPolicy reduce_dtype)
 SIGNAL_MARGIN_S = 10  # the lead must cover the wait for the ranks' agreement + a save + this (or 25 %)
 # After the stop checkpoint: the workers exit, srun's step ends, and the supervisor asks scontrol what the stop
 # was and requeues (slurm/stop.py). The stop event's handoff_s: 1-4.4 s on the 2-core dev cluster under a test
@@ -71,7 +76,10 @@ def _throughput(u: Setup, profile: ClusterProfile, cpus_per_task: int | None) ->
     peak = peak_flops(profile.gpu_type or "", c)  # dense, by compute dtype: core/flops.PEAK_FLOPS
     if peak is None:
         return None, f"unknown for gpu_type {profile.gpu_type!r}"
-    return peak * MFU, f"{MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s {dtype} ({profile.gpu_type}); {COMMUNICATION}"
+    speedup = COMPILE_SPEEDUP if u.compile else 1.0
+    compiled = f" x {speedup:g} for compiled blocks" if u.compile else ""
+    return (peak * MFU * speedup,
+            f"{MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s {dtype} ({profile.gpu_type}){compiled}; {COMMUNICATION}")
 
 
 def fabric_bytes(u: Setup, weights: int, trained: int) -> int:
@@ -85,14 +93,14 @@ def fabric_bytes(u: Setup, weights: int, trained: int) -> int:
     if u.nodes <= 1:
         return 0
     gathers = (2 if u.reshard else 1) * weights * u.compute_bytes * u.grad_accum
-    reduces = trained * REDUCE_BYTES * (1 if u.defer_grad_sync else u.grad_accum)
+    reduces = trained * u.reduce_bytes * (1 if u.defer_grad_sync else u.grad_accum)
     shard, replicas = u.shard_degree, u.replicate_degree
     moved = 0.0
     if shard > u.tasks_per_node:  # the shard group spans nodes
         moved += (gathers + reduces) * (shard - 1) / shard
     if replicas > 1:
         syncs = 1 if u.defer_grad_sync else u.grad_accum
-        moved += 2 * trained * REDUCE_BYTES / shard * (replicas - 1) / replicas * u.tasks_per_node * syncs
+        moved += 2 * trained * u.reduce_bytes / shard * (replicas - 1) / replicas * u.tasks_per_node * syncs
     return int(moved)
 
 
@@ -114,7 +122,13 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     tr = trainable(s, p, u.lora)
     matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
     per_token = train_flops_per_token(matmul_params=matmul_params, trained_params=tr.trained, layers=s.layers,
-                                      q_dim=s.q_dim, seq_len=u.seq_len, recompute=u.activation_checkpointing)
+                                      q_dim=s.q_dim, seq_len=u.seq_len)
+    # Recomputation: the checkpointed layers' forward again (op-level selective AC recomputes no matmul), and the
+    # chunked loss's lm_head matmul, chunk by chunk in backward.
+    layer_forward = forward_flops_per_token(matmul_params, s.layers, s.q_dim, u.seq_len) - 2 * s.vocab * s.hidden
+    per_token += layer_forward * recomputed_flops_share(s, u)
+    if u.chunked_loss and loss_positions(u) < u.rows * u.seq_len:
+        per_token += 2 * s.vocab * s.hidden
     # Every position of every row: the step's time. The worker's tokens_per_s and mfu count the non-pad positions
     # of the same rows (metrics.py), which boundary-aware packing keeps within its padding share (the data event's
     # packing_efficiency) of these; unpacked rows of short examples fall further below.
@@ -126,6 +140,7 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     if u.on_gpu and rate is not None:
         comm, said = _communication(u, tr.weights, tr.trained, profile, per_token * tokens / rate)
         note = note.replace(COMMUNICATION, said)
-    ckpt = tr.trained * u.model_bytes * 3  # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
+    # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
+    ckpt = tr.trained * (u.model_bytes + 2 * u.moment_bytes)
     save = ckpt / (profile.storage_bandwidth_gbps * GB * u.nodes)
     return Timing(ckpt, save, per_token * tokens, rate, note, lead, comm)

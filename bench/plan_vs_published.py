@@ -1,0 +1,161 @@
+"""The planner against published peak-memory figures (issue 41): each case is a public run's configuration written
+as an fsdpjob spec, its model's config.json values written here (no downloads), the figure the source published and
+what it measured (torch's reserved or allocated peak), and the plan's figure for the same thing.
+
+Sources (read from the public repositories):
+- torchtitan: benchmarks/llama3_h100_202412_torchtitan.md (Tables 1 and 3: Llama 3.1 8B, FSDP, local batch 2,
+  seq 8192, selective op AC, 96 GB H100s; "Memory(GiB)" is torchtitan's logged max reserved); torchao's MX table
+  quoted in torchtitan/components/quantization/mxfp8.md (the bf16 row: 8 B200, batch 1, seq 8192, compile, op SAC).
+  torchtitan's run script sets expandable_segments:True. Its loss is compiled with the model (the worker's is not).
+- torchtune: README.md "Optimization flags" table (Llama 3.2 3B, full_finetune_single_device, batch 2, seq 4096
+  packed, bf16 weights and AdamW states, one A100; "Peak Memory Active", i.e. allocated). Single device, no FSDP:
+  planned as one rank.
+- Answer.AI: fsdp_qlora's benchmarks_03_2024.md (Llama-2 7B LoRA r 64 on q/k/v/gate/up/down, dropout 0.1, bf16,
+  FSDP over 2 RTX 3090s, full AC, batch 1-6; "Peak Memory" is the reserved peak, the note below the second table
+  gives two allocated peaks; FSDP1 without expandable segments).
+Cases the worker cannot express (float8, optimizer-in-backward, QLoRA) are left out of the sources' rows here.
+
+    python bench/plan_vs_published.py            # the table and the error summary (bench/RESULTS.md)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+from fsdpjob.orchestrator.core.units import GiB
+from fsdpjob.orchestrator.planner.fit import make_plan
+from fsdpjob.orchestrator.planner.resolve import resolve
+
+LLAMA31_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+LLAMA32_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+              "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+              "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "tie_word_embeddings": False, "torch_dtype": "float16"}
+TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_MX = "pytorch/torchtitan torchtitan/components/quantization/mxfp8.md (Dense Models)"
+TUNE = "pytorch/torchtune README.md (Optimization flags)"
+ANSWER = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md"
+ANSWER_LORA = {"lora": {"r": 64, "alpha": 16.0, "dropout": 0.1,
+                        "target_modules": ["k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj"]},
+               "activation_checkpointing": "full", "dtype": "bfloat16"}
+TITAN_SAC = {"activation_checkpointing": "selective", "selective_ac": "op", "dtype": "float32"}
+TUNE_BASE = {"dtype": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Case:
+    source: str
+    where: str  # table and row
+    config: dict  # config.json values
+    gpus: int
+    gpu_type: str
+    seq_len: int
+    micro_batch: int
+    model: dict
+    measured_gib: float
+    what: str  # "reserved" | "allocated"
+    loss: str = "standard"
+    separate_root: bool = False
+    env: dict = field(default_factory=dict)
+    replicate: int = 1  # fsdp.replicate_degree (Answer.AI's "DDP": FSDP1's NO_SHARD, a whole copy per GPU)
+    not_expressible: str = ""  # why the worker cannot run this configuration (left out of the summary)
+
+
+def cases() -> list[Case]:
+    exp = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    return [
+        Case(TITAN, "Table 1, FSDP", LLAMA31_8B, 8, "H100-SXM-96GB", 8192, 2, TITAN_SAC, 82.4, "reserved", env=exp),
+        Case(TITAN, "Table 1, FSDP + compile", LLAMA31_8B, 8, "H100-SXM-96GB", 8192, 2,
+             {**TITAN_SAC, "compile": True}, 77.0, "reserved", env=exp),
+        Case(TITAN, "Table 3, FSDP (128 GPUs)", LLAMA31_8B, 128, "H100-SXM-96GB", 8192, 2, TITAN_SAC, 67.0, "reserved",
+             env=exp),
+        Case(TITAN, "Table 3, FSDP + compile (128 GPUs)", LLAMA31_8B, 128, "H100-SXM-96GB", 8192, 2,
+             {**TITAN_SAC, "compile": True}, 62.0, "reserved", env=exp),
+        Case(TITAN_MX, "None (bfloat16)", LLAMA31_8B, 8, "B200", 8192, 1, {**TITAN_SAC, "compile": True}, 33.71,
+             "reserved", env=exp, separate_root=True,
+             not_expressible="torchtitan 2025-08 compiles the loss (fuses the logits' fp32 upcast); the worker "
+                             "compiles the blocks only"),
+        Case(TUNE, "+ Packed Dataset", LLAMA32_3B, 1, "A100-SXM4-80GB", 4096, 2, TUNE_BASE, 60.0, "allocated"),
+        Case(TUNE, "+ Compile", LLAMA32_3B, 1, "A100-SXM4-80GB", 4096, 2, {**TUNE_BASE, "compile": True}, 51.0,
+             "allocated"),
+        Case(TUNE, "+ Chunked Cross Entropy", LLAMA32_3B, 1, "A100-SXM4-80GB", 4096, 2,
+             {**TUNE_BASE, "compile": True}, 42.9, "allocated", loss="chunked"),
+        Case(TUNE, "+ Activation Checkpointing", LLAMA32_3B, 1, "A100-SXM4-80GB", 4096, 2,
+             {**TUNE_BASE, "compile": True, "activation_checkpointing": "full"}, 24.9, "allocated", loss="chunked"),
+        Case(ANSWER, "LoRA, context 512 (note: allocated)", LLAMA2_7B, 2, "RTX-3090", 512, 1, ANSWER_LORA, 8.28,
+             "allocated"),
+        Case(ANSWER, "LoRA, context 2048 (note: allocated)", LLAMA2_7B, 2, "RTX-3090", 2048, 1, ANSWER_LORA, 9.16,
+             "allocated"),
+        Case(ANSWER, "LoRA, context 2048", LLAMA2_7B, 2, "RTX-3090", 2048, 1, ANSWER_LORA, 10.22, "reserved"),
+        Case(ANSWER, "LoRA, batch 4", LLAMA2_7B, 2, "RTX-3090", 2048, 4, ANSWER_LORA, 16.14, "reserved"),
+        Case(ANSWER, "LoRA, batch 6", LLAMA2_7B, 2, "RTX-3090", 2048, 6, ANSWER_LORA, 21.35, "reserved"),
+        Case(ANSWER, "LoRA, DDP, batch 4", LLAMA2_7B, 2, "RTX-3090", 2048, 4, ANSWER_LORA, 22.04, "reserved",
+             replicate=2),
+    ]
+
+
+def planned_gib(case: Case, folder: Path) -> float:
+    """The plan's figure for what the case measured (torch's allocated or reserved peak), GiB."""
+    model = folder / f"{case.config['hidden_size']}-{case.config['num_hidden_layers']}"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **case.config}))
+    nodes, per_node = max(1, case.gpus // 8), min(case.gpus, 8)
+    spec = JobSpec.model_validate({
+        "name": "published", "model": {"path": str(model), **case.model},
+        "data": {"path": "train.jsonl", "seq_len": case.seq_len},
+        "train": {"max_steps": 100, "micro_batch_size": case.micro_batch, "loss": case.loss},
+        "fsdp": {"separate_root": case.separate_root, "replicate_degree": case.replicate},
+        "resources": {"nodes": nodes, "gpus_per_node": per_node},
+        "env": case.env,
+    })
+    profile = load_profile("h100").model_copy(update={"gpu_type": case.gpu_type, "gpu_memory_gb": 192.0, "env": {},
+                                                      "gpus_per_node": per_node, "max_nodes": None})
+    dev = make_plan(resolve(spec, profile)).device
+    return (dev.reserved if case.what == "reserved" else dev.allocated) / GiB
+
+
+def main() -> int:
+    rows, errors, others = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases():
+            plan = planned_gib(case, Path(tmp))
+            error = plan / case.measured_gib - 1
+            (others if case.not_expressible else errors).append(error)
+            model = case.model
+            ac = model.get("activation_checkpointing", "none")
+            ac = f"{ac} {model['selective_ac']}" if ac == "selective" else ac
+            setup = (f"{case.gpus} x {case.gpu_type}, seq {case.seq_len} x mb {case.micro_batch}, AC {ac}, "
+                     f"{'compile, ' if model.get('compile') else ''}loss {case.loss}"
+                     f"{', LoRA r 64' if 'lora' in model else ''}, weights {model.get('dtype')}")
+            rows.append(f"| {case.source} | {case.where} | {setup} | {case.measured_gib:.2f} {case.what} | "
+                        f"{plan:.2f} | {plan / case.measured_gib:.3f} | {error:+.1%} |"
+                        + (f" not expressible: {case.not_expressible}" if case.not_expressible else " |"))
+    print("| source | row | configuration | published GiB | plan GiB | ratio | error | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\n" + summary(errors, others))
+    return 0
+
+
+def summary(errors: list[float], others: list[float]) -> str:
+    """The error summary over the cases the worker can express (the others said apart)."""
+    sources = {c.source.split()[0] for c in cases() if not c.not_expressible}
+    worst = max(errors, key=abs)
+    line = (f"{len(errors)} expressible cases from {len(sources)} sources: median |error| "
+            f"{statistics.median(abs(e) for e in errors):.1%}, worst {worst:+.1%}")
+    return line + (f"; not expressible ({len(others)}): " + ", ".join(f"{e:+.1%}" for e in others) if others else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
