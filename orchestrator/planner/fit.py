@@ -142,7 +142,8 @@ class FitPlan:
                 "own_shards": h.own_shards, "memory_tier_bytes": h.memory_tier,
             },
             "checkpoint": {"bytes": t.checkpoint_bytes, "save_s": t.save_s},
-            "step": {"seconds": t.step_s, "flops_per_rank": t.flops_per_rank, "flops_per_s_per_rank": t.flops_per_s,
+            "step": {"seconds": t.step_s, "generation_s": t.generation_s, "flops_per_rank": t.flops_per_rank,
+                     "flops_per_s_per_rank": t.flops_per_s,
                      "communication_s": t.comm_s, "assumption": t.throughput_note},
             "signal": {"lead_s": t.signal_lead_s, "needed_s": t.needed_lead_s},
             "step_plan": self.worker_facts(),
@@ -189,7 +190,12 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
         onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),
         rows_per_example=2 if spec.train.method in PAIRED_METHODS else 1,
-        reference_copy=getattr(options, "reference", None) == "live" and spec.model.lora is None,
+        reference_copy=(getattr(options, "reference", None) == "live"
+                        or (spec.train.method == "grpo" and spec.grpo.beta > 0)) and spec.model.lora is None,
+        generation_rows=(spec.train.micro_batch_size * spec.train.grad_accum_steps
+                         if spec.train.method == "grpo" and spec.grpo.generator.backend == "inprocess" else 0),
+        generation_tokens=spec.grpo.max_new_tokens if spec.grpo else 0,
+        generation_group=spec.grpo.num_generations if spec.grpo else 0,
     )
 
 
@@ -224,13 +230,18 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             return replace(base, micro_batch=mb, grad_accum=math.ceil(u.micro_batch * u.grad_accum / mb))
 
         # Memory falls with the micro-batch: the largest one below the spec's that fits, by bisection.
-        mb = _boundary(range(u.micro_batch - 1, 0, -1), lambda m: _fits(s, p, smaller(m), profile)[0])
+        # grpo: a rank's completions per step stay whole groups (the micro-batch divides them; validate checks it).
+        sizes = [m for m in range(u.micro_batch - 1, 0, -1)
+                 if not u.generation_group or (u.micro_batch * u.grad_accum) % m == 0]
+        mb = _boundary(sizes, lambda m: _fits(s, p, smaller(m), profile)[0])
         if mb is not None:
             new = smaller(mb)
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
-    if u.reference_copy:
+    if u.reference_copy and method == "grpo":
+        consider("grpo.beta=0", replace(u, reference_copy=False), "no KL term: no reference model (TRL's default)")
+    elif u.reference_copy:
         consider(f"{method}.reference=cached", replace(u, reference_copy=False),
                  "the reference's log-probabilities computed once before training and kept on disk: no second "
                  "model in memory")

@@ -63,7 +63,7 @@ def _state(tr, u: Setup) -> list[Item]:
         Item("AdamW state", on_device * 2 * trained_shard * u.moment_bytes,
              f"exp_avg + exp_avg_sq, {u.moment_bytes} B each"),
         Item("reference model (live)", on_device * shard * m * u.reference_copy,
-             "a frozen sharded copy of the starting weights; reference: cached holds none"),
+             "a frozen sharded copy of the starting weights (reference: cached, or grpo.beta 0: none)"),
     ]
 
 
@@ -104,8 +104,23 @@ def step_moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], li
                                          logits, *_layer_transients(s, p, u, 0), kernels)),
         Moment("backward end", (grads, root["grads"], kernels)),
         Moment("optimizer step", (grads, kernels)),
+        *([_generation(s, tr, u, kernels)] if u.generation_rows else []),
     ]
     return _state(tr, u), moments
+
+
+def _generation(s: ModelShape, tr, u: Setup, kernels: Item) -> Moment:
+    """grpo's in-process generation (jobs/grpo/generate.py): a step's completions of this rank decoded together,
+    one layer gathered at a time, the KV cache of every layer for prompt + completion, the last position's logits in
+    fp32 for sampling; no activations or gradients kept (no grad)."""
+    c, rows = u.compute_bytes, u.generation_rows
+    cache = 2 * s.layers * rows * u.seq_len * s.kv_heads * s.head_dim * c
+    return Moment("generation (grpo)", (
+        Item("KV cache", cache, f"{rows} rows x {u.seq_len} positions x {s.layers} layers, keys and values"),
+        Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype"),
+        Item("layer gathered", tr.layer_weights * c, "one decoder layer at a time"),
+        Item("sampling logits", rows * s.vocab * 4 * 2, "the last position's, fp32, and the sampling's copy"),
+        kernels))
 
 
 def _root_items(s: ModelShape, p: ParamCount, u: Setup) -> dict:

@@ -104,6 +104,8 @@ def format_plan(plan: FitPlan) -> str:
         f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB ({'adapters' if u.lora else 'params'} + AdamW), "
         f"save ~{t.save_s:,.0f} s",
         f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
+        *([f"step split (grpo): generation ~{t.generation_s:,.2g} s (a lower bound: decoding is memory-bound), "
+           f"training ~{t.step_s - t.generation_s:,.2g} s"] if t.generation_s is not None and t.step_s else []),
         f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: 2 steps + agreement + save + requeue + margin)",
     ]
     if u.grad_accum > 1:

@@ -43,6 +43,10 @@ class Setup:
     separate_root: bool = False  # fsdp.separate_root decided: embedding and norm + lm_head as their own units
     compile: bool = False  # model.compile: inductor's partitioner recomputes a block's elementwise outputs
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True (less slack)
+    # grpo with the in-process generator: rows generated together per rank (a step's completions), 0: none
+    generation_rows: int = 0
+    generation_tokens: int = 0  # grpo.max_new_tokens
+    generation_group: int = 0  # grpo.num_generations (a rank's completions per step are whole groups); 0: not grpo
 
     @property
     def rows(self) -> int:

@@ -45,6 +45,7 @@ class Timing:
     throughput_note: str
     signal_lead_s: int
     comm_s: float | None = None  # one step's collectives over the fabric (None: not modelled)
+    generation_s: float | None = None  # grpo in-process: the generation of one optimizer step's completions
 
     @property
     def compute_s(self) -> float | None:
@@ -54,7 +55,8 @@ class Timing:
     def step_s(self) -> float | None:
         """Compute, or the fabric's time where that is longer: FSDP2 overlaps the two, so the longer one bounds."""
         compute = self.compute_s
-        return max(compute, self.comm_s or 0.0) if compute is not None else None
+        train = max(compute, self.comm_s or 0.0) if compute is not None else None
+        return train + (self.generation_s or 0.0) if train is not None else None
 
     @property
     def needed_lead_s(self) -> int:
@@ -140,7 +142,24 @@ def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     if u.on_gpu and rate is not None:
         comm, said = _communication(u, tr.weights, tr.trained, profile, per_token * tokens / rate)
         note = note.replace(COMMUNICATION, said)
+    generation = _generation_s(s, u, tr.weights, matmul_params, rate, profile) if u.generation_rows else None
     # params + exp_avg + exp_avg_sq, of what trains (the base is not saved)
     ckpt = tr.trained * (u.model_bytes + 2 * u.moment_bytes)
     save = ckpt / (profile.storage_bandwidth_gbps * GB * u.nodes)
-    return Timing(ckpt, save, per_token * tokens, rate, note, lead, comm)
+    return Timing(ckpt, save, per_token * tokens, rate, note, lead, comm, generation)
+
+
+def _generation_s(s: ModelShape, u: Setup, weights: int, matmul_params: int, rate: float | None,
+                  profile: ClusterProfile) -> float | None:
+    """grpo's in-process generation per optimizer step: its forward FLOPs over prompt and completion at the
+    training rate, plus, across nodes, one all-gather of the weights per generated token (FSDP2 gathers every
+    layer at each decode step). Decoding is bound by memory bandwidth more than FLOPs: a lower bound."""
+    if rate is None:
+        return None
+    flops = u.generation_rows * u.seq_len * forward_flops_per_token(matmul_params, s.layers, s.q_dim, u.seq_len)
+    seconds = flops / rate
+    bandwidth = profile.fabric_bandwidth_gbps
+    if u.on_gpu and u.nodes > 1 and bandwidth and u.shard_degree > u.tasks_per_node:
+        gathered = weights * u.compute_bytes * (u.shard_degree - 1) / u.shard_degree
+        seconds += u.generation_tokens * gathered / (bandwidth * GB)
+    return seconds  # a round of K steps generates K steps' shares, one call per share: the same per step
