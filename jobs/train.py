@@ -41,6 +41,7 @@ from .dist import (
     share_from_rank0,
 )
 from .evaluate import EvalSchedule, Evaluator
+from .grpo.client import ServerUnresponsive
 from .hooks import StepHooks, TestHooks
 from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
@@ -313,7 +314,7 @@ def _retryable(exc: BaseException) -> bool:
     (orchestrator/supervise/failure.py) also requires that the attempt made progress."""
     if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError)):
         return False
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, ServerUnresponsive)):  # a lost peer, or grpo's frozen generation server
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(

@@ -221,9 +221,9 @@ def _check_grpo_data(data: Any) -> None:
                                           "or drop it")
 
 
-def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any, resources: Any) -> None:
-    """GRPO's options against the rest of the spec: a group on one rank, room for the completions, nodes left to
-    train beside the generation server."""
+def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any) -> None:
+    """GRPO's options against the rest of the spec: a group on one rank, room for the completions (the nodes left
+    to train beside a generation server depend on the profile: planner/resolve.py)."""
     if grpo is None:
         return
     per_rank = train.micro_batch_size * train.grad_accum_steps
@@ -234,10 +234,6 @@ def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any, resources: Any) -> 
     if grpo.max_new_tokens >= data.seq_len:
         raise field_error("grpo.max_new_tokens", f"{grpo.max_new_tokens} new tokens leave no room for the prompt in "
                                                  f"data.seq_len {data.seq_len}; raise seq_len or lower max_new_tokens")
-    if grpo.generator.backend == "server" and grpo.generator.nodes >= resources.nodes:
-        raise field_error("grpo.generator.nodes", f"the generation server's {grpo.generator.nodes} node(s) leave "
-                                                  f"none of resources.nodes ({resources.nodes}) to train; raise "
-                                                  "resources.nodes")
 
 
 def check_method_model(method: str, lora: Any) -> None:

@@ -252,7 +252,7 @@ class JobSpec(Strict):
         check_method_sections(self.train.method, self._method_sections())
         check_method_data(self.train.method, self.data)
         check_method_model(self.train.method, self.model.lora)
-        check_grpo(self.grpo, self.train, self.data, self.resources)
+        check_grpo(self.grpo, self.train, self.data)
         return self
 
     def _method_sections(self) -> dict:
