@@ -39,7 +39,7 @@ def _worker(method: str, model_dir: str) -> None:
     hf_logging.disable_progress_bar()  # one bar per rank would bury the table
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import find_decoder_layers, load_model
+    from fsdpjob.jobs.model import NONE, find_decoder_layers, load_model
     from fsdpjob.jobs.model.parallelize import apply_fsdp, build_mesh
 
     torch.set_num_threads(1)
@@ -47,7 +47,7 @@ def _worker(method: str, model_dir: str) -> None:
     mesh = build_mesh(env, 1)
     baseline = _status_mib("VmHWM")
     start = time.perf_counter()
-    options = dict(reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False)
+    options = dict(reshard_after_forward=True, activation_checkpointing=NONE, cpu_offload=False)
     if method in ("own_shards", "rank0_broadcast"):
         os.environ["FSDPJOB_WEIGHT_LOAD"] = "sharded" if method == "own_shards" else "rank0"
         model = load_model(

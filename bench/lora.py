@@ -76,7 +76,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
     from fsdpjob.jobs.checkpoint import CheckpointManager
     from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import FULL, NONE, load_model
     from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
@@ -94,7 +94,8 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, case: dict, lora: 
         _reset_peak()
         base = _status_kib("VmRSS") * 1024
         model = load_model(model_dir, env=env, mesh=mesh, dtype=getattr(torch, c.dtype), attn_implementation=c.attn,
-                           mixed_precision=c.mp, reshard_after_forward=c.reshard, activation_checkpointing=c.ac,
+                           mixed_precision=c.mp, reshard_after_forward=c.reshard,
+                           activation_checkpointing=FULL if c.ac else NONE,
                            cpu_offload=False, lora=LoraSpec(**lora) if lora is not None else None)
         model.train()
         _reset_peak()

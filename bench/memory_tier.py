@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> None:
     from fsdpjob.jobs.checkpoint.state import ModelOptimState, RNGState
     from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.dist import DistEnv
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import NONE, load_model
     from fsdpjob.jobs.step import train_step
     from fsdpjob.orchestrator.core.runfolder.memtier import TierKey
     from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
     env = DistEnv(rank, world, rank, world, "127.0.0.1", 0, "gloo", cpu)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = load_model(args.model, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
-                       mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=False,
+                       mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=NONE,
                        cpu_offload=False).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     state = {"model": ModelOptimState(model, optimizer), "rng": RNGState(0, rank, world),

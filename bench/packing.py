@@ -68,7 +68,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, args: dict) -> dic
 
     from fsdpjob.jobs.data import BatchStream, build_sequences, packing_mode
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import NONE, load_model
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.jobs.step import train_step
 
@@ -77,7 +77,7 @@ def bench_rank(rank: int, world_size: int, *, model_dir: str, args: dict) -> dic
     try:
         mesh = build_mesh(env, 1)
         model = load_model(model_dir, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
-                           mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=False,
+                           mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=NONE,
                            cpu_offload=False)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)

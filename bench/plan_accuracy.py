@@ -168,12 +168,12 @@ def _reset_peak() -> None:
 def _load(model_dir: str, case: Case, env, mesh):
     import torch
 
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import FULL, NONE, load_model
 
     return load_model(
         model_dir, env=env, mesh=mesh, dtype=getattr(torch, case.dtype), attn_implementation=case.attn,
-        mixed_precision=case.mp, reshard_after_forward=case.reshard, activation_checkpointing=case.ac,
-        cpu_offload=False,
+        mixed_precision=case.mp, reshard_after_forward=case.reshard,
+        activation_checkpointing=FULL if case.ac else NONE, cpu_offload=False,
     )
 
 

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
     from fsdpjob.jobs.agreement import FlagAgreement
     from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.dist import DistEnv
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import FULL, NONE, load_model
     from fsdpjob.jobs.step import train_step
 
     torch.set_num_threads(1)
@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> None:
         env = DistEnv(rank, world, rank, world, "127.0.0.1", 0, "gloo", cpu)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         model = load_model(args.model, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa",
-                           mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=args.ac,
+                           mixed_precision="fp32", reshard_after_forward=True,
+                           activation_checkpointing=FULL if args.ac else NONE,
                            cpu_offload=False).train()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
 

@@ -31,7 +31,7 @@ def _worker(method: str, model_dir: str) -> None:
     import torch
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import NONE, load_model
     from fsdpjob.jobs.model.parallelize import build_mesh
 
     os.environ["FSDPJOB_WEIGHT_LOAD"] = method
@@ -43,7 +43,7 @@ def _worker(method: str, model_dir: str) -> None:
     start = time.perf_counter()
     model = load_model(
         model_dir, env=env, mesh=mesh, dtype=torch.float32, attn_implementation="sdpa", mixed_precision="fp32",
-        reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False,
+        reshard_after_forward=True, activation_checkpointing=NONE, cpu_offload=False,
     )  # fmt: skip
     torch.distributed.barrier()
     seconds = time.perf_counter() - start

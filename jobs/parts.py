@@ -28,6 +28,7 @@ from .data.stream import BatchStream, split_eval
 from .dist import DistEnv
 from .metrics import Reporter
 from .model.build import load_model
+from .model.checkpointing import Checkpointing
 from .model.lora import trainable_parameters
 from .preference.ktobatch import KtoTable
 from .schedule import lr_factor
@@ -75,19 +76,23 @@ class TrainParts:
     mesh: DeviceMesh
     eval_table: SequenceTable | None = None  # data.eval_path, or the data.eval_fraction held out of table
     train_rows: torch.Tensor | None = None  # with eval_fraction: table's rows in the packed data (sample logs)
+    separate_root: bool = False  # fsdp.separate_root as resolved (a second copy of the model is sharded the same)
 
 
 def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: DeviceMesh, *,
-          read_weights: bool = True) -> TrainParts:
+          read_weights: bool = True, worker_facts: dict | None = None) -> TrainParts:
     """The model (meta init on every rank, FSDP2 wrap, each rank reading its own shards of the weights, or rank 0
     reading and broadcasting where that cannot be done: model/weightload.py; none read when a checkpoint will
-    overwrite them all), its optimizer and LR schedule, the packed data, and counters for a fresh start."""
+    overwrite them all), its optimizer and LR schedule, the packed data, and counters for a fresh start.
+    ``worker_facts``: the planner's decisions (spec.json), read for fsdp.separate_root: auto."""
     heartbeat.enter(heartbeat.MODEL_LOAD)
+    separate_root = resolve_separate_root(spec.fsdp.separate_root, worker_facts or {})
     model = load_model(
         spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
         reshard_after_forward=spec.fsdp.reshard_after_forward,
-        activation_checkpointing=spec.model.activation_checkpointing != "none", cpu_offload=spec.fsdp.cpu_offload,
+        activation_checkpointing=Checkpointing.of(spec.model.activation_checkpointing, spec.model.selective_ac),
+        cpu_offload=spec.fsdp.cpu_offload, separate_root=separate_root,
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
         read_weights=read_weights,
@@ -108,7 +113,15 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio))
     state = TrainState(global_batch=train.micro_batch_size * train.grad_accum_steps * env.world_size)
     table, eval_table, train_rows = _load_data(spec, paths, env, report)
-    return TrainParts(model, optimizer, scheduler, table, state, mesh, eval_table, train_rows)
+    return TrainParts(model, optimizer, scheduler, table, state, mesh, eval_table, train_rows, separate_root)
+
+
+def resolve_separate_root(setting: str | bool, worker_facts: dict) -> bool:
+    """fsdp.separate_root: true and false as given; auto what the planner decided (worker fact ``separate_root``,
+    whether it lowers the planned peak), false for a run folder whose plan did not say (written before it did)."""
+    if isinstance(setting, bool):
+        return setting
+    return bool(worker_facts.get("separate_root", False))
 
 
 def _head(spec: JobSpec) -> dict[str, Any]:

@@ -151,7 +151,8 @@ def _set_up(launch: Launch) -> Training:
     parts = build(spec, paths, env, report, mesh,
                   # A full fine-tune's checkpoint holds every weight: a resume reads no base weights (at 70B,
                   # minutes of every restart); LoRA's holds the adapters only.
-                  read_weights=source is None or spec.model.lora is not None)
+                  read_weights=source is None or spec.model.lora is not None,
+                  worker_facts=launch.meta.worker_facts)
     launch.state = parts.state
     control = control_group(env)
     grpo = None

@@ -104,7 +104,7 @@ def _reference(spec: JobSpec, parts, env: DistEnv, logps_of) -> Callable:
     if spec.grpo.beta == 0:
         return lambda _batch: None
     lora = spec.model.lora is not None
-    model = parts.model if lora else frozen_copy(spec, env, parts.mesh)
+    model = parts.model if lora else frozen_copy(spec, env, parts.mesh, parts.separate_root)
 
     def reference(batch) -> torch.Tensor:
         with as_reference(model, lora):

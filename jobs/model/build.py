@@ -18,6 +18,7 @@ from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, SINGLE_FILE, weigh
 
 from ..dist import DistEnv
 from . import varlen
+from .checkpointing import Checkpointing
 from .lora import attach_lora
 from .parallelize import apply_fsdp
 from .scorehead import classifier_on_meta, load_classifier
@@ -263,7 +264,7 @@ def load_model(
     attn_implementation: str,
     mixed_precision: str,
     reshard_after_forward: bool,
-    activation_checkpointing: bool,
+    activation_checkpointing: Checkpointing,
     cpu_offload: bool,
     lora: Any = None,
     compile_layers: bool | str = False,
@@ -271,6 +272,7 @@ def load_model(
     packed: bool = False,
     head: str = "lm",
     pad_token_id: int | None = None,
+    separate_root: bool = False,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False
     uninitialized (the caller loads a checkpoint that holds every weight).
@@ -279,7 +281,9 @@ def load_model(
     shard; each rank reads its own shards of safetensors weights, or (stored names that need transformers'
     conversion, LoRA, FSDPJOB_WEIGHT_LOAD=rank0) rank 0 reads them and each tensor is broadcast and sliced.
     ``head="score"``: the reward model instead, the backbone with a scalar head whose rows are scored at their
-    last token that is not ``pad_token_id`` (jobs/model/scorehead.py).
+    last token that is not ``pad_token_id`` (jobs/model/scorehead.py). ``activation_checkpointing``: what the
+    decoder blocks recompute (jobs/model/checkpointing.py); ``separate_root``: the embedding and the output head
+    as FSDP units of their own (parallelize.root_units).
     """
     from transformers import AutoConfig
 
@@ -305,6 +309,7 @@ def load_model(
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
         compile_layers=compile_layers,
+        separate_root=separate_root,
     )
     _materialize(model, env.device, cpu_offload)
     if not read_weights:

@@ -16,6 +16,7 @@ from ..data.packing import StepBatch
 from ..dist import DistEnv
 from ..metrics import Reporter
 from ..model.build import load_model
+from ..model.checkpointing import NONE
 from .batches import policy_logps, reward_scores
 from .evaluate import PreferenceEvaluator
 from .objective import needs_reference, objective_for
@@ -70,7 +71,7 @@ def _reference(spec: JobSpec, parts, table, env: DistEnv, run_dir: Path, report:
     # Two columns for a pair table (chosen, rejected) and for kto's (the answer, its KL row: ktobatch.py).
     width = 2 if hasattr(table, "chosen_ids") or hasattr(table, "partners") else 1
     if spec.method_options.reference == "live":
-        model = parts.model if lora else frozen_copy(spec, env, parts.mesh)
+        model = parts.model if lora else frozen_copy(spec, env, parts.mesh, parts.separate_root)
 
         def live(batch) -> torch.Tensor:
             with as_reference(model, lora):
@@ -108,13 +109,14 @@ def _model_key(spec: JobSpec) -> str:
     return f"{spec.model.path}:{spec.model.dtype}:{spec.fsdp.mixed_precision}:{'lora' if spec.model.lora else 'full'}"
 
 
-def frozen_copy(spec: JobSpec, env: DistEnv, mesh) -> torch.nn.Module:
-    """``reference: live`` on a full fine-tune: a second sharded copy of the starting weights, never trained."""
+def frozen_copy(spec: JobSpec, env: DistEnv, mesh, separate_root: bool) -> torch.nn.Module:
+    """``reference: live`` on a full fine-tune: a second sharded copy of the starting weights, never trained: no
+    activation checkpointing (it runs no backward), its embedding and head sharded like the policy's."""
     model = load_model(spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
                        attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
-                       reshard_after_forward=spec.fsdp.reshard_after_forward, activation_checkpointing=False,
+                       reshard_after_forward=spec.fsdp.reshard_after_forward, activation_checkpointing=NONE,
                        cpu_offload=spec.fsdp.cpu_offload, compile_layers=False, lora=None, read_weights=True,
-                       packed=False)
+                       packed=False, separate_root=separate_root)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

@@ -22,7 +22,7 @@ def _train_families(rank: int, world_size: int, folders: dict[str, str]) -> dict
     import torch.distributed as dist
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import find_decoder_layers, load_model
+    from fsdpjob.jobs.model import FULL, NONE, find_decoder_layers, load_model
     from fsdpjob.jobs.model.parallelize import build_mesh
 
     env = init_distributed(120)
@@ -35,7 +35,8 @@ def _train_families(rank: int, world_size: int, folders: dict[str, str]) -> dict
             model = load_model(  # the spec's default attention: the worker picks what each family can run
                 folder, env=env, mesh=mesh, dtype=torch.float32, attn_implementation=DEFAULT_ATTENTION,
                 mixed_precision="fp32",
-                reshard_after_forward=True, activation_checkpointing=family in CHECKPOINTED, cpu_offload=False,
+                reshard_after_forward=True, activation_checkpointing=FULL if family in CHECKPOINTED else NONE,
+                cpu_offload=False,
             )  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             losses = []

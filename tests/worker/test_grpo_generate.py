@@ -25,6 +25,7 @@ from fsdpjob.jobs.grpo.generate import (
     sample_next,
     top_p_filter,
 )
+from fsdpjob.jobs.model.checkpointing import FULL
 
 pytestmark = pytest.mark.distributed
 
@@ -99,7 +100,7 @@ def _ranks(rank: int, world_size: int, path) -> dict:
     logps = completion_logps(model, _prompts(rank), out.completion_ids, out.mask, CPU,
                              temperature=SAMPLING["temperature"])
     # Activation checkpointing and the root kept gathered change nothing in generation.
-    checkpointed = _generate(_load(path, env, activation_checkpointing=True, reshard_after_forward=False),
+    checkpointed = _generate(_load(path, env, activation_checkpointing=FULL, reshard_after_forward=False),
                              _prompts(rank), SEEDS[rank])
     close_distributed()
     result = {"out": out, "again": again, "calls": calls, "training_after": training_after, "early": early_calls,

@@ -116,7 +116,7 @@ def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> obje
     from fsdpjob.jobs.checkpoint import CheckpointManager
     from fsdpjob.jobs.checkpoint.state import ModelOptimState
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model
+    from fsdpjob.jobs.model import NONE, load_model
     from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.model.parallelize import build_mesh
     from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
@@ -126,7 +126,7 @@ def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> obje
     try:
         model = load_model(spec.model.path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32,
                            attn_implementation="sdpa", mixed_precision="fp32", reshard_after_forward=True,
-                           activation_checkpointing=False, cpu_offload=False, lora=spec.model.lora)
+                           activation_checkpointing=NONE, cpu_offload=False, lora=spec.model.lora)
         optimizer = torch.optim.AdamW(trainable_parameters(model))
         ckpt = CheckpointManager(Path(run_dir) / "checkpoints", rank=rank, world_size=world_size, keep_last=2,
                                  async_save=False, sidecar={})

@@ -18,6 +18,7 @@ from torch import nn
 from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed, port_for_job
 from fsdpjob.jobs.metrics import model_flops_per_token, peak_flops_for_name
 from fsdpjob.jobs.model.build import find_decoder_layers, load_model, read_full_state_dict
+from fsdpjob.jobs.model.checkpointing import FULL, NONE
 from fsdpjob.jobs.model.parallelize import build_mesh
 
 pytestmark = pytest.mark.distributed
@@ -48,7 +49,7 @@ def save_tiny(path: Path, family: str = "llama", *, dtype: torch.dtype = torch.f
 def _load(path: Path, env: DistEnv, *, replicate_degree: int = 1, **overrides) -> nn.Module:
     options = dict(
         dtype=torch.float32, attn_implementation="sdpa", mixed_precision="fp32",
-        reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False,
+        reshard_after_forward=True, activation_checkpointing=NONE, cpu_offload=False,
     )  # fmt: skip
     return load_model(path, env=env, mesh=build_mesh(env, replicate_degree), **{**options, **overrides})
 
@@ -138,7 +139,7 @@ def _option_variants(rank: int, world_size: int, path: Path) -> dict[str, tuple[
     ids = _batch(0)[rank * 2 : rank * 2 + 2]
     variants = {
         "plain": {},
-        "ac": {"activation_checkpointing": True},
+        "ac": {"activation_checkpointing": FULL},
         "no_reshard": {"reshard_after_forward": False},
         "cpu_offload": {"cpu_offload": True},  # CPU-only here: checks the policy is accepted, not the transfers
     }
@@ -169,11 +170,11 @@ def _compiled_training(rank: int, world_size: int, path: Path) -> dict:
 
     env = init_distributed(120)
     rows = slice(rank * 2, rank * 2 + 2)
-    eager = _load(path, env, activation_checkpointing=True)
+    eager = _load(path, env, activation_checkpointing=FULL)
     plain = _train(eager, 3, rows)
     torch._dynamo.utils.counters.clear()
     # aot_eager: dynamo's frames and AOTAutograd's graphs as inductor gets them, without minutes of C++ compiling.
-    model = _load(path, env, activation_checkpointing=True, compile_layers="aot_eager")
+    model = _load(path, env, activation_checkpointing=FULL, compile_layers="aot_eager")
     # A forward pre-hook beside FSDP2's (both run by the block's _call_impl): traced by dynamo if _call_impl
     # were compiled (nn.Module.compile), eager if only the block's forward is.
     hooks_compiling: list[bool] = []
@@ -306,7 +307,7 @@ def test_flash_attention_without_the_package_is_a_clear_error(tmp_path, clean_en
     with pytest.raises(RuntimeError, match="flash-attn package is not installed"):
         load_model(
             tmp_path, env=detect_env(), mesh=None, dtype=torch.float32, attn_implementation="flash_attention_2",
-            mixed_precision="bf16", reshard_after_forward=True, activation_checkpointing=False, cpu_offload=False,
+            mixed_precision="bf16", reshard_after_forward=True, activation_checkpointing=NONE, cpu_offload=False,
         )  # fmt: skip
 
 

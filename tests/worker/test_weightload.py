@@ -39,7 +39,7 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
     import torch.distributed as dist
 
     from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import load_model, weightload
+    from fsdpjob.jobs.model import FULL, NONE, load_model, weightload
     from fsdpjob.jobs.model.parallelize import build_mesh
 
     env = init_distributed(120)
@@ -51,7 +51,7 @@ def _load_both_ways(rank: int, world_size: int, cases: dict[str, dict], replicat
     for name, case in cases.items():
         options = dict(
             dtype=case.get("dtype", torch.float32), attn_implementation="eager", mixed_precision="fp32",
-            reshard_after_forward=True, activation_checkpointing=case.get("ac", False),
+            reshard_after_forward=True, activation_checkpointing=FULL if case.get("ac") else NONE,
             cpu_offload=case.get("offload", False),
         )  # fmt: skip
         states, losses = {}, {}
