@@ -4,7 +4,7 @@ compute), a lower peak at a large vocabulary, auto read from the plan's worker f
 
 from __future__ import annotations
 
-import resource
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,28 +15,18 @@ from fsdpjob.jobs.step import loss_chunk_tokens
 from fsdpjob.orchestrator.core.jobspec.modelspec import LoraSpec
 from fsdpjob.orchestrator.core.jobspec.spec import TrainSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import savers_memory
+from savers_memory import measure
+
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, ROWS = 256, 24, 2  # ROWS per rank
 
 
 def save_model(path: Path, *, vocab: int = VOCAB, **config) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from fsdpjob.jobs.quickstart import tiny_config
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab, **config)).save_pretrained(path)
-    return path
-
-
-def load(path: Path, env, *, mixed_precision: str = "fp32", **options):
-    from fsdpjob.jobs.model.build import load_model
-    from fsdpjob.jobs.model.parallelize import build_mesh
-
-    return load_model(path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32, attn_implementation="sdpa",
-                      mixed_precision=mixed_precision, reshard_after_forward=True, activation_checkpointing=False,
-                      cpu_offload=False, **options)
+    return savers_memory.save_model(path, vocab=vocab, **config)
 
 
 def batch(rank: int, *, packed: bool, vocab: int = VOCAB, seq: int = SEQ, rows: int = ROWS):
@@ -81,7 +71,7 @@ def _equivalence(rank: int, world_size: int, folders: dict[str, Path]) -> dict:
     env = init_distributed(120)
     out = {}
     for name, (folder, options, packed, flatten, chunk) in CASES.items():
-        model = load(folders[folder], env, **options)
+        model = savers_memory.load(folders[folder], env, **options)
         ids, labels, positions = batch(rank, packed=packed)
         standard, grads = _loss_and_grads(model, ids, labels, positions, chunk_tokens=0, flatten=flatten)
         chunked, chunked_grads = _loss_and_grads(model, ids, labels, positions, chunk_tokens=chunk, flatten=flatten)
@@ -124,59 +114,16 @@ def test_chunked_loss_with_bf16_compute_is_close(equivalence):
 # ---------------------------------------------------------------- the peak
 
 
-BIG_VOCAB, BIG_SEQ = 32000, 512
-
-
-def _step_peak(rank: int, world_size: int, path: Path, chunk_tokens: int) -> dict:
-    """The rise of this fresh process's high-water mark (ru_maxrss) over one training step, in MiB: the step's
-    activations, logits and their gradients. A step on 16 tokens first pays what a first step costs whatever its
-    size (lazy initialisation, thread pools, the optimizer's states: ~340 MiB here, more than the logits)."""
-    from fsdpjob.jobs.data import MicroBatch
-    from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.step import train_step
-
-    env = init_distributed(120)
-    model = load(path, env)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, labels, _ = batch(rank, packed=False, vocab=BIG_VOCAB, seq=BIG_SEQ)
-    mb = MicroBatch(ids, labels, torch.arange(ROWS), torch.arange(ROWS))
-    warm = MicroBatch(ids[:, :8], labels[:, :8], torch.arange(ROWS), torch.arange(ROWS))
-    assert train_step(model, optimizer, [warm], env.device, tokens=2 * ROWS * 8, max_grad_norm=1.0).loss > 0
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    values = train_step(model, optimizer, [mb], env.device, tokens=2 * ROWS * BIG_SEQ, max_grad_norm=1.0,
-                        chunk_tokens=chunk_tokens)
-    loss = values.loss
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    close_distributed()
-    return {"rise_mib": (after - before) / 1024, "loss": loss}
-
-
-def peak_rises(path: Path, chunk_tokens: int) -> tuple[float, float, float]:
-    """The step's peak rise (MiB, the larger rank's) with the standard loss and with the chunked one, each in fresh
-    processes, and their ratio.
-
-    The ranks run with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_, read at process start;
-    the spawned ranks inherit it): by default glibc raises the threshold to the largest block freed so far, after
-    which the chunks' 16 MiB logits come from the heap, whose freed pages stay resident, and the high-water mark
-    counts every chunk's logits though only one is alive at a time (172 MiB against 24 in the chunked backward
-    of this model). With the threshold fixed, a freed block goes back to the system and the mark is the live peak.
-    """
-    rises = {}
-    for name, chunk in (("standard", 0), ("chunked", chunk_tokens)):
-        results = run_ranks(_step_peak, 2, timeout=600, path=path, chunk_tokens=chunk)
-        rises[name] = max(r["rise_mib"] for r in results)
-    return rises["standard"], rises["chunked"], rises["chunked"] / max(rises["standard"], 1e-9)
-
-
 @pytest.mark.slow
-def test_chunked_loss_lowers_the_peak_at_a_large_vocabulary(tmp_path, monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    path = save_model(tmp_path / "big", vocab=BIG_VOCAB, max_position_embeddings=BIG_SEQ)
-    standard, chunked, ratio = peak_rises(path, chunk_tokens=128)
+def test_chunked_loss_lowers_the_peak_at_a_large_vocabulary(tmp_path):
+    """bench/savers_memory.py's measurement (how and why there): the rise of each fresh rank's high-water mark."""
+    standard = measure(save_model(tmp_path / "big", vocab=32000, max_position_embeddings=512), vocab=32000, seq=512,
+                       rows=ROWS, chunk_tokens=0)
+    chunked = measure(tmp_path / "big", vocab=32000, seq=512, rows=ROWS, chunk_tokens=128)
     # 1,024 tokens x 32,000 x 4 bytes = 125 MiB per fp32 copy of the logits: the standard step holds several.
-    assert standard > 200, standard
-    assert ratio < 0.3, (standard, chunked)
-    print(f"step peak rise: standard {standard:.0f} MiB, chunked {chunked:.0f} MiB, ratio {ratio:.2f}")
+    assert standard["rise_mib"] > 200, standard
+    assert chunked["rise_mib"] < 0.3 * standard["rise_mib"], (standard, chunked)
+    assert abs(chunked["loss"] - standard["loss"]) <= 1e-6 * standard["loss"]
 
 
 # ---------------------------------------------------------------- choosing it

@@ -5,6 +5,7 @@ reduce-scatter within bf16's precision of fp32's, and float32 the same as before
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ from distributed import run_ranks
 
 from fsdpjob.jobs.optim import Bf16StateAdamW, build_optimizer, state_bytes
 from fsdpjob.orchestrator.core.jobspec.spec import TrainSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import savers_memory
 
 pytestmark = pytest.mark.distributed
 
@@ -51,22 +56,10 @@ def test_the_spec_picks_the_optimizer():
 
 
 def save_model(path: Path) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from fsdpjob.jobs.quickstart import tiny_config
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB)).save_pretrained(path)
-    return path
+    return savers_memory.save_model(path, vocab=VOCAB)
 
 
-def load(path: Path, env, **options):
-    from fsdpjob.jobs.model.build import load_model
-    from fsdpjob.jobs.model.parallelize import build_mesh
-
-    return load_model(path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32, attn_implementation="sdpa",
-                      mixed_precision="fp32", reshard_after_forward=True, activation_checkpointing=False,
-                      cpu_offload=False, **options)
+load = savers_memory.load
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
