@@ -15,11 +15,14 @@ lm_head, which tied embeddings make one parameter) are all-gathered by the root'
 pre-backward hook is registered on the tensors its forward returns. Called from inside that forward, lm_head sees
 its gathered weight, and the loss is the root's output, so the root's pre-backward hook fires on the loss's
 gradient (gathering again first where the root was resharded after the forward) before any chunk is recomputed.
-lm_head itself is called once, as a module, with its forward replaced by the chunk loop: if lm_head is an FSDP unit
-of its own (fsdp.separate_root), its hooks gather it for the loop and, in the backward, its pre-backward hook (on
-the returned loss) gathers it again before the chunks' recomputation reads ``lm_head.weight``. The chunk function
+lm_head itself is called once, as a module, with its forward replaced by the chunk loop, so that if it becomes an
+FSDP unit of its own (fsdp.separate_root, built separately: not tested with this yet) its hooks gather it once for
+the loop and, in the backward, its pre-backward hook (on the returned loss) gathers it again before the chunks'
+recomputation, which calls the class's forward directly (no FSDP hooks inside the backward). The chunk function
 reads the weight through the module at call time (never a tensor captured in the forward), so the recomputation
-uses whatever FSDP2 has gathered then; nothing here touches FSDP2's internals or calls unshard() by hand.
+uses whatever FSDP2 has gathered then; nothing here touches FSDP2's internals or calls unshard() by hand. Called
+after the root's forward instead, lm_head would work only while the root stays gathered (reshard_after_forward
+False, today's root) and its loss would not be an output FSDP2 hooks.
 """
 
 from __future__ import annotations

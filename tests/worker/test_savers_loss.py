@@ -67,6 +67,7 @@ def _loss_and_grads(model, ids, labels, positions, *, chunk_tokens: int, flatten
 
 def _equivalence(rank: int, world_size: int, folders: dict[str, Path]) -> dict:
     from fsdpjob.jobs.dist import close_distributed, init_distributed
+    from fsdpjob.jobs.step import token_loss_sum
 
     env = init_distributed(120)
     out = {}
@@ -78,7 +79,10 @@ def _equivalence(rank: int, world_size: int, folders: dict[str, Path]) -> dict:
         assert grads.keys() == chunked_grads.keys() and grads, name
         worst = max(float((chunked_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
                     for n, g in grads.items())
-        out[name] = {"loss": (standard, chunked), "grad_rel": worst, "params": sorted(grads),
+        with torch.no_grad():  # evaluation's path (eval_loss): the chunks without checkpointing
+            no_grad = token_loss_sum(model, ids, labels, positions, torch.device("cpu"), chunk_tokens=chunk,
+                                     flatten=flatten).item()
+        out[name] = {"loss": (standard, chunked), "no_grad": no_grad, "grad_rel": worst, "params": sorted(grads),
                      "tied": model.lm_head.weight is model.model.embed_tokens.weight}
     close_distributed()
     return out
@@ -97,6 +101,7 @@ def test_chunked_loss_gives_the_standard_loss_and_gradients_in_fp32(equivalence,
     result = equivalence[case]
     standard, chunked = result["loss"]
     assert abs(chunked - standard) <= 1e-6 * abs(standard), result["loss"]
+    assert result["no_grad"] == chunked  # the same chunks, with or without their recomputation
     assert result["grad_rel"] <= 1e-5, result["grad_rel"]
 
 
