@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fsdpjob.orchestrator.core.jobspec.families import logit_transform
+
 from .data.packing import count_tokens
 from .model.chunkedloss import CHUNK_TOKENS, chunked_loss_sum
 from .model.varlen import NAME as VARLEN_NAME
@@ -62,12 +64,21 @@ class StepValues:
         return {}
 
 
-def loss_chunk_tokens(method: str, loss: str, worker_facts: Mapping[str, Any]) -> int:
+def loss_chunk_tokens(method: str, loss: str, worker_facts: Mapping[str, Any], config: Mapping[str, Any]) -> int:
     """The chunk of train.loss as the SFT step runs it (0: the standard loss). auto is the planner's decision, read
     here and nowhere else: spec.json's worker_facts["loss"] (standard or chunked), standard where the plan wrote
-    none. The preference methods compute their own log-probabilities (the spec refuses chunked for them)."""
+    none, and standard for a model (``config``: its config.json) that transforms its logits after lm_head, which
+    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). The
+    preference methods compute their own log-probabilities (the spec refuses chunked for them)."""
     chosen = (worker_facts.get("loss") or "standard") if loss == "auto" else loss
-    return CHUNK_TOKENS if method == "sft" and chosen == "chunked" else 0
+    if method != "sft" or chosen != "chunked":
+        return 0
+    if (transform := logit_transform(config)) is None:
+        return CHUNK_TOKENS
+    if loss == "auto":
+        return 0
+    raise ValueError(f"train.loss: chunked cannot train this {config.get('model_type')} model: its forward "
+                     f"transforms the logits after lm_head ({transform}); set train.loss: standard or auto")
 
 
 def copy_is_async(device: torch.device) -> bool:

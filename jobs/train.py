@@ -43,7 +43,6 @@ from .dist import (
 from .evaluate import EvalSchedule, Evaluator
 from .hooks import StepHooks, TestHooks
 from .metrics import Reporter, model_flops_per_token
-from .model.chunkedloss import check_chunkable
 from .model.lora import checkpoint_fingerprint
 from .model.parallelize import build_mesh
 from .parts import TrainParts, TrainState, build, resume
@@ -156,9 +155,8 @@ def _set_up(launch: Launch) -> Training:
     stream, app_state = resume(parts, spec, env, source, report)
     tiers.resumed_at(parts.state.step)
     control = control_group(env)
-    chunk_tokens = loss_chunk_tokens(spec.train.method, spec.train.loss, launch.meta.worker_facts)
-    if chunk_tokens:
-        check_chunkable(parts.model)
+    chunk_tokens = loss_chunk_tokens(spec.train.method, spec.train.loss, launch.meta.worker_facts,
+                                     parts.model.config.to_dict())
     # A preference method's reference pass runs here, where it is not done yet: training starts after it.
     step = _step_function(launch, parts, control, chunk_tokens=chunk_tokens,
                           defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))

@@ -40,20 +40,6 @@ from torch.utils.checkpoint import checkpoint
 # figure for the chunked loss, orchestrator/planner); a chunk's matmul is still large enough to keep a GPU busy.
 CHUNK_TOKENS = 1024
 
-# Logit transforms some families apply between lm_head and the loss inside their own forward (gemma2/3's soft cap,
-# cohere's scale, granite's divisor). The chunked loss calls lm_head itself, so it would skip them: refused.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def check_chunkable(model: nn.Module) -> None:
-    """Refuse a model whose forward transforms the logits after lm_head (the chunked loss would not see that)."""
-    config = getattr(model, "config", None)
-    found = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
-    if found:
-        raise ValueError(f"train.loss: chunked cannot train {getattr(config, 'model_type', type(model).__name__)}: "
-                         f"its forward transforms the logits after lm_head ({found[0]}); set train.loss: standard")
-
-
 @contextmanager
 def _forward_replaced(module: nn.Module, forward: Callable) -> Iterator[None]:
     """``module``'s forward replaced for one call: nn.Module.__call__ still runs every hook (FSDP2's) around the

@@ -135,12 +135,13 @@ def test_chunked_loss_lowers_the_peak_at_a_large_vocabulary(tmp_path):
 
 
 def test_auto_reads_the_plans_decision_and_standard_until_there_is_one():
-    assert loss_chunk_tokens("sft", "auto", {}) == 0
-    assert loss_chunk_tokens("sft", "auto", {"loss": "standard"}) == 0
-    assert loss_chunk_tokens("sft", "auto", {"loss": "chunked"}) > 0
-    assert loss_chunk_tokens("sft", "chunked", {}) > 0
-    assert loss_chunk_tokens("sft", "standard", {"loss": "chunked"}) == 0
-    assert loss_chunk_tokens("dpo", "auto", {"loss": "chunked"}) == 0  # a preference loss is its own
+    llama = {"model_type": "llama"}
+    assert loss_chunk_tokens("sft", "auto", {}, llama) == 0
+    assert loss_chunk_tokens("sft", "auto", {"loss": "standard"}, llama) == 0
+    assert loss_chunk_tokens("sft", "auto", {"loss": "chunked"}, llama) > 0
+    assert loss_chunk_tokens("sft", "chunked", {}, llama) > 0
+    assert loss_chunk_tokens("sft", "standard", {"loss": "chunked"}, llama) == 0
+    assert loss_chunk_tokens("dpo", "auto", {"loss": "chunked"}, llama) == 0  # a preference loss is its own
 
 
 def test_spec_refuses_chunked_for_the_methods_with_their_own_loss():
@@ -149,14 +150,37 @@ def test_spec_refuses_chunked_for_the_methods_with_their_own_loss():
     assert TrainSpec(max_steps=10, loss="auto", method="reward").loss == "auto"
 
 
-def test_models_that_transform_their_logits_are_refused():
-    from transformers import AutoModelForCausalLM, Gemma2Config
+def test_models_that_transform_their_logits_keep_the_standard_loss():
+    """gemma2's soft cap (cohere's and granite's scales alike) is applied by the model's forward after lm_head: auto
+    keeps the standard loss for it, chunked is refused at submit (the login node's config.json check) and on the
+    worker, and a neutral value (granite's default 1.0) is no transform."""
+    from fsdpjob.orchestrator.core.jobspec.families import logit_transform
 
-    from fsdpjob.jobs.model.chunkedloss import check_chunkable
-
-    tiny = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=8)
-    with torch.device("meta"):
-        gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(**tiny))
+    gemma2 = {"model_type": "gemma2", "final_logit_softcapping": 30.0}
+    assert logit_transform(gemma2) == "final_logit_softcapping"
+    assert logit_transform({"model_type": "granite", "logits_scaling": 1.0}) is None
+    assert logit_transform({"model_type": "cohere", "logit_scale": 0.0625}) == "logit_scale"
+    assert loss_chunk_tokens("sft", "auto", {"loss": "chunked"}, gemma2) == 0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        check_chunkable(gemma2)
+        loss_chunk_tokens("sft", "chunked", {}, gemma2)
+
+
+def test_submit_checks_refuse_chunked_for_a_model_that_transforms_its_logits(tmp_path):
+    import json
+
+    from helpers import tiny_model_folder
+
+    from fsdpjob.orchestrator.core.errors import InputError
+    from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+
+    folder = tiny_model_folder(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma2", "final_logit_softcapping": 30.0,
+                                                    "architectures": ["Gemma2ForCausalLM"]}))
+    spec = JobSpec.model_validate({"name": "x", "model": {"path": str(folder)},
+                                   "data": {"path": "d.jsonl", "seq_len": 128},
+                                   "train": {"max_steps": 2, "loss": "chunked"}})
+    with pytest.raises(InputError, match="final_logit_softcapping"):
+        check_inputs(spec, config_only=True)
+    check_inputs(JobSpec.model_validate({**spec.model_dump(), "train": {"max_steps": 2}}), config_only=True)
