@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Tokens whose logits one chunk holds. At a 128K vocabulary, 1,024 tokens are 0.5 GiB per fp32 copy (the planner's
-# figure for the chunked loss, orchestrator/planner); a chunk's matmul is still large enough to keep a GPU busy.
-CHUNK_TOKENS = 1024
+from fsdpjob.orchestrator.core.jobspec.spec import LOSS_CHUNK_TOKENS
+
+CHUNK_TOKENS = LOSS_CHUNK_TOKENS  # the spec's, which the planner reads too
 
 @contextmanager
 def _forward_replaced(module: nn.Module, forward: Callable) -> Iterator[None]:

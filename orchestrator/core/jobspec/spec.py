@@ -47,6 +47,9 @@ NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 # Environment variable names whose values are treated as secret unless the spec says otherwise.
 SECRET_NAME_PATTERN = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+# train.loss chunked: the tokens whose logits one chunk holds (the workers' chunk, jobs/model/chunkedloss.py; the
+# plan's figure for that loss). At a 128K vocabulary, 0.5 GiB per fp32 copy; a chunk's matmul still fills a GPU.
+LOSS_CHUNK_TOKENS = 1024
 
 
 class TrainSpec(Strict):
