@@ -46,16 +46,18 @@ class Evaluator(EvalSchedule):
     """SFT's evaluation: the token-mean loss over the eval micro-batches, made once (the same rows every time)."""
 
     def __init__(self, model: torch.nn.Module, table: SequenceTable, *, eval_every: int, max_batches: int,
-                 micro_batch_size: int, rank: int, world_size: int, device: torch.device, report: Reporter):
+                 micro_batch_size: int, rank: int, world_size: int, device: torch.device, report: Reporter,
+                 chunk_tokens: int = 0):
         super().__init__(eval_every)
         self.model, self.device, self.report = model, device, report
+        self.chunk_tokens = chunk_tokens  # the training step's loss (train.loss): chunked evaluates chunked
         self.batches = eval_batches(table, micro_batch_size=micro_batch_size, max_batches=max_batches,
                                     dp_rank=rank, dp_world=world_size)
 
     def run(self, step: int) -> float:
         heartbeat.enter(heartbeat.EVAL)
         started = time.time()
-        loss, tokens = eval_loss(self.model, self.batches, self.device)
+        loss, tokens = eval_loss(self.model, self.batches, self.device, chunk_tokens=self.chunk_tokens)
         self.report.on_eval(step, loss, tokens, time.time() - started)
         self.last = (step, loss)
         return loss

@@ -30,6 +30,7 @@ from .metrics import Reporter
 from .model.build import load_model
 from .model.checkpointing import Checkpointing
 from .model.lora import trainable_parameters
+from .optim import build_optimizer
 from .preference.ktobatch import KtoTable
 from .schedule import lr_factor
 from .step import StepValues
@@ -90,7 +91,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
     model = load_model(
         spec.model.path, env=env, mesh=mesh, dtype=getattr(torch, spec.model.dtype),
         attn_implementation=spec.model.attn_implementation, mixed_precision=spec.fsdp.mixed_precision,
-        reshard_after_forward=spec.fsdp.reshard_after_forward,
+        reshard_after_forward=spec.fsdp.reshard_after_forward, reduce_dtype=getattr(torch, spec.fsdp.reduce_dtype),
         activation_checkpointing=Checkpointing.of(spec.model.activation_checkpointing, spec.model.selective_ac),
         cpu_offload=spec.fsdp.cpu_offload, separate_root=separate_root,
         compile_layers=spec.model.compile,
@@ -101,13 +102,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
     )
     model.train()
     train = spec.train
-    # Fused on every device (torch has had a CPU kernel since 2.4): one kernel over all of this rank's shards,
-    # where torch's default on CPU runs several DTensor ops per parameter (bench/RESULTS.md "Fused AdamW, fewer
-    # ops around the step, and an in-process A/B"), and no temporaries (foreach AdamW, the default on CUDA,
-    # holds one more shard-sized copy; the planner assumes none).
-    optimizer = torch.optim.AdamW(
-        trainable_parameters(model), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True,
-    )
+    optimizer = build_optimizer(trainable_parameters(model), train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, max_steps=train.max_steps, warmup_steps=train.warmup_steps,
         schedule=train.lr_schedule, min_lr_ratio=train.min_lr_ratio))

@@ -13,13 +13,17 @@ at the same steps.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fsdpjob.orchestrator.core.jobspec.families import logit_transform
+
 from .data.packing import count_tokens
+from .model.chunkedloss import CHUNK_TOKENS, chunked_loss_sum
 from .model.varlen import NAME as VARLEN_NAME
 from .model.varlen import SeqLens, model_kwargs, seq_lens
 
@@ -63,6 +67,23 @@ class StepValues:
         return {}
 
 
+def loss_chunk_tokens(method: str, loss: str, worker_facts: Mapping[str, Any], config: Mapping[str, Any]) -> int:
+    """The chunk of train.loss as the SFT step runs it (0: the standard loss). auto is the planner's decision, read
+    here and nowhere else: spec.json's worker_facts["loss"] (standard or chunked), standard where the plan wrote
+    none, and standard for a model (``config``: its config.json) that transforms its logits after lm_head, which
+    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). The
+    preference methods compute their own log-probabilities (the spec refuses chunked for them)."""
+    chosen = (worker_facts.get("loss") or "standard") if loss == "auto" else loss
+    if method != "sft" or chosen != "chunked":
+        return 0
+    if (transform := logit_transform(config)) is None:
+        return CHUNK_TOKENS
+    if loss == "auto":
+        return 0
+    raise ValueError(f"train.loss: chunked cannot train this {config.get('model_type')} model: its forward "
+                     f"transforms the logits after lm_head ({transform}); set train.loss: standard or auto")
+
+
 def copy_is_async(device: torch.device) -> bool:
     """Whether host-to-device copies pin the source and return at once: only to CUDA. A pageable source
     makes every copy a memcpy plus a stream synchronize (the host waits for the previous backward); CPU
@@ -101,6 +122,23 @@ def _prefetched(micro_batches, device: torch.device):
         yield current
 
 
+def _forward_inputs(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device,
+                   flatten: bool | None, lens: SeqLens | None) -> tuple[dict, bool]:
+    """The keywords the model's forward takes for a micro-batch (forward_logits says which), and whether its rows
+    went flattened into one."""
+    if position_ids is None:
+        return {"input_ids": input_ids}, False
+    if flatten is None:
+        flatten = getattr(model.config, "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
+    if flatten and lens is None:
+        lens = seq_lens(position_ids.cpu())  # callers without to_device's boundaries (tests, a host tensor here)
+    position_ids = position_ids.to(device)
+    if not flatten:
+        return {"input_ids": input_ids, "position_ids": position_ids}, False
+    return {"input_ids": input_ids.reshape(1, -1), "position_ids": position_ids.reshape(1, -1),
+            **model_kwargs(lens, device)}, True
+
+
 def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, device: torch.device,
                    *, flatten: bool | None = None, lens: SeqLens | None = None) -> torch.Tensor:
     """The model's logits [B, L, V] for ``input_ids`` on ``device``.
@@ -112,29 +150,38 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | 
     host (``lens``; from ``position_ids`` if not given), and the logits come back in rows; ``flatten``
     overrides that choice (tests).
     """
-    if position_ids is None:
-        return model(input_ids=input_ids, use_cache=False).logits
-    if flatten is None:
-        flatten = getattr(model.config, "_attn_implementation", None) in VARLEN_IMPLEMENTATIONS
-    if flatten and lens is None:
-        lens = seq_lens(position_ids.cpu())  # callers without to_device's boundaries (tests, a host tensor here)
-    position_ids = position_ids.to(device)
-    if not flatten:
-        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    logits = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1), use_cache=False,
-                   **model_kwargs(lens, device)).logits
-    return logits.view(*input_ids.shape, logits.size(-1))
+    inputs, flattened = _forward_inputs(model, input_ids, position_ids, device, flatten, lens)
+    logits = model(**inputs, use_cache=False).logits
+    return logits.view(*input_ids.shape, logits.size(-1)) if flattened else logits
+
+
+def token_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None,
+                   device: torch.device, *, lens: SeqLens | None = None, chunk_tokens: int = 0,
+                   flatten: bool | None = None) -> torch.Tensor:
+    """The micro-batch's summed token cross-entropy in fp32 (labels -100: not counted). ``chunk_tokens`` 0: over
+    the whole micro-batch's logits (train.loss standard); otherwise in chunks of that many tokens, never holding
+    more than one chunk's logits (standard's loss within fp32 summation order; jobs/model/chunkedloss.py)."""
+    # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if chunk_tokens:
+        inputs, _ = _forward_inputs(model, input_ids, position_ids, device, flatten, lens)
+        return chunked_loss_sum(model, targets=targets, chunk_tokens=chunk_tokens, **inputs)
+    logits = forward_logits(model, input_ids, position_ids, device, lens=lens, flatten=flatten)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens: int, max_grad_norm: float,
-               defer_grad_sync: bool = False, processed: int = 0) -> StepValues:
+               defer_grad_sync: bool = False, processed: int = 0, chunk_tokens: int = 0) -> StepValues:
     """One optimizer step over this rank's micro-batches.
 
     The loss is the mean over real (unmasked) target tokens of the whole global batch, across
     micro-batches and ranks: each micro-batch's summed token loss is divided by ``tokens``, the global batch's
     count (StepBatch.tokens). FSDP averages gradients over ranks, so the local loss is scaled by the world
     size to undo that mean. With ``defer_grad_sync`` (the planner decided the unsharded fp32 gradients fit),
-    the micro-batches before the last accumulate locally and only the last one reduce-scatters.
+    the micro-batches before the last accumulate locally and only the last one reduce-scatters. ``chunk_tokens``:
+    the chunked loss's chunk (train.loss chunked), 0 for the standard loss (token_loss_sum).
     """
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -142,12 +189,8 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     for i, (input_ids, labels, position_ids, lens) in enumerate(_prefetched(micro_batches, device)):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
-        logits = forward_logits(model, input_ids, position_ids, device, lens=lens)
-        # Shift the labels, not the logits: slicing the (batch, seq, vocab) logits would copy them.
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        token_loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
-        )
+        token_loss = token_loss_sum(model, input_ids, labels, position_ids, device, lens=lens,
+                                    chunk_tokens=chunk_tokens)
         (token_loss * scale).backward()
         loss_sum += token_loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
@@ -156,11 +199,12 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     return StepValues(loss_sum, tokens, norm, processed)
 
 
-def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
+def eval_loss(model, micro_batches, device: torch.device, *, chunk_tokens: int = 0) -> tuple[float, int]:
     """Mean loss over the real target tokens of every rank's evaluation micro-batches, and their count.
 
     The same reduction as train_step's loss (summed token losses over the global token count), with the
-    model in eval mode and no autograd; the model is put back in train mode. Collective: every rank calls it
+    model in eval mode and no autograd (the chunked loss too: an evaluation's logits would otherwise be the peak
+    that chunking removed from training); the model is put back in train mode. Collective: every rank calls it
     with the same number of micro-batches (jobs/data/stream.py eval_batches).
     """
     model.eval()
@@ -169,12 +213,8 @@ def eval_loss(model, micro_batches, device: torch.device) -> tuple[float, int]:
         with torch.no_grad():
             for mb in micro_batches:
                 input_ids, labels, position_ids, lens = to_device(mb, device)
-                logits = forward_logits(model, input_ids, position_ids, device, lens=lens)
-                targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-                token_loss = F.cross_entropy(
-                    logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,
-                    reduction="sum",
-                )
+                token_loss = token_loss_sum(model, input_ids, labels, position_ids, device, lens=lens,
+                                            chunk_tokens=chunk_tokens)
                 totals[0] += token_loss.double()
                 totals[1] += count_tokens(mb.labels)
     finally:

@@ -49,7 +49,7 @@ from .model.parallelize import build_mesh
 from .parts import TrainParts, TrainState, build, resume
 from .preference.setup import preference_step_function
 from .savepolicy import Checkpointer
-from .step import StepValues, train_step
+from .step import StepValues, loss_chunk_tokens, train_step
 from .workerenv import WorkerEnv, process_started_at
 
 log = logging.getLogger("fsdpjob.train")
@@ -162,15 +162,18 @@ def _set_up(launch: Launch) -> Training:
         grpo = grpo_training(spec, parts, env, control, launch.paths.run_dir)
     stream, app_state = resume(parts, spec, env, source, report, stream_for=grpo.stream_for if grpo else None)
     tiers.resumed_at(parts.state.step)
+    chunk_tokens = loss_chunk_tokens(spec.train.method, spec.train.loss, launch.meta.worker_facts,
+                                     parts.model.config.to_dict())
     # A preference method's reference pass runs here, where it is not done yet: training starts after it.
     step = grpo.step if grpo else _step_function(
-        launch, parts, control, defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
+        launch, parts, control, chunk_tokens=chunk_tokens,
+        defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
     report.event(runlog.READY, step=parts.state.step, setup_s=round(time.time() - t_start, 2))
 
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
     waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
         if spec.checkpoint.export_final and env.world_size > 1 else control
-    evaluator = _evaluator(spec, parts, env, report, step)
+    evaluator = _evaluator(spec, parts, env, report, step, chunk_tokens)
     saver = Checkpointer(tiers, spec.checkpoint, max_steps=spec.train.max_steps, stop=launch.stop, control=control,
                          report=report, hooks=launch.hooks, eval_loss_at=evaluator.loss_at if evaluator else None)
     hooks = launch.hooks.at(rank=env.rank, world_size=env.world_size, run_dir=paths.run_dir,
@@ -209,7 +212,7 @@ def _train(launch: Launch, training: Training) -> None:
 
 
 def _step_function(launch: Launch, parts: TrainParts, control: dist.ProcessGroup | None, *,
-                   defer_grad_sync: bool) -> Callable[[StepBatch], StepValues]:
+                   defer_grad_sync: bool, chunk_tokens: int) -> Callable[[StepBatch], StepValues]:
     """SFT's step, or a preference method's with its reference (preference/setup.py runs the reference pass)."""
     spec, env = launch.spec, launch.env
     if spec.train.method != "sft":
@@ -220,7 +223,8 @@ def _step_function(launch: Launch, parts: TrainParts, control: dist.ProcessGroup
                                             index, launch.stop, env.is_main))
     return lambda batch: train_step(parts.model, parts.optimizer, batch.micro_batches, env.device,
                                     tokens=batch.tokens, max_grad_norm=spec.train.max_grad_norm,
-                                    defer_grad_sync=defer_grad_sync, processed=batch.processed)
+                                    defer_grad_sync=defer_grad_sync, processed=batch.processed,
+                                    chunk_tokens=chunk_tokens)
 
 
 def _stop_agreed(launch: Launch, control: dist.ProcessGroup | None) -> int:
@@ -273,14 +277,15 @@ def _flops_per_token(spec: JobSpec, model: torch.nn.Module) -> float:
 
 
 def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter,
-               step: Callable[[StepBatch], StepValues]) -> EvalSchedule | None:
+               step: Callable[[StepBatch], StepValues], chunk_tokens: int) -> EvalSchedule | None:
     if not spec.train.eval_every or parts.eval_table is None:
         return None
     if spec.train.method != "sft":  # the method's own loss and metrics, with its reference (preference/evaluate.py)
         return step.evaluator(spec.train.eval_every, report)
     return Evaluator(parts.model, parts.eval_table, eval_every=spec.train.eval_every,
                      max_batches=spec.train.eval_batches, micro_batch_size=spec.train.micro_batch_size,
-                     rank=env.rank, world_size=env.world_size, device=env.device, report=report)
+                     rank=env.rank, world_size=env.world_size, device=env.device, report=report,
+                     chunk_tokens=chunk_tokens)
 
 
 def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,

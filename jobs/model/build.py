@@ -266,6 +266,7 @@ def load_model(
     reshard_after_forward: bool,
     activation_checkpointing: Checkpointing,
     cpu_offload: bool,
+    reduce_dtype: torch.dtype = torch.float32,
     lora: Any = None,
     compile_layers: bool | str = False,
     read_weights: bool = True,
@@ -304,7 +305,7 @@ def load_model(
         mesh=mesh,
         layers=find_decoder_layers(model),
         param_dtype=_MIXED_PRECISION[mixed_precision],
-        reduce_dtype=torch.float32,
+        reduce_dtype=reduce_dtype,  # fsdp.reduce_dtype: the gradients' reduce-scatter
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,

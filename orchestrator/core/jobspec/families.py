@@ -111,6 +111,17 @@ def windowed(config: Mapping) -> bool:
                 or config.get("alibi"))
 
 
+# Logit transforms some families apply between lm_head and the loss inside their own forward (gemma2/3's soft cap,
+# cohere's scale, granite's divisor); None or 1 is no transform. The chunked loss (train.loss) calls lm_head itself
+# and would skip them.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def logit_transform(config: Mapping) -> str | None:
+    """The config.json key of the transform the model applies to its logits after lm_head, or None."""
+    return next((key for key in LOGIT_TRANSFORMS if config.get(key) not in (None, 1)), None)
+
+
 def attention_for(model_type: str, requested: str, *, on_gpu: bool = False, packed: bool = False,
                   half: bool = False, windowed: bool = False) -> str:
     """The attention implementation a family trains with; the worker builds the model with it and the planner

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from .dataformats import check_data, check_not_all_dropped
-from .families import SUPPORTED_MODEL_TYPES
+from .families import SUPPORTED_MODEL_TYPES, logit_transform
 from .promptroom import check_prompt_room
 from .rewardfns import check_reward_functions
 
@@ -125,6 +125,14 @@ def _check_seq_len(config: dict[str, Any], data: DataSpec, folder: Path, doc: Ya
         )
 
 
+def _check_loss(config: dict[str, Any], spec: JobSpec, folder: Path, doc: YamlDoc | None) -> None:
+    """train.loss: chunked calls lm_head itself: a model that transforms its logits after it cannot use it."""
+    if spec.train.loss == "chunked" and (transform := logit_transform(config)) is not None:
+        raise InputError.at(doc, ("train", "loss"), f"the chunked loss would skip the {transform} this model "
+                                                    f"applies to its logits ({folder / 'config.json'}); set "
+                                                    "train.loss: standard or auto")
+
+
 def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool = False) -> None:
     """Raise InputError for the problems with the model folder and data file, all of them (SpecErrors when there
     are several, one line each); ``doc`` gives spec lines.
@@ -151,6 +159,7 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
             attempt(_check_weights, folder, doc)
             attempt(_check_tokenizer, folder, spec.data, doc)
         attempt(_check_seq_len, config, spec.data, folder, doc)
+        attempt(_check_loss, config, spec, folder, doc)
     if not config_only:
         attempt(check_data, spec.data, doc, getattr(spec.method_options, "margin_field", None))
         attempt(check_not_all_dropped, spec.data, folder, doc)

@@ -106,6 +106,13 @@ class TrainSpec(Strict):
                               "eval_batches needs eval_every; set train.eval_every or drop eval_batches")
         return self
 
+    @model_validator(mode="after")
+    def _chunked_for_sft(self) -> TrainSpec:
+        if self.loss == "chunked" and self.method != "sft":
+            raise field_error("loss", f"the chunked loss is SFT's cross-entropy; {self.method} computes its own "
+                                      "loss from the model's outputs; set train.loss: auto or standard")
+        return self
+
 
 class FsdpSpec(Strict):
     reshard_after_forward: bool = True
