@@ -22,8 +22,11 @@ Routes (JSON in and out; errors are ``{"error": {"message": one line, ...}}`` wi
   stays served. Generations and loads take turns (one lock): a completion never sees half-loaded weights.
 
 The ready file (``host:port``) is written once the model is loaded and the port listens, and removed on a clean
-exit; SIGTERM or SIGINT stops the server (exit 0): a generation in flight ends at its next token and answers 503,
-a load in flight finishes first.
+exit; SIGINT stops the server (exit 0): a generation in flight ends at its next token and answers 503, a load in
+flight finishes first. SIGTERM, SIGUSR1 and SIGUSR2 are logged and ignored: Slurm sends a preemption's or time
+limit's signal to every step of the job, and the training ranks still need the server until their stop checkpoint
+is agreed (a stop between steps: the round being generated must finish); the supervisor stops it after the
+hand-off (orchestrator/supervise/genserver.py: SIGINT, twice on Slurm, where srun then ends the step).
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ class Engine:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.version = 0
         self.lock = threading.Lock()
-        self.stopping = threading.Event()  # set on SIGTERM: generations end at their next token
+        self.stopping = threading.Event()  # set on SIGINT: generations end at their next token
 
     def quiesce(self, timeout_s: float) -> bool:
         """Stop generating and wait for the work in flight (a load finishes; a generation ends at its next token),
@@ -327,7 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: stopping", signal.Signals(signum).name)
         threading.Thread(target=server.shutdown, daemon=True).start()  # shutdown() waits for serve_forever
 
-    signal.signal(signal.SIGTERM, stop)
+    def keep_serving(signum: int, _frame: Any) -> None:
+        log.info("%s: still serving (the ranks finish their step first; the supervisor stops this server)",
+                 signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, keep_serving)
     signal.signal(signal.SIGINT, stop)
     if args.ready_file is not None:
         write_ready_file(args.ready_file, host, port)

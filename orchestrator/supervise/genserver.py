@@ -94,8 +94,10 @@ class GenerationServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        # SIGCONT right after SIGTERM: a stopped (SIGSTOPped, frozen) server handles its SIGTERM only once continued.
-        for sig, wait in ((signal.SIGTERM, 0.0), (signal.SIGCONT, 10.0), (signal.SIGKILL, 10.0)):
+        # SIGCONT first: a stopped (SIGSTOPped, frozen) server handles nothing until continued. SIGINT stops the
+        # server (it ignores SIGTERM, which Slurm sends every step of a preempted job); the second, within a second,
+        # makes srun end its step on Slurm; then SIGKILL.
+        for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGINT, 0.3), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0)):
             if self.proc.poll() is not None:
                 break
             try:

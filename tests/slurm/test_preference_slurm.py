@@ -14,7 +14,7 @@ from worker.test_preference_train import write_pairs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 12
+STEPS = 8
 
 
 def _events(run_dir: str) -> list[dict]:
@@ -26,7 +26,7 @@ def _chunks(run_dir: str) -> int:
 
 
 def test_dpo_preempted_in_its_reference_pass_or_in_training_ends_bitwise(slurm_cluster, make_spec, tmp_path):
-    pairs = write_pairs(tmp_path / "pairs.jsonl", 96)  # 3 chunks of 8 pairs x 4 ranks
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 64)  # 2 chunks of 8 pairs x 4 ranks: a stop between them
     options = {"data__path": str(pairs), "data__seq_len": 16, "train__method": "dpo", "train__max_steps": STEPS,
                "train__warmup_steps": 0, "train__micro_batch_size": 1, "train__lr": 2e-3}
     straight = submit(make_spec("dpo-straight", **options))
@@ -36,10 +36,10 @@ def test_dpo_preempted_in_its_reference_pass_or_in_training_ends_bitwise(slurm_c
     # In the pass: each chunk of the first allocation's pass lasts 20 s, and the preemption lands inside it.
     in_pass = submit(make_spec("dpo-in-pass", **options), "--set", "env.FSDPJOB_MIN_CHUNK_S='20'")
     wait_for(lambda: _chunks(in_pass["run_dir"]) >= 1, timeout_s=180, interval_s=0.5, what="the pass's first chunk")
-    # In training: each step of the first allocation lasts 3 s; preempted after step 5.
+    # In training: each step of the first allocation lasts 3 s; preempted after step 4.
     in_training = submit(make_spec("dpo-in-training", **options), "--set", "env.FSDPJOB_MIN_STEP_S='3'")
     for run, started in ((in_pass, lambda r: True),
-                         (in_training, lambda r: (status(r["run_id"])["step"] or 0) >= 5)):
+                         (in_training, lambda r: (status(r["run_id"])["step"] or 0) >= 4)):
         wait_for(lambda run=run, started=started: started(run), timeout_s=240, interval_s=1.0, what="the moment")
         preempt_now()
         assert wait_phase(run["run_id"], {"REQUEUED", "PENDING"}, timeout=120)["restarts"] >= 1
@@ -58,4 +58,4 @@ def test_dpo_preempted_in_its_reference_pass_or_in_training_ends_bitwise(slurm_c
     kinds = [e["event"] for e in events if e["event"] in ("reference", "ready")]
     assert kinds[-2:] == ["reference", "ready"], kinds  # training starts after the pass
     [stop] = [e for e in _events(in_training["run_dir"]) if e["event"] == "stop"]
-    assert stop["reason"] == "preemption" and stop["step"] >= 5, stop
+    assert stop["reason"] == "preemption" and stop["step"] >= 4, stop

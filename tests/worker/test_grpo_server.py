@@ -2,7 +2,8 @@
 and the vLLM command it stands in for: seeded completions repeat bitwise and differ across seeds, ``n`` per
 prompt, ids that decode to the text; full weights and LoRA adapters change what is served and the version, a second
 adapter replaces the first, a refused load keeps the old weights served; a frozen server makes every call raise
-ServerUnresponsive within its deadline, and SIGTERM stops it cleanly."""
+ServerUnresponsive within its deadline, SIGTERM (a preemption's signal to every step) leaves it serving, and SIGINT
+stops it cleanly."""
 
 from __future__ import annotations
 
@@ -307,7 +308,9 @@ def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_d
             assert url in str(late.value) and route in str(late.value) and "deadline 1.5 s" in str(late.value)
         os.kill(proc.pid, signal.SIGCONT)
         assert client.health(deadline_s=30)["status"] == "ok"  # back once thawed
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # Slurm's preemption signal reaches every step: the server keeps serving
+        assert client.health(deadline_s=30)["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert not ready.exists()
     finally:
