@@ -86,7 +86,7 @@ def run_case(root: Path, case: str, rnd: int, model: Path, prompts: Path, reward
         launch_ranks([*WORKER, str(run_dir)], 2, run_dir / "logs", timeout=1800, env=env)
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
+            os.killpg(server.pid, signal.SIGINT)  # the server stops on SIGINT (SIGTERM leaves it serving)
             server.wait(30)
     lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     rows = []
