@@ -22,7 +22,8 @@ def _metric(e: dict, max_steps: int) -> str:
     if "eval_loss" in e:  # an evaluation's own line: no training figures in it
         return f"{head}  eval_loss {_num(e['eval_loss'])}" + (f"  ({_secs(e['eval_s'])})" if "eval_s" in e else "")
     eta = f"  eta {e['eta_s']:.0f} s" if isinstance(e.get("eta_s"), (int, float)) else ""
-    return f"{head}  loss {_num(e.get('loss'))}  {_num(e.get('tokens_per_s') or 0, 0)} tok/s{eta}"
+    reward = f"  reward {_num(e['reward'])}" if "reward" in e else ""  # grpo: what the run is for (its loss is ~0)
+    return f"{head}  loss {_num(e.get('loss'))}{reward}  {_num(e.get('tokens_per_s') or 0, 0)} tok/s{eta}"
 
 
 def _start(e: dict) -> str:
