@@ -61,5 +61,6 @@ def test_wait_streams_the_whole_timeline_of_a_run_that_ended(tmp_path: Path, cap
 
 
 def test_a_grpo_step_line_shows_its_mean_reward() -> None:
-    line = stream_line({"step": 5, "time": 1.0, "loss": 1e-9, "reward": 0.25, "tokens_per_s": 400.0}, 60)
+    line = stream_line({"event": "metric", "step": 5, "time": 1.0, "loss": 1e-9, "reward": 0.25, "tokens_per_s": 400.0},
+                       60)
     assert line.startswith("step 5/60  loss 0.0000  reward 0.2500  400 tok/s"), line
