@@ -35,7 +35,7 @@ def _targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE).sum(dim=1)
 
 
-def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+def tensors_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for t in tensors:
         # The shape and dtype first: two tables with the same bytes in other shapes differ. Little-endian int64
@@ -142,7 +142,7 @@ class PairTable:
     def fingerprint(self) -> str:
         """sha256 of the token ids and labels of both answers (what the reference's log-probabilities depend on;
         the margins do not enter them)."""
-        return _fingerprint([self.chosen_ids, self.chosen_labels, self.rejected_ids, self.rejected_labels])
+        return tensors_fingerprint([self.chosen_ids, self.chosen_labels, self.rejected_ids, self.rejected_labels])
 
 
 def build_pair_table(pairs: Sequence[Any], seq_len: int, pad_id: int) -> PairTable:
@@ -208,7 +208,7 @@ class UnpairedTable:
 
     def fingerprint(self) -> str:
         """sha256 of the token ids and labels (the reference's log-probabilities depend on nothing else)."""
-        return _fingerprint([self.ids, self.labels])
+        return tensors_fingerprint([self.ids, self.labels])
 
 
 def build_unpaired_table(answers: Sequence[Any], seq_len: int, pad_id: int) -> UnpairedTable:

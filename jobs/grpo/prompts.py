@@ -23,7 +23,7 @@ from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from ..data.examples import DataError, bos_ids, encode
-from ..data.pairtable import _fingerprint
+from ..data.pairtable import tensors_fingerprint
 from ..data.preference import render_chat
 
 
@@ -49,7 +49,7 @@ class PromptTable:
         and any change to an id, a prompt's length or the row count changes it."""
         lengths = torch.tensor([len(ids) for ids in self.prompt_ids], dtype=torch.long)
         flat = torch.tensor([i for ids in self.prompt_ids for i in ids], dtype=torch.long)
-        return _fingerprint([lengths, flat])
+        return tensors_fingerprint([lengths, flat])
 
 
 def _records(data: DataSpec) -> list[PromptRecord]:
