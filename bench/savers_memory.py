@@ -46,10 +46,11 @@ def load(path: Path, env, *, mixed_precision: str = "fp32", **options):
     import torch
 
     from fsdpjob.jobs.model.build import load_model
+    from fsdpjob.jobs.model.checkpointing import NONE
     from fsdpjob.jobs.model.parallelize import build_mesh
 
     return load_model(path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32, attn_implementation="sdpa",
-                      mixed_precision=mixed_precision, reshard_after_forward=True, activation_checkpointing=False,
+                      mixed_precision=mixed_precision, reshard_after_forward=True, activation_checkpointing=NONE,
                       cpu_offload=False, **options)
 
 

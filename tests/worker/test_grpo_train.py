@@ -1,6 +1,7 @@
 """GRPO end to end (jobs.train.run on 2 real gloo ranks, the local profile's way): a learnable reward rises; a stop
 at step 10 resumed to 20 equals 20 straight, bitwise (weights and logged rewards), also in the middle of a round of
-generations that two steps share; beta > 0 with LoRA (the base with its adapters off as reference) runs and exports.
+generations that two steps share (8 steps, stopped at 5); beta > 0 with LoRA (the base with its adapters off as
+reference) runs and exports.
 
 The reward: the share of a completion's characters that are digits. The quickstart tokenizer splits digits one by
 one, so the random tiny model emits a few of them by chance (a signal in most groups) and learns to emit more."""
@@ -17,6 +18,7 @@ from distributed import train_worker as _worker
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, STOP_AT = 20, 10
+TWO_STEPS, TWO_STOP_AT = 8, 5  # two steps per round: rounds 1-2, 3-4, 5-6, 7-8; a stop after 5 is inside one
 REWARDS = '''
 def digits(prompts, completions, **fields):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
@@ -73,15 +75,15 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 def runs(tmp_path_factory, assets) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     out = {}
-    for name, grpo in (("straight", None), ("two", {"steps_per_generation": 2, "loss_type": "grpo"})):
-        out[name] = make_run(root, name, assets, grpo=grpo)
+    two = {"steps_per_generation": 2, "loss_type": "grpo"}
+    for name, grpo, steps, stop in (("straight", None, STEPS, STOP_AT), ("two", two, TWO_STEPS, TWO_STOP_AT)):
+        out[name] = make_run(root, name, assets, grpo=grpo, steps=steps)
         assert train(out[name]) == [0, 0]
-        # Stopped at step 10 (and, with two steps per round, at step 11: inside a round) then resumed.
-        for stop in ((STOP_AT,) if grpo is None else (STOP_AT + 1,)):
-            stopped = make_run(root, f"{name}-stopped-{stop}", assets, grpo=grpo)
-            assert train(stopped, FSDPJOB_STOP_AT_STEP=str(stop)) == [0, 0]
-            assert train(stopped) == [0, 0]
-            out[f"{name}-stopped"] = stopped
+        # Stopped at step 10 (with two steps per round, at step 5: inside a round) then resumed.
+        stopped = make_run(root, f"{name}-stopped", assets, grpo=grpo, steps=steps)
+        assert train(stopped, FSDPJOB_STOP_AT_STEP=str(stop)) == [0, 0]
+        assert train(stopped) == [0, 0]
+        out[f"{name}-stopped"] = stopped
     return out
 
 
@@ -112,10 +114,11 @@ def test_a_stop_resumes_bitwise_weights_and_rewards(runs, name):
 def test_two_steps_per_generation_clip_against_the_generating_policy(runs):
     m = metrics(runs["two"])
     # The first step of each round trains on its own policy's completions: nothing clipped. Later steps may clip.
-    assert all(m[s]["clip_ratio"] == 0 for s in range(1, STEPS + 1, 2)), m
+    assert sorted(m) == list(range(1, TWO_STEPS + 1))
+    assert all(m[s]["clip_ratio"] == 0 for s in range(1, TWO_STEPS + 1, 2)), m
     stop = json.loads(next(x for x in (runs["two-stopped"] / "events.jsonl").read_text().splitlines()
                            if json.loads(x)["event"] == "stop"))
-    assert stop["step"] == STOP_AT + 1  # a stop between the two steps of a round: its second half was saved
+    assert stop["step"] == TWO_STOP_AT  # a stop between the two steps of a round: its second half was saved
 
 
 def test_lora_grpo_with_a_kl_to_the_base_trains_and_exports(tmp_path, assets):
