@@ -38,6 +38,14 @@ def fsdpjob(*args: str, cwd: Path | str = REPO, env: Mapping[str, str] | None = 
     return done
 
 
+
+def refused_at_validate(folder: Path) -> str:
+    """`fsdpjob validate job.yaml` in ``folder`` refuses with one line on stderr and exit 2; that line."""
+    done = fsdpjob("validate", "job.yaml", cwd=folder, timeout_s=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    return done.stderr.strip()
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run `fsdpjob ARGS` in this process (cli.main; ~50x faster than a subprocess): the exit code, stdout and
     stderr. For tests that call the CLI many times or monkeypatch what it calls."""

@@ -28,11 +28,7 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def refused(tmp_path: Path) -> str:
-    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
-    return done.stderr.strip()
+refused = helpers.refused_at_validate
 
 
 def test_good_pairs_and_kto_answers_pass(tmp_path):

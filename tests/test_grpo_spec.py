@@ -58,11 +58,7 @@ def job(tmp_path: Path, rewards: str = GOOD_REWARDS, rows: list | None = None, *
     return spec
 
 
-def refused(tmp_path: Path) -> str:
-    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
-    return done.stderr.strip()
+refused = helpers.refused_at_validate
 
 
 def test_good_spec_validates(tmp_path):

@@ -150,7 +150,7 @@ class GrpoRounds:
         return StepBatch(batches, self.last.tokens, self.last.tokens)
 
     def _new_round(self) -> None:
-        started, scoring_before = time.monotonic(), self._timings["scoring_s"]
+        started = time.monotonic()
         heartbeat.enter(heartbeat.GENERATION)
         start_step = self._step_of()
         if self._before_round is not None:  # a generation server loads the policy of this step first
@@ -167,7 +167,7 @@ class GrpoRounds:
         completion_ids, mask = torch.cat(ids), torch.cat(masks)
         scored = time.monotonic()
         scores = self._score(rows.tolist(), completion_ids, mask)
-        self._timings["scoring_s"] += time.monotonic() - scored
+        scoring = time.monotonic() - scored
         mine = {"rows": rows, "completion_ids": completion_ids, "mask": mask, "rewards": scores.total.float(),
                 "per_function": torch.stack([v.float() for v in scores.per_function.values()])}
         glob = self._gather(mine)
@@ -180,7 +180,8 @@ class GrpoRounds:
                            glob["per_function"], advantages, old)
         self.function_names = list(scores.per_function)
         self.trained = 0
-        self._timings["generation_s"] += time.monotonic() - started - self._timings["scoring_s"] + scoring_before
+        self._timings["scoring_s"] += scoring
+        self._timings["generation_s"] += time.monotonic() - started - scoring
         heartbeat.enter(heartbeat.STEP)
 
     def _gather(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

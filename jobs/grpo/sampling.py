@@ -18,6 +18,17 @@ from dataclasses import dataclass
 import torch
 
 
+def eos_ids(*sources: object) -> frozenset[int]:
+    """The ids that end a completion: every source's eos_token_id (one id or a list; a tokenizer, a model config,
+    a generation config, whose list names a chat model's end-of-turn token; None is skipped). The in-process
+    generation and the server stop on the same ids."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    return frozenset(ids)
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The generator seed of completion ``index`` of a request seeded ``seed``: a hash of both, so that
     (seed, index) pairs never collide the way ``seed + index`` would ((1, 0) and (0, 1))."""

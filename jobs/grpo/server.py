@@ -93,6 +93,7 @@ class Engine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .sampling import eos_ids
         from .weights import PolicyWeights
 
         self.name = model_path
@@ -100,7 +101,7 @@ class Engine:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model = model.to(device).eval()
         self.weights = PolicyWeights(self.model)
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_ids = eos_ids(getattr(self.model, "generation_config", None), self.model.config, self.tokenizer)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.version = 0
         self.lock = threading.Lock()
@@ -189,15 +190,6 @@ class Engine:
             return bool(stops) and any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
 
         return stopped
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """The ids that end a completion: the generation config's eos (one id or a list) and the tokenizer's."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        ids.update([value] if isinstance(value, int) else list(value or []))
-    return frozenset(ids)
 
 
 def _cut(text: str, stops: list[str]) -> str:

@@ -5,7 +5,6 @@ the step."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,13 +22,24 @@ from .losses import group_advantages
 from .remote import RemoteGeneration
 from .rewards import RewardFunctions
 from .rounds import GrpoRounds
+from .sampling import eos_ids
 from .step import GrpoStepValues, grpo_step
 
 
-@dataclass
 class GrpoTraining:
-    stream_for: Callable[[int], GrpoRounds]  # the grad-accumulation steps of this start -> the rounds stream
-    step: Callable[[StepBatch], GrpoStepValues]
+    """The rounds stream (made by parts.resume for this start's grad-accumulation steps) and the step over it."""
+
+    def __init__(self, make_rounds: Callable[[int], GrpoRounds],
+                 train: Callable[[GrpoRounds, StepBatch], GrpoStepValues]):
+        self._make_rounds, self._train = make_rounds, train
+        self.rounds: GrpoRounds | None = None
+
+    def stream_for(self, grad_accum: int) -> GrpoRounds:
+        self.rounds = self._make_rounds(grad_accum)
+        return self.rounds
+
+    def step(self, batch: StepBatch) -> GrpoStepValues:
+        return self._train(self.rounds, batch)
 
 
 def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup | None,
@@ -40,7 +50,9 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     rewards = RewardFunctions.load(options.reward)
     rewards.check_fields(table.field_names)  # a field only later records have: before the first generation
-    eos = _eos_ids(tokenizer, spec.model.path)
+    # Where a completion ends, as the server's (sampling.eos_ids): the generation config lists a chat model's
+    # end-of-turn token (read from the folder: the worker builds the model from its config alone).
+    eos = set(eos_ids(_generation_config(spec.model.path), model.config, tokenizer))
     pad = pad_id_of(tokenizer)
     mbs = spec.train.micro_batch_size
 
@@ -83,19 +95,13 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             control=control, step_of=lambda: parts.state.step, before_round=before_round)
 
     reference_of = _reference(spec, parts, env, logps_of)
-    holder: dict[str, GrpoRounds] = {}
 
-    def step(batch: StepBatch) -> GrpoStepValues:
-        rounds = holder["rounds"]
+    def step(rounds: GrpoRounds, batch: StepBatch) -> GrpoStepValues:
         return grpo_step(model, parts.optimizer, batch.micro_batches, rounds.last, logps_of=logps_of,
                          reference_of=reference_of, options=options, max_grad_norm=spec.train.max_grad_norm,
                          timings=rounds.take_timings)
 
-    def made(grad_accum: int) -> GrpoRounds:
-        holder["rounds"] = stream_for(grad_accum)
-        return holder["rounds"]
-
-    return GrpoTraining(made, step)
+    return GrpoTraining(stream_for, step)
 
 
 def _reference(spec: JobSpec, parts, env: DistEnv, logps_of) -> Callable:
@@ -112,15 +118,10 @@ def _reference(spec: JobSpec, parts, env: DistEnv, logps_of) -> Callable:
     return reference
 
 
-def _eos_ids(tokenizer, model_path: str) -> set[int]:
-    """Where a completion ends: the tokenizer's EOS and the model's generation config's (chat models list their
-    end-of-turn token there)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        from transformers import GenerationConfig
+def _generation_config(model_path: str):
+    from transformers import GenerationConfig
 
-        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    try:
+        return GenerationConfig.from_pretrained(model_path)
     except OSError:  # no generation_config.json
-        configured = None
-    ids |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    return ids
+        return None

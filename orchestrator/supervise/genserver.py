@@ -11,19 +11,19 @@ and must never be waited on without a bound; the supervisor already owns both (t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+# Both torch-free (the batch side never imports torch): the workers' client and the server's command line.
+from fsdpjob.jobs.grpo.client import GenerationClient, GenerationServerError
+from fsdpjob.jobs.grpo.servecmd import server_argv
 
 POLL_S = 0.5
 SERVER_THREADS = 2
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a site's http_proxy is for outside traffic
 
 
 class ServerDown(RuntimeError):
@@ -57,10 +57,9 @@ class GenerationServer:
         folder = server_dir(self.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        argv = [self.python, "-m", "fsdpjob.jobs.grpo.server", "--model", self.model_path, "--host", "0.0.0.0",
-                "--port", "0", "--dtype", self.dtype, "--ready-file", str(self.ready_file),
-                # Pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
-                "--threads", str(SERVER_THREADS)]
+        # Threads pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
+        argv = server_argv(self.model_path, host="0.0.0.0", port=0, dtype=self.dtype, ready_file=self.ready_file,
+                           threads=SERVER_THREADS, python=self.python)
         log = open(folder / f"server-{self.starts}.log", "ab")
         self.proc = subprocess.Popen(self.step_for(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -78,11 +77,10 @@ class GenerationServer:
                 try:
                     port = self.ready_file.read_text().strip().rsplit(":", 1)[1]  # host:port, renamed into place
                     address = f"{self.host}:{int(port)}"
-                    with _DIRECT.open(f"http://{address}/health", timeout=5) as answer:
-                        json.load(answer)
+                    GenerationClient(f"http://{address}", deadline_s=5).health()  # the workers' client, no proxy
                     self.address = address
                     return address
-                except (OSError, ValueError, IndexError, urllib.error.URLError):
+                except (OSError, ValueError, IndexError, GenerationServerError):
                     pass  # written but not answering yet, or half-written: ask again
             time.sleep(POLL_S)
         raise ServerDown(f"the generation server was not ready within {self.deadline_s:.0f} s "
