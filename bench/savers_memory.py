@@ -2,13 +2,15 @@
 dominate): the training step's peak host memory with the standard and the chunked loss (train.loss), and the
 optimizer states' bytes with fp32 and bf16 moments (train.optimizer_state_dtype).
 
-The peak is the rise of each fresh rank process's high-water mark (ru_maxrss) over one train_step, after a step on
-8 tokens per row has paid what any first step costs (lazy initialisation, thread pools: ~340 MiB here, more than
-the logits). The ranks run with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_, read at process
-start, inherited by the spawned ranks): by default glibc raises the threshold to the largest block freed so far,
-after which the chunks' logits come from the heap, whose freed pages stay resident, and the high-water mark counts
-every chunk's logits though only one is alive at a time (172 MiB against 24 in the chunked backward of this
-model). With the threshold fixed, a freed block goes back to the system and the mark follows the live peak.
+The peak is the rise of each fresh rank process's high-water mark (VmHWM: its own address space's; ru_maxrss is
+not, as Linux carries the spawning process's high-water mark across fork and exec into it, so a rank started by a
+pytest worker that once held 1 GiB reads a rise of 0) over one train_step, after a step on 8 tokens per row has
+paid what any first step costs (lazy initialisation, thread pools: ~340 MiB here, more than the logits). The ranks
+run with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_, read at process start, inherited by the
+spawned ranks): by default glibc raises the threshold to the largest block freed so far, after which the chunks'
+logits come from the heap, whose freed pages stay resident, and the high-water mark counts every chunk's logits
+though only one is alive at a time (172 MiB against 24 in the chunked backward of this model). With the threshold
+fixed, a freed block goes back to the system and the mark follows the live peak.
 
     OMP_NUM_THREADS=1 python bench/savers_memory.py [--vocab 32000] [--seq 512] [--rows 2] [--chunk 128]
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # run_ranks
 
+from common import proc_status_mib  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
 MMAP_THRESHOLD = "65536"
@@ -79,11 +81,11 @@ def _step_peak(rank: int, world_size: int, path: Path, vocab: int, seq: int, row
                           chunk_tokens=chunk).loss
 
     step(8, 0)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = proc_status_mib("VmHWM")
     loss = step(seq, chunk_tokens)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = proc_status_mib("VmHWM")
     close_distributed()
-    return {"rise_mib": (after - before) / 1024, "loss": loss, "state_bytes": state_bytes(optimizer)}
+    return {"rise_mib": after - before, "loss": loss, "state_bytes": state_bytes(optimizer)}
 
 
 def measure(path: Path, *, vocab: int, seq: int, rows: int, chunk_tokens: int, state_dtype: str = "float32") -> dict:

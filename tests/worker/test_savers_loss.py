@@ -121,7 +121,12 @@ def test_chunked_loss_with_bf16_compute_is_close(equivalence):
 
 @pytest.mark.slow
 def test_chunked_loss_lowers_the_peak_at_a_large_vocabulary(tmp_path):
-    """bench/savers_memory.py's measurement (how and why there): the rise of each fresh rank's high-water mark."""
+    """bench/savers_memory.py's measurement (how and why there): the rise of each fresh rank's high-water mark.
+    This process first holds 1 GiB, as a pytest worker that ran bigger tests has: a rank's reading must not carry
+    its parent's high-water mark (ru_maxrss does, across fork and exec; in CI it read a rise of 0)."""
+    held = bytearray(1 << 30)
+    held[:: 1 << 12] = b"x" * len(held[:: 1 << 12])  # touch every page: resident, not only reserved
+    del held
     standard = measure(save_model(tmp_path / "big", vocab=32000, max_position_embeddings=512), vocab=32000, seq=512,
                        rows=ROWS, chunk_tokens=0)
     chunked = measure(tmp_path / "big", vocab=32000, seq=512, rows=ROWS, chunk_tokens=128)
