@@ -1,10 +1,13 @@
 """The trainer's side of the generation server: calls bounded by a deadline, and weights published atomically.
 
-Every call of ``GenerationClient`` ends within its deadline: the socket times out, and the request runs in a
-helper thread the caller stops waiting for at the deadline, so even a server that accepts the connection and
-then freezes (SIGSTOP, a hung GPU) or trickles bytes cannot hold the trainer. It raises ``ServerUnresponsive``
-naming the URL, the route and the seconds waited, which the supervisor blames like a hung rank (trl#6797 is the
-endless wait this avoids). A server that answers with an error raises ``ServerRefused`` with its one line.
+The deadline bounds a silence, not the work: each call asks the server for a keep-alive (a space written while it
+makes progress, at a quarter of the deadline; jobs/grpo/server.py), so a round that takes minutes on a loaded or
+slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no token decoded) or
+never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and the request
+runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and then
+freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
+waited, which the supervisor blames like a hung rank (trl#6797 is the endless wait this avoids). A server that
+answers with an error raises ``ServerRefused`` with its one line.
 
 Nothing here imports torch at module level (``publish_weights`` does, when called), so the login side and the
 supervisor can import this module.
@@ -29,6 +32,7 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 _PEFT_PREFIX, _ADAPTER = "base_model.model.", "default"  # peft's saved-key prefix; the adapter name training uses
 # Straight to the server: an http_proxy set for the site's outside traffic must not route calls inside the allocation.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+KEEPALIVE_HEADER = "X-Fsdpjob-Keepalive"  # asks the server for a space each period it makes progress in
 
 
 class GenerationServerError(RuntimeError):
@@ -90,24 +94,33 @@ class GenerationClient:
         deadline = self.deadline_s if deadline_s is None else deadline_s
         url = self.base_url + route
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-        outcome: dict[str, Any] = {}
+        headers = {"Content-Type": "application/json", KEEPALIVE_HEADER: f"{deadline / 4:g}"}
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        started = time.monotonic()
+        outcome: dict[str, Any] = {"heard": started}
 
         def attempt() -> None:
             try:
                 with _OPENER.open(request, timeout=deadline) as response:
-                    outcome["answer"] = json.loads(response.read())
+                    outcome["heard"], chunks = time.monotonic(), []
+                    while chunk := response.read1(1 << 16):
+                        outcome["heard"] = time.monotonic()
+                        chunks.append(chunk)
+                    outcome["answer"] = json.loads(b"".join(chunks))
             except BaseException as err:  # handed to the caller's thread
                 outcome["error"] = err
 
-        started = time.monotonic()
         worker = threading.Thread(target=attempt, name=f"grpo-client {route}", daemon=True)
         worker.start()
-        worker.join(deadline)
+        while worker.is_alive():
+            worker.join(max(0.0, outcome["heard"] + deadline - time.monotonic()))
+            if worker.is_alive() and time.monotonic() - outcome["heard"] >= deadline:
+                why = "no answer" if outcome["heard"] == started else f"silent for {deadline:g} s"
+                raise ServerUnresponsive(self._late(url, route, time.monotonic() - started, deadline, why))
         waited = time.monotonic() - started
-        if worker.is_alive():
-            raise ServerUnresponsive(self._late(url, route, waited, deadline, "no answer"))
         error = outcome.get("error")
+        if error is None and isinstance(outcome["answer"], dict) and "error" in outcome["answer"]:
+            raise ServerRefused(f"generation server {url}: {_in_band(outcome['answer'])}")
         if error is None:
             return outcome["answer"]
         if isinstance(error, urllib.error.HTTPError):
@@ -129,6 +142,12 @@ def _message(error: urllib.error.HTTPError) -> str:
         return json.loads(error.read())["error"]["message"]
     except (ValueError, KeyError, TypeError, OSError):
         return error.reason or "no message"
+
+
+def _in_band(answer: dict[str, Any]) -> str:
+    """The one line of an error the server could only send after its 200 (a keep-alive answer)."""
+    detail = answer["error"]
+    return str(detail.get("message", "no message")) if isinstance(detail, dict) else str(detail)
 
 
 def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, version: int, *,

@@ -21,6 +21,14 @@ Routes (JSON in and out; errors are ``{"error": {"message": one line, ...}}`` wi
   adapter folder (jobs/grpo/weights.py); answers once loaded. A refused load answers 400 and the old version
   stays served. Generations and loads take turns (one lock): a completion never sees half-loaded weights.
 
+A request with the header ``X-Fsdpjob-Keepalive: SECONDS`` (the trainer's client sends it) is answered as the work
+goes: while the server makes progress (a token decoded, for this request or one ahead of it in the queue; a load
+begun or ended) it writes a space at most every SECONDS, after a 200 status sent with the first one; the JSON
+follows when done, and a failure after that status comes as the usual ``{"error": ...}`` body. JSON allows the
+leading spaces, so the answer parses as any other. The client's deadline thus bounds a silence, not the work: a
+server busy with a long round is never cut off, a frozen one (SIGSTOP, a hung GPU: no token) is within the deadline.
+Clients that do not send the header get the plain answer.
+
 The ready file (``host:port``) is written once the model is loaded and the port listens, and removed on a clean
 exit; SIGINT stops the server (exit 0): a generation in flight ends at its next token and answers 503, a load in
 flight finishes first. SIGTERM, SIGUSR1 and SIGUSR2 are logged and ignored: Slurm sends a preemption's or time
@@ -47,6 +55,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .client import KEEPALIVE_HEADER
 
 log = logging.getLogger("fsdpjob.grpo.server")
 STOP_WAIT_S = 60  # at a stop, how long a weight load in flight may take to finish
@@ -104,6 +114,7 @@ class Engine:
         self.eos_ids = eos_ids(getattr(self.model, "generation_config", None), self.model.config, self.tokenizer)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.version = 0
+        self.progress = 0  # bumped per token decoded and per load begun or ended: what the keep-alive reports
         self.lock = threading.Lock()
         self.stopping = threading.Event()  # set on SIGINT: generations end at their next token
 
@@ -124,8 +135,10 @@ class Engine:
         request = _parse(LoadRequest, body)
         started = time.monotonic()
         with self.lock:
+            self.progress += 1
             kind = self.weights.load(request.path)
             self.version = request.version
+            self.progress += 1
         seconds = time.monotonic() - started
         log.info("loaded %s weights from %s as version %d in %.2f s", kind, request.path, request.version, seconds)
         return {"status": "ok", "version": request.version, "kind": kind, "seconds": round(seconds, 3)}
@@ -185,6 +198,7 @@ class Engine:
 
     def _stop_check(self, stops: list[str]):
         def stopped(ids: list[int]) -> bool:
+            self.progress += 1  # under the lock: one writer
             if self.stopping.is_set():
                 raise ServerStopping("the generation server is stopping")
             return bool(stops) and any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
@@ -231,23 +245,46 @@ class Handler(BaseHTTPRequestHandler):
         self._answer(route, body)
 
     def _answer(self, route: Any, body: dict[str, Any] | None) -> None:
-        from .weights import WeightError
-
         if route is None:
             self._send(HTTPStatus.NOT_FOUND, _error(f"no route {self.command} {self.path}", "not_found"))
             return
+        every_s = _keepalive_s(self.headers.get(KEEPALIVE_HEADER)) if body is not None else None
+        if every_s is None:
+            self._send(*self._outcome(route, body))
+            return
+        ticker = _Ticker(self, every_s, lambda: self.server.engine.progress)
         try:
-            result = route() if body is None else route(body)
+            status, payload = self._outcome(route, body)
+        finally:
+            ticker.stop()
+        if not ticker.started:
+            self._send(status, payload)
+        elif not ticker.gone:  # the 200 is out: the body says how it went
+            self._write(json.dumps(payload).encode())
+
+    def _outcome(self, route: Any, body: dict[str, Any] | None) -> tuple[HTTPStatus, dict[str, Any]]:
+        from .weights import WeightError
+
+        try:
+            return HTTPStatus.OK, route() if body is None else route(body)
         except (RequestError, WeightError) as err:
-            self._send(HTTPStatus.BAD_REQUEST, _error(str(err), "invalid_request_error"))
+            return HTTPStatus.BAD_REQUEST, _error(str(err), "invalid_request_error")
         except ServerStopping as err:
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, _error(str(err), "server_error"))
+            return HTTPStatus.SERVICE_UNAVAILABLE, _error(str(err), "server_error")
         except Exception as err:  # the server keeps serving; the caller gets the one line
             log.exception("%s %s failed", self.command, self.path)
             message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, _error(message, "server_error"))
-        else:
-            self._send(HTTPStatus.OK, result)
+            return HTTPStatus.INTERNAL_SERVER_ERROR, _error(message, "server_error")
+
+    def _write(self, data: bytes) -> bool:
+        """Part of an answer whose status is out; False when the client has left (its deadline)."""
+        try:
+            self.wfile.write(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("%s %s: the client left before the answer", self.command, self.path)
+            self.close_connection = True
+            return False
 
     def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -263,6 +300,56 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.info("%s %s", self.address_string(), format % args)
+
+
+class _Ticker:
+    """Writes a space to an answer in the making each ``every_s`` in which the engine made progress, the 200
+    status and headers before the first (no length: the answer ends when the connection closes)."""
+
+    def __init__(self, handler: Handler, every_s: float, progress: Any):
+        self.handler, self.every_s, self.progress = handler, every_s, progress
+        self.started = False  # the status is out: the rest of the answer is its body
+        self.gone = False  # the client left
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="grpo-server keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = self.progress()
+        while not self._stop.wait(self.every_s):
+            now = self.progress()
+            if now == seen:  # no token decoded since the last tick: say nothing, so the client's deadline runs
+                continue
+            seen = now
+            if not self.started:
+                handler = self.handler
+                handler.send_response(HTTPStatus.OK)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Connection", "close")
+                handler.close_connection = True
+                self.started = True
+                try:
+                    handler.end_headers()
+                except (BrokenPipeError, ConnectionResetError):
+                    self.gone = True
+                    return
+            if not self.handler._write(b" "):
+                self.gone = True
+                return
+
+    def stop(self) -> None:
+        """No write after this returns: the handler writes the rest."""
+        self._stop.set()
+        self._thread.join()
+
+
+def _keepalive_s(value: str | None) -> float | None:
+    """The keep-alive period a client asked for, clamped to [0.05, 30] s; None when it asked for none."""
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        return None
+    return None if seconds is None or seconds != seconds else min(max(seconds, 0.05), 30.0)
 
 
 def _route(path: str) -> str:

@@ -39,14 +39,14 @@ class GenerationServer:
     launch on its nodes), ``wait_ready`` bounds its start, ``address`` is what the workers are given, ``stop`` ends
     it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, deadline_s: float, step_for, python: str,
-                 host: str):
-        self.run_dir, self.model_path, self.dtype, self.deadline_s = run_dir, model_path, dtype, deadline_s
+    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, step_for, python: str, host: str):
+        self.run_dir, self.model_path, self.dtype = run_dir, model_path, dtype
         self.step_for, self.python = step_for, python
         self.host = host  # where the workers reach it: its node's name or address (the server listens on all)
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.starts = 0
+        self.ready_bound_s = 0.0  # the last start's bound (wait_ready)
 
     @property
     def ready_file(self) -> Path:
@@ -66,10 +66,14 @@ class GenerationServer:
         self._log, self.starts = log, self.starts + 1
         print(f"fsdpjob supervisor: generation server started (log {log.name})", file=sys.stderr, flush=True)
 
-    def wait_ready(self) -> str:
-        """The server's address once it answers /health; ServerDown after deadline_s or when its step ended."""
+    def wait_ready(self, bound_s: float) -> str:
+        """The server's address once it answers /health; ServerDown after ``bound_s`` or when its step ended.
+        Its start is a launch like the workers' (importing torch on a busy node, a container image imported again
+        after a requeue) and gets their bound (run.py's _launch_bound), not grpo.generator.deadline_s, which
+        bounds a served request's silence."""
+        self.ready_bound_s = bound_s
         started = time.monotonic()
-        while time.monotonic() - started < self.deadline_s:
+        while time.monotonic() - started < bound_s:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerDown(f"the generation server's step ended with exit code {self.proc.returncode} before "
                                  f"it was ready; see {server_dir(self.run_dir)}")
@@ -83,8 +87,8 @@ class GenerationServer:
                 except (OSError, ValueError, IndexError, GenerationServerError):
                     pass  # written but not answering yet, or half-written: ask again
             time.sleep(POLL_S)
-        raise ServerDown(f"the generation server was not ready within {self.deadline_s:.0f} s "
-                         "(grpo.generator.deadline_s)")
+        raise ServerDown(f"the generation server was not ready within {bound_s:.0f} s (the launch bound: "
+                         "3 x the longest launch in this allocation + 60 s, or recovery.setup_timeout_s)")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

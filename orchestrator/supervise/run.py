@@ -96,8 +96,7 @@ class Supervisor:
         addrs = slurmenv.node_addrs(self.worker_env.get("FSDPJOB_NODE_ADDRS"))
         host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
         server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
-                                  deadline_s=generator.deadline_s, step_for=step_for, python=sys.executable,
-                                  host=host)
+                                  step_for=step_for, python=sys.executable, host=host)
         return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------
@@ -167,7 +166,7 @@ class Supervisor:
                "FSDPJOB_HOST_BUILD": buildid.build_id()}
         if self.server is not None:  # grpo's generation server, up and answering before the workers start
             try:
-                env["FSDPJOB_GENERATION_SERVER"] = self._start_server(env)
+                env["FSDPJOB_GENERATION_SERVER"] = self._start_server(env, launch)
             except ServerDown as exc:
                 return 1, self._server_down(exc)
         # Its own process group: a stall ends the whole local tree (controller and ranks) in one signal.
@@ -231,11 +230,11 @@ class Supervisor:
         return self.allocation.step_command(self.command, (*self.excluded, *self.server_nodes), self.nodes,
                                             self.tasks_per_node)
 
-    def _start_server(self, env: dict[str, str]) -> str:
+    def _start_server(self, env: dict[str, str], launch: int) -> str:
         """A new generation server for every launch (a restart after a fault never reuses one that may be the
         fault), its address for the workers."""
         self.server.start(env)
-        address = self.server.wait_ready()
+        address = self.server.wait_ready(self._launch_bound(launch))
         runlog.append(self.run_dir, runlog.SERVER, phase="ready", address=address, nodes=list(self.server_nodes),
                       start=self.server.starts)
         return address
@@ -245,7 +244,7 @@ class Supervisor:
         self._stall_info = {"reason": str(exc), "ranks": [], "detected_at": time.time(), "server": True}
         self._stall_hosts = self.server_nodes
         print(f"fsdpjob supervisor: {exc}", file=sys.stderr, flush=True)
-        return Verdict("hang", (), f"generation server: {exc}", float(self.server.deadline_s))
+        return Verdict("hang", (), f"generation server: {exc}", self.server.ready_bound_s)
 
     def _stall(self, verdict: Verdict, beats: list[heartbeat.Beat], launch: int) -> None:
         detected_at = time.time()

@@ -7,6 +7,7 @@ stops it cleanly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -152,6 +153,27 @@ def test_health_answers_while_a_generation_runs(client, server):
     assert answered < finished["generation"]  # it did not wait for the generation's lock
 
 
+def test_a_generation_longer_than_its_deadline_answers_while_the_server_makes_progress(client, server):
+    """The deadline bounds a silence, not the work: the server writes a space each quarter deadline in which it
+    decoded a token, so 2 x 16 completions of up to 100 tokens (thousands of decode steps: seconds on any machine)
+    answer through a 1 s deadline, with the completions a patient client gets. A loaded CI machine once failed a
+    healthy round at its deadline this way."""
+    from fsdpjob.jobs.grpo.client import KEEPALIVE_HEADER, GenerationClient
+
+    long_round = {"prompts_token_ids": PROMPTS, "max_tokens": 100, "temperature": 1.0, "n": 16, "seed": 3}
+    started = time.monotonic()
+    hurried = GenerationClient(server, deadline_s=1).generate(**long_round)
+    assert time.monotonic() - started > 1
+    assert hurried == client.generate(**long_round)
+    body = {"prompt": PROMPTS, "max_tokens": 100, "temperature": 1.0, "n": 16, "seed": 3}
+    request = urllib.request.Request(f"{server}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", KEEPALIVE_HEADER: "0.05"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read()
+    assert raw.startswith(b" ")  # the keep-alive's spaces, then the JSON as without them
+    assert [c["token_ids"] for c in sorted(json.loads(raw)["choices"], key=lambda c: c["index"])] == hurried
+
+
 def test_requests_it_cannot_honour_are_refused_in_one_line(server):
     for body, words in [({"prompt": [1, 2], "best_of": 3}, "best_of"), ({"prompt": [[1] * 125], "max_tokens": 8},
                         "128 positions"), ({"prompt": [[1, 500]]}, "vocabulary"), ({"prompt": []}, "empty")]:
@@ -292,12 +314,16 @@ def test_a_refused_load_keeps_the_old_weights_served(client, model_dir, tmp_path
 
 
 def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_dir, tmp_path):
-    from fsdpjob.jobs.grpo.client import GenerationClient, ServerUnresponsive
+    from fsdpjob.jobs.grpo.client import GenerationClient, ServerRefused, ServerUnresponsive
 
     proc, url, ready = start_server(model_dir, tmp_path / "frozen")
     try:
         client = GenerationClient(url, deadline_s=1.5)
         assert client.health()["version"] == 0
+        # Frozen in the middle of an answer it was streaming: the call fails 1.5 s after the last space.
+        with pytest.raises(ServerUnresponsive, match=r"/v1/completions.*deadline 1.5 s\): silent for 1.5 s"):
+            with signal_while_generating(client, proc.pid, signal.SIGSTOP):
+                pass
         os.kill(proc.pid, signal.SIGSTOP)
         for call, route in [(client.health, "/health"), (lambda: sample(client, seed=1), "/v1/completions"),
                             (lambda: client.load_weights(model_dir, 1), "/load_weights")]:
@@ -310,11 +336,40 @@ def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_d
         assert client.health(deadline_s=30)["status"] == "ok"  # back once thawed
         proc.send_signal(signal.SIGTERM)  # Slurm's preemption signal reaches every step: the server keeps serving
         assert client.health(deadline_s=30)["status"] == "ok"
-        proc.send_signal(signal.SIGINT)
+        # SIGINT stops it: the generation it was streaming ends at its next token, told in the answer's body.
+        with pytest.raises(ServerRefused, match="the generation server is stopping"):
+            with signal_while_generating(GenerationClient(url, deadline_s=30), proc.pid, signal.SIGINT):
+                pass
         assert proc.wait(timeout=30) == 0
         assert not ready.exists()
     finally:
         stop_server(proc)
+
+
+@contextlib.contextmanager
+def signal_while_generating(client, pid: int, signum: int):
+    """Send ``signum`` to the server once it streams a long generation's answer; re-raise what the call raised."""
+    import threading
+
+    outcome = {}
+
+    def call():
+        try:
+            client.generate(PROMPTS, max_tokens=100, temperature=1.0, n=64, seed=5)
+        except Exception as err:
+            outcome["error"] = err
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)  # the answer is under way (its status and first spaces sent): thousands of tokens to go
+    os.kill(pid, signum)
+    caller.join(60)
+    assert not caller.is_alive()
+    yield
+    if signum == signal.SIGSTOP:
+        os.kill(pid, signal.SIGCONT)
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def test_an_unreachable_server_is_unresponsive_not_an_endless_wait():

@@ -107,8 +107,10 @@ class GeneratorSpec(Strict):
     nodes: Annotated[int, Field(strict=True, gt=0)] = 1
     """Nodes of the allocation that run the generation server (backend: server); the others train."""
     deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
-    ("Bound on one generation request and on one weight load by the server (backend: server): a server that does not "
-     "answer in time is a fault the supervisor blames and restarts, never an endless wait.")
+    ("Bound on a silence of the server (backend: server): a generation request or weight load during which the "
+     "server decodes no token, or that it never answers, fails this long after the server was last heard from, a "
+     "fault the supervisor blames and restarts, never an endless wait. A long round on a busy server is not a "
+     "silence: it writes a keep-alive while it decodes.")
 
 
 class GrpoSpec(Strict):
