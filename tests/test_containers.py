@@ -5,6 +5,8 @@ real container are in tests/slurm/test_container_slurm.py."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from fsdpjob.orchestrator.planner.containers import container_of, input_folders,
 from fsdpjob.orchestrator.planner.jobload import load_job
 from fsdpjob.orchestrator.slurm.containerline import ContainerLaunch, container_launch, oci_bundle_config
 from fsdpjob.orchestrator.slurm.render import build_plan
+from fsdpjob.orchestrator.slurm.shellquote import literal, with_vars
 
 VALID = Path(__file__).resolve().parent / "data" / "specs" / "valid"
 
@@ -86,6 +89,31 @@ def test_the_jobs_variables_win_over_the_images_on_pyxis_and_apptainer(monkeypat
     assert "APPTAINERENV_HF_HUB_OFFLINE" not in names  # the container's own env goes by --env=K=V
     bwrap = build_plan(load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False), RunPaths(Path("/r")))
     assert not any(k.startswith("APPTAINERENV_") for k, _ in bwrap.env)  # no image environment to override
+
+
+def test_a_requeue_names_its_pyxis_container_afresh_and_a_restart_in_the_attempt_reuses_it(monkeypatch):
+    """Issue 36 item 7 (C7): a requeue keeps the job id, so a container the previous attempt left on a node
+    (killed mid-import at preemption) would meet the restart under the same name. The name carries the attempt,
+    expanded by the batch shell at each start (SLURM_RESTART_COUNT, unset on the first)."""
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    plan = build_plan(load_job(str(VALID / "pyxis-container.yaml"), check_files=False), RunPaths(Path("/r")))
+    [word] = [w for w in plan.srun.split() if w.startswith("--container-name=")]
+    assert word == '--container-name="ngc-pytorch-attempt${SLURM_RESTART_COUNT:-0}"'
+
+    def expanded(restarts: str | None) -> str:
+        env = {"PATH": "/usr/bin:/bin"} | ({"SLURM_RESTART_COUNT": restarts} if restarts is not None else {})
+        done = subprocess.run(["bash", "-c", f"set -u; printf '%s' {word}"], env=env, capture_output=True,
+                              text=True, check=True)
+        return done.stdout
+
+    names = [expanded(n) for n in (None, "0", "1", "2")]
+    assert names == ["--container-name=ngc-pytorch-attempt0"] * 2 + ["--container-name=ngc-pytorch-attempt1",
+                                                                    "--container-name=ngc-pytorch-attempt2"]
+    assert all(re.fullmatch(r"--container-name=[A-Za-z0-9][A-Za-z0-9_.-]*", n) for n in names)  # enroot's rule
+    # No image: the name is a container already on the nodes, taken as it is.
+    launch = container_launch(ContainerSpec(runtime="pyxis", name="mine"), [], run_dir="/r", gpus=True,
+                              literal=literal, with_vars=with_vars)
+    assert "--container-name=mine" in launch.srun_options
 
 
 def test_a_mount_that_hides_a_needed_folder_is_found():

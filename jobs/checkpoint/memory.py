@@ -35,9 +35,10 @@ from .memwrite import SnapshotWriter
 class MemoryTier:
     """Snapshots into ``<base>/<job>/<node>/`` every ``interval_steps`` steps; every method is collective.
 
-    ``interval_steps`` "auto": the first snapshot PROBE_STEPS steps into the launch, and PROBE_STEPS steps later
-    the interval from what it cost and the job's mean time between faults (``interruptions_per_day`` per node, the
-    profile's rate; core/memtier.auto_interval), agreed by all ranks."""
+    ``interval_steps`` "auto": a warm-up snapshot PROBE_STEPS steps into the launch (it pays the one-time staging
+    allocation: not measured), the probe snapshot PROBE_STEPS steps later, and PROBE_STEPS steps after it the
+    interval from what the probe cost and the job's mean time between faults (``interruptions_per_day`` per node,
+    the profile's rate; core/memtier.auto_interval), agreed by all ranks."""
 
     def __init__(self, base: str | Path, key: TierKey, *, rank: int, world_size: int, interval_steps: int | str,
                  run: RunFacts, interruptions_per_day: float | None = None) -> None:
@@ -62,7 +63,7 @@ class MemoryTier:
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether to snapshot after ``step``; called after every step (auto measures between the calls)."""
-        return self.node.enabled and self.schedule.due(step, max_steps, waited_s=self.writer.waited_s)
+        return self.node.enabled and self.schedule.due(step, max_steps, waited_s=self.writer.stalled_s)
 
     def take_auto_choice(self) -> AutoInterval | None:
         return self.schedule.take_auto_choice()

@@ -1,6 +1,11 @@
-"""When the memory tier snapshots: every ``interval_steps`` steps, or with "auto" a probe snapshot PROBE_STEPS steps
-into the launch and, PROBE_STEPS steps later, the interval from what it cost and the job's mean time between
-faults. The rule itself is core/memtier.auto_interval; this module measures its inputs and keeps the answer."""
+"""When the memory tier snapshots: every ``interval_steps`` steps, or with "auto" a warm-up snapshot PROBE_STEPS
+steps into the launch, a probe snapshot PROBE_STEPS steps later and, PROBE_STEPS steps after it, the interval from
+what the probe cost and the job's mean time between faults. The rule itself is core/memtier.auto_interval; this
+module measures its inputs and keeps the answer.
+
+The first snapshot of a launch is not measured: it pays once for what later ones reuse (the stager's staging
+buffers, pinned and registered on CUDA, the whole state's worth, faulted in), so an interval decided from it would
+be longer than the snapshots that follow justify (issue 36, R4)."""
 
 from __future__ import annotations
 
@@ -21,12 +26,13 @@ class MemorySchedule:
     first finishes the snapshot in flight, whose commit runs collectives on the same group)."""
 
     def __init__(self, interval_steps: int | str, *, mtbi_s: float | None, rank: int,
-                 slowest: Callable[[list[float]], list[float]]) -> None:
+                 slowest: Callable[[list[float]], list[float]], clock: Callable[[], float] = time.monotonic) -> None:
         self.auto = interval_steps == AUTO
         self.interval_steps: int | None = None if self.auto else int(interval_steps)
-        self.mtbi_s, self.rank, self._slowest = mtbi_s, rank, slowest
+        self.mtbi_s, self.rank, self._slowest, self._clock = mtbi_s, rank, slowest, clock
         self._untold: AutoInterval | None = None  # auto's decision, until the saver takes it for its event
-        self._probe: tuple[int, float, float] | None = None  # auto: (first step seen, its clock, waited_s then)
+        self._first: int | None = None  # auto: the first step this launch's tier saw
+        self._probe: tuple[int, float, float] | None = None  # auto: (the probe's step, its clock, waited_s then)
         self._last_saved: int | None = None
 
     def saved(self, step: int) -> None:
@@ -35,28 +41,31 @@ class MemorySchedule:
 
     def due(self, step: int, max_steps: int, *, waited_s: float) -> bool:
         """Whether to snapshot after ``step``. ``waited_s``: the loop's time in the tier so far (saves and the
-        optimizer's wait for their copies), which auto's probe measures."""
+        optimizer's wait for their copies, the one in flight included), which auto's probe measures."""
         if step >= max_steps:
             return False
         if not self.auto:
             return step % self.interval_steps == 0
-        if self._probe is None:
-            self._probe = (step, time.monotonic(), waited_s)
-        first = self._probe[0]
+        if self._first is None:
+            self._first = step
+        first = self._first
         if self.interval_steps is None:
-            if step != first + 2 * PROBE_STEPS:
-                return step == first + PROBE_STEPS
+            warm_up, probe, decide = auto_steps(first)
+            if step == probe:  # measured from before the probe's save: the warm-up's costs are all counted already
+                self._probe = (step, self._clock(), waited_s)
+            if step != decide:
+                return step in (warm_up, probe)
             self._decide(step, waited_s)
         # Decided at this step: a snapshot the new interval makes due now is taken now, not a step late.
         return step - (self._last_saved or first) >= self.interval_steps
 
     def _decide(self, step: int, waited_s: float) -> None:
-        """auto: the interval from the probe snapshot's stall (the loop's waits since the probe began, the copy's
+        """auto: the interval from the probe snapshot's stall (the loop's waits since just before it, the copy's
         wait in the next steps included) and the step time without it; the slowest rank's figures, so that every
         rank computes the same interval."""
-        first, clock, waited = self._probe
+        probe, clock, waited = self._probe
         stall = waited_s - waited
-        step_s = (time.monotonic() - clock - stall) / (step - first)
+        step_s = (self._clock() - clock - stall) / (step - probe)
         # Measured before the slowest's wait for the probe's commit, so the decision does not count that wait.
         stall, step_s = self._slowest([stall, step_s])
         choice = auto_interval(stall, step_s, self.mtbi_s)
@@ -68,3 +77,9 @@ class MemorySchedule:
         """auto's decision, once (the saver reports it as the memory_tier event)."""
         choice, self._untold = self._untold, None
         return choice
+
+
+def auto_steps(first: int) -> tuple[int, int, int]:
+    """auto, for a launch whose tier first sees ``first``: the warm-up snapshot's step (not measured), the probe
+    snapshot's and the step that decides the interval from the probe's cost."""
+    return first + PROBE_STEPS, first + 2 * PROBE_STEPS, first + 3 * PROBE_STEPS

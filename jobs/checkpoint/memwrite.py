@@ -79,6 +79,12 @@ class SnapshotWriter:
         self._pending = self._committer.submit(self._commit, step, step_dir, facts, future, started)
         self.waited_s += time.monotonic() - started
 
+    @property
+    def stalled_s(self) -> float:
+        """waited_s with the wait of the copy in flight, which wait() adds only later: the copy's wait is known as
+        soon as the next optimizer step went through the gate, before its commit is over."""
+        return self.waited_s + (self._gate.waited_s if self._gate is not None else 0.0)
+
     def wait(self) -> None:
         """Finish the snapshot in flight (its commit included)."""
         if self._pending is None:

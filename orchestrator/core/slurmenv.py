@@ -20,6 +20,13 @@ def restart_count(env: Mapping[str, str] = os.environ) -> int:
     return int(env.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
+def gpus_per_node(env: Mapping[str, str] = os.environ) -> str | None:
+    """The job's --gpus-per-node as sbatch saw it ("8", or typed "h100:8"), set only where the job asked so (the
+    batch script does on GPU profiles); None otherwise or for 0."""
+    value = (env.get("SLURM_GPUS_PER_NODE") or "").strip()
+    return value if value and value.rpartition(":")[2] != "0" else None
+
+
 def node_addrs(text: str | None) -> dict[str, str]:
     """FSDPJOB_NODE_ADDRS ("n1=10.0.0.1,n2=10.0.0.2", the supervisor's), as {node: address}."""
     pairs = (item.split("=", 1) for item in (text or "").split(",") if "=" in item)

@@ -271,9 +271,12 @@ def srun_on_nodes(argv: list[str], nodes: tuple[str, ...]) -> list[str]:
             "--ntasks-per-node=1", "--kill-on-bad-exit=1", *argv]
 
 
-def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30) -> str:
-    """Run ``argv`` on one node of a running job, beside its steps (``srun --overlap``: no new resources)."""
-    return run(["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30, gpus_per_node: str | None = None) -> str:
+    """Run ``argv`` on one node of a running job, beside its steps (``srun --overlap``: no new resources).
+    ``gpus_per_node``: the step asks for the node's GPUs as the job did (a step gets none unless it asks, on
+    sites whose steps do not inherit the job's GRES; --overlap shares them with the running step)."""
+    gpus = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    return run(["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1", *gpus,
                 "--quiet", *argv], timeout=timeout)
 
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from fsdpjob.orchestrator.core.jobspec.container import RUNTIME_ROWS, ContainerSpec, Mount, RuntimeRow
 
 BUNDLE_DIR = "container"  # in the run folder: the oci runtime's bundle (config.json)
+# A named container made from the image, per attempt (core/jobspec/container.RuntimeRow.name_per_attempt): the
+# batch shell expands it at each start, unset (0) on the first.
+ATTEMPT_SUFFIX = "-attempt${SLURM_RESTART_COUNT:-0}"
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ def container_launch(container: ContainerSpec, mounts: list[Mount], *, run_dir: 
         raise ValueError(f"unknown container runtime {container.runtime!r}")
     row = RUNTIME_ROWS[container.runtime]
     env = tuple(sorted((k, with_vars(v)) for k, v in container.env.items()))
-    values = {"image": literal(container.image or ""), "name": container.name or "",
+    name = container.name or ""
+    per_attempt = row.name_per_attempt and container.image is not None
+    values = {"image": literal(container.image or ""),
+              "name": with_vars(name + ATTEMPT_SUFFIX) if per_attempt else literal(name),
               "workdir": literal(container.workdir or ""), "binds": literal(",".join(m.spec() for m in mounts)),
               "names": ",".join(sorted({*container.env, *job_env})),
               "bundle": literal(posixpath.join(run_dir, BUNDLE_DIR))}

@@ -48,13 +48,15 @@ class SlurmAllocation:
 
     nodes: int
     job_id: str | None  # for srun --overlap (probes, stack dumps on other nodes)
+    gpus_per_node: str | None = None  # the job's --gpus-per-node: the GPU-free probe asks for them the same way
     can_exclude = True
     srun_reports = True  # srun's stderr names the task that failed first (supervise/blame.py)
     ends_step_on_bad_exit = True  # srun --kill-on-bad-exit (the template's launch)
 
     @classmethod
     def from_env(cls) -> SlurmAllocation:
-        return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurmenv.job_id_from_env())
+        return cls(nodes=int(os.environ.get("SLURM_JOB_NUM_NODES") or 1), job_id=slurmenv.job_id_from_env(),
+                   gpus_per_node=slurmenv.gpus_per_node())
 
     @staticmethod
     def _node_names(excluded: tuple[str, ...] = ()) -> list[str]:
@@ -126,13 +128,14 @@ class SlurmAllocation:
 
     def wait_gpus_free(self, excluded: tuple[str, ...]) -> GpuWait:
         """Before a relaunch: each node's GPUs free of the crashed step's processes (gpufree.py), probed through
-        ``srun --overlap`` (the probe step gets the job's GPUs, so nvidia-smi sees them)."""
+        ``srun --overlap``. The probe step asks for the job's GPUs per node: a step that asks for none sees none
+        on sites that do not hand the job's GRES to every step (nvidia-smi: "No devices were found")."""
         if self.job_id is None:
             return GpuWait(0.0, {}, ())
         nodes = self._node_names(excluded)
-        job_id = self.job_id
+        job_id, gpus = self.job_id, self.gpus_per_node
         return wait_gpus_free(nodes, lambda node: slurm_cli.on_node(job_id, node, ["sh", "-c", GPU_QUERY],
-                                                                    timeout=PROBE_TIMEOUT_S))
+                                                                    timeout=PROBE_TIMEOUT_S, gpus_per_node=gpus))
 
     def requeue_refuses(self, nodes: tuple[str, ...]) -> str | None:
         """Why a requeue could not keep the job off ``nodes`` (its partition would keep too few others), or

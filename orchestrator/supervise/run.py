@@ -345,6 +345,9 @@ class Supervisor:
         if waited.busy:
             print(f"fsdpjob supervisor: GPUs still in use after {waited.waited_s:.0f} s ({waited.busy}); relaunching "
                   "anyway", file=sys.stderr, flush=True)
+        if waited.no_gpus_seen:
+            print(f"fsdpjob supervisor: the GPU-free probe saw no GPU on {', '.join(waited.no_gpus_seen)} (nvidia-smi: "
+                  "No devices were found); relaunching without waiting for them", file=sys.stderr, flush=True)
 
     def _launch_bound(self, launch: int) -> float:
         """Until every rank reported: 3 x the longest launch measured in this allocation + 60 s. The allocation's

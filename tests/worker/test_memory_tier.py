@@ -110,31 +110,33 @@ def test_full_shared_memory_turns_the_tier_off_and_the_run_ends_as_without_it(ru
 
 
 def test_auto_interval_probes_then_snapshots_as_its_measured_cost_says(tmp_path, assets):
-    """memory_interval_steps: auto on 2 ranks (nodes n1, n2): the probe snapshot 5 steps into the launch, the
-    interval decided 5 steps later from what it cost (one event, the profile's rate as the MTBI), and a crash after
-    step 14 resumes from a snapshot of that schedule."""
-    from fsdpjob.orchestrator.core.runfolder.memtier import MAX_STALL_SHARE, PROBE_STEPS
+    """memory_interval_steps: auto on 2 ranks (nodes n1, n2): a warm-up snapshot 5 steps into the launch (it pays the
+    one-time staging allocation), the probe snapshot 5 steps later, the interval decided 5 steps after it from what
+    the probe cost (one event, the profile's rate as the MTBI), and a crash after step 19 resumes from a snapshot of
+    that schedule."""
+    from fsdpjob.jobs.checkpoint.memschedule import auto_steps
+    from fsdpjob.orchestrator.core.runfolder.memtier import MAX_STALL_SHARE
 
     run_dir = make_run(tmp_path, "auto", assets)
     meta = json.loads((run_dir / "spec.json").read_text())
     meta["spec"]["checkpoint"]["memory_interval_steps"] = "auto"
-    meta["spec"]["train"]["max_steps"] = 20
+    meta["spec"]["train"]["max_steps"] = 24
     meta["profile"]["expected_interruptions_per_day"] = 2000.0  # per node: 2 nodes -> a fault every 21.6 s
     (run_dir / "spec.json").write_text(json.dumps(meta))
     env = {"FSDPJOB_MEMORY_TIER_DIR": str(tmp_path / "shm")}
-    codes = exit_codes(node_worker, 2, run_dir=str(run_dir), env={**env, "FSDPJOB_FAULT_EXIT_STEP": "14"}, nodes=NODES)
+    codes = exit_codes(node_worker, 2, run_dir=str(run_dir), env={**env, "FSDPJOB_FAULT_EXIT_STEP": "19"}, nodes=NODES)
     assert codes == [70, 70], codes
     [choice] = _events(run_dir, "memory_tier")
-    first = 1  # the first step a launch's tier sees is the one after its resume step (0 here)
-    assert choice["at_step"] == first + 2 * PROBE_STEPS and choice["mtbi_s"] == pytest.approx(21.6), choice
+    warm_up, probe, decide = auto_steps(1)  # the first step a launch's tier sees follows its resume step (0 here)
+    assert choice["at_step"] == decide and choice["mtbi_s"] == pytest.approx(21.6), choice
     assert choice["stall_s"] > 0 and choice["step_s"] > 0, choice
     # At least the stall bound, at least Young/Daly's optimum, in whole steps.
     bound = max(choice["stall_s"] / MAX_STALL_SHARE, (2 * choice["stall_s"] * choice["mtbi_s"]) ** 0.5)
     assert choice["steps"] == max(1, round(bound / choice["step_s"])), choice
     assert run_ranks(node_worker, 2, run_dir=str(run_dir), env=env, nodes=NODES) == [0, 0]
     [resume] = _events(run_dir, "resume")
-    # The probe, then every `steps` from it, the first no earlier than the decision (taken at it when due).
-    probe = first + PROBE_STEPS
-    snapshots = [probe] + list(range(max(choice["at_step"], probe + choice["steps"]), 14, choice["steps"]))
+    # The warm-up, the probe, then every `steps` from it, the first no earlier than the decision (taken at it when
+    # due).
+    snapshots = [warm_up, probe] + list(range(max(decide, probe + choice["steps"]), 19, choice["steps"]))
     assert resume["tier"] == "memory" and resume["step"] in snapshots[-2:], (resume, snapshots)
-    assert [e["step"] for e in _events(run_dir, "done")] == [20]
+    assert [e["step"] for e in _events(run_dir, "done")] == [24]

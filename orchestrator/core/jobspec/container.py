@@ -32,6 +32,11 @@ class RuntimeRow:
     head: tuple[str, ...] = ()  # the launch's first words
     image_words: tuple[str, ...] = ()  # when an image is given
     name_words: tuple[str, ...] = ()  # takes `name` (then no image is needed: the container is on the nodes)
+    # The name made from `image` carries the attempt (SLURM_RESTART_COUNT, read by the batch shell at each start):
+    # a requeue keeps the job id, and a container an earlier attempt left on a node (killed mid-import at
+    # preemption) would fail the restart ("File already exists") or be started half made. The restarts within one
+    # attempt still reuse theirs.
+    name_per_attempt: bool = False
     gpu_words: tuple[str, ...] = ()  # takes `gpu` (default: on when the nodes have GPUs)
     binds: tuple[str, ...] = ()  # every mount in one list
     bind_each: tuple[str, str] | None = None  # or a (read-write, read-only) flag before each mount's SRC DST
@@ -60,7 +65,7 @@ RUNTIME_ROWS: dict[str, RuntimeRow] = {
         image_kind="an enroot image: a squashfs file path, or a registry URI such as nvcr.io#nvidia/pytorch:24.12-py3",
         line="srun", image_words=("--container-image={image}",),
         # the restarts in this allocation reuse the container pyxis made on each node
-        name_words=("--container-name={name}",),
+        name_words=("--container-name={name}",), name_per_attempt=True,
         binds=("--container-mounts={binds}",), workdir_words=("--container-workdir={workdir}",),
         remap_root_words=("--container-remap-root", "--no-container-remap-root"),
         env_names=("--container-env={names}",),  # the host's values of these names override the image's
@@ -133,8 +138,9 @@ class ContainerSpec(Strict):
     docker:// URI; oci: an OCI bundle folder (config.json + rootfs/); bubblewrap: a root file system folder."""
     name: str | None = None
     """pyxis: --container-name. pyxis keeps the container it made from `image` on each node under this name, so
-    a restart in the allocation starts it again without importing the image; with no `image`, a container of
-    that name must be on the nodes already (enroot's `pyxis_NAME`)."""
+    a restart in the allocation starts it again without importing the image (with an `image`, the name gets
+    the attempt, NAME-attemptN: a requeue never meets a container its previous attempt left); with no `image`, a
+    container of that name must be on the nodes already (enroot's `pyxis_NAME`)."""
     mounts: list[str] = []
     """Extra bind mounts SRC[:DST][:ro], absolute paths. The run folder, checkpoint folder, model folder and data
     files are mounted at the same paths without being listed; a mount that would hide one of them is refused."""

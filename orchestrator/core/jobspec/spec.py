@@ -151,8 +151,9 @@ class CheckpointSpec(Strict):
     memory_interval_steps: Literal["auto"] | NonNegativeInt = 0
     ("Every this many steps, also snapshot every rank's shards into node-local shared memory (/dev/shm/fsdpjob, or "
      "$FSDPJOB_MEMORY_TIER_DIR), with a replica on another node: a restart in the same allocation resumes from there "
-     "(0: off). auto: the first snapshot 5 steps into each launch, then as often as Young/Daly says for its measured "
-     "stall and the profile's expected_interruptions_per_day, never more than a 5% stall.")
+     "(0: off). auto: snapshots 5 and 10 steps into each launch, then as often as Young/Daly says for the second's "
+     "measured stall (the first pays a one-time staging allocation) and the profile's expected_interruptions_per_day, "
+     "never more than a 5% stall.")
 
     _dir = field_validator("dir")(path_value)
 

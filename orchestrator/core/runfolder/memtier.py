@@ -208,7 +208,8 @@ def remove_job(base: str | Path, job: str) -> None:
 # --- checkpoint.memory_interval_steps: auto --------------------------------------------------------------------
 
 AUTO = "auto"
-PROBE_STEPS = 5  # auto: the first snapshot this many steps into a launch, its cost measured over as many more
+PROBE_STEPS = 5  # auto: snapshots this many steps into a launch and as many later, the second's cost measured over
+# as many more (the first pays the one-time staging allocation: jobs/checkpoint/memschedule.py)
 MAX_STALL_SHARE = 0.05  # auto: snapshots may stall the loop for at most this share of the training time
 
 

@@ -30,7 +30,7 @@ STOP = "stop"
 REQUEUE = "requeue"  # the failure policy requeued the job after a crash: reason, exit_code, detail, step
 FAILED = "failed"  # an attempt failed: error or reason, retryable, step, rank (worker) or exit_code (policy)
 CANCEL = "cancel"  # `fsdpjob cancel` asked the scheduler to stop the run for good: by
-GPU_WAIT = "gpu_wait"  # before a relaunch, the wait for the GPUs to be free: launch, waited_s, busy, skipped
+GPU_WAIT = "gpu_wait"  # before a relaunch, the wait for free GPUs: launch, waited_s, busy, skipped, no_gpus_seen
 # the supervisor saw a crash or a stall: kind, launch, exit_code, reason, ranks, hosts, stacks, top_frames, restart,
 # decision, exclude, step
 FAULT = "fault"
