@@ -1,7 +1,7 @@
 """The memory checkpoint tier's cost in the loop: the stall of one snapshot against the step time, A/B inside the
 same two processes.
 
-    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5]
+    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5] [--peak N]
 
 Two gloo ranks (torchrun, one thread each) emulate two nodes (SLURMD_NODENAME n1, n2), so every snapshot also
 sends its replica to the other rank. One model, optimizer and batch stream; blocks of steps alternate between
@@ -64,8 +64,10 @@ def launch(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-") as tmp, \
             tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-bench-", dir="/dev/shm") as shm:
         model, data = make_assets(Path(tmp), SIZES[args.size])
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        # torch.distributed.run is torchrun's module: a venv without the console script (torch from another
+        # site) launches it all the same
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()),
                __file__, "--model", str(model), "--data", str(data), "--blocks", str(args.blocks),
                "--steps-per-block", str(args.steps_per_block), "--every", str(args.every), "--size", args.size,
                "--shm", shm, "--peak", str(args.peak)]  # fmt: skip
