@@ -1,7 +1,7 @@
 """The memory checkpoint tier's cost in the loop: the stall of one snapshot against the step time, A/B inside the
 same two processes.
 
-    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5]
+    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5] [--peak N]
 
 Two gloo ranks (torchrun, one thread each) emulate two nodes (SLURMD_NODENAME n1, n2), so every snapshot also
 sends its replica to the other rank. One model, optimizer and batch stream; blocks of steps alternate between
@@ -13,6 +13,12 @@ folder under /dev/shm), the order reversed every other block, so both share the 
 - ``on``/``off`` ms per step (medians of blocks): what the background copy, the write and the replica cost the
   steps around them on 2 shared cores (they run on the same cores as the step);
 - the tier's bytes per node (own shards + the replica).
+
+``--peak N`` instead measures the host RAM a snapshot with its replica adds inside a rank's process: after one
+step, N snapshots each taken alone (save + wait, nothing else running), each rank's VmHWM (reset to VmRSS just
+before, /proc/self/clear_refs) above its VmRSS at the start, against the plan's figure (planner/memory.py
+tier_process_bytes: the stager's copy of the saved state, allocated by the first snapshot and kept, plus the
+replica's send and receive buffer; the tier's files live in /dev/shm, outside the process).
 
 Steps lost per crash are the dev cluster's (tests/slurm/test_memory_tier_slurm.py reports them; bench/RESULTS.md).
 Nothing is asserted.
@@ -27,9 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
+MICRO = 4  # rows per micro-batch
 sys.path.insert(0, str(BENCH))
 
 
@@ -39,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=6, help="turns per variant")
     parser.add_argument("--steps-per-block", type=int, default=10)
     parser.add_argument("--every", type=int, default=5, help="memory_interval_steps")
+    parser.add_argument("--peak", type=int, default=0, metavar="N",
+                        help="measure the host peak of N snapshots alone instead of the A/B")
     parser.add_argument("--model", help="(set by the launcher) model folder")
     parser.add_argument("--data", help="(set by the launcher) JSONL text")
     parser.add_argument("--shm", help="(set by the launcher) the tier's base folder")
@@ -52,15 +64,28 @@ def launch(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-") as tmp, \
             tempfile.TemporaryDirectory(prefix="fsdpjob-memtier-bench-", dir="/dev/shm") as shm:
         model, data = make_assets(Path(tmp), SIZES[args.size])
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        # torch.distributed.run is torchrun's module: a venv without the console script (torch from another
+        # site) launches it all the same
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()),
                __file__, "--model", str(model), "--data", str(data), "--blocks", str(args.blocks),
                "--steps-per-block", str(args.steps_per_block), "--every", str(args.every), "--size", args.size,
-               "--shm", shm]  # fmt: skip
+               "--shm", shm, "--peak", str(args.peak)]  # fmt: skip
         return subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False).returncode
 
 
-def run(args: argparse.Namespace) -> None:
+@dataclass
+class Bench:
+    """One rank's model, optimizer, state and tier, and its batch stream."""
+
+    rank: int
+    world: int
+    state: dict[str, Any]
+    tier: Any  # jobs/checkpoint/memory.MemoryTier
+    step: Callable[[int], None]  # trains step n (1-based) on this rank's rows
+
+
+def setup(args: argparse.Namespace) -> Bench:
     import bare_fsdp2
     import torch
     import torch.distributed as dist
@@ -79,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
-    micro, per = 4, args.steps_per_block
+    micro, per = MICRO, args.steps_per_block
     rows = bare_fsdp2.packed_rows(args.model, args.data, 128, micro * world * per)
     cpu = torch.device("cpu")
     env = DistEnv(rank, world, rank, world, "127.0.0.1", 0, "gloo", cpu)
@@ -93,6 +118,20 @@ def run(args: argparse.Namespace) -> None:
     tier = MemoryTier(args.shm, TierKey("bench", 0, "bench"), rank=rank, world_size=world, interval_steps=args.every,
                       run=RunFacts.of({}))
     tokens = count_tokens(rows[: micro * world])
+
+    def step(n: int) -> None:
+        first = (n - 1) % per * micro * world + rank * micro
+        train_step(model, optimizer, [MicroBatch(rows[first: first + micro], rows[first: first + micro], None, None)],
+                   cpu, tokens=tokens, max_grad_norm=1.0)
+        state["train"] = {"step": n, "tokens_seen": n * tokens}
+
+    return Bench(rank, world, state, tier, step)
+
+
+def run_ab(args: argparse.Namespace, b: Bench) -> None:
+    import torch.distributed as dist
+
+    tier, per = b.tier, args.steps_per_block
     times: dict[str, list[float]] = {"off": [], "on": []}
     stalls: list[float] = []
     step = 0
@@ -100,15 +139,12 @@ def run(args: argparse.Namespace) -> None:
         for name in ("off", "on") if block % 2 == 0 else ("on", "off"):
             dist.barrier()
             start = time.perf_counter()
-            for s in range(per):
+            for _ in range(per):
                 step += 1
-                first = s * micro * world + rank * micro
-                train_step(model, optimizer, [MicroBatch(rows[first: first + micro], rows[first: first + micro],
-                                                         None, None)], cpu, tokens=tokens, max_grad_norm=1.0)
-                state["train"] = {"step": step, "tokens_seen": step * tokens}
+                b.step(step)
                 if name == "on" and step % args.every == 0:
                     before = tier.waited_s
-                    tier.save(step, state)
+                    tier.save(step, b.state)
                     stalls.append(before)
             if name == "on":
                 tier.wait()  # the block's last snapshot is committed inside the block's time
@@ -117,18 +153,67 @@ def run(args: argparse.Namespace) -> None:
     # waited_s is cumulative: the stall of snapshot i is the growth between consecutive saves' starts (each save's
     # own time plus its copy's wait, which the next save's wait() adds).
     marks = stalls + [tier.waited_s]
-    per_save = [(b - a) * 1000 for a, b in zip(marks, marks[1:])]
+    per_save = [(y - x) * 1000 for x, y in zip(marks, marks[1:])]
     held = sum(p.stat().st_size for p in tier.folder.rglob("__*_0.distcp"))
     tier.close(remove=True)
-    if rank == 0:
+    if b.rank == 0:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         stall = statistics.median(per_save)
-        print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), {micro * world} x 128 tokens per "
-              f"step, fp32; {args.blocks} blocks of {per} steps per variant, snapshot every {args.every} steps")
+        print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), {MICRO * b.world} x 128 tokens "
+              f"per step, fp32; {args.blocks} blocks of {per} steps per variant, snapshot every {args.every} steps")
         print(f"  off {off:8.1f} ms/step   on {on:8.1f} ms/step   on/off {on / off:5.3f}")
         print(f"  stall per snapshot (save() + the optimizer's wait for the copy): median {stall:.1f} ms = "
               f"{stall / off:.3f} of a step; all: {' '.join(f'{v:.0f}' for v in per_save)} ms")
         print(f"  tier on node n1 at the end: {held / 2**20:.1f} MiB (own shard + replica)")
+
+
+def run_peak(args: argparse.Namespace, b: Bench) -> None:
+    """Each snapshot alone: VmHWM reset to VmRSS, save + wait (the copy, the write, the replica), VmHWM above the
+    VmRSS it started from."""
+    import gc
+
+    import torch.distributed as dist
+    from common import proc_status_mib
+
+    from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dir_name
+    from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
+    from fsdpjob.orchestrator.planner.memory import tier_process_bytes
+
+    b.step(1)  # AdamW's moments exist from the first step on
+    rises = []
+    for n in range(1, args.peak + 1):
+        gc.collect()
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux); ru_maxrss cannot be reset
+        before = proc_status_mib("VmRSS")
+        b.tier.save(n, b.state)
+        b.tier.wait()
+        rises.append(proc_status_mib("VmHWM") - before)
+        dist.barrier()
+    saved = (b.tier.folder / step_dir_name(args.peak) / shard_name(b.rank)).stat().st_size
+    b.tier.close(remove=True)
+    rows = b.rank, rises, saved, tier_process_bytes(saved, multi_node=True)
+    everyone: list[Any] = [None] * b.world
+    dist.all_gather_object(everyone, rows)
+    if b.rank == 0:
+        MiB = 2**20
+        print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), fp32; {args.peak} snapshots, each "
+              "alone; host peak in the rank's process above its RSS (VmHWM after clear_refs)")
+        for rank, rises, saved, plan in everyone:
+            print(f"  rank {rank}: saved state {saved / MiB:.1f} MiB; first snapshot +{rises[0]:.1f} MiB "
+                  f"(plan {plan / MiB:.1f}: stager copy + replica buffers), later ones "
+                  f"{' '.join(f'+{r:.1f}' for r in rises[1:])} MiB (plan {(plan - saved) / MiB:.1f}: buffers; the "
+                  "stager's copy is kept)")
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    b = setup(args)
+    if args.peak:
+        run_peak(args, b)
+    else:
+        run_ab(args, b)
     dist.barrier()
     dist.destroy_process_group()
 

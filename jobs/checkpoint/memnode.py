@@ -16,13 +16,41 @@ from fsdpjob.orchestrator.core.runfolder.memtier import TierKey, buddies, node_d
 log = logging.getLogger("fsdpjob.checkpoint")
 
 
+class ShmFile:
+    """A tier file written in pieces under a temporary name and renamed into place only once whole (``commit``), so
+    no reader ever sees part of it; ``drop`` removes the piece written so far. No fsync: the tier lives in shared
+    memory (/dev/shm), which has no disk behind it to flush to, and its files are lost with the node whatever we
+    sync."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._file = open(self.tmp, "wb")  # closed by commit or drop
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+
+    def commit(self) -> None:
+        self._file.close()
+        os.replace(self.tmp, self.path)
+
+    def drop(self) -> None:
+        try:
+            self._file.close()
+        except OSError:  # its last flush failed (shared memory full): the piece goes all the same
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_to_shm(path: Path, data: bytes | memoryview) -> None:
-    """Write a tier file whole (tmp + rename) without fsync: the tier lives in shared memory (/dev/shm), which has
-    no disk behind it to flush to, and its files are lost with the node whatever we sync."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write a tier file whole (ShmFile: tmp + rename, no fsync)."""
+    out = ShmFile(path)
+    try:
+        out.write(data)
+        out.commit()
+    except OSError:
+        out.drop()
+        raise
 
 
 class TierNode:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.runfolder.memtier import REPLICA_CHUNK_BYTES
 from fsdpjob.orchestrator.core.units import GiB, count_text
 
 from .lora import trainable
@@ -250,8 +251,21 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
     tr = trainable(s, p, u.lora)
     saved = (math.ceil(tr.weights / u.shard_degree) * u.model_bytes
              + 2 * math.ceil(tr.trained / u.shard_degree) * u.moment_bytes)
-    copies = 2 if u.nodes > 1 else 1  # own + replica
-    return u.tasks_per_node * saved * (2 * copies + 1)
+    return u.tasks_per_node * tier_rank_bytes(saved, multi_node=u.nodes > 1)
+
+
+def tier_rank_bytes(saved: int, *, multi_node: bool) -> int:
+    """One rank's part of memory_tier_bytes for ``saved`` bytes of saved state: the files (own + replica, twice),
+    the stager's copy and, with a replica, the exchange's buffers (tier_process_bytes)."""
+    copies = 2 if multi_node else 1  # own + replica
+    return 2 * copies * saved + tier_process_bytes(saved, multi_node=multi_node)
+
+
+def tier_process_bytes(saved: int, *, multi_node: bool) -> int:
+    """What the tier holds inside a rank's process at a snapshot's peak (bench/memory_tier.py measures it): the
+    stager's copy of the saved state and, where a replica goes to another node, one send and one receive buffer of
+    the exchange (jobs/checkpoint/memreplicate.py streams the shard in chunks; no whole copy of it)."""
+    return saved + 2 * min(saved, REPLICA_CHUNK_BYTES) * multi_node
 
 
 def reads_own_shards(s: ModelShape, u: Setup) -> bool:

@@ -27,6 +27,10 @@ from .ckptlayout import MARKER, SIDECAR, step_dirs
 
 DEFAULT_BASE = "/dev/shm/fsdpjob"
 BASE_VAR = "FSDPJOB_MEMORY_TIER_DIR"  # a node-local folder other than /dev/shm/fsdpjob (a profile's env)
+# A replica travels in pieces of at most this many bytes through one buffer per direction in each rank's process
+# (jobs/checkpoint/memreplicate.py), so the host holds two such buffers per rank beside the tier's files, never a
+# second copy of the shard; the planner counts them (planner/memory.py: memory_tier_bytes).
+REPLICA_CHUNK_BYTES = 64 * 2**20
 
 
 def base_for(environ: Mapping[str, str] | None = None) -> str:
