@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import REPO, run_cli
+from helpers import REPO, run_cli
 
 # Modules validate and render never need: workers' and views' libraries, the run folder's run-time files (the
 # stop hand-off is a pydantic model), submit's registry and writers, the planner's memory model. render needs
