@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.runfolder.attempts import AttemptTimes  # the scheduler's account of one attempt
-from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
+from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs_root
 
 if TYPE_CHECKING:
     from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
@@ -189,3 +189,9 @@ def job_environment(env: dict[str, str]):
 def backend_for(kind: str) -> Backend:
     """The backend of a scheduler kind; imported on first use (the Slurm one pulls in submitit)."""
     return importlib.import_module(_MODULES[kind]).BACKEND
+
+
+def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
+    """What would be submitted, touching nothing (here, not in submit.py: `fsdpjob render` then imports none of
+    the registry and run-folder writers that a submit needs)."""
+    return backend_for(job.profile.scheduler).dry_run(job, RunPaths(run_dir or runs_root() / new_run_id(job.spec.name)))

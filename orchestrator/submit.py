@@ -56,11 +56,6 @@ def _claim_run_folder(name: str, run_dir: Path | None) -> RunPaths:
     raise SubmissionError(f"no free run folder name under {paths.run_dir.parent} in 100 tries")
 
 
-def dry_run(job: LoadedJob, run_dir: Path | None = None) -> Request:
-    """What would be submitted, touching nothing."""
-    return backend_for(job.profile.scheduler).dry_run(job, RunPaths(run_dir or runs_root() / new_run_id(job.spec.name)))
-
-
 def request_json(job: LoadedJob, request: Request, plan: dict) -> dict:
     """`submit --dry-run --json`: the request as data. The submission environment by name only: its values
     may be secret. ``text`` is what the plain dry run prints (the script, or for a local run what starts)."""

@@ -24,9 +24,10 @@ def _job_spec() -> dict:
 
 
 def _cluster_profile() -> dict:
+    from fsdpjob.orchestrator.core.jobspec.fielddocs import documented
     from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
-    return ClusterProfile.model_json_schema()
+    return documented(ClusterProfile).model_json_schema()
 
 
 SCHEMAS: dict[str, Callable[[], dict]] = {"job spec": _job_spec, "cluster profile": _cluster_profile}

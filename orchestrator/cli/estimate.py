@@ -109,8 +109,7 @@ def _duration(seconds: float) -> str:
 def start_estimates(job, fit, shapes_text: str | None, shaped) -> list[dict]:
     """Rows for the job as asked and for each --shapes alternative; ``shaped(nodes, gpus)`` loads and plans the
     job in another shape (-> (job, fit)). Empty where the scheduler gives no estimates (nothing to wait for)."""
-    from fsdpjob.orchestrator.backend import START_ESTIMATES, backend_for
-    from fsdpjob.orchestrator.submit import dry_run
+    from fsdpjob.orchestrator.backend import START_ESTIMATES, backend_for, dry_run
 
     backend = backend_for(job.profile.scheduler)
     if refused := backend.refusal(START_ESTIMATES):

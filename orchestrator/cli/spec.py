@@ -63,8 +63,8 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
 @NO_FILE_CHECKS_OPT
 def render(spec: str, profile: str | None, sets: tuple[str, ...], run_dir: Path | None, no_file_checks: bool) -> None:
     """Print the exact sbatch script `fsdpjob submit` would submit (touches nothing)."""
+    from fsdpjob.orchestrator.backend import dry_run
     from fsdpjob.orchestrator.planner.jobload import load_job
-    from fsdpjob.orchestrator.submit import dry_run
 
     job = load_job(spec, profile=profile, overrides=sets, check_files=not no_file_checks, check_env=True)
     click.echo(dry_run(job, run_dir.resolve() if run_dir else None).text, nl=False)

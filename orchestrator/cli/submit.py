@@ -87,11 +87,12 @@ def submit(
 def print_dry_run(job, fit, run_dir: Path | None, *, spec: str, profile, sets, shapes, as_json: bool) -> None:
     """The plan, the start estimates and what would be submitted (the request: on stdout, the rest on stderr)."""
     from fsdpjob.orchestrator import submit as submission
+    from fsdpjob.orchestrator.backend import dry_run
     from fsdpjob.orchestrator.planner.planformat import format_plan
 
     from .estimate import echo_estimates, start_estimates_for
 
-    request = submission.dry_run(job, run_dir)
+    request = dry_run(job, run_dir)
     estimates = start_estimates_for(job, fit, spec, profile, sets, shapes)
     if as_json:
         echo_json({**submission.request_json(job, request, fit.to_json()), "start_estimates": estimates})

@@ -14,6 +14,8 @@ def lazy_face(package: str, modules: tuple[str, ...]):
     no pydantic model it does not use)."""
 
     def getattr_(name: str):
+        if name in modules:  # `from PACKAGE import MODULE` asks here first: that module alone, not those before it
+            return importlib.import_module(f"{package}.{name}")
         for module in modules:
             found = vars(importlib.import_module(f"{package}.{module}"))
             if name in found and not name.startswith("_"):

@@ -404,7 +404,9 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[JobSpec, Yam
 
 
 def json_schema() -> dict:
-    schema = JobSpec.model_json_schema()
+    from .fielddocs import documented
+
+    schema = documented(JobSpec).model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "fsdpjob job spec"
     return schema

@@ -68,8 +68,10 @@ class Strict(BaseModel):
     """Base for every spec section: unknown keys are errors, values are immutable once validated. Every float is
     finite: YAML's .inf and .nan pass a bound such as gt=0 (inf) or reach the workers as a NaN loss."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True,
-                              allow_inf_nan=False)
+    # defer_build: a model's validator is built on its first use, so a command builds only the models it uses (the
+    # spec's tree is built once, as one validator). Field descriptions come from fielddocs, for schemas only.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False,
+                              defer_build=True)
 
 
 # ----------------------------------------------------------------------------------------------
