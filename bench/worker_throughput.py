@@ -300,6 +300,59 @@ def read_outcome(case: str, out: Path) -> tuple[dict[int, float], float, dict]:
     return ends, first[1] if isinstance(first, list) else first, record.get("info", {})
 
 
+def launch(cmd: list[str], env: dict[str, str], out: Path, *, fsdpjob: bool, timeout: float,
+           py_spy: Path | None) -> tuple[int, float, float, RankWatcher]:
+    """Run one case's command in ``out`` (its output in out/log.txt; under py-spy into ``py_spy`` when given) with
+    its rank processes watched: the exit status, the launch time, the wall time and the (stopped) watcher. An
+    fsdpjob case's workers are waited for (then killed, found by their run folder out/run) whatever the CLI said,
+    so that the next case starts alone. bench/chat_throughput.py runs its cases through it too."""
+    if py_spy:  # every process of the case, idle threads (collectives) included
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        cmd = [spy, "record", "--idle", "--subprocesses", "--rate", "100", "--format", "raw", "-o",
+               str(py_spy / f"{out.name}.txt"), "--", *cmd]  # fmt: skip
+    folder = str(out / "run" / "submitit").encode()
+    if fsdpjob:  # submitit's tasks, not its controller
+        watcher = RankWatcher(folder, lambda argv: b"submitit.core._submit" in argv)
+    else:  # torchrun's children, not torchrun (nor py-spy)
+        watcher = RankWatcher(str(out).encode(), lambda argv: len(argv) > 2 and argv[1] == b"-u")
+    watcher.start()
+    started = time.time()
+    try:
+        with open(out / "log.txt", "w", encoding="utf-8") as log:
+            proc = subprocess.run(cmd, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  check=False)  # fmt: skip
+        wall_s = time.time() - started
+        if fsdpjob:
+            wait_gone(folder, started + timeout)
+    finally:
+        watcher.stop()
+        if fsdpjob:  # a run the CLI left behind (timeout): its processes, found by its own folder
+            for pid in _processes(folder):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+    return proc.returncode, started, wall_s, watcher
+
+
+def work_folders(root: Path, py_spy: Path | None) -> tuple[Path, Path | None]:
+    """The bench's work folder and py-spy folder, absolute (the cases run in their own folders) and created."""
+    for folder in (root, py_spy):
+        if folder:
+            folder.resolve().mkdir(parents=True, exist_ok=True)
+    return root.resolve(), py_spy.resolve() if py_spy else None
+
+
+def exit_note(case: str, out: Path, cmd: list[str], returncode: int) -> str | None:
+    """None for exit 0; a note for a failure after the case wrote its whole outcome; otherwise RuntimeError."""
+    if not returncode:
+        return None
+    tail = (out / "log.txt").read_text(encoding="utf-8", errors="replace")[-2500:]
+    if not finished(case, out):
+        raise RuntimeError(f"exit {returncode}: {' '.join(cmd)}\nend of {out / 'log.txt'}:\n{tail}")
+    lines = (out / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()
+    why = next((line for line in lines if "terminate" in line or "Error" in line), lines[-1] if lines else "")
+    return f"exit {returncode} after it wrote its figures ({out / 'log.txt'}: {why.strip()[:200]})"
+
+
 def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: int = 1) -> Result:
     result = Result(case, size, ac, rnd, load=os.getloadavg()[0])
     out = setup.root / "runs" / f"r{rnd}-{size}-{'ac' if ac else 'noac'}-{case}{'' if attempt == 1 else f'-{attempt}'}"
@@ -309,32 +362,12 @@ def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: in
         result.info["code"] = code_version(setup.checkouts.get(case))
     else:
         cmd, env = torchrun_command(setup, case, size, ac, out)
-    if setup.py_spy:  # every process of the case, idle threads (collectives) included
-        py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        profile = setup.py_spy / f"{out.name}.txt"
-        cmd = [py_spy, "record", "--idle", "--subprocesses", "--rate", "100", "--format", "raw", "-o", str(profile),
-               "--", *cmd]  # fmt: skip
-    if case.startswith("fsdpjob"):  # submitit's tasks, not its controller
-        watcher = RankWatcher(str(out / "run" / "submitit").encode(), lambda argv: b"submitit.core._submit" in argv)
-    else:  # torchrun's children, not torchrun (nor py-spy)
-        watcher = RankWatcher(str(out).encode(), lambda argv: len(argv) > 2 and argv[1] == b"-u")
-    watcher.start()
-    started = time.time()
     try:
-        with open(out / "log.txt", "w", encoding="utf-8") as log:
-            proc = subprocess.run(cmd, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT, timeout=setup.timeout,
-                                  check=False)
-        result.wall_s = time.time() - started
-        if case.startswith("fsdpjob"):  # the next run starts once this one's workers are gone, whatever the CLI said
-            wait_gone(str(out / "run" / "submitit").encode(), started + setup.timeout)
-        if proc.returncode:
-            tail = (out / "log.txt").read_text(encoding="utf-8", errors="replace")[-2500:]
-            failure = f"exit {proc.returncode}: {' '.join(cmd)}\nend of {out / 'log.txt'}:\n{tail}"
-            if not finished(case, out):
-                raise RuntimeError(failure)
-            lines = (out / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()
-            why = next((line for line in lines if "terminate" in line or "Error" in line), lines[-1] if lines else "")
-            result.note = f"exit {proc.returncode} after it wrote its figures ({out / 'log.txt'}: {why.strip()[:200]})"
+        returncode, started, result.wall_s, watcher = launch(
+            cmd, env, out, fsdpjob=case.startswith("fsdpjob"), timeout=setup.timeout, py_spy=setup.py_spy)
+        if watcher.environments:
+            result.info["workers"] = watcher.environments
+        result.note = exit_note(case, out, cmd, returncode)
         ends, result.loss1, info = read_outcome(case, out)
         result.info.update(info)
         steps, warmup = setup.steps[size]
@@ -349,14 +382,6 @@ def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: in
             result.faults_per_step = used["faults"] / (steps - warmup)
     except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as exc:
         result.error = str(exc)
-    finally:
-        watcher.stop()
-        if case.startswith("fsdpjob"):  # a run the CLI left behind (timeout): its processes, found by its own folder
-            for pid in _processes(str(out / "run" / "submitit").encode()):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-    if watcher.environments:
-        result.info["workers"] = watcher.environments
     return result
 
 
@@ -610,11 +635,7 @@ def main() -> int:
             labels[case] = f"fsdpjob submit --profile local --wait, {short}"
             print(f"{case}: {text}")
     with tempfile.TemporaryDirectory(prefix="fsdpjob-side-by-side-") as tmp:
-        root = (args.workdir or Path(tmp)).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        if args.py_spy:
-            args.py_spy = args.py_spy.resolve()
-            args.py_spy.mkdir(parents=True, exist_ok=True)
+        root, args.py_spy = work_folders(args.workdir or Path(tmp), args.py_spy)
         for size in args.sizes:
             (root / size).mkdir(exist_ok=True)
         assets = {size: make_assets(root / size, SIZES[size]) for size in args.sizes}
