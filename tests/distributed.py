@@ -1,4 +1,4 @@
-"""Run a function on N real gloo ranks in spawned processes (tests only)."""
+"""Run a function on N real gloo ranks in new processes (tests only)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, queue: Any) -> None:
+# The ranks fork from one server process that has imported torch and the worker once (per pytest process): a
+# spawned rank imported them itself at every launch, 10-50 s a launch on CI's two loaded cores. Each rank is
+# still a new process that holds nothing of an earlier run; it takes the launching process's environment of the
+# moment (the server's is that of its own start), as a spawned one would.
+PRELOAD = ["torch", "fsdpjob.jobs.train"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first launch)
+    return ctx
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, queue: Any, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -37,18 +52,20 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, qu
 
 
 def _spawn(fn: Callable, world_size: int, kwargs: dict) -> tuple[list, Any]:
-    """Start ``world_size`` spawned ranks of ``fn`` on one free port; (processes, the queue they report to)."""
-    ctx = mp.get_context("spawn")
+    """Start ``world_size`` ranks of ``fn`` on one free port; (processes, the queue they report to)."""
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue)) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, kwargs, queue, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     return procs, queue
 
 
 def run_ranks(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` spawned processes; return results by rank.
+    """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` must be importable (a module-level function). The environment carries MASTER_ADDR/PORT,
     RANK and WORLD_SIZE, as the product's launchers set them; ``fn`` creates its own process group.

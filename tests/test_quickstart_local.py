@@ -76,23 +76,30 @@ def check_goodput_report(run_id: str, cwd: Path) -> None:
     assert status["goodput"]["goodput"] == pytest.approx(rep["goodput"], rel=0.02), (status["goodput"], rep)
 
 
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """One `fsdpjob quickstart` folder (model and data) for the tests that only read it: a CLI launch less each."""
+    root = tmp_path_factory.mktemp("quickstart")
+    made = fsdpjob("quickstart", str(root / "assets"), cwd=root)
+    assert made.returncode == 0, made.stderr
+    return root / "assets"
+
+
 def _run_pids(run_dir: Path) -> list[int]:
     """The local supervisor, controller and worker processes (their command lines name the run's submitit folder)."""
     out = subprocess.run(["pgrep", "-f", f"{run_dir}/submitit"], capture_output=True, text=True).stdout
     return sorted(int(p) for p in out.split())
 
 
-def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path) -> None:
+def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path, assets: Path) -> None:
     import signal
 
-    made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
     spec = tmp_path / "long.yaml"
     spec.write_text((REPO / "examples" / "quickstart.yaml").read_text())
     # Submitted the way a script's background job would be: SIGINT ignored (inherited over exec; cancel uses SIGTERM).
     sub = fsdpjob("submit", str(spec), "--json", "--set", "train.max_steps=100000",
-                  "--set", f"model.path={tmp_path / 'assets' / 'model'}",
-                  "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}",
+                  "--set", f"model.path={assets / 'model'}",
+                  "--set", f"data.path={assets / 'data.jsonl'}",
                   cwd=tmp_path, timeout_s=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert sub.returncode == 0, sub.stdout + sub.stderr  # returns at once: no --wait
     run = json.loads(sub.stdout[: sub.stdout.index("}") + 1])
@@ -134,21 +141,19 @@ def check_a_resumed_run_measures_its_step(spec: str, source: Path, cwd: Path) ->
     assert (status["phase"], status["nodes"]) == ("COMPLETED", os.uname().nodename), status
 
 
-def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: Path) -> None:
+def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: Path, assets: Path) -> None:
     """Ctrl-C in the terminal of `submit --wait`: SIGINT to the terminal's process group. The run's own session
     keeps it from the workers (no KeyboardInterrupt crash); the CLI cancels the run (a stop checkpoint, a
     cancelled stop) and exits 130."""
     import signal
     import sys
 
-    made = fsdpjob("quickstart", str(tmp_path / "assets"), cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
     spec = tmp_path / "long.yaml"
     spec.write_text((REPO / "examples" / "quickstart.yaml").read_text())
     waiting = subprocess.Popen(
         [sys.executable, "-m", "fsdpjob.orchestrator.cli", "submit", str(spec), "--wait", "--json",
-         "--set", "train.max_steps=100000", "--set", f"model.path={tmp_path / 'assets' / 'model'}",
-         "--set", f"data.path={tmp_path / 'assets' / 'data.jsonl'}"],
+         "--set", "train.max_steps=100000", "--set", f"model.path={assets / 'model'}",
+         "--set", f"data.path={assets / 'data.jsonl'}"],
         cwd=tmp_path, env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # the "terminal": its process group gets the SIGINT
         # As a terminal's foreground job has it, whatever started this suite: a background shell (`... &`) hands

@@ -18,6 +18,8 @@ from distributed import train_worker as _worker
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, STOP_AT = 16, 6
+# The live reference run: its losses against the cached run's first 8 (constant lr: max_steps changes none).
+LIVE_STEPS = 8
 
 
 def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
@@ -81,9 +83,17 @@ def runs(tmp_path_factory, assets) -> dict[str, Path]:
     in_pass = make_run(root, "in-pass", assets)
     assert train(in_pass, FSDPJOB_STOP_IN_REFERENCE="0") == [0, 0]  # 40 pairs: 3 chunks of 16 on 2 ranks
     assert train(in_pass) == [0, 0]
-    live = make_run(root, "live", assets, options={"reference": "live"})
+    live = make_run(root, "live", assets, options={"reference": "live"}, steps=LIVE_STEPS)
     assert train(live) == [0, 0]
     return {"full": full, "stopped": stopped, "in_pass": in_pass, "live": live}
+
+
+@pytest.fixture(scope="module")
+def orpo_full(tmp_path_factory, assets) -> Path:
+    """One uninterrupted ORPO run, for the test that it trains and for the one that resumes a stop against it."""
+    full = make_run(tmp_path_factory.mktemp("orpo"), "full", assets, method="orpo", steps=10)
+    assert train(full) == [0, 0]
+    return full
 
 
 def test_dpo_starts_at_ln2_and_its_loss_falls_as_the_chosen_answers_win(runs):
@@ -123,36 +133,36 @@ def test_a_stop_inside_the_reference_pass_resumes_the_pass_and_ends_bitwise(runs
 
 
 def test_a_live_reference_gives_the_cached_losses(runs):
-    cached, live = metrics(runs["cached" if "cached" in runs else "full"]), metrics(runs["live"])
-    for step in cached:
+    cached, live = metrics(runs["full"]), metrics(runs["live"])
+    assert sorted(live) == list(range(1, LIVE_STEPS + 1)), live
+    for step in live:
         assert live[step]["loss"] == pytest.approx(cached[step]["loss"], rel=1e-5, abs=1e-6), step
     assert not [e for e in events(runs["live"]) if e["event"] == "reference"]  # no pass, no cache
     assert not (runs["live"] / "reference").exists()
 
 
-def test_lora_dpo_uses_the_base_with_its_adapters_off_as_reference_and_orpo_trains(tmp_path, assets):
+def test_lora_dpo_uses_the_base_with_its_adapters_off_as_reference_and_orpo_trains(tmp_path, assets, orpo_full):
     lora = make_run(tmp_path, "lora", assets, lora=True, steps=10)
     assert train(lora) == [0, 0]
     m = metrics(lora)
     assert m[1]["loss"] == pytest.approx(math.log(2), abs=1e-6), m[1]  # LoRA's B starts at 0: the base
     assert m[10]["loss"] < m[1]["loss"], m
-    orpo = make_run(tmp_path, "orpo", assets, method="orpo", steps=10)
-    assert train(orpo) == [0, 0]
+    orpo = orpo_full
     m = metrics(orpo)
     assert m[10]["loss"] < m[1]["loss"] and "rewards/accuracies" in m[10], m
     assert not (orpo / "reference").exists()  # ORPO needs no reference
     shutil.rmtree(tmp_path / "lora" / "checkpoints", ignore_errors=True)
 
 
-def test_a_dpo_stop_on_2_ranks_resumes_on_1_with_the_reference_cache_it_wrote(tmp_path, assets):
+def test_a_dpo_stop_on_2_ranks_resumes_on_1_with_the_reference_cache_it_wrote(tmp_path, assets, runs):
     """Resharding: the cache is keyed by pair, not by rank; one rank reads it and trains the same global batch
-    (4 pairs: 1 x 2 x 2 ranks, then 1 x 4 x 1) to the same losses, within the reduction order's rounding."""
-    full = make_run(tmp_path, "full", assets, steps=8)
-    assert train(full) == [0, 0]
+    (4 pairs: 1 x 2 x 2 ranks, then 1 x 4 x 1) to the same losses, within the reduction order's rounding. The
+    straight run is the module's 16-step one: under a constant lr its first 8 steps are an 8-step run's."""
     moved = make_run(tmp_path, "moved", assets, steps=8)
     assert train(moved, FSDPJOB_STOP_AT_STEP="4") == [0, 0]
     assert train(moved, world=1) == [0]
-    a, b = metrics(full), metrics(moved)
+    a, b = metrics(runs["full"]), metrics(moved)
+    assert [b[s]["loss"] for s in range(1, 5)] == [a[s]["loss"] for s in range(1, 5)]  # the same run up to the stop
     for step in range(5, 9):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
     assert [p["phase"] for p in events(moved) if p["event"] == "reference"] == ["start", "done"]  # read, not redone
@@ -182,10 +192,9 @@ def test_dpo_evaluates_on_its_eval_pairs_with_their_own_reference_and_keeps_the_
     assert facts["eval_loss"] == pytest.approx(evaluated[8]["eval_loss"]), facts
 
 
-def test_an_orpo_stop_in_training_resumes_bitwise(tmp_path, assets):
+def test_an_orpo_stop_in_training_resumes_bitwise(tmp_path, assets, orpo_full):
     """ORPO has no reference: the resume is the weights, AdamW, schedule, data position and RNG alone."""
-    full = make_run(tmp_path, "full", assets, method="orpo", steps=10)
-    assert train(full) == [0, 0]
+    full = orpo_full
     stopped = make_run(tmp_path, "stopped", assets, method="orpo", steps=10)
     assert train(stopped, FSDPJOB_STOP_AT_STEP="4") == [0, 0]
     assert max(metrics(stopped)) == 4
