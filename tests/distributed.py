@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 
@@ -21,11 +23,20 @@ def free_port() -> int:
 # still a new process that holds nothing of an earlier run; it takes the launching process's environment of the
 # moment (the server's is that of its own start), as a spawned one would.
 PRELOAD = ["torch", "fsdpjob.jobs.train"]
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first launch)
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
+    # The server starts with the stock malloc whatever the launch that starts it asks its ranks for: glibc reads
+    # MALLOC_* at process start and forked ranks inherit the server's (a bench that fixed the mmap threshold for
+    # its ranks once left it fixed for every later test's ranks, whose peaks then read 25 % low).
+    asked = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("MALLOC_")}
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.update(asked)
     return ctx
 
 
@@ -41,6 +52,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, qu
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
+    threshold = environ.get("MALLOC_MMAP_THRESHOLD_")
+    if threshold:  # glibc reads it at process start: a forked rank has the server's malloc, so set it as it would
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, int(threshold))  # fixed: no dynamic threshold, as the variable
     try:
         import torch
 
