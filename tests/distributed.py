@@ -26,7 +26,9 @@ PRELOAD = ["torch", "fsdpjob.jobs.train"]
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def _context() -> Any:
+def _context(fresh: bool = False) -> Any:
+    if fresh:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
     # The server starts with the stock malloc whatever the launch that starts it asks its ranks for: glibc reads
@@ -65,9 +67,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, kwargs: dict, qu
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _spawn(fn: Callable, world_size: int, kwargs: dict) -> tuple[list, Any]:
+def _spawn(fn: Callable, world_size: int, kwargs: dict, fresh: bool = False) -> tuple[list, Any]:
     """Start ``world_size`` ranks of ``fn`` on one free port; (processes, the queue they report to)."""
-    ctx = _context()
+    ctx = _context(fresh)
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
@@ -78,13 +80,16 @@ def _spawn(fn: Callable, world_size: int, kwargs: dict) -> tuple[list, Any]:
     return procs, queue
 
 
-def run_ranks(fn: Callable, world_size: int, timeout: float = 300, **kwargs: Any) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, timeout: float = 300, *, fresh_interpreter: bool = False,
+              **kwargs: Any) -> list[Any]:
     """Call ``fn(rank, world_size, **kwargs)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` must be importable (a module-level function). The environment carries MASTER_ADDR/PORT,
     RANK and WORLD_SIZE, as the product's launchers set them; ``fn`` creates its own process group.
+    ``fresh_interpreter``: spawned ranks that import everything themselves (a test of what happens during the
+    worker's imports), not forked from the server that imported torch and the worker already.
     """
-    procs, queue = _spawn(fn, world_size, kwargs)
+    procs, queue = _spawn(fn, world_size, kwargs, fresh_interpreter)
     results: dict[int, Any] = {}
     errors = []
     try:

@@ -182,7 +182,8 @@ def test_signal_during_the_worker_imports_is_kept_and_honoured(assets, tmp_path)
     # Seen in a 50-fault chaos run: the SIGTERM of an `scontrol requeue` came while torch was loading,
     # submitit's handler swallowed it, and the job trained on until Slurm's SIGKILL (11 steps lost).
     run_dir = make_run(tmp_path, "early-signal", assets)
-    assert run_ranks(_worker_signalled_while_importing, 1, run_dir=str(run_dir), env={}) == [0]
+    assert run_ranks(_worker_signalled_while_importing, 1, fresh_interpreter=True, run_dir=str(run_dir),
+                     env={}) == [0]
     stop = next(json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
                 if json.loads(x)["event"] == "stop")
     assert stop["step"] == 1 and stop["signal"] == 15 and stop["requeued"] is True
