@@ -20,8 +20,10 @@ from .workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
 
-# Same range as submitit's TorchDistributedEnvironment, so a port is what submitit would have picked.
-_PORT_RANGE = (20000, 60000)
+# Below Linux's ephemeral range (32768-60999 by default): there any outgoing connection on the node may hold the
+# port, and the rendezvous fails with EADDRINUSE before the first step (seen in CI, two tests' jobs on one host).
+# submitit's TorchDistributedEnvironment draws from 20000-60000.
+_PORT_RANGE = (20000, 32767)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ class GenerationClient:
 
         def attempt() -> None:
             try:
-                with _OPENER.open(request, timeout=deadline) as response:
+                # The socket's own timeout is a backstop past the deadline: the wait below decides, in one wording.
+                with _OPENER.open(request, timeout=deadline + 1) as response:
                     outcome["heard"], chunks = time.monotonic(), []
                     while chunk := response.read1(1 << 16):
                         outcome["heard"] = time.monotonic()
@@ -110,15 +111,20 @@ class GenerationClient:
             except BaseException as err:  # handed to the caller's thread
                 outcome["error"] = err
 
+        def silent() -> ServerUnresponsive:
+            why = "no answer" if outcome["heard"] == started else f"silent for {deadline:g} s"
+            return ServerUnresponsive(self._late(url, route, time.monotonic() - started, deadline, why))
+
         worker = threading.Thread(target=attempt, name=f"grpo-client {route}", daemon=True)
         worker.start()
         while worker.is_alive():
             worker.join(max(0.0, outcome["heard"] + deadline - time.monotonic()))
             if worker.is_alive() and time.monotonic() - outcome["heard"] >= deadline:
-                why = "no answer" if outcome["heard"] == started else f"silent for {deadline:g} s"
-                raise ServerUnresponsive(self._late(url, route, time.monotonic() - started, deadline, why))
+                raise silent()
         waited = time.monotonic() - started
         error = outcome.get("error")
+        if isinstance(getattr(error, "reason", error), socket.timeout | TimeoutError):  # the backstop, on a loaded host
+            raise silent() from None
         if error is None and isinstance(outcome["answer"], dict) and "error" in outcome["answer"]:
             raise ServerRefused(f"generation server {url}: {_in_band(outcome['answer'])}")
         if error is None:
