@@ -6,8 +6,9 @@ completions endpoint that loads the trainer's published weights between generati
 
 Routes (JSON in and out; errors are ``{"error": {"message": one line, ...}}`` with an HTTP 4xx/5xx status):
 
-- ``GET /health`` -> ``{"status": "ok", "version": N}``: the policy version served (0: the model it started from).
-  It never waits for a generation or a load, so a supervisor's health check answers while the server works.
+- ``GET /health`` -> ``{"status": "ok", "version": N, "busy": K}``: the policy version served (0: the model it
+  started from) and the other requests being answered (generations and loads, running or queued). It never waits for
+  a generation or a load, so a supervisor's health check answers while the server works.
 - ``GET /v1/models``: the one model, as OpenAI lists them.
 - ``POST /v1/completions``: OpenAI's completions (``prompt``: a string, a list of strings, a list of token ids or a
   list of token-id lists; ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``). Choices come
@@ -30,16 +31,18 @@ server busy with a long round is never cut off, a frozen one (SIGSTOP, a hung GP
 Clients that do not send the header get the plain answer.
 
 The ready file (``host:port``) is written once the model is loaded and the port listens, and removed on a clean
-exit; SIGINT stops the server (exit 0): a generation in flight ends at its next token and answers 503, a load in
-flight finishes first. SIGTERM, SIGUSR1 and SIGUSR2 are logged and ignored: Slurm sends a preemption's or time
-limit's signal to every step of the job, and the training ranks still need the server until their stop checkpoint
-is agreed (a stop between steps: the round being generated must finish); the supervisor stops it after the
-hand-off (orchestrator/supervise/genserver.py: SIGINT, twice on Slurm, where srun then ends the step).
+exit; SIGINT stops the server (exit 0): it accepts no more connections, a generation in flight ends at its next
+token and answers 503, one queued behind it answers 503 at once, a load in flight finishes first; every request
+received is answered before the process exits. SIGTERM, SIGUSR1 and SIGUSR2 are logged and ignored: Slurm sends a
+preemption's or time limit's signal to every step of the job, and the training ranks still need the server until
+their stop checkpoint is agreed (a stop between steps: the round being generated must finish); the supervisor stops
+it after the hand-off (orchestrator/supervise/genserver.py: SIGINT, twice on Slurm, where srun then ends the step).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +51,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -57,6 +61,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .client import KEEPALIVE_HEADER
+from .keepalive import Ticker, keepalive_s
 
 log = logging.getLogger("fsdpjob.grpo.server")
 STOP_WAIT_S = 60  # at a stop, how long a weight load in flight may take to finish
@@ -135,6 +140,7 @@ class Engine:
         request = _parse(LoadRequest, body)
         started = time.monotonic()
         with self.lock:
+            self._refuse_if_stopping()
             self.progress += 1
             kind = self.weights.load(request.path)
             self.version = request.version
@@ -154,6 +160,7 @@ class Engine:
             self._check_length(prompt, request.max_tokens)
         choices, generated = [], 0
         with self.lock:
+            self._refuse_if_stopping()
             version = self.version
             for p, prompt in enumerate(prompts):
                 for j in range(request.n):
@@ -196,11 +203,14 @@ class Engine:
             raise RequestError(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceeds the model's "
                                f"{self.max_positions} positions")
 
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise ServerStopping("the generation server is stopping")
+
     def _stop_check(self, stops: list[str]):
         def stopped(ids: list[int]) -> bool:
             self.progress += 1  # under the lock: one writer
-            if self.stopping.is_set():
-                raise ServerStopping("the generation server is stopping")
+            self._refuse_if_stopping()
             return bool(stops) and any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
 
         return stopped
@@ -228,10 +238,18 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        routes = {"/health": self.server.engine.health, "/v1/models": self.server.engine.models}
-        self._answer(routes.get(_route(self.path)), None)
+        routes = {"/health": self._health, "/v1/models": self.server.engine.models}
+        with self.server.busy():
+            self._answer(routes.get(_route(self.path)), None)
+
+    def _health(self) -> dict[str, Any]:
+        return {**self.server.engine.health(), "busy": self.server.requests_in_flight() - 1}  # less this one
 
     def do_POST(self) -> None:
+        with self.server.busy():
+            self._post()
+
+    def _post(self) -> None:
         routes = {"/v1/completions": self.server.engine.complete, "/load_weights": self.server.engine.load}
         route = routes.get(_route(self.path))
         try:
@@ -248,11 +266,11 @@ class Handler(BaseHTTPRequestHandler):
         if route is None:
             self._send(HTTPStatus.NOT_FOUND, _error(f"no route {self.command} {self.path}", "not_found"))
             return
-        every_s = _keepalive_s(self.headers.get(KEEPALIVE_HEADER)) if body is not None else None
+        every_s = keepalive_s(self.headers.get(KEEPALIVE_HEADER)) if body is not None else None
         if every_s is None:
             self._send(*self._outcome(route, body))
             return
-        ticker = _Ticker(self, every_s, lambda: self.server.engine.progress)
+        ticker = Ticker(self, every_s, lambda: self.server.engine.progress)
         try:
             status, payload = self._outcome(route, body)
         finally:
@@ -260,7 +278,7 @@ class Handler(BaseHTTPRequestHandler):
         if not ticker.started:
             self._send(status, payload)
         elif not ticker.gone:  # the 200 is out: the body says how it went
-            self._write(json.dumps(payload).encode())
+            self.write_part(json.dumps(payload).encode())
 
     def _outcome(self, route: Any, body: dict[str, Any] | None) -> tuple[HTTPStatus, dict[str, Any]]:
         from .weights import WeightError
@@ -276,7 +294,7 @@ class Handler(BaseHTTPRequestHandler):
             message = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             return HTTPStatus.INTERNAL_SERVER_ERROR, _error(message, "server_error")
 
-    def _write(self, data: bytes) -> bool:
+    def write_part(self, data: bytes) -> bool:
         """Part of an answer whose status is out; False when the client has left (its deadline)."""
         try:
             self.wfile.write(data)
@@ -302,56 +320,6 @@ class Handler(BaseHTTPRequestHandler):
         log.info("%s %s", self.address_string(), format % args)
 
 
-class _Ticker:
-    """Writes a space to an answer in the making each ``every_s`` in which the engine made progress, the 200
-    status and headers before the first (no length: the answer ends when the connection closes)."""
-
-    def __init__(self, handler: Handler, every_s: float, progress: Any):
-        self.handler, self.every_s, self.progress = handler, every_s, progress
-        self.started = False  # the status is out: the rest of the answer is its body
-        self.gone = False  # the client left
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="grpo-server keepalive", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        seen = self.progress()
-        while not self._stop.wait(self.every_s):
-            now = self.progress()
-            if now == seen:  # no token decoded since the last tick: say nothing, so the client's deadline runs
-                continue
-            seen = now
-            if not self.started:
-                handler = self.handler
-                handler.send_response(HTTPStatus.OK)
-                handler.send_header("Content-Type", "application/json")
-                handler.send_header("Connection", "close")
-                handler.close_connection = True
-                self.started = True
-                try:
-                    handler.end_headers()
-                except (BrokenPipeError, ConnectionResetError):
-                    self.gone = True
-                    return
-            if not self.handler._write(b" "):
-                self.gone = True
-                return
-
-    def stop(self) -> None:
-        """No write after this returns: the handler writes the rest."""
-        self._stop.set()
-        self._thread.join()
-
-
-def _keepalive_s(value: str | None) -> float | None:
-    """The keep-alive period a client asked for, clamped to [0.05, 30] s; None when it asked for none."""
-    try:
-        seconds = float(value) if value else None
-    except ValueError:
-        return None
-    return None if seconds is None or seconds != seconds else min(max(seconds, 0.05), 30.0)
-
-
 def _route(path: str) -> str:
     """The request's route without its query string or a trailing slash (TRL's client calls /health/)."""
     return urlsplit(path).path.rstrip("/") or "/"
@@ -362,11 +330,38 @@ def _error(message: str, kind: str) -> dict[str, Any]:
 
 
 class GenerationServer(ThreadingHTTPServer):
-    daemon_threads = True  # a request in flight does not keep a stopped server alive
+    """Counts the requests being answered, so that a stop answers each before the process exits (``drain``)."""
+
+    daemon_threads = True  # a handler stuck on a client that does not read does not keep the process alive
 
     def __init__(self, address: tuple[str, int], engine: Engine):
         super().__init__(address, Handler)
         self.engine = engine
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a request being answered (not around a connection: a client may keep one open, idle)."""
+        with self._idle:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def requests_in_flight(self) -> int:
+        with self._idle:
+            return self._in_flight
+
+    def drain(self, timeout_s: float) -> bool:
+        """After ``serve_forever`` returned: refuse the connections not yet accepted (the listening socket closes)
+        and wait for every request received to be answered. False when some were not within ``timeout_s``."""
+        self.socket.close()
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
 
 
 def write_ready_file(path: Path, host: str, port: int) -> None:
@@ -427,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.ready_file is not None:
             args.ready_file.unlink(missing_ok=True)
-        quiet = engine.quiesce(timeout_s=STOP_WAIT_S)
+        # Every accepted request is answered before the process exits (a generation with 503 at its next token, a
+        # queued one with 503 at once, a load once done); then no torch work may run while the interpreter exits.
+        engine.stopping.set()
+        bound = time.monotonic() + STOP_WAIT_S
+        quiet = server.drain(STOP_WAIT_S) and engine.quiesce(timeout_s=max(0.0, bound - time.monotonic()))
         server.server_close()
     if not quiet:
         log.error("work in flight did not end within %d s of the stop", STOP_WAIT_S)

@@ -336,10 +336,15 @@ def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_d
         assert client.health(deadline_s=30)["status"] == "ok"  # back once thawed
         proc.send_signal(signal.SIGTERM)  # Slurm's preemption signal reaches every step: the server keeps serving
         assert client.health(deadline_s=30)["status"] == "ok"
-        # SIGINT stops it: the generation it was streaming ends at its next token, told in the answer's body.
-        with pytest.raises(ServerRefused, match="the generation server is stopping"):
-            with signal_while_generating(GenerationClient(url, deadline_s=30), proc.pid, signal.SIGINT):
+        # SIGINT stops it: the generation it was working on ends at its next token, the ones queued behind it at
+        # once, each answered 503 before the process exits (no status sent yet: a 120 s deadline's first keep-alive
+        # comes after 30 s).
+        with pytest.raises(ServerRefused, match="HTTP 503: the generation server is stopping"):
+            with signal_while_generating([GenerationClient(url, deadline_s=120) for _ in range(4)], proc.pid,
+                                         signal.SIGINT, once="received") as outcome:
                 pass
+        for i in (1, 2, 3):
+            assert isinstance(outcome[i], ServerRefused) and "the generation server is stopping" in str(outcome[i])
         assert proc.wait(timeout=30) == 0
         assert not ready.exists()
     finally:
@@ -347,29 +352,53 @@ def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_d
 
 
 @contextlib.contextmanager
-def signal_while_generating(client, pid: int, signum: int):
-    """Send ``signum`` to the server once it streams a long generation's answer; re-raise what the call raised."""
+def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answering"):
+    """Send ``signum`` to the server once it has each client's long generation (thousands of tokens to go):
+    ``answering`` once each answer's 200 status has come, ``received`` once the server counts each request as one it
+    is answering (its /health's ``busy``; a client with a long deadline gets no status for a while); re-raise what
+    the first call raised."""
     import threading
 
-    outcome = {}
+    from fsdpjob.jobs.grpo import client as client_module
+    from fsdpjob.jobs.grpo.client import GenerationClient
 
-    def call():
+    clients = clients if isinstance(clients, list) else [clients]
+    outcome, opener, answering = {}, client_module._OPENER, threading.Semaphore(0)
+
+    class NotingOpener:  # the client's own opener, noting each answer whose status has come
+        def open(self, *args, **kwargs):
+            response = opener.open(*args, **kwargs)
+            answering.release()
+            return response
+
+    def call(client, i):
         try:
             client.generate(PROMPTS, max_tokens=100, temperature=1.0, n=64, seed=5)
         except Exception as err:
-            outcome["error"] = err
+            outcome.setdefault(i, err)
 
-    caller = threading.Thread(target=call)
-    caller.start()
-    time.sleep(1.0)  # the answer is under way (its status and first spaces sent): thousands of tokens to go
-    os.kill(pid, signum)
-    caller.join(60)
-    assert not caller.is_alive()
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client_module, "_OPENER", NotingOpener())
+        callers = [threading.Thread(target=call, args=(c, i)) for i, c in enumerate(clients)]
+        for caller in callers:
+            caller.start()
+        if once == "answering":
+            for _ in callers:
+                assert answering.acquire(timeout=120), f"no answer under way: {outcome}"
+        else:
+            health = GenerationClient(clients[0].base_url, deadline_s=60).health
+            while (busy := health()["busy"]) < len(callers):
+                assert not outcome, f"{busy} of {len(callers)} received: {outcome}"
+                time.sleep(0.05)
+        os.kill(pid, signum)
+        for caller in callers:
+            caller.join(60)
+            assert not caller.is_alive()
+    yield outcome
     if signum == signal.SIGSTOP:
         os.kill(pid, signal.SIGCONT)
-    if "error" in outcome:
-        raise outcome["error"]
+    if 0 in outcome:
+        raise outcome[0]
 
 
 def test_an_unreachable_server_is_unresponsive_not_an_endless_wait():
