@@ -4,7 +4,6 @@ file."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 
@@ -14,6 +13,8 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
     The folder is fsynced after the rename: a checkpoint's commit marker must survive a node crash
     once the writer has gone on (a marker lost after its step was purged would lose the run's state).
     """
+    import tempfile  # here: 5 ms (shutil, random) a command that writes nothing need not pay
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 import typing
 from typing import Any
@@ -98,6 +97,8 @@ def _message(err: dict, model: type[BaseModel]) -> str:
     kind, loc = err["type"], tuple(err["loc"])
     if kind == "extra_forbidden":
         valid = _field_names(model, loc[:-1])
+        import difflib  # only for a mistake: its import compiles regexes
+
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
         return f"unknown key; {hint}"

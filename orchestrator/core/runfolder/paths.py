@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import secrets
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ def runs_root() -> Path:
 
 def new_run_id(name: str, now: float | None = None) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
-    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+    return f"{name}-{stamp}-{os.urandom(2).hex()}"
 
 
 @dataclass(frozen=True)
