@@ -126,7 +126,13 @@ def _launch(run_dir: Path, stop: preemption.StopFlag | None) -> Launch:
     worker, hooks = WorkerEnv.from_env(), TestHooks.from_env()
     _setup_logging(worker.log_rank)
     heartbeat.enter(heartbeat.PROCESS_GROUP)
-    env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
+    try:
+        env = init_distributed(spec.fsdp.collective_timeout_s, cpu_offload=spec.fsdp.cpu_offload, worker=worker)
+    except Exception as exc:  # no reporter yet: each failing rank says itself whether a new launch may pass
+        rank = int(worker.log_rank) if worker.log_rank.isdigit() else None
+        runlog.append(paths.run_dir, runlog.FAILED, rank=rank, phase="rendezvous", step=None, host=worker.host,
+                      error=f"{type(exc).__name__}: {exc}"[:2000], retryable=_retryable(exc))
+        raise
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=spec.train.max_steps,
                       log_every=spec.train.log_every)
     return Launch(paths, meta, spec, stop, worker, hooks, env, report)

@@ -206,6 +206,19 @@ def test_policy_two_restarts_without_progress_end_the_loop() -> None:
 def test_policy_refuses_hopeless_or_final_cases() -> None:
     crash = [fault()]
     assert not restart_in_allocation(crash, [], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    # Before the first step, a crash every failing rank marked retryable (a rendezvous port taken) is restarted, as
+    # a hang is; one rank's own error among them still ends it, and so does the third launch without progress.
+    lost = {"event": "failed", "rank": 0, "phase": "rendezvous", "retryable": True,
+            "error": "DistNetworkError: The server socket has failed to listen on any local network address. "
+                     "port: 24084, useIPv6: 0, code: -98, name: EADDRINUSE, message: address already in use"}
+    peer = {"event": "failed", "rank": 1, "retryable": True, "error": "DistError: Connection reset by peer"}
+    again = restart_in_allocation(crash, [lost, peer], max_restarts=3, ever_trained=False, can_exclude=True)
+    assert again.restart and "restart 1 of 3" in again.why
+    own = {"event": "failed", "rank": 1, "retryable": False, "error": "ValueError: bad data"}
+    assert not restart_in_allocation(crash, [lost, own], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    thrice = [fault(committed=None, launch=n) for n in range(3)]
+    no = restart_in_allocation(thrice, [lost], max_restarts=5, ever_trained=False, can_exclude=True)
+    assert not no.restart and "committed no new checkpoint" in no.why
     assert restart_in_allocation([fault("hang")], [], max_restarts=3, ever_trained=False, can_exclude=True).restart
     for events in ([{"event": "cancel"}], [{"event": "stop", "requeued": True}],
                    # past preemption.max_requeues: the workers stop, do not requeue, and exit 1

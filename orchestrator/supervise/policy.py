@@ -6,7 +6,8 @@ it as before. The rules, in order:
   past preemption.max_requeues, failed it), or a worker error marked not retryable (bad data, a refused
   resume, out of memory) end the loop: a restart cannot help or must not happen;
 - a crash before the run ever trained a step ends it: it would crash the same way (a hang may be transient:
-  it is restarted, within the budget);
+  it is restarted, within the budget), unless every rank that said why it failed marked it retryable (a lost
+  connection, a rendezvous port another process took: jobs/train.py), when it is restarted as a hang is;
 - ``recovery.max_restarts`` restarts per allocation;
 - two restarts in a row that committed no new checkpoint end it: the fault repeats faster than progress;
 - a node blamed twice (by the rank that died first or stalled, never by its casualties: blame.py), or lost
@@ -68,7 +69,7 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
                                    f"({'requeued' if e.get('requeued') else 'not requeued: ' + str(e.get('detail'))})")
         if attempts.not_retryable(e):
             return Decision(False, attempts.not_retryable_why(e))
-    if fault.kind == "crash" and not ever_trained:
+    if fault.kind == "crash" and not ever_trained and not _transient(launch_events):
         return Decision(False,
                         "the workers crashed before the run's first training step; they would crash the same way")
     if len(faults) > max_restarts:
@@ -96,6 +97,12 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
                         exclude=twice)
     return Decision(True, f"{fault.kind}: restarting the workers in this allocation from the newest committed "
                           f"checkpoint (restart {len(faults)} of {max_restarts})")
+
+
+def _transient(launch_events: list[dict]) -> bool:
+    """The launch's workers said why they failed, and each said a new launch may pass."""
+    failed = [e for e in launch_events if e.get("event") == runlog.FAILED]
+    return bool(failed) and all(e.get("retryable") is True for e in failed)
 
 
 def _remembered(faults: list[Fault]) -> list[Fault]:

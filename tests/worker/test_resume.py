@@ -187,3 +187,32 @@ def test_signal_during_the_worker_imports_is_kept_and_honoured(assets, tmp_path)
     stop = next(json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
                 if json.loads(x)["event"] == "stop")
     assert stop["step"] == 1 and stop["signal"] == 15 and stop["requeued"] is True
+
+
+def _worker_failing_rendezvous(rank: int, world_size: int, run_dir: str, env: dict) -> str:
+    os.environ.update(env)
+    from fsdpjob.jobs.train import run
+
+    try:
+        run(run_dir)
+    except Exception as exc:
+        return type(exc).__name__
+    return "trained"
+
+
+def test_a_rendezvous_port_in_use_is_recorded_as_a_failure_a_new_launch_may_pass(assets, tmp_path):
+    # Seen in CI: a sweep task's rendezvous port was taken by another process on the node; the worker died before
+    # it had a reporter, so the supervisor found no reason and took it for a crash that would repeat.
+    import socket
+
+    run_dir = make_run(tmp_path, "port-taken", assets)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        outcome = run_ranks(_worker_failing_rendezvous, 1, run_dir=str(run_dir),
+                            env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    assert outcome == ["DistNetworkError"]
+    [failed] = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert failed["event"] == "failed" and failed["phase"] == "rendezvous" and failed["rank"] == 0
+    assert failed["retryable"] is True and "EADDRINUSE" in failed["error"] and failed["step"] is None
