@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fsdpjob.orchestrator.supervise.allocation import LocalAllocation, SlurmAllocation, allocation_for
 
 
@@ -36,3 +38,28 @@ def test_a_step_after_lost_nodes_runs_srun_on_the_nodes_left_and_a_local_step_as
     assert srun_on_nodes_left(step, (), 3, 4) == step  # nothing lost: the step as the template wrote it
     assert srun_on_nodes_left(["python", "-m", "w"], ("n2",), 3, 4) == ["python", "-m", "w"]  # not an srun line
     assert LocalAllocation.step_command(None, step, ("n2",), 3, 4) == step
+
+
+def test_a_probe_that_answers_late_loses_the_node_only_when_slurm_says_so(tmp_path, monkeypatch):
+    # After a crash each node runs `srun --overlap ... true`. On a loaded node or controller the answer can come
+    # after the probe's bound: that alone is no death (the node would be left out or the job requeued without
+    # it). Slurm's own state decides then; srun refusing the step at once still means the node cannot run one.
+    from fsdpjob.orchestrator.supervise import allocation
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/bin/sh\nfor a; do case "$a" in --nodelist=*) node="${a#--nodelist=}";; esac; done\n'
+        'case "$node" in n1) exit 0;; n2|n3) exec sleep 30;; *) echo "srun: error: Task launch for StepId=7.9 failed'
+        ' on node $node: Communication connection failure" >&2; exit 1;; esac\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\ncase "$2 $3" in "hostnames "*) printf "n1\\nn2\\nn3\\nn4\\n";;'
+        ' "job "*) echo "JobId=7 JobState=RUNNING";;'
+        ' "node n2") echo "NodeName=n2 State=ALLOCATED ThreadsPerCore=1";;'
+        ' "node n3") echo "NodeName=n3 State=ALLOCATED* ThreadsPerCore=1";; *) exit 1;; esac\n')
+    for script in bin_dir.iterdir():
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-4]")
+    monkeypatch.setattr(allocation, "PROBE_TIMEOUT_S", 1.0)
+    assert SlurmAllocation(nodes=4, job_id="7").node_facts(()).lost == ("n3", "n4")

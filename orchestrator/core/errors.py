@@ -78,6 +78,13 @@ class SlurmCommandError(FsdpjobError):
         super().__init__(f"{argv[0]} failed (exit {returncode}): {self.stderr or '(no output)'}")
 
 
+class SlurmTimeout(SlurmCommandError):
+    """A Slurm command gave no answer within its bound: a late answer, which by itself says nothing of a node."""
+
+    def __init__(self, argv: list[str], timeout: float):
+        super().__init__(argv, -1, f"timed out after {timeout:.0f} s (is slurmctld up?)")
+
+
 class SubmissionError(FsdpjobError):
     """Submission failed; nothing was recorded."""
 

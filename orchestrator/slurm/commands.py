@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError
+from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmCommandError, SlurmTimeout
 
 SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Start", "End", "NodeList", "Elapsed", "Submit", "Eligible",
                 "JobID")
@@ -23,7 +23,7 @@ def run(argv: list[str], timeout: float = 30) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise SlurmCommandError(argv, -1, f"timed out after {timeout:.0f} s (is slurmctld up?)") from None
+        raise SlurmTimeout(argv, timeout) from None
     if proc.returncode != 0:
         raise SlurmCommandError(argv, proc.returncode, proc.stderr or proc.stdout)
     return proc.stdout
@@ -138,6 +138,16 @@ def scontrol_job(job_id: str) -> dict[str, str] | None:
         if "Invalid job id" in exc.stderr:
             return None
         raise
+
+
+def node_not_responding(node: str, timeout: float = 30) -> bool | None:
+    """Slurm's own word on a node: True when its state says the controller lost it (DOWN, FAIL, or the ``*`` of a
+    node that does not respond, e.g. ``ALLOCATED*``), False when not, None when the controller did not answer."""
+    try:
+        state = parse_scontrol(run(["scontrol", "show", "node", node], timeout=timeout)).get("State", "")
+    except SlurmCommandError:
+        return None
+    return bool(re.search(r"\*|DOWN|FAIL|NOT_RESPONDING", state))
 
 
 def node_addr(node: str, timeout: float = 30) -> str | None:
@@ -328,7 +338,7 @@ def sbatch_test_only(script: str, timeout: float = 30) -> str:
         proc = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True,
                               timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise SlurmCommandError(["sbatch", "--test-only"], -1, f"timed out after {timeout:.0f} s") from None
+        raise SlurmTimeout(["sbatch", "--test-only"], timeout) from None
     if proc.returncode != 0:
         raise SlurmCommandError(["sbatch", "--test-only"], proc.returncode, proc.stderr or proc.stdout)
     return proc.stderr

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import slurmenv
-from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmTimeout
 from fsdpjob.orchestrator.core.runfolder import attempts, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
@@ -107,7 +107,9 @@ class SlurmAllocation:
             try:
                 slurm_cli.on_node(job_id, node, ["true"], timeout=PROBE_TIMEOUT_S)
                 return False
-            except FsdpjobError:
+            except SlurmTimeout:  # a late answer (a loaded node or controller) is lost only if Slurm says so
+                return slurm_cli.node_not_responding(node, timeout=PROBE_TIMEOUT_S) is True
+            except FsdpjobError:  # srun refused the step: the node cannot run one
                 return True
 
         def partition() -> tuple[dict, list[str]] | None:
