@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -366,11 +367,7 @@ def main() -> int:
         results = []
         for rnd in range(1, args.rounds + 1):
             for case in wt.rotated(list(args.cases), rnd - 1):
-                result = run_case(setup, case, rnd)
-                if result.error:  # once more: one failure must not cost a round
-                    first = result.error
-                    result = run_case(setup, case, rnd, attempt=2)
-                    result.note = "; ".join(filter(None, [result.note, f"attempt 2; attempt 1: {first[:1500]}"]))
+                result = wt.once_more(functools.partial(run_case, setup, case, rnd))
                 results.append(result)
                 print(f"  round {rnd} {case:<17} {fmt(result.rate, '8.0f')} real tok/s  "
                       f"{fmt(result.real_per_step, '.0f')} real/step  loss@1 {fmt(result.loss1, '.3f')}  "

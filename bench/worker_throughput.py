@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -351,6 +352,17 @@ def exit_note(case: str, out: Path, cmd: list[str], returncode: int) -> str | No
     lines = (out / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()
     why = next((line for line in lines if "terminate" in line or "Error" in line), lines[-1] if lines else "")
     return f"exit {returncode} after it wrote its figures ({out / 'log.txt'}: {why.strip()[:200]})"
+
+
+def once_more(run) -> Result:
+    """``run(attempt)``, and once more (a run folder of its own) when it failed: one failure must not cost a round;
+    the result's note keeps the first attempt's error."""
+    result = run(1)
+    if result.error:
+        first = result.error
+        result = run(2)
+        result.note = "; ".join(filter(None, [result.note, f"attempt 2; attempt 1 failed: {first[:1500]}"]))
+    return result
 
 
 def run_case(setup: Setup, case: str, size: str, ac: bool, rnd: int, attempt: int = 1) -> Result:
@@ -648,11 +660,7 @@ def main() -> int:
               flush=True)  # fmt: skip
         results = []
         for rnd, size, ac, case in plan:
-            result = run_case(setup, case, size, ac, rnd)
-            if result.error:  # once more (a run folder of its own): one failure must not cost a round
-                first = result.error
-                result = run_case(setup, case, size, ac, rnd, attempt=2)
-                result.note = "; ".join(filter(None, [result.note, f"attempt 2; attempt 1 failed: {first[:1500]}"]))
+            result = once_more(functools.partial(run_case, setup, case, size, ac, rnd))
             results.append(result)
             print(f"  round {rnd} {size:>4} AC {'on ' if ac else 'off'} {case:<9} "
                   f"{fmt(result.rate, '8.0f')} tok/s  loss@1 {fmt(result.loss1, '.4f')}  "
