@@ -1,6 +1,7 @@
 """A resume from the memory tier: the newest step the nodes of this launch hold in full, read on any world size.
 DCP's load plan says which items each rank needs; the bytes of those that its own node lacks come over gloo from a
-rank whose node has them, into a sparse per-rank copy that DCP then reads as usual."""
+rank whose node has them, in messages of at most REPLICA_CHUNK_BYTES, into a sparse per-rank copy that DCP then
+reads as usual."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import SIDECAR, step_dir_name
-from fsdpjob.orchestrator.core.runfolder.memtier import METADATA, TierChoice, choose_step, scan_node
+from fsdpjob.orchestrator.core.runfolder.memtier import (
+    METADATA,
+    REPLICA_CHUNK_BYTES,
+    TierChoice,
+    choose_step,
+    scan_node,
+)
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 from .io import CheckpointReader
@@ -56,43 +63,81 @@ def load(node: TierNode, ckpt: CheckpointManager, choice: TierChoice, state: dic
     for name, ranks in choice.holders.items():
         if node.rank in ranks:
             (work / name).symlink_to(step_dir / name)
-    fetch = _fetcher(node, choice, step_dir)
+    fetch = fetcher(node, choice, step_dir)
     try:
         return ckpt.load(work, state, reader=lambda path: _FetchingReader(path, fetch=fetch))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _fetcher(node: TierNode, choice: TierChoice, step_dir: Path) -> Fetch:
+def fetcher(node: TierNode, choice: TierChoice, step_dir: Path, chunk_bytes: int = REPLICA_CHUNK_BYTES) -> Fetch:
+    """The collective that brings each rank the byte ranges it lacks. They travel in messages of at most
+    ``chunk_bytes`` through one buffer on each side (a rank may need gigabytes of a file: the whole of them read,
+    joined and received at once held three copies in host memory during a resume)."""
+
     def fetch(work: Path, needs: dict[str, list[tuple[int, int]]]) -> None:
-        """Collective: every rank's missing byte ranges, each sent by the lowest rank whose node holds the file
-        (pairs in one global order, so blocking sends and receives always meet)."""
+        """Every rank's missing byte ranges, each file's sent by the lowest rank whose node holds it (pairs and
+        messages in one global order, so blocking sends and receives always meet)."""
         everyone = node.gather(needs)
         for needer, wanted in enumerate(everyone):
             for name in sorted(wanted):
-                ranges = wanted[name]
                 src = min(choice.holders[name])
-                if node.rank == src:
-                    with open(step_dir / name, "rb") as f:
-                        chunks = [os.pread(f.fileno(), length, offset) for offset, length in ranges]
-                    dist.send(torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8), needer, group=node.pg)
-                elif node.rank == needer:
-                    buf = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8)
-                    dist.recv(buf, src, group=node.pg)
-                    _write_ranges(work / name, memoryview(buf.numpy()), ranges)
+                if node.rank not in (src, needer):
+                    continue
+                messages = _messages(wanted[name], chunk_bytes)
+                if not messages:  # only empty items (a 0-element tensor): nothing travels
+                    continue
+                buffer = torch.empty(max(sum(n for _, n in m) for m in messages), dtype=torch.uint8)
+                view = memoryview(buffer.numpy())
+                fd = os.open(step_dir / name if node.rank == src else work / name,
+                             os.O_RDONLY if node.rank == src else os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    for message in messages:
+                        size = sum(n for _, n in message)
+                        if node.rank == src:
+                            _read_ranges(fd, view, message, name)
+                            dist.send(buffer[:size], needer, group=node.pg)
+                        else:
+                            dist.recv(buffer[:size], src, group=node.pg)
+                            _write_ranges(fd, view, message)
+                finally:
+                    os.close(fd)
     return fetch
 
 
-def _write_ranges(path: Path, data: memoryview, ranges: list[tuple[int, int]]) -> None:
-    """``data``, the ranges' bytes one after another, each at its offset of ``path`` (a sparse file)."""
+def _messages(ranges: list[tuple[int, int]], chunk_bytes: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` (offset, length) cut into messages of at most ``chunk_bytes`` bytes, in order; a range longer
+    than that spans several."""
+    messages, current, size = [], [], 0
+    for offset, length in ranges:
+        while length:
+            take = min(length, chunk_bytes - size)
+            current.append((offset, take))
+            offset, length, size = offset + take, length - take, size + take
+            if size == chunk_bytes:
+                messages.append(current)
+                current, size = [], 0
+    return messages + ([current] if current else [])
+
+
+def _read_ranges(fd: int, view: memoryview, ranges: list[tuple[int, int]], name: str) -> None:
+    """The ranges' bytes of ``fd``, one after another, into ``view``."""
     done = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for offset, length in ranges:
-            os.pwrite(fd, data[done:done + length], offset)
-            done += length
-    finally:
-        os.close(fd)
+    for offset, length in ranges:
+        while length:
+            got = os.preadv(fd, [view[done:done + length]], offset)
+            if not got:
+                raise OSError(f"memory tier: {name} ends before byte {offset + length}")
+            done, offset, length = done + got, offset + got, length - got
+
+
+def _write_ranges(fd: int, view: memoryview, ranges: list[tuple[int, int]]) -> None:
+    """``view``, the ranges' bytes one after another, each at its offset of ``fd`` (a sparse file)."""
+    done = 0
+    for offset, length in ranges:
+        while length:
+            put = os.pwrite(fd, view[done:done + length], offset)
+            done, offset, length = done + put, offset + put, length - put
 
 
 class _FetchingReader(CheckpointReader):
