@@ -2,7 +2,7 @@
 measures it). The causes are guarded here without a clock: in a fresh interpreter, what the command imports and which
 pydantic models it builds (a model's validator is built on first use, defer_build; each built model costs
 milliseconds), and that no model reads its source file for field docstrings at import (fielddocs does that for
-schemas only)."""
+schemas only), nor does pydantic scan the installed distributions for plugins."""
 
 from __future__ import annotations
 
@@ -38,8 +38,13 @@ def models(cls):
         yield from models(sub)
 
 def report():
+    import os
+    from pydantic.plugin import _loader
+
     every = list(models(BaseModel))
     print(json.dumps({
+        "plugins_scanned": _loader._plugins is not None,
+        "plugins_switch_left": "PYDANTIC_DISABLE_PLUGINS" in os.environ,
         "modules": sorted(sys.modules),
         "built": sorted(m.__name__ for m in every if m.__dict__.get("__pydantic_complete__")),
         "docstrings_read": sorted(m.__name__ for m in every if m.model_config.get("use_attribute_docstrings")),
@@ -81,6 +86,9 @@ def test_a_plain_spec_imports_and_builds_only_what_the_command_uses(quickstart, 
     assert set(result["built"]) <= BUILT_AT_MOST, f"`fsdpjob {command}` built {result['built']}"
     assert "JobSpec" in result["built"]
     assert result["docstrings_read"] == [], "use_attribute_docstrings reads each model's source at import"
+    # pydantic's scan of every installed distribution for plugins is switched off while the spec is loaded, and the
+    # switch is not left in the environment the command's children would get.
+    assert not result["plugins_scanned"] and not result["plugins_switch_left"], result
 
 
 def test_the_schema_carries_the_field_docstrings_after_a_validate(quickstart, monkeypatch):

@@ -15,7 +15,7 @@ from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
 from fsdpjob.orchestrator.core.jobspec.notifyspec import notify_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
-from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
+from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors, validators_without_plugins
 from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import resume_problem, unwritable
 
@@ -54,6 +54,13 @@ def load_job(
     a submit) is asked once, for a profile whose scheduler has partitions, how many nodes the job's partition has
     (None: the scheduler cannot say here).
     """
+    with validators_without_plugins():
+        return _load(spec_path, profile, overrides, check_files, check_env, resume_from, ask_partition_size)
+
+
+def _load(spec_path: str, profile: str | None, overrides: tuple[str, ...], check_files: bool | Literal["config"],
+          check_env: bool | None, resume_from: str | None,
+          ask_partition_size: Callable[[str, str | None], PartitionSize | None] | None) -> LoadedJob:
     spec, doc = load_spec(spec_path, list(overrides))
     if profile:
         spec = spec.model_copy(update={"profile": profile})
