@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 from burners import burning  # bench/burners.py
+from common import load_note  # bench/common.py
 from devjobs import cli, poll  # bench/devjobs.py (this folder is on sys.path)
 
 CHECKPOINT_EVERY = 10
@@ -185,7 +186,7 @@ def main() -> int:
         try:
             for n in range(args.trials):
                 rows.append(trial(run, n, rng))
-                print(json.dumps(rows[-1]), flush=True)
+                print(json.dumps(rows[-1]), load_note(), flush=True)
             wait_done(run, 3600)
             reference = submit({**spec, "name": "recovery-soak-reference"}, root / "reference.yaml")
             wait_done(reference, 3600)
