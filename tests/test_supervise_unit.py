@@ -216,6 +216,9 @@ def test_policy_refuses_hopeless_or_final_cases() -> None:
     assert again.restart and "restart 1 of 3" in again.why
     own = {"event": "failed", "rank": 1, "retryable": False, "error": "ValueError: bad data"}
     assert not restart_in_allocation(crash, [lost, own], max_restarts=3, ever_trained=False, can_exclude=True).restart
+    # Only peers' lost connections (the rank that died said nothing: the OOM killer while the model loads) would die
+    # the same way again.
+    assert not restart_in_allocation(crash, [peer], max_restarts=3, ever_trained=False, can_exclude=True).restart
     thrice = [fault(committed=None, launch=n) for n in range(3)]
     no = restart_in_allocation(thrice, [lost], max_restarts=5, ever_trained=False, can_exclude=True)
     assert not no.restart and "committed no new checkpoint" in no.why

@@ -6,8 +6,8 @@ it as before. The rules, in order:
   past preemption.max_requeues, failed it), or a worker error marked not retryable (bad data, a refused
   resume, out of memory) end the loop: a restart cannot help or must not happen;
 - a crash before the run ever trained a step ends it: it would crash the same way (a hang may be transient:
-  it is restarted, within the budget), unless every rank that said why it failed marked it retryable (a lost
-  connection, a rendezvous port another process took: jobs/train.py), when it is restarted as a hang is;
+  it is restarted, within the budget), unless every rank that said why it failed marked it retryable and one
+  failed by itself (a rendezvous port another process took: jobs/train.py), when it is restarted as a hang is;
 - ``recovery.max_restarts`` restarts per allocation;
 - two restarts in a row that committed no new checkpoint end it: the fault repeats faster than progress;
 - a node blamed twice (by the rank that died first or stalled, never by its casualties: blame.py), or lost
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.runfolder import attempts, runlog
+
+from .blame import is_peer_error
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,12 @@ def restart_in_allocation(faults: list[Fault], launch_events: list[dict], *, max
 
 
 def _transient(launch_events: list[dict]) -> bool:
-    """The launch's workers said why they failed, and each said a new launch may pass."""
+    """The launch's workers said why they failed, each said a new launch may pass, and one of them failed by
+    itself: at the rendezvous, or not after a peer. Peers' lost connections alone are casualties of a rank that
+    died without a word (the OOM killer while loading the model: it would die again)."""
     failed = [e for e in launch_events if e.get("event") == runlog.FAILED]
-    return bool(failed) and all(e.get("retryable") is True for e in failed)
+    return (bool(failed) and all(e.get("retryable") is True for e in failed)
+            and any(e.get("phase") == "rendezvous" or not is_peer_error(str(e.get("error"))) for e in failed))
 
 
 def _remembered(faults: list[Fault]) -> list[Fault]:
