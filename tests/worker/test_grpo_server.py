@@ -355,8 +355,8 @@ def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_d
 def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answering"):
     """Send ``signum`` to the server once it has each client's long generation (thousands of tokens to go):
     ``answering`` once each answer's 200 status has come, ``received`` once the server counts each request as one it
-    is answering (its /health's ``busy``; a client with a long deadline gets no status for a while); re-raise what
-    the first call raised."""
+    is answering (its /health's ``busy``, counted from an idle server; a client with a long deadline gets no status
+    for a while); re-raise what the first call raised."""
     import threading
 
     from fsdpjob.jobs.grpo import client as client_module
@@ -377,6 +377,12 @@ def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answ
         except Exception as err:
             outcome.setdefault(i, err)
 
+    health = GenerationClient(clients[0].base_url, deadline_s=60).health
+    if once == "received":  # work of clients that left (a frozen call's generation goes on once thawed) ends first
+        end = time.monotonic() + 300
+        while health()["busy"]:
+            assert time.monotonic() < end, "the server never became idle"
+            time.sleep(0.1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(client_module, "_OPENER", NotingOpener())
         callers = [threading.Thread(target=call, args=(c, i)) for i, c in enumerate(clients)]
@@ -386,7 +392,6 @@ def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answ
             for _ in callers:
                 assert answering.acquire(timeout=120), f"no answer under way: {outcome}"
         else:
-            health = GenerationClient(clients[0].base_url, deadline_s=60).health
             while (busy := health()["busy"]) < len(callers):
                 assert not outcome, f"{busy} of {len(callers)} received: {outcome}"
                 time.sleep(0.05)
