@@ -98,7 +98,7 @@ def exported(run: Run) -> dict:
     return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
 
 
-def same_bits(a: dict, b: dict) -> list[str]:
+def differing_tensors(a: dict, b: dict) -> list[str]:
     """The tensors that differ (or are missing from one side)."""
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not a[k].equal(b[k]))
 
@@ -190,7 +190,7 @@ def main() -> int:
             wait_done(run, 3600)
             reference = submit({**spec, "name": "recovery-soak-reference"}, root / "reference.yaml")
             wait_done(reference, 3600)
-            differ = same_bits(exported(run), exported(reference))
+            differ = differing_tensors(exported(run), exported(reference))
         finally:
             subprocess.run(["scancel", run.info["job_id"]], capture_output=True)
     print(f"{'trial':>5} {'hang rank@step':>14} {'detect s':>8} {'hang->step s':>12} {'crash rank@step':>15} "
