@@ -61,6 +61,17 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def status_json(ref: str, cwd: Path | str | None = None) -> dict:
+    """`fsdpjob status REF --json` in this process, for the loops that poll a run every second: a subprocess a
+    poll cost ~0.3 s of CPU for the interpreter and the imports alone, which on 2 cores slowed the very runs the
+    tests wait for (the cluster tests poll for most of their 35 minutes). Same code and output as the command;
+    the tests that check the command itself still run it in a subprocess."""
+    with contextlib.chdir(cwd or Path.cwd()):
+        code, out, err = run_cli("status", ref, "--json")
+    assert code == 0 and "Traceback" not in err, f"fsdpjob status {ref} --json -> exit {code}\n{out}\n{err}"
+    return json.loads(out)
+
+
 def wait_for(condition: Callable[[], T], timeout_s: float, *, interval_s: float = 0.25,
              what: str = "the condition") -> T:
     """Call condition() every `interval_s` until it returns something truthy, and return that. After

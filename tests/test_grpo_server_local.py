@@ -16,7 +16,7 @@ from pathlib import Path
 import helpers
 import pytest
 from distributed import committed_model_state
-from helpers import ONE_THREAD, wait_for
+from helpers import ONE_THREAD, status_json, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, timeout_s=600)
@@ -54,7 +54,7 @@ def _events(run: dict) -> list[dict]:
 
 
 def _status(root: Path, run: dict) -> dict:
-    return json.loads(fsdpjob("status", run["run_id"], "--json", cwd=root).stdout)
+    return status_json(run["run_id"], cwd=root)
 
 
 def _server_pid(run: dict) -> int:

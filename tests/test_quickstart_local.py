@@ -12,7 +12,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import ONE_THREAD, wait_for
+from helpers import ONE_THREAD, status_json, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -106,7 +106,7 @@ def test_local_run_survives_a_hangup_and_cancel_stops_it(tmp_path: Path, assets:
     run_dir = Path(run["run_dir"])
 
     def step() -> int:
-        return json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)["step"] or 0
+        return status_json(run["run_id"], cwd=tmp_path)["step"] or 0
 
     wait_for(lambda: step() >= 2, 180, interval_s=0.5, what="step 2")
     pids = _run_pids(run_dir)
@@ -166,7 +166,7 @@ def test_ctrl_c_under_wait_cancels_a_local_run_as_fsdpjob_cancel_does(tmp_path: 
             lines.append(waiting.stdout.readline())
         run = json.loads("".join(lines))
         run_dir = Path(run["run_dir"])
-        wait_for(lambda: json.loads(fsdpjob("status", run["run_id"], "--json", cwd=tmp_path).stdout)["step"] or 0,
+        wait_for(lambda: status_json(run["run_id"], cwd=tmp_path)["step"] or 0,
                  180, interval_s=0.5, what="a trained step")
         os.killpg(waiting.pid, signal.SIGINT)
         out, err = waiting.communicate(timeout=120)

@@ -16,7 +16,7 @@ import helpers
 import pytest
 import torch
 from distributed import committed_model_state
-from helpers import ONE_THREAD, wait_for
+from helpers import ONE_THREAD, status_json, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -56,7 +56,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 def _wait_done(root: Path, run: dict) -> dict:
     def finished():
-        report = json.loads(fsdpjob("status", run["run_id"], "--json", cwd=root).stdout)
+        report = status_json(run["run_id"], cwd=root)
         return report if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED") else None
 
     return wait_for(finished, 400, interval_s=1.0, what=f"{run['run_id']} to finish")
@@ -87,7 +87,7 @@ def _rank_pid(run_dir: str, rank: int) -> int:
 
 
 def _step(root: Path, run: dict) -> int:
-    return json.loads(fsdpjob("status", run["run_id"], "--json", cwd=root).stdout)["step"] or 0
+    return status_json(run["run_id"], cwd=root)["step"] or 0
 
 
 def test_rank_stuck_in_the_data_path(assets: Path, reference: dict) -> None:

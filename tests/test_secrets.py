@@ -18,7 +18,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import ONE_THREAD, wait_for
+from helpers import ONE_THREAD, status_json, wait_for
 from slurm.conftest import slurm_cluster, slurm_cluster_session  # noqa: F401 - fixtures for the Slurm case
 from specs import quickstart_spec, write_spec
 
@@ -86,7 +86,7 @@ def worker_environments(run_dir: str, ranks: int, timeout_s: float = 180) -> lis
 
 def wait_terminal(run_id: str, timeout_s: float = 300) -> dict:
     def ended() -> dict | None:
-        report = json.loads(fsdpjob("status", run_id, "--json").stdout)
+        report = status_json(run_id)
         return report if report["phase"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") else None
 
     return wait_for(ended, timeout_s, interval_s=1.0, what=f"{run_id} to finish")

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from distributed import committed_model_state
-from helpers import fsdpjob, wait_for
+from helpers import fsdpjob, status_json, wait_for
 
 from fsdpjob.orchestrator.devcluster import manage
 from fsdpjob.orchestrator.devcluster.manage import ClusterInfo
@@ -26,7 +26,7 @@ def release_held(job_id: int | str) -> None:
 
 
 def status(ref: str) -> dict:
-    return json.loads(fsdpjob("status", ref, "--json", check=True).stdout)
+    return status_json(ref)
 
 
 def submit(spec: Path, *extra: str) -> dict:
