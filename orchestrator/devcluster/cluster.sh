@@ -326,10 +326,12 @@ $(for node in $(node_names); do
         printf 'NodeName=%s NodeHostname=%s NodeAddr=127.0.0.1 Port=%s CPUs=4 RealMemory=8192 Gres=gpu:2 State=UNKNOWN\n' \
             "${node}" "${host}" "$(node_port "${node#n}")"
     done)
-PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+# A preempted job's grace: its workers' stop checkpoint and the requeue took 3-6 s in CI; 30 s ran out once on
+# a machine at load 24, and Slurm then requeued the job itself (tests/slurm/test_sweep_slurm.py).
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
 PartitionName=high Nodes=n[1-2] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 $(if ((NODES > 2)); then
-        printf 'PartitionName=wide Nodes=n[1-%d] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30\n' \
+        printf 'PartitionName=wide Nodes=n[1-%d] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60\n' \
             "${NODES}"
     fi)
 EOF

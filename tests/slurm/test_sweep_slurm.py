@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import fsdpjob
+from helpers import fsdpjob, status_json
 from slurm.slurm_helpers import final_weights, release_held, submit, wait_phase
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -30,7 +30,7 @@ def tasks_now(array_job: str) -> dict[str, tuple[str, str]]:
 
 
 def sweep_status(ref: str) -> dict:
-    return json.loads(fsdpjob("status", ref, "--json", check=True).stdout)
+    return status_json(ref)
 
 
 def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(slurm_cluster, make_spec, in_container,
@@ -67,14 +67,14 @@ def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(sl
         assert time.monotonic() < deadline, now
         time.sleep(1)
 
-    # `released` is only the test's shortcut past the 120 s hold and is not asserted: a task may start again before
-    # a poll saw it PENDING (e.g. after Slurm's own requeue). The restart itself is asserted below.
-    assert most == 2 and preempted
+    # The workers' stop checkpoint and the batch side's requeue came within the preemption's grace (the dev
+    # cluster's 60 s; 3-6 s in CI): the task sat in the queue under the requeue's BeginTime hold, which the test
+    # lifted. (With the former 30 s grace a loaded machine once let Slurm requeue the task itself at the grace's
+    # end, which holds nothing, and the stop was then classified as an external requeue.)
+    assert most == 2 and preempted and released
     assert all(r["phase"] == "COMPLETED" and r["step"] == STEPS for r in now.values()), now
     # The preempted task came back alone: its restart is the only one, the others never stopped.
-    # "requeue" when the save outlasted the preemption's grace and Slurm had requeued the task itself (a loaded
-    # machine): stop.classify then sees Restarts grown. Either way the workers' stop checkpoint came first.
-    assert now[0]["restarts"] == 1 and now[0]["last_stop"]["reason"] in ("preemption", "requeue"), now[0]
+    assert now[0]["restarts"] == 1 and now[0]["last_stop"]["reason"] == "preemption", now[0]
     assert now[0]["last_stop"]["requeued"] is True and now[0]["steps_lost"] == 0, now[0]
     assert now[1]["restarts"] == 0 and now[2]["restarts"] == 0 and not now[1]["last_stop"], now
     sacct = subprocess.run(["sacct", "-n", "-X", "-j", array, "-o", "JobID%20,State"], capture_output=True,
