@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The chaos suite at full size: one 2x2 FSDP2 run on the dev cluster hit by 50 seeded random faults, run twice
 # with the same seed: durable checkpoints only, then with the memory tier every 5 steps (issue 27), and the
-# steps lost per unsignalled fault (crash, hang) of each.
+# steps lost per unsignalled fault (crash, hang) of each. FSDPJOB_CHAOS_DURABLE_EVERY=N adds durable checkpoints
+# every N steps to both runs (default: none, the stop and final checkpoints only).
 # Usage: bench/chaos.sh [FAULTS] [SEED] [TIER_EVERY]   (root; brings up the dev cluster through the test fixtures)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,8 @@ for every in 0 "$tier"; do
     python3 - "$report-tier$every.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"memory tier every {s['memory_tier_every'] or '-'}: {s['phase']}, {len(s['faults'])} faults, "
+print(f"durable every {s.get('durable_every') or '-'}, memory tier every {s['memory_tier_every'] or '-'}: "
+      f"{s['phase']}, {len(s['faults'])} faults, "
       f"steps lost per unsignalled fault {s['steps_lost_per_unsignalled_fault']}, goodput {s['goodput']['goodput']:.3f}")
 PY
 done

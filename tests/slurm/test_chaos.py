@@ -4,8 +4,9 @@ warning signal, an external `scontrol requeue`, SIGKILL of one worker rank (a cr
 allocation), SIGSTOP of one (a hang: detected, stacks dumped, restarted inside the allocation), SIGKILL of a
 node's slurmd and its restart. FSDPJOB_CHAOS_FAULTS (default 5) and FSDPJOB_CHAOS_SEED set the count and the seed;
 FSDPJOB_CHAOS_KINDS (comma-separated) restricts the fault kinds; FSDPJOB_CHAOS_MEMORY_TIER=N turns the memory tier
-on (every N steps; the durable interval stays the test spec's). The summary gives the steps lost per unsignalled
-fault (crash, hang), which bench/chaos.sh compares with and without the tier."""
+on (every N steps); FSDPJOB_CHAOS_DURABLE_EVERY=N saves a durable checkpoint every N steps (default 0: the test
+spec's stop and final checkpoints only). The summary gives the steps lost per unsignalled fault (crash, hang), which
+bench/chaos.sh compares with and without the tier."""
 
 from __future__ import annotations
 
@@ -85,9 +86,11 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     steps = 60 + 25 * count
     # A 10 s stall floor keeps a frozen rank's detection short; every fault may cost a restart in the allocation.
     tier = int(os.environ.get("FSDPJOB_CHAOS_MEMORY_TIER", "0"))
+    durable = int(os.environ.get("FSDPJOB_CHAOS_DURABLE_EVERY", "0"))
     spec = make_spec(f"chaos{count}" + (f"-tier{tier}" if tier else ""), train__max_steps=steps,
                      preemption__max_requeues=4 * count + 5, recovery__stall_floor_s=10,
-                     recovery__max_restarts=count + 1, checkpoint__memory_interval_steps=tier)
+                     recovery__max_restarts=count + 1, checkpoint__memory_interval_steps=tier,
+                     checkpoint__interval_steps=durable)
 
     reference = submit(spec)
     assert wait_phase(reference["run_id"], {"COMPLETED", "FAILED"}, timeout=600)["phase"] == "COMPLETED"
@@ -127,7 +130,7 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     goodput = json.loads(fsdpjob("report", run["run_id"], "--json", check=True).stdout)
     summary["goodput"] = goodput_accuracy(goodput, list(zip(injected, injected_at)), run["run_dir"])
     unsignalled = [c["lost_steps"] for c in goodput["interruptions"] if c["kind"] in ("crash", "hang")]
-    summary["memory_tier_every"] = tier
+    summary["memory_tier_every"], summary["durable_every"] = tier, durable
     summary["steps_lost_per_unsignalled_fault"] = (round(sum(unsignalled) / len(unsignalled), 2) if unsignalled
                                                    else None)
     print("chaos summary", json.dumps(summary))
