@@ -56,9 +56,11 @@ def start_server(model: Path, where: Path) -> tuple[subprocess.Popen, str, Path]
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT, the server's stop (SIGTERM, a preemption's signal to every step, leaves it serving: sent here, it had
+    every module's teardown wait 30 s for nothing and then kill the server)."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
