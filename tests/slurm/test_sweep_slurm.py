@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import fsdpjob, status_json
-from slurm.slurm_helpers import final_weights, release_held, submit, wait_phase
+from helpers import fsdpjob
+from slurm.slurm_helpers import final_weights, release_held, status, submit, wait_phase
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -27,10 +27,6 @@ def tasks_now(array_job: str) -> dict[str, tuple[str, str]]:
     """squeue's tasks of the array job: id -> (state, node); a pending rest shows as one row (7_[1-2%2])."""
     out = subprocess.run(["squeue", "-h", "-j", array_job, "-o", "%i|%T|%N"], capture_output=True, text=True).stdout
     return {i: (s, n) for i, s, n in (line.split("|") for line in out.split())}
-
-
-def sweep_status(ref: str) -> dict:
-    return status_json(ref)
 
 
 def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(slurm_cluster, make_spec, in_container,
@@ -50,7 +46,7 @@ def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(sl
         running = [t for t, (state, _) in tasks_now(array).items() if state == "RUNNING"]
         most = max(most, len(running))
         assert len(running) <= 2, running
-        now = {r["sweep_index"]: r for r in sweep_status(sweep["name"])["runs"]}
+        now = {r["sweep_index"]: r for r in status(sweep["name"])["runs"]}
         first = now[0]
         if preempted is None and first["phase"] == "RUNNING" and (first["step"] or 0) >= 2:
             node = tasks_now(array)[f"{array}_0"][1]
