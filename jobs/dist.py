@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,17 +13,12 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars, slurmenv
+from fsdpjob.orchestrator.core.rendezvous import MASTER_PORT_VAR, port_for_job
 
 from . import netif
 from .workerenv import WorkerEnv
 
 log = logging.getLogger(__name__)
-
-# Below Linux's ephemeral range (32768-60999 by default): there any outgoing connection on the node may hold the
-# port, and the rendezvous fails with EADDRINUSE before the first step (seen in CI, two tests' jobs on one host).
-# submitit's TorchDistributedEnvironment draws from 20000-60000.
-_PORT_RANGE = (20000, 32767)
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -42,12 +36,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def port_for_job(job_id: str, launch: int = 0) -> int:
-    """Rendezvous port from the job id alone: every rank, and every requeued run, agrees without talking.
-    A restart inside the allocation (launch > 0) takes another port: the killed launch's may linger."""
-    return random.Random(job_id if not launch else f"{job_id}+{launch}").randint(*_PORT_RANGE)
 
 
 def granted_gpus(environ: Mapping[str, str]) -> str | None:
@@ -129,8 +117,9 @@ def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:
         local_rank=job_env.local_rank,
         local_world_size=job_env.num_tasks // job_env.num_nodes,
         master_addr=master_addr,
-        # Ignore an inherited MASTER_PORT: sbatch exports the submitting shell's environment.
-        master_port=port_for_job(job_env.job_id, worker.launch),
+        # Ignore an inherited MASTER_PORT: sbatch exports the submitting shell's environment. The supervisor's
+        # port, free on its node when it started this launch, else the job id's (core/rendezvous.py).
+        master_port=int(envvars.get(MASTER_PORT_VAR) or port_for_job(job_env.job_id, worker.launch)),
         backend=backend,
         device=device,
     )
@@ -197,13 +186,23 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
     else:
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
         _choose_gloo_interface(env.master_addr)  # every run has gloo groups (control, export, checkpoint)
-        dist.init_process_group(env.backend, init_method="env://", **options)
+        dist.init_process_group(env.backend, store=_rendezvous_store(env, timeout_s, worker), **options)
     log.info(
         "process group up: rank %d/%d (local %d/%d), backend %s, device %s, master %s:%d",
         *(env.rank, env.world_size, env.local_rank, env.local_world_size),
         *(env.backend, env.device, env.master_addr, env.master_port),
     )
     return env
+
+
+def _rendezvous_store(env: DistEnv, timeout_s: int, worker: WorkerEnv | None) -> dist.Store:
+    """Rank 0's TCPStore at MASTER_ADDR:MASTER_PORT (as init_method env:// makes it), seen through a prefix of
+    this launch's own: ranks of another job that reach the same port (two jobs on one node that drew it, the
+    other's rank 0 then failing to bind) read and write other keys and never join this launch's world."""
+    worker = worker or WorkerEnv.from_env()
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
+    return dist.PrefixStore(f"fsdpjob/{worker.job_id or 'local'}/{worker.launch}/", store)
 
 
 def _choose_gloo_interface(master_addr: str) -> None:

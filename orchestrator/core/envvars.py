@@ -28,6 +28,8 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_SUPERVISED": "'1' when the in-allocation supervisor started the workers: they write heartbeats",
     "FSDPJOB_HOST_BUILD": "the batch side's fsdpjob and submitit (core/buildid.py): a worker that runs another stops",
     "FSDPJOB_LAUNCH": "the supervisor's launch number in this allocation (0: first; jobs/workerenv.py)",
+    "FSDPJOB_MASTER_PORT": "the rendezvous port the supervisor found free for this launch (core/rendezvous.py; "
+                           "jobs/dist.py, else the job id's port)",
     "FSDPJOB_GENERATION_SERVER": "host:port of grpo's generation server, which the supervisor started for this launch "
                                  "(generator backend server; supervise/genserver.py, read by jobs/grpo/setup.py)",
     "FSDPJOB_NODE_ADDRS": "'node=addr,...': the supervisor's NodeAddr of each node whose name does not resolve, "

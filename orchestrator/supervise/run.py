@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import buildid, slurmenv
+from fsdpjob.orchestrator.core import buildid, rendezvous, slurmenv
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -163,7 +163,9 @@ class Supervisor:
         # The tasks' shells write their exits there (taskexit.py), a rank that dies before its heartbeat too.
         heartbeat.heartbeat_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.worker_env, "FSDPJOB_LAUNCH": str(launch), "FSDPJOB_SUPERVISED": "1",
-               "FSDPJOB_HOST_BUILD": buildid.build_id()}
+               "FSDPJOB_HOST_BUILD": buildid.build_id(),
+               # Drawn for each launch, free on this node (rank 0's unless it was excluded): core/rendezvous.py.
+               rendezvous.MASTER_PORT_VAR: str(rendezvous.pick_port())}
         if self.server is not None:  # grpo's generation server, up and answering before the workers start
             try:
                 env["FSDPJOB_GENERATION_SERVER"] = self._start_server(env, launch)

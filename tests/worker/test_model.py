@@ -15,11 +15,12 @@ import torch
 from distributed import free_port, run_ranks
 from torch import nn
 
-from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed, port_for_job
+from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed
 from fsdpjob.jobs.metrics import model_flops_per_token, peak_flops_for_name
 from fsdpjob.jobs.model.build import find_decoder_layers, load_model, read_full_state_dict
 from fsdpjob.jobs.model.checkpointing import FULL, NONE
 from fsdpjob.jobs.model.parallelize import build_mesh
+from fsdpjob.orchestrator.core.rendezvous import MASTER_PORT_VAR, port_for_job
 
 pytestmark = pytest.mark.distributed
 
@@ -341,7 +342,7 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADD
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in list(os.environ):
-        if name.startswith(("SLURM_", "SUBMITIT_")) or name in DIST_VARS:
+        if name.startswith(("SLURM_", "SUBMITIT_")) or name in (*DIST_VARS, MASTER_PORT_VAR):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -408,6 +409,14 @@ def test_submitit_slurm_job_with_resolvable_first_node(clean_env):
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert env.master_addr == "localhost"
     assert env.master_port == port_for_job("4242") == random.Random("4242").randint(20000, 32767)
+
+
+def test_the_supervisors_port_wins_over_the_job_ids(clean_env):
+    """A supervised launch rendezvouses on the port its supervisor found free (core/rendezvous.py): two jobs of the
+    same id on one host (two clusters) no longer meet on the job id's port."""
+    _fake_slurm_job(clean_env, "4242", "localhost,n2")
+    clean_env.setenv(MASTER_PORT_VAR, "23456")
+    assert detect_env().master_port == 23456 != port_for_job("4242")
 
 
 def test_submitit_slurm_job_takes_an_unresolvable_nodes_address_from_the_supervisor(clean_env, tmp_path):
