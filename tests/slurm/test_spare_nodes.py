@@ -38,6 +38,12 @@ def _events(run_dir: str) -> list[dict]:
     return [json.loads(x) for x in Path(run_dir, "events.jsonl").read_text().splitlines()]
 
 
+def _tier_log(run_dir: str) -> list[str]:
+    """The workers' memory-tier log lines (commits, skipped steps, the tier turned off), for a failure's message."""
+    return [line for f in sorted(Path(run_dir, "submitit").glob("*_log.*"))
+            for line in f.read_text(errors="replace").splitlines() if "memory tier" in line]
+
+
 def _lose_last_node(cluster, run: dict, step: int) -> str:
     """Once the run trained past ``step``: SIGKILL the slurmd of the job's last node (not the batch host) and the
     rank on it, as a node that dies would leave things. Returns the node."""
@@ -124,7 +130,9 @@ def test_one_node_of_four_lost_goes_on_with_three_from_the_memory_tiers_replicas
     [fault] = [e for e in events if e["event"] == "fault"]
     assert fault["exclude"] == [victim] and fault["restart"] is True, fault
     assert not [e for e in events if e["event"] == "requeue"], events
-    resume = [e for e in events if e["event"] == "resume"][-1]
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert resumes, (events, _tier_log(run["run_dir"]))
+    resume = resumes[-1]
     # A snapshot of the memory tier (no durable checkpoint before the end), the victim's shard from its buddy's
     # replica, resharded from 4 ranks onto 3, the global batch of 12 kept (3 ranks x 4 micro-batches).
     assert resume["tier"] == "memory" and resume["step"] % every == 0 and resume["step"] >= 8, resume
