@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,8 +39,15 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run beside the burners after --")
-    with burning(args.n):
-        return subprocess.run(command).returncode
+    # A SIGTERM (kill, a CI timeout) ends the command and the burners as the block's end does, never leaving
+    # burners spinning for hours beside whatever runs next.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with burning(args.n), subprocess.Popen(command) as child:
+        try:
+            return child.wait()
+        finally:
+            if child.poll() is None:
+                child.terminate()
 
 
 if __name__ == "__main__":

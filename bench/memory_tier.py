@@ -1,7 +1,7 @@
 """The memory checkpoint tier's cost in the loop: the stall of one snapshot against the step time, A/B inside the
 same two processes.
 
-    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5] [--peak N]
+    python bench/memory_tier.py [--size 19M] [--blocks 6] [--steps-per-block 10] [--every 5] [--peak N] [--cpu N]
 
 Two gloo ranks (torchrun, one thread each) emulate two nodes (SLURMD_NODENAME n1, n2), so every snapshot also
 sends its replica to the other rank. One model, optimizer and batch stream; blocks of steps alternate between
@@ -19,6 +19,9 @@ step, N snapshots each taken alone (save + wait, nothing else running), each ran
 before, /proc/self/clear_refs) above its VmRSS at the start, against the plan's figure (planner/memory.py
 tier_process_bytes: the stager's copy of the saved state, allocated by the first snapshot and kept, plus the
 replica's send and receive buffer; the tier's files live in /dev/shm, outside the process).
+
+``--cpu N`` instead gives the CPU time of N snapshots, each alone, and of their parts (bench/memory_tier_cpu.py):
+what the background work of a snapshot takes from the cores the step runs on.
 
 Steps lost per crash are the dev cluster's (tests/slurm/test_memory_tier_slurm.py reports them; bench/RESULTS.md).
 Nothing is asserted.
@@ -41,6 +44,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 MICRO = 4  # rows per micro-batch
 sys.path.insert(0, str(BENCH))
+import memory_tier_cpu  # noqa: E402  (bench/, on the path just above)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=5, help="memory_interval_steps")
     parser.add_argument("--peak", type=int, default=0, metavar="N",
                         help="measure the host peak of N snapshots alone instead of the A/B")
+    parser.add_argument("--cpu", type=int, default=0, metavar="N",
+                        help="measure the CPU time of N snapshots alone and of their parts instead of the A/B")
     parser.add_argument("--model", help="(set by the launcher) model folder")
     parser.add_argument("--data", help="(set by the launcher) JSONL text")
     parser.add_argument("--shm", help="(set by the launcher) the tier's base folder")
@@ -70,7 +76,7 @@ def launch(args: argparse.Namespace) -> int:
                "--master-port", str(free_port()),
                __file__, "--model", str(model), "--data", str(data), "--blocks", str(args.blocks),
                "--steps-per-block", str(args.steps_per_block), "--every", str(args.every), "--size", args.size,
-               "--shm", shm, "--peak", str(args.peak)]  # fmt: skip
+               "--shm", shm, "--peak", str(args.peak), "--cpu", str(args.cpu)]  # fmt: skip
         return subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False).returncode
 
 
@@ -206,11 +212,27 @@ def run_peak(args: argparse.Namespace, b: Bench) -> None:
                   "stager's copy is kept)")
 
 
+def run_cpu(args: argparse.Namespace, b: Bench, parts: Any) -> None:
+    import torch.distributed as dist
+
+    lines = memory_tier_cpu.measure(b, args.cpu, parts)
+    b.tier.close(remove=True)
+    everyone: list[Any] = [None] * b.world
+    dist.all_gather_object(everyone, lines)
+    if b.rank == 0:
+        print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), fp32; {args.cpu} snapshots, each "
+              "alone (after a warm-up one); CPU time per snapshot and rank, by part")
+        print("\n".join(everyone))
+
+
 def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    parts = memory_tier_cpu.instrument() if args.cpu else None  # before the tier exists: it wraps its parts
     b = setup(args)
-    if args.peak:
+    if args.cpu:
+        run_cpu(args, b, parts)
+    elif args.peak:
         run_peak(args, b)
     else:
         run_ab(args, b)

@@ -7,7 +7,11 @@ at 20 steps, and the same with the memory tier every 5 steps too (the durable on
 one rank SIGKILLed at a random step between 25 and 45 (the same draws for both), the supervisor restarts the
 workers in the allocation. Read from the run log, per run:
 - steps lost: the furthest step trained before the kill less the step the restart resumed from;
-- kill -> first trained step after the restart, and the resume's load time (the `resume` event's load_s);
+- kill -> first trained step after the restart, and its phases: kill -> fault seen (the supervisor's
+  detected_at), fault -> the new processes started, start -> ready (set-up, the load included), ready -> the
+  first step; the resume's load time (the `resume` event's load_s);
+- kill -> the first step past the one the kill interrupted: when the run has its progress back (the steps lost
+  trained again);
 - the tier's bytes per node in shared memory (the peak of the node folders' allocated blocks, sampled every
   0.2 s while the run trains, the resume's sparse load copies included) against the plan's `memory_tier_bytes`
   (`fsdpjob plan --json`), which also counts each rank's stager copy (process memory, not sampled here).
@@ -94,13 +98,16 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
     at = time.time()
     os.kill(beat["pid"], signal.SIGKILL)
 
-    def first_step_after():
+    def back_past_the_kill():
+        """Once the restart trained past the step the kill interrupted: the run has its progress back."""
         metrics, events = _lines(run_dir / "metrics.jsonl"), _lines(run_dir / "events.jsonl")
+        before = [m["step"] for m in metrics if "loss" in m and m["time"] <= at]
         ready = [e for e in events if e["event"] == "ready" and e["time"] > at]
         after = [m for m in metrics if ready and m["time"] > ready[0]["time"] and "loss" in m]
-        return (after[0], metrics, events) if after else None
+        past = [m for m in after if before and m["step"] > max(before)]
+        return (after[0], past[0], metrics, events, ready[0]) if past else None
 
-    first, metrics, events = poll(first_step_after, 600, f"{case}: training after the kill")
+    first, past, metrics, events, ready = poll(back_past_the_kill, 600, f"{case}: training past the kill")
     done.set()
     sampler.join()
     subprocess.run(["scancel", run["job_id"]], capture_output=True)
@@ -109,9 +116,16 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
          120, f"{case}: the cancelled job to leave the queue")
     furthest = max(m["step"] for m in metrics if "loss" in m and m["time"] <= at)
     resume = [e for e in events if e["event"] == "resume" and e["time"] > at][0]
+    fault = [e for e in events if e["event"] == "fault" and e["time"] > at][0]
+    start = [e for e in events if e["event"] == "start" and e["time"] > at][0]
+    # The restart's phases: the kill seen, the new processes started, set up (the load included), first step.
     row = {"case": case, "kill_after_step": furthest, "resumed_from": resume["step"], "tier": resume.get("tier"),
            "steps_lost": furthest - resume["step"], "kill_to_first_step_s": round(first["time"] - at, 2),
-           "load_s": resume.get("load_s")}
+           "kill_to_past_the_kill_s": round(past["time"] - at, 2),
+           "kill_to_fault_s": round(fault["detected_at"] - at, 2),
+           "fault_to_start_s": round(start["process_started_at"] - fault["detected_at"], 2),
+           "start_to_ready_s": round(ready["time"] - start["process_started_at"], 2),
+           "ready_to_step_s": round(first["time"] - ready["time"], 2), "load_s": resume.get("load_s")}
     if case == "memory":
         row["tier_peak_bytes_per_node"] = max(peak.values()) if peak else 0
         row["tier_at_peak"] = at_peak
@@ -146,14 +160,16 @@ def main() -> None:
                 rows.append(run_kill(root, assets, case, step, plan))
                 print(json.dumps(rows[-1]), flush=True)
     print(f"kills at steps {steps}; medians:")
-    print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'load s':>7} {'tier MB/node':>12} "
-          f"{'plan MB/node':>12}")
+    print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'kill->past s':>12} {'seen':>5} {'start':>6} "
+          f"{'setup':>6} {'step':>5} {'load s':>7} {'tier MB/node':>12} {'plan MB/node':>12}")
     for case in ("durable", "memory"):
         mine = [r for r in rows if r["case"] == case]
         def med(k, of=mine):  # this case's rows, bound now
             return statistics.median(r[k] for r in of) if all(r.get(k) is not None for r in of) else float("nan")
 
-        print(f"{case:<8} {med('steps_lost'):>10.1f} {med('kill_to_first_step_s'):>12.1f} {med('load_s'):>7.2f} "
+        print(f"{case:<8} {med('steps_lost'):>10.1f} {med('kill_to_first_step_s'):>12.1f} "
+              f"{med('kill_to_past_the_kill_s'):>12.1f} {med('kill_to_fault_s'):>5.1f} {med('fault_to_start_s'):>6.1f} "
+              f"{med('start_to_ready_s'):>6.1f} {med('ready_to_step_s'):>5.1f} {med('load_s'):>7.2f} "
               f"{med('tier_peak_bytes_per_node') / 1e6:>12.1f} {med('plan_tier_bytes_per_node') / 1e6:>12.1f}")
 
 
