@@ -176,6 +176,7 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
     The explicit timeout bounds the rendezvous too: an unreachable MASTER_ADDR fails after ``timeout_s``
     instead of hanging.
     """
+    worker = worker or WorkerEnv.from_env()  # read once: the layout and the store's prefix both need it
     env = detect_env(cpu_offload, worker)
     options: dict = {"rank": env.rank, "world_size": env.world_size, "timeout": timedelta(seconds=timeout_s)}
     if env.device.type == "cuda":
@@ -195,11 +196,10 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
     return env
 
 
-def _rendezvous_store(env: DistEnv, timeout_s: int, worker: WorkerEnv | None) -> dist.Store:
+def _rendezvous_store(env: DistEnv, timeout_s: int, worker: WorkerEnv) -> dist.Store:
     """Rank 0's TCPStore at MASTER_ADDR:MASTER_PORT (as init_method env:// makes it), seen through a prefix of
     this launch's own: ranks of another job that reach the same port (two jobs on one node that drew it, the
     other's rank 0 then failing to bind) read and write other keys and never join this launch's world."""
-    worker = worker or WorkerEnv.from_env()
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
     return dist.PrefixStore(f"fsdpjob/{worker.job_id or 'local'}/{worker.launch}/", store)
