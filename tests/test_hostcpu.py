@@ -40,4 +40,5 @@ def test_a_local_bf16_plan_counts_the_buffers_only_on_such_a_cpu(tmp_path, monke
 
     (with_onednn, kernels), (without, none) = peak(True), peak(False)
     assert kernels == CPU_BF16_KERNEL_BYTES and none == 0
-    assert with_onednn - without >= CPU_BF16_KERNEL_BYTES  # and the allocator's slack on it
+    # kept from the first matmul on: the allocator's slack (on what churns) does not grow with them
+    assert with_onednn - without == CPU_BF16_KERNEL_BYTES

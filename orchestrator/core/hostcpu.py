@@ -1,7 +1,7 @@
 """What this machine's CPU can do, as the planner needs it for CPU workers (torch-free: /proc/cpuinfo).
 
 torch multiplies bf16 matrices with oneDNN only where the CPU has AVX-512 with BW, VL and DQ (x86) or the bf16
-extension (Arm) (ATen's ``mkldnn_bf16_device_check``); oneDNN then keeps ~12 MiB of buffers per process, which
+extension (Arm) (ATen's ``mkldnn_bf16_device_check``); oneDNN then keeps ~10 MiB of buffers per process, which
 a CPU without those instructions (an AVX2-only EPYC, say) never allocates. The planner runs where a ``local``
 run trains; for a CPU Slurm profile the login node's CPU stands for the nodes' (the profile does not say).
 """

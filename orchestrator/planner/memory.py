@@ -32,7 +32,7 @@ process is 0.4 GiB. The GPU budget is what torch can allocate (usable_gpu_memory
 the driver and ECC keep ~1 % (an 80 GB A100/H100 shows ~79.1 GiB, a 141 GB H200 ~139.5 GiB).
 Saved activations per layer (eager or compiled blocks, no, full or selective activation checkpointing): see
 activations.py; the moments and the root's items with fsdp.separate_root and train.loss: chunked: moments.py. On
-CPU, bf16 matmuls also hold ~12 MiB of oneDNN buffers.
+CPU, bf16 matmuls also hold ~10 MiB of oneDNN buffers, kept from the first matmul on (no slack on them).
 The savers (issue 41) change these terms: train.optimizer_state_dtype the AdamW state (and its offloaded, staged
 and checkpointed copies), fsdp.reduce_dtype the reduce-scatter inputs and the deferred-sync accumulators, and the
 allocator's slack is 5 % with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, 12 % without (the plan prints the
@@ -141,16 +141,21 @@ class DeviceMemory:
         return sum(i.bytes for i in (*self.state, *self.peak_moment.items))
 
     @property
+    def churned(self) -> int:
+        """The live bytes at the peak the allocator's slack grows with: all but the kept items (Item.kept)."""
+        return sum(i.bytes for i in (*self.state, *self.peak_moment.items) if not i.kept)
+
+    @property
     def reserved(self) -> int:
         """torch's reserved peak (max_memory_reserved): allocated + the allocator's slack."""
-        return self.allocated + int(self.fragmentation * self.allocated)
+        return self.allocated + int(self.fragmentation * self.churned)
 
     @property
     def reserved_other(self) -> int | None:
         """The reserved peak with the other expandable_segments setting (GPUs only)."""
         if self.other_fragmentation is None:
             return None
-        return self.allocated + int(self.other_fragmentation * self.allocated)
+        return self.allocated + int(self.other_fragmentation * self.churned)
 
     @property
     def peak_moment(self) -> Moment:
@@ -160,8 +165,9 @@ class DeviceMemory:
     def breakdown(self) -> tuple[Item, ...]:
         """What is alive at the peak: state, the peak moment's transients, runtime and fragmentation; sums to peak."""
         live = [i for i in (*self.state, *self.peak_moment.items) if i.bytes]
-        frag = Item("fragmentation", int(self.fragmentation * sum(i.bytes for i in live)),
-                    f"{self.fragmentation:.0%} of the above")
+        kept = " but the kept buffers" if any(i.kept for i in live) else ""
+        frag = Item("fragmentation", int(self.fragmentation * self.churned),
+                    f"{self.fragmentation:.0%} of the above{kept}")
         return (*live, self.runtime, frag)
 
     @property

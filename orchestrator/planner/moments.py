@@ -23,8 +23,10 @@ from .lora import trainable
 from .modelshape import ModelShape, ParamCount
 from .setup import Setup
 
-# oneDNN's buffers for bf16 matmuls on a CPU it runs them on (core/hostcpu.py; measured, whatever the model size)
-CPU_BF16_KERNEL_BYTES = 12 * 1024**2
+# oneDNN's buffers for bf16 matmuls on a CPU it runs them on (core/hostcpu.py): 9.0-9.8 MiB of RSS on AVX-512
+# (bench/plan_accuracy.py's S cases with and without torch.backends.mkldnn, glibc's mmap threshold frozen), whatever
+# the model size. Made once and kept, so the allocator's slack does not grow with them (Item.kept).
+CPU_BF16_KERNEL_BYTES = 10 * 1024**2
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}
 
 
@@ -33,6 +35,7 @@ class Item:
     name: str
     bytes: int
     note: str = ""
+    kept: bool = False  # allocated once and never freed: no churn, so no allocator slack on it
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def step_moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], li
     gathered = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
                     "fsdp.reshard_after_forward: false")
     kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2 and u.onednn_bf16),
-                   "oneDNN (measured)")
+                   "oneDNN (measured)", kept=True)
     root = _root_items(s, p, u)
     saved, logits = _saved_activations(s, u), _logits_held(s, u)
     loss = Item("loss", (12 + c) * loss_positions(u) * s.vocab,
