@@ -44,10 +44,10 @@ adapted layer keeps r values per token (plus its dropped input with dropout).
 Host RAM per node while training on GPUs: each worker process (CUDA libraries, CUDA_PROCESS_BYTES), the
 offloaded state with fsdp.cpu_offload, and with checkpoint.async_save the stager's pinned copy of the rank's
 params + both AdamW moments, which it keeps between saves.
-Measured on CPU (bench/plan_accuracy.py --repeat 3, the worker's load_model + train_step, glibc's default
-allocator as the shipped profiles run it, an AVX-512 EPYC): the three quick cases land at +3..+9 %, +10 % and
-0..+4 % of peak RSS, the 16-case grid within -20..+14 % (mean |error| 7.6 %; activation checkpointing is planned
-low: recomputing churns the heap more than 30 % of the live bytes).
+Measured on CPU (bench/plan_accuracy.py, the worker's load_model + train_step, glibc's default allocator as the
+shipped profiles run it, an AVX-512 EPYC): the three quick cases land at +3..+9 %, +10 % and 0..+4 % of peak RSS
+(--quick --repeat 5), the 16-case grid within -20..+14 % (--repeat 3; mean |error| 7.6 %; activation
+checkpointing is planned low: recomputing churns the heap more than 30 % of the live bytes).
 """
 
 from __future__ import annotations
@@ -138,14 +138,19 @@ class DeviceMemory:
     other_fragmentation: float | None = None  # GPUs: the slack with the other expandable_segments setting
 
     @property
+    def live(self) -> tuple[Item, ...]:
+        """What is alive at the peak moment: the state and that moment's transients."""
+        return (*self.state, *self.peak_moment.items)
+
+    @property
     def allocated(self) -> int:
         """torch's allocated peak (max_memory_allocated): the live tensors at the peak moment."""
-        return sum(i.bytes for i in (*self.state, *self.peak_moment.items))
+        return sum(i.bytes for i in self.live)
 
     @property
     def churned(self) -> int:
         """The live bytes at the peak the allocator's slack grows with: all but the kept items (Item.kept)."""
-        return sum(i.bytes for i in (*self.state, *self.peak_moment.items) if not i.kept)
+        return sum(i.bytes for i in self.live if not i.kept)
 
     @property
     def reserved(self) -> int:
@@ -166,7 +171,7 @@ class DeviceMemory:
     @property
     def breakdown(self) -> tuple[Item, ...]:
         """What is alive at the peak: state, the peak moment's transients, runtime and fragmentation; sums to peak."""
-        live = [i for i in (*self.state, *self.peak_moment.items) if i.bytes]
+        live = [i for i in self.live if i.bytes]
         kept = " but the kept buffers" if any(i.kept for i in live) else ""
         frag = Item("fragmentation", int(self.fragmentation * self.churned),
                     f"{self.fragmentation:.0%} of the above{kept}")
