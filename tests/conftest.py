@@ -58,15 +58,11 @@ def _install_test_only_packages() -> None:
             return
 
 
-# The suite runs on three xdist workers (pyproject's addopts: -n 3 --dist loadgroup), one more than the 2 cores CI
-# has. The tests of one dev cluster are one group, so they run one after another on one worker (the cluster has two
-# nodes: two 2-node jobs at once would queue behind each other and outlast their tests' waits); the groups come
-# first, so one worker starts on the main cluster's tests while the others take everything else a test at a time.
-# The main cluster's group is the run's longest chain (~1,650 s) and mostly waits on Slurm (holds, grace periods,
-# polling): its time hardly changed beside two CPU burners (0.9-1.04x per test), while the CPU-bound tests took
-# 1.5-4.5x. With two workers the other worker did all of those alone under load (41 min in all, 2 x 2,310 s of
-# tests); a third worker uses the cores the waiting one leaves idle (84 % busy on a quiet run with two). The slow
-# ungrouped tests go first so the workers end together.
+# The suite runs on two xdist workers (pyproject's addopts: -n 2 --dist loadgroup). The tests of one dev cluster
+# are one group, so they run one after another on one worker (the cluster has two nodes: two 2-node jobs at once
+# would queue behind each other and outlast their tests' waits); the groups come first, so one worker starts on
+# the main cluster's tests (mostly waiting on Slurm: holds, grace periods, polling) while the other takes
+# everything else a test at a time. The slow ungrouped tests go first so the two end together.
 CLUSTER_GROUPS = (("slurm_cluster_session", "cluster"), ("slurm_cluster_noacct_session", "cluster-noacct"),
                   ("slurm_cluster4_session", "cluster4"))
 
