@@ -154,9 +154,7 @@ def run_ab(args: argparse.Namespace, b: Bench) -> None:
                 step += 1
                 b.step(step)
                 # After the block's 1st, (every+1)-th, ... step, so each commit overlaps the steps after it as in a
-                # run. Saving after the block's last step instead (step % every == 0) made the wait below take that
-                # snapshot's whole commit (~0.66 s of wall at 19M) in the loop, which a run never does: one snapshot
-                # in two was measured as if it blocked the loop (on/off 1.09-1.17 on a quiet machine, 2026-12-06).
+                # run: saved after the block's last step, its whole commit would sit in the wait below.
                 if name == "on" and i % args.every == 0:
                     before = tier.waited_s
                     tier.save(step, b.state)
