@@ -8,7 +8,9 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,25 @@ def proc_status_mib(field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def peak_during(field: str, fn: Callable[[], Any]) -> float:
+    """The largest rise (MiB) of a /proc/self/status field sampled every millisecond while ``fn()`` runs (for a
+    field with no high-water mark of its own: RssAnon, the process's own memory without mapped files)."""
+    start, peak, done = proc_status_mib(field), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            peak.append(proc_status_mib(field) - start)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak)
 
 
 def load_note() -> str:

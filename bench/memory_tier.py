@@ -17,10 +17,10 @@ load and the clock. Reported:
 - the tier's bytes per node (own shards + the replica).
 
 ``--peak N`` instead measures the host RAM a snapshot with its replica adds inside a rank's process: after one
-step, N snapshots each taken alone (save + wait, nothing else running), each rank's VmHWM (reset to VmRSS just
-before, /proc/self/clear_refs) above its VmRSS at the start, against the plan's figure (planner/memory.py
-tier_process_bytes: the stager's copy of the saved state, allocated by the first snapshot and kept, plus the
-replica's send and receive buffer; the tier's files live in /dev/shm, outside the process).
+step, N snapshots each taken alone (save + wait, nothing else running), each rank's RssAnon (its own memory; the
+tier's files are shared memory mapped in, counted once per node by the plan, planner/memory.py memory_tier_bytes)
+sampled every millisecond, its largest rise. The plan counts nothing of the state's size here: the copy goes
+straight into the mapped file and the replica between two mapped files.
 
 ``--cpu N`` instead gives the CPU time of N snapshots, each alone, and of their parts (bench/memory_tier_cpu.py):
 what the background work of a snapshot takes from the cores the step runs on.
@@ -167,7 +167,8 @@ def run_ab(args: argparse.Namespace, b: Bench) -> None:
     # own time plus its copy's wait, which the next save's wait() adds).
     marks = stalls + [tier.waited_s]
     per_save = [(y - x) * 1000 for x, y in zip(marks, marks[1:])]
-    held = sum(p.stat().st_size for p in tier.folder.rglob("__*_0.distcp"))
+    held = sum(p.stat().st_size for p in tier.folder.glob("step-*/__*_0.distcp"))
+    spare = sum(p.stat().st_size for p in tier.node.spare.glob("__*_0.distcp"))
     tier.close(remove=True)
     if b.rank == 0:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
@@ -177,46 +178,38 @@ def run_ab(args: argparse.Namespace, b: Bench) -> None:
         print(f"  off {off:8.1f} ms/step   on {on:8.1f} ms/step   on/off {on / off:5.3f}")
         print(f"  stall per snapshot (save() + the optimizer's wait for the copy): median {stall:.1f} ms = "
               f"{stall / off:.3f} of a step; all: {' '.join(f'{v:.0f}' for v in per_save)} ms")
-        print(f"  tier on node n1 at the end: {held / 2**20:.1f} MiB (own shard + replica)")
+        print(f"  tier on node n1 at the end: {held / 2**20:.1f} MiB (own shard + replica) and {spare / 2**20:.1f} MiB "
+              "of the dropped step's files, kept for the next snapshot")
 
 
 def run_peak(args: argparse.Namespace, b: Bench) -> None:
-    """Each snapshot alone: VmHWM reset to VmRSS, save + wait (the copy, the write, the replica), VmHWM above the
-    VmRSS it started from."""
+    """Each snapshot alone: save + wait (the copy, the write, the replica), the largest rise of RssAnon meanwhile."""
     import gc
 
     import torch.distributed as dist
-    from common import proc_status_mib
+    from common import peak_during
 
     from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dir_name
     from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
-    from fsdpjob.orchestrator.planner.memory import tier_process_bytes
 
     b.step(1)  # AdamW's moments exist from the first step on
     rises = []
     for n in range(1, args.peak + 1):
         gc.collect()
         dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux); ru_maxrss cannot be reset
-        before = proc_status_mib("VmRSS")
-        b.tier.save(n, b.state)
-        b.tier.wait()
-        rises.append(proc_status_mib("VmHWM") - before)
+        rises.append(peak_during("RssAnon", lambda n=n: (b.tier.save(n, b.state), b.tier.wait())))
         dist.barrier()
     saved = (b.tier.folder / step_dir_name(args.peak) / shard_name(b.rank)).stat().st_size
     b.tier.close(remove=True)
-    rows = b.rank, rises, saved, tier_process_bytes(saved, multi_node=True)
     everyone: list[Any] = [None] * b.world
-    dist.all_gather_object(everyone, rows)
+    dist.all_gather_object(everyone, (b.rank, rises, saved))
     if b.rank == 0:
         MiB = 2**20
         print(f"{args.size} Llama, 2 gloo ranks x 1 thread as 2 nodes (replica on), fp32; {args.peak} snapshots, each "
-              "alone; host peak in the rank's process above its RSS (VmHWM after clear_refs)")
-        for rank, rises, saved, plan in everyone:
-            print(f"  rank {rank}: saved state {saved / MiB:.1f} MiB; first snapshot +{rises[0]:.1f} MiB "
-                  f"(plan {plan / MiB:.1f}: stager copy + replica buffers), later ones "
-                  f"{' '.join(f'+{r:.1f}' for r in rises[1:])} MiB (plan {(plan - saved) / MiB:.1f}: buffers; the "
-                  "stager's copy is kept)")
+              "alone; the process's own memory (RssAnon, sampled every ms) above its start, largest rise")
+        for rank, rises, saved in everyone:
+            print(f"  rank {rank}: saved state {saved / MiB:.1f} MiB; first snapshot (the launch's plan) "
+                  f"+{rises[0]:.1f} MiB, later ones {' '.join(f'+{r:.1f}' for r in rises[1:])} MiB (plan: 0)")
 
 
 def run_cpu(args: argparse.Namespace, b: Bench, parts: Any) -> None:

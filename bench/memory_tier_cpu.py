@@ -2,12 +2,11 @@
 no step beside it), on both gloo ranks; per snapshot and rank the process's CPU time and that of its parts, each
 measured as the CPU time of the thread that runs it (time.thread_time around the function):
 
-- ``stage``: DCP's stager copying the model and optimizer tensors into its buffers (the stager's thread);
-- ``dcp save``: DCP's save in its executor thread (planning, the metadata's gather, ``write`` below);
-- ``write``: the storage writer writing this rank's shard (jobs/checkpoint/io.CheckpointWriter);
-- ``replica``: reading the own shard and writing the buddy's replica (memreplicate.replicate, the tier's thread);
-- ``gloo I/O``: the gloo threads' CPU (the replica's TCP transfer, both directions);
-- what is left: the loop's own save() and the rest of the commit (markers, parts, the older step's removal).
+- ``take``: the loop's taking of the sources (the state dicts, DCP's flattening, the pickled entries; memraw.take);
+- ``copy``: the copy thread allocating the rank's file and copying every tensor into its mapping (memraw.fill);
+- ``replica``: sending the own file's pages and receiving the buddy's replica into its file (memreplicate.replicate,
+  the tier's thread), of which ``gloo I/O`` is the gloo threads' CPU (the TCP transfer, both directions);
+- what is left: the rest of save() and of the commit (the metadata, parts, markers, the older step's removal).
 
 Wrapping functions to time them is this bench's business only: the product runs unwrapped. Nothing is asserted.
 """
@@ -51,22 +50,18 @@ def _timing(parts: collections.Counter) -> Callable[[str, Callable], Callable]:
 
 def instrument() -> collections.Counter:
     """Wrap the parts (before the tier is built); returns the counter they add their CPU seconds to."""
-    import torch.distributed.checkpoint.state_dict_saver as saver
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    from fsdpjob.jobs.checkpoint import io, memwrite
+    from fsdpjob.jobs.checkpoint import memwrite
 
     parts: collections.Counter = collections.Counter()
     timed = _timing(parts)
-    DefaultStager._stage = timed("stage", DefaultStager._stage)
-    saver.save = timed("dcp save", saver.save)  # async_save's executor imports it at each call
-    io.CheckpointWriter.write_data = timed("write", io.CheckpointWriter.write_data)
+    memwrite.take = timed("take", memwrite.take)
+    memwrite.fill = timed("copy", memwrite.fill)
     memwrite.replicate = timed("replica", memwrite.replicate)
     return parts
 
 
 def measure(b: Any, n: int, parts: collections.Counter) -> str:
-    """``n`` snapshots after a warm-up one (which allocates the stager's buffers); this rank's lines."""
+    """``n`` snapshots after a warm-up one (which makes the launch's plan); this rank's lines."""
     import torch.distributed as dist
 
     b.step(1)
@@ -80,9 +75,9 @@ def measure(b: Any, n: int, parts: collections.Counter) -> str:
         b.tier.wait()
     cpu, wall = (time.process_time() - cpu) / n, (time.perf_counter() - wall) / n
     gloo = sum(v - threads.get(k, 0.0) for k, v in _threads_cpu().items() if k[1].startswith("gloo")) / n
-    rows = {"stage": parts["stage"] / n, "dcp save": parts["dcp save"] / n, "  of which write": parts["write"] / n,
-            "replica": parts["replica"] / n, "gloo I/O": gloo}
-    rest = cpu - rows["stage"] - rows["dcp save"] - rows["replica"] - gloo
+    rows = {"take": parts["take"] / n, "copy": parts["copy"] / n, "replica": parts["replica"] / n,
+            "gloo I/O": gloo}
+    rest = cpu - sum(rows.values())
     lines = [f"  rank {b.rank}: {cpu * 1000:5.0f} ms CPU per snapshot (wall {wall * 1000:.0f} ms):"]
     lines += [f"    {name:16s} {v * 1000:5.0f} ms" for name, v in rows.items()]
     lines.append(f"    {'the rest':16s} {rest * 1000:5.0f} ms")

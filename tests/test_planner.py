@@ -14,7 +14,6 @@ from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.jobspec.yamlio import apply_overrides
-from fsdpjob.orchestrator.core.runfolder.memtier import REPLICA_CHUNK_BYTES
 from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.memory import (
@@ -22,7 +21,7 @@ from fsdpjob.orchestrator.planner.memory import (
     CUDA_CONTEXT_BYTES,
     CUDA_PROCESS_BYTES,
     NCCL_COMMUNICATOR_BYTES,
-    tier_process_bytes,
+    tier_rank_bytes,
     usable_gpu_memory,
 )
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
@@ -407,27 +406,28 @@ def test_offload_with_the_rank0_weight_load_is_refused_with_the_fix(seed_70b: Jo
 
 def test_memory_tier_is_counted_per_node_and_a_plan_without_room_for_it_is_refused(seed_70b: JobSpec) -> None:
     """The tier holds each rank's saved state (fp32 params + 2 moments) in shared memory, the replica of a rank of
-    the other node, the snapshot being written beside both, and its stager's copy: 5 x per node on 2 nodes, plus
-    the replica exchange's two chunk buffers per rank.
-    For the 70B seed that is ~2 TB per node: it just fits its 2,000 GiB nodes alone, not beside async_save's
-    staging (another 0.4 TB): refused, and the plan names the tier."""
+    the other node, and the files of the step it dropped last (the next snapshot fills them again): 4 x per node on
+    2 nodes, and nothing of the state's size in the rank's process (a snapshot copies into the mapped files).
+    For the 70B seed that is ~1.65 TB per node: it fits its 2,000 GiB nodes, also beside async_save's staging
+    (another 0.4 TB), but not nodes of 1,536 GiB, where the plan without it fits: refused, and the plan names the
+    tier."""
     plain = make_plan(resolve(seed_70b, A100))
     tiered = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10"), A100))
     saved_per_rank = 3 * 68.98e9 * 4 / 16
-    # The replica streams through one 64 MiB buffer per direction in each rank's process (jobs/checkpoint/
-    # memreplicate.py): 2 chunks per rank on top of the 5 x, not the 3 more copies of the state it once held.
-    chunks = 2 * REPLICA_CHUNK_BYTES
     # (2 x 8 A100 does not fit the GPUs since budgets are usable memory: the host side is what is checked here)
     assert plain.host.memory_tier == 0 and plain.host.fits
-    assert tiered.host.memory_tier == pytest.approx(8 * (saved_per_rank * 5 + chunks), rel=0.01)
-    assert tier_process_bytes(10 * GiB, multi_node=True) == 10 * GiB + chunks  # the stager's copy + 2 buffers
-    assert tier_process_bytes(GiB // 1024, multi_node=True) == 3 * GiB // 1024  # buffers no larger than the shard
-    assert tier_process_bytes(10 * GiB, multi_node=False) == 10 * GiB  # one node: no replica, no buffers
+    assert tiered.host.memory_tier == pytest.approx(8 * saved_per_rank * 4, rel=0.01)
+    assert tier_rank_bytes(10 * GiB, multi_node=False) == 20 * GiB  # one node: no replica
     assert tiered.host.training - plain.host.training == tiered.host.memory_tier
     assert tiered.host.fits
     both = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10 checkpoint.async_save=true"),
                              A100))
-    assert not both.host.fits and not both.fits
+    assert both.host.fits
+    smaller = A100.model_copy(update={"host_ram_gb": 1536.0})
+    assert make_plan(resolve(seed_70b, smaller)).host.fits
+    refused = make_plan(resolve(with_changes(seed_70b, "checkpoint.memory_interval_steps=10"), smaller))
+    assert not refused.host.fits and not refused.fits
+    assert "memory tier" in format_plan(refused)
     assert tiered.to_json()["host_memory"]["memory_tier_bytes"] == tiered.host.memory_tier
     assert "of it memory tier" in format_plan(tiered)
 

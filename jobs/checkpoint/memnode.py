@@ -4,6 +4,7 @@ and whose replica it keeps, whether the tier is still on, and the collectives it
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdpjob.orchestrator.core.runfolder.memtier import TierKey, buddies, node_dir, node_name
+from fsdpjob.orchestrator.core.runfolder.memtier import TierKey, buddies, node_dir, node_name, shard_name
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -42,6 +43,55 @@ class ShmFile:
         self.tmp.unlink(missing_ok=True)
 
 
+SPARE = "spare"  # a node folder's files of dropped steps, kept for the next snapshot's files to reuse
+
+
+def map_file(path: Path, size: int, reuse: Path | None = None) -> torch.Tensor:
+    """The file ``path`` of ``size`` bytes, mapped shared as a uint8 tensor (writes go straight into its pages; the
+    mapping goes when the last tensor viewing it does). ``reuse``, where it exists, is renamed to ``path`` first: a
+    file of a dropped step, whose pages are already there, so a snapshot neither zeroes new pages nor frees old ones.
+    The blocks are allocated before the mapping: a full /dev/shm fails here with ENOSPC, never as a SIGBUS at the
+    first write into the mapping. The mapping is populated up front (one call instead of a fault per page)."""
+    if reuse is not None:
+        try:
+            os.replace(reuse, path)
+        except FileNotFoundError:
+            pass
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+        if not size:  # nothing to map (mmap refuses an empty file)
+            return torch.empty(0, dtype=torch.uint8)
+        os.posix_fallocate(fd, 0, size)
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+class ShmMap:
+    """A tier file of known size filled through its mapping (``data``) under a temporary name, renamed into place
+    only once whole (``commit``); ``drop`` removes it. As ShmFile: no reader ever sees part of it."""
+
+    def __init__(self, path: Path, size: int, reuse: Path | None = None) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.data: torch.Tensor | None = map_file(self.tmp, size, reuse)
+        except OSError:
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def commit(self) -> None:
+        self.data = None  # unmapped (the pages stay the file's)
+        os.replace(self.tmp, self.path)
+
+    def drop(self) -> None:
+        self.data = None
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_to_shm(path: Path, data: bytes | memoryview) -> None:
     """Write a tier file whole (ShmFile: tmp + rename, no fsync)."""
     out = ShmFile(path)
@@ -69,6 +119,20 @@ class TierNode:
         self.first_on_node = self.hosts.index(self.node) == rank  # the rank that writes the node's shared files
         self.enabled = True
 
+    @property
+    def spare(self) -> Path:
+        return self.folder / SPARE
+
+    def keep_spares(self, step_dir: Path) -> None:
+        """Move this rank's files of a dropped step (its own shard, the replicas it received) to the spare folder,
+        for the next snapshot to fill again."""
+        self.spare.mkdir(exist_ok=True)
+        for rank in [self.rank, *self.sources]:
+            try:
+                os.replace(step_dir / shard_name(rank), self.spare / shard_name(rank))
+            except FileNotFoundError:
+                pass
+
     def off(self, why: str) -> None:
         self.enabled = False
         log.warning("memory tier off on %s: %s; restarts resume from the durable checkpoints", self.node, why)
@@ -83,11 +147,15 @@ class TierNode:
         return self.enabled
 
     def all(self, flag: bool) -> bool:
+        return bool(self.least(int(flag)))
+
+    def least(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (collective)."""
         if self.pg is None:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.pg)
-        return bool(value.item())
+            return value
+        tensor = torch.tensor([value], dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.pg)
+        return int(tensor.item())
 
     def slowest(self, figures: list[float]) -> list[float]:
         """Each figure's largest value over the ranks (collective)."""

@@ -4,8 +4,9 @@ same allocation resumes from a few steps back instead of from the last durable c
 
 This module is the tier's face to the saver and the resume, and its clean-up (leftovers at the start, steps a
 resume made obsolete, the node's folder at the job's end). Its parts: the node folder and group (memnode.py), when
-to snapshot (memschedule.py), the snapshot and its commit (memwrite.py), the replicas (memreplicate.py) and the
-resume's read (memread.py). Layout and the choice of a step: orchestrator/core/runfolder/memtier.py.
+to snapshot (memschedule.py), the file format (memraw.py), the snapshot and its commit (memwrite.py), the replicas
+(memreplicate.py) and the resume's read (memread.py). Layout and the choice of a step:
+orchestrator/core/runfolder/memtier.py.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from .memwrite import SnapshotWriter
 class MemoryTier:
     """Snapshots into ``<base>/<job>/<node>/`` every ``interval_steps`` steps; every method is collective.
 
-    ``interval_steps`` "auto": a warm-up snapshot PROBE_STEPS steps into the launch (it pays the one-time staging
-    allocation: not measured), the probe snapshot PROBE_STEPS steps later, and PROBE_STEPS steps after it the
+    ``interval_steps`` "auto": a warm-up snapshot PROBE_STEPS steps into the launch (it pays the launch's plan and
+    new files: not measured), the probe snapshot PROBE_STEPS steps later, and PROBE_STEPS steps after it the
     interval from what the probe cost and the job's mean time between faults (``interruptions_per_day`` per node,
     the profile's rate; core/memtier.auto_interval), agreed by all ranks."""
 
@@ -101,6 +102,7 @@ class MemoryTier:
         try:
             node.folder.mkdir(parents=True, exist_ok=True)
             if node.first_on_node:
+                shutil.rmtree(node.spare, ignore_errors=True)  # another launch's: of another size, perhaps
                 held = {h.step for h in scan_node(node.folder, node.key)}
                 for step, step_dir in step_dirs(node.folder):
                     if step not in held:
@@ -118,7 +120,7 @@ class MemoryTier:
         self.node.barrier()
 
     def close(self, *, remove: bool, crashed: bool = False) -> None:
-        """Free the staging buffers and the group; ``remove`` (the job completed): delete this node's tier. After a
+        """Stop the tier's threads and free the group; ``remove`` (the job completed): delete this node's tier. After a
         crash nothing is waited for (a peer may be gone) and the tier stays for the next launch."""
         try:
             if not crashed:

@@ -25,9 +25,9 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
-from .io import CheckpointReader
 from .manager import CheckpointManager
 from .memnode import TierNode, write_to_shm
+from .memraw import RawReader
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -140,8 +140,8 @@ def _write_ranges(fd: int, view: memoryview, ranges: list[tuple[int, int]]) -> N
             done, offset, length = done + put, offset + put, length - put
 
 
-class _FetchingReader(CheckpointReader):
-    """CheckpointReader over a rank's load folder: before reading, the byte ranges of the items the plan gives this
+class _FetchingReader(RawReader):
+    """RawReader over a rank's load folder: before reading, the byte ranges of the items the plan gives this
     rank that its node lacks are fetched from other nodes (``fetch``, collective: every rank reads once)."""
 
     def __init__(self, path: str, *, fetch: Fetch) -> None:

@@ -1,21 +1,18 @@
 """The memory tier's replicas: each rank's shard of a snapshot also goes to its buddy, a rank on the next node
 (core/memtier.buddies), so a snapshot survives the loss of any one node.
 
-A shard is as large as the rank's saved state (params + both AdamW moments: 12 GB per rank for 8B on 8 GPUs), so
-it travels in chunks of at most REPLICA_CHUNK_BYTES through one buffer per direction: read from the own file into
-the send buffer, received into a buffer per source and appended to the replica's file as it arrives. The process
-never holds a whole shard (reading it whole, copying it for the send and receiving the buddy's whole once cost
-three full copies of the rank's state in host RAM during every snapshot). Every rank sends its size first (-1 for
-none), then both sides know how many chunks pass; a last flag says whether the sender read its whole file. The
-replica is written under a temporary name and renamed into place only once whole and flagged good
-(memnode.ShmFile), so a half-received replica is never listed in the part nor found by a scan."""
+A shard is as large as the rank's saved state (params + both AdamW moments: 12 GB per rank for 8B on 8 GPUs). It is
+sent from the pages of the rank's own file, mapped as it was written (memraw.fill), and received straight into the
+pages of the replica's file, mapped the same way: no buffer, no read back, no second write. It travels in messages
+of at most REPLICA_CHUNK_BYTES (each a slice of the mappings), sizes first (-1: none). The replica is filled under a
+temporary name and renamed into place only once whole (memnode.ShmMap), so a half-received replica is never listed in
+the part nor found by a scan; one whose file cannot be made (shared memory full) is still received, into one
+message's worth of scratch, and dropped."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from io import BufferedReader
 from pathlib import Path
 
 import torch
@@ -23,52 +20,41 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder.memtier import REPLICA_CHUNK_BYTES, shard_name
 
-from .memnode import ShmFile, TierNode
+from .memnode import ShmMap, TierNode
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
 
 @dataclass
 class _Inbound:
-    """The replica arriving from rank ``src``: its size, the file it goes into (None once writing failed), its
-    receive buffer and why it cannot be kept."""
+    """The replica arriving from rank ``src``: its size, the file it goes into (None where it could not be made) and
+    why it cannot be kept."""
 
     src: int
     size: int
-    file: ShmFile | None
-    buffer: torch.Tensor
+    file: ShmMap | None
     error: str = ""
+    scratch: torch.Tensor | None = None
 
-    def write(self, n: int) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.write(memoryview(self.buffer.numpy())[:n])
-        except OSError as exc:
-            self.file.drop()
-            self.file, self.error = None, str(exc)
+    def target(self, start: int, n: int) -> torch.Tensor:
+        """Where the bytes [start, start + n) of the replica are received."""
+        if self.file is not None and self.file.data is not None:
+            return self.file.data[start: start + n]
+        if self.scratch is None or self.scratch.numel() < n:
+            self.scratch = torch.empty(n, dtype=torch.uint8)
+        return self.scratch[:n]
 
 
-def _open_inbound(path: Path, src: int, size: int, chunk_bytes: int) -> _Inbound:
-    buffer = torch.empty(min(size, chunk_bytes), dtype=torch.uint8)
+def _open_inbound(path: Path, src: int, size: int, reuse: Path | None) -> _Inbound:
     try:
-        return _Inbound(src, size, ShmFile(path), buffer)
+        return _Inbound(src, size, ShmMap(path, size, reuse))
     except OSError as exc:
-        return _Inbound(src, size, None, buffer, str(exc))
+        return _Inbound(src, size, None, str(exc))
 
 
 def _pieces(size: int, chunk_bytes: int) -> list[int]:
-    """The lengths of the chunks a file of ``size`` bytes travels in (none for an empty or missing file)."""
+    """The lengths of the messages a file of ``size`` bytes travels in (none for an empty or missing file)."""
     return [min(chunk_bytes, size - start) for start in range(0, max(size, 0), chunk_bytes)]
-
-
-def _read_full(reader: BufferedReader, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = reader.readinto(view[got:])
-        if not n:
-            raise OSError(f"{reader.name}: ended {len(view) - got} bytes early")
-        got += n
 
 
 def _exchange_sizes(node: TierNode, size: int) -> dict[int, int]:
@@ -82,84 +68,52 @@ def _exchange_sizes(node: TierNode, size: int) -> dict[int, int]:
     return {s: int(t.item()) for s, t in sizes_in.items()}
 
 
-def _stream(node: TierNode, reader: BufferedReader | None, size: int, inbound: list[_Inbound],
-            chunk_bytes: int) -> dict[int, bool]:
-    """Round by round, the next chunk of the own shard to the buddy and the next chunk of each inbound replica in
-    (each round waits for its sends before the buffer is refilled); then each sender's flag, whether it read its
-    whole file. Returns the flags by source. A failed read still sends its chunks (the receiver expects them) and
-    flags the replica bad."""
-    out = torch.empty(min(max(size, 0), chunk_bytes), dtype=torch.uint8)
-    read_ok = reader is not None
-    plan_out = _pieces(size, chunk_bytes) if reader is not None else []
+def _stream(node: TierNode, own: torch.Tensor | None, inbound: list[_Inbound], chunk_bytes: int) -> None:
+    """Round by round, the next message of the own shard to the buddy and the next one of each inbound replica in."""
+    plan_out = _pieces(own.numel(), chunk_bytes) if own is not None else []
     plans_in = [_pieces(i.size, chunk_bytes) for i in inbound]
     for r in range(max([len(plan_out), *map(len, plans_in)], default=0)):
         ops = []
         if r < len(plan_out):
-            piece = out[: plan_out[r]]
-            if read_ok:
-                try:
-                    _read_full(reader, memoryview(piece.numpy()))
-                except OSError as exc:
-                    read_ok = False
-                    log.warning("memory tier: cannot read rank %d's shard for its replica (%s)", node.rank, exc)
-            ops.append(dist.isend(piece, node.buddy, group=node.pg))
-        lengths = [plan[r] if r < len(plan) else 0 for plan in plans_in]
-        ops += [dist.irecv(i.buffer[:n], i.src, group=node.pg) for i, n in zip(inbound, lengths) if n]
+            ops.append(dist.isend(own[r * chunk_bytes: r * chunk_bytes + plan_out[r]], node.buddy, group=node.pg))
+        ops += [dist.irecv(i.target(r * chunk_bytes, plan[r]), i.src, group=node.pg)
+                for i, plan in zip(inbound, plans_in) if r < len(plan)]
         for op in ops:
             op.wait()
-        for i, n in zip(inbound, lengths):
-            if n:
-                i.write(n)
-    flags = {i.src: torch.zeros(1, dtype=torch.int64) for i in inbound}
-    ops = [dist.isend(torch.tensor([int(read_ok)], dtype=torch.int64), node.buddy, group=node.pg)] if size >= 0 else []
-    ops += [dist.irecv(t, s, group=node.pg) for s, t in flags.items()]
-    for op in ops:
-        op.wait()
-    return {s: bool(t.item()) for s, t in flags.items()}
 
 
-def replicate(node: TierNode, step_dir: Path, ok: bool, *, chunk_bytes: int = REPLICA_CHUNK_BYTES) -> dict[str, int]:
-    """Send this rank's shard to its buddy, receive the shards of the ranks whose buddy this is, in chunks of at
-    most ``chunk_bytes``; write them next to the own ones. Every rank takes part even when its write failed (``ok``
-    False). Returns the replicas written here: file name -> size."""
+def replicate(node: TierNode, step_dir: Path, own: torch.Tensor | None, *,
+              chunk_bytes: int = REPLICA_CHUNK_BYTES) -> dict[str, int]:
+    """Send this rank's shard (``own``: its file's bytes; None where its write failed) to its buddy, receive the
+    shards of the ranks whose buddy this is into their files next to the own ones. Every rank takes part whatever
+    happened to its write. Returns the replicas written here: file name -> size."""
     if node.buddy is None or node.pg is None:
         return {}
-    reader, size = None, -1
-    if ok:
-        try:
-            reader = open(step_dir / shard_name(node.rank), "rb")  # closed below
-            size = os.fstat(reader.fileno()).st_size
-        except OSError:
-            reader, size = None, -1
     inbound: list[_Inbound] = []
     try:
-        sizes = _exchange_sizes(node, size)
-        inbound = [_open_inbound(step_dir / shard_name(s), s, n, chunk_bytes) for s, n in sizes.items() if n >= 0]
-        flags = _stream(node, reader, size, inbound, chunk_bytes)
+        sizes = _exchange_sizes(node, own.numel() if own is not None else -1)
+        inbound = [_open_inbound(step_dir / shard_name(s), s, n, node.spare / shard_name(s))
+                   for s, n in sizes.items() if n >= 0]
+        _stream(node, own, inbound, chunk_bytes)
     except BaseException:  # the group failed (a peer gone): no piece of a replica stays behind
         for i in inbound:
             if i.file is not None:
                 i.file.drop()
         raise
-    finally:
-        if reader is not None:
-            reader.close()
-    return _keep(node, inbound, flags)
+    return _keep(node, inbound)
 
 
-def _keep(node: TierNode, inbound: list[_Inbound], flags: dict[int, bool]) -> dict[str, int]:
+def _keep(node: TierNode, inbound: list[_Inbound]) -> dict[str, int]:
     """Rename each whole replica into place; drop the others."""
     written = {}
     for i in inbound:
-        if i.file is not None and flags[i.src]:
+        if i.file is not None:
             try:
                 i.file.commit()
                 written[shard_name(i.src)] = i.size
                 continue
             except OSError as exc:
                 i.error = str(exc)
-        if i.file is not None:
-            i.file.drop()
-        log.warning("memory tier: cannot keep rank %d's replica on %s (%s)", i.src, node.node,
-                    i.error or "its sender could not read its shard")
+                i.file.drop()
+        log.warning("memory tier: cannot keep rank %d's replica on %s (%s)", i.src, node.node, i.error)
     return written

@@ -3,9 +3,9 @@ steps into the launch, a probe snapshot PROBE_STEPS steps later and, PROBE_STEPS
 what the probe cost and the job's mean time between faults. The rule itself is core/memtier.auto_interval; this
 module measures its inputs and keeps the answer.
 
-The first snapshot of a launch is not measured: it pays once for what later ones reuse (the stager's staging
-buffers, pinned and registered on CUDA, the whole state's worth, faulted in), so an interval decided from it would
-be longer than the snapshots that follow justify (issue 36, R4)."""
+The first snapshot of a launch is not measured: it pays once for what later ones reuse (DCP's plan, made with
+collectives, and the files' pages, which later snapshots fill again: memraw.py, memnode.keep_spares), so an interval
+decided from it would be longer than the snapshots that follow justify (issue 36, R4)."""
 
 from __future__ import annotations
 

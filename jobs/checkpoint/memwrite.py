@@ -1,14 +1,17 @@
-"""The memory tier's snapshot: each rank's part of the checkpoint written as plain DCP into the node's folder,
-through the same async staging as the durable tier (checkpoint/staging.py), so the loop waits only for what the
-next step's forward and backward do not overlap. The commit runs in the tier's own thread on its gloo group: rank
-0's ``.metadata`` and sidecar go to every node, the replicas to the buddies (memreplicate.py), each rank records
-its part, and once every rank's part is complete ``COMMITTED`` is written on every node. Any failure turns the tier
-off for the rest of the launch with a warning (shared memory full: ENOSPC); the durable tier is unchanged."""
+"""The memory tier's snapshot: each rank's part of the checkpoint copied from the live state straight into its file
+in the node's folder (memraw.py: DCP's metadata over raw bytes, DCP's plan made once per launch), in the tier's copy
+thread, so the loop waits only for what the next step's forward and backward do not overlap (the optimizer's step
+waits at the staging gate, checkpoint/staging.py). The commit runs in the tier's own thread on its gloo group: every
+rank's pickled entries' places and rank 0's sidecar to every rank, the ``.metadata`` and sidecar onto every node, the
+replicas to the buddies (memreplicate.py, from the file's pages), each rank records its part, and once every rank's
+part is complete ``COMMITTED`` is written on every node. Any failure turns the tier off for the rest of the launch
+with a warning (shared memory full: ENOSPC, at the file's allocation); the durable tier is unchanged."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -16,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpjob.orchestrator.core.fileio import write_atomic
@@ -27,17 +29,18 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
     marker_text,
     part_name,
     remove_step,
-    shard_name,
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
-from .io import CheckpointWriter
 from .manager import save_facts
 from .memnode import TierNode, write_to_shm
+from .memraw import Filled, Layout, fill, metadata_with, plan_layout, take
 from .memreplicate import replicate
-from .staging import StagingGate, stage_in_background, start_async_save
+from .staging import StagingGate, bind_cuda_device
 
 log = logging.getLogger("fsdpjob.checkpoint")
+
+REPLAY, PLAN, OFF = 2, 1, 0  # what the ranks agree a snapshot does: the launch's plan, a new plan, nothing
 
 
 def _part_text(step: int, key: TierKey, rank: int, files: dict[str, int]) -> str:
@@ -49,14 +52,17 @@ class SnapshotWriter:
 
     def __init__(self, node: TierNode, run: RunFacts) -> None:
         self.node, self.run = node, run
-        self._stager = stage_in_background(torch.cuda.is_available())
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="memory-tier-copy", initializer=bind_cuda_device,
+                                          initargs=(device,))
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="memory-tier")
+        self._layout: Layout | None = None
         self._pending: Future | None = None
         self._gate: StagingGate | None = None
         self.waited_s = 0.0  # the loop's time in save() and in the optimizer's wait for the copy (the bench reads it)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Start the snapshot of ``step`` (the previous one is finished first); returns once it is staged."""
+        """Start the snapshot of ``step`` (the previous one is finished first); returns once its sources are taken."""
         started = time.monotonic()
         node = self.node
         self.wait()
@@ -70,13 +76,24 @@ class SnapshotWriter:
             step_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             node.off(f"cannot create {step_dir} ({exc})")
-        if not node.agree_enabled():
+        sources = take(self._layout, state) if node.enabled and self._layout is not None else None
+        how = node.least(OFF if not node.enabled else REPLAY if sources is not None else PLAN)
+        if how == OFF:
+            node.enabled = False
             return
+        if how == PLAN:  # the launch's first snapshot, or the state's shape changed on some rank
+            try:
+                self._layout = plan_layout(node, state)
+            except (Exception, CheckpointException) as exc:  # raised on every rank: DCP's save gathers failures
+                node.off(f"cannot plan the snapshot of step {step} ({type(exc).__name__}: {exc})")
+                return
+            sources = take(self._layout, state)
+            assert sources is not None, "a state that does not match the plan just made from it"
         facts = save_facts(step, state, reason="memory", eval_loss=None, world_size=node.world_size, run=self.run)
-        future, self._gate = start_async_save(
-            state, storage_writer=CheckpointWriter(str(step_dir)), async_stager=self._stager,
-            process_group=node.pg, no_dist=node.pg is None)
-        self._pending = self._committer.submit(self._commit, step, step_dir, facts, future, started)
+        name = self._layout.name
+        copied = self._copier.submit(fill, step_dir / name, self._layout, sources, node.spare / name)
+        self._gate = StagingGate(state, copied)
+        self._pending = self._committer.submit(self._commit, step, step_dir, facts, copied, started)
         self.waited_s += time.monotonic() - started
 
     @property
@@ -99,21 +116,26 @@ class SnapshotWriter:
                 self._gate = None
 
     def close(self, *, crashed: bool) -> None:
-        """Stop the commit thread (after a crash without waiting: a peer may be gone) and free the buffers."""
+        """Stop the copy and commit threads (after a crash without waiting: a peer may be gone)."""
         self._committer.shutdown(wait=not crashed, cancel_futures=True)
-        self._stager.close()
+        self._copier.shutdown(wait=not crashed, cancel_futures=True)
 
-    def _commit(self, step: int, step_dir: Path, facts: Sidecar, future: Future, started: float) -> None:
-        """In the tier's thread, on every rank: the write's end, the replicas, the parts, the markers."""
+    def _commit(self, step: int, step_dir: Path, facts: Sidecar, copied: Future, started: float) -> None:
+        """In the tier's thread, on every rank: the copy's end, the shared files, the replicas, the parts, the
+        markers."""
         node = self.node
-        ok = True
+        filled: Filled | None = None
         try:
-            future.result()  # DCP's last collective: every rank's shard is written, rank 0's .metadata too
-        # DCP raises its CheckpointException (a BaseException) for a rank's failed write, ENOSPC included.
-        except (Exception, CheckpointException) as exc:  # a failed snapshot turns the tier off, never the run
-            ok = node.failed(f"snapshot of step {step} failed ({type(exc).__name__}: {exc})")
-        ok, files = self._write_shared(step, step_dir, facts, started, ok)
-        files.update(replicate(node, step_dir, ok))
+            filled = copied.result()
+        except Exception as exc:  # a failed snapshot turns the tier off, never the run
+            log.warning("memory tier on %s: snapshot of step %d failed (%s: %s)", node.node, step,
+                        type(exc).__name__, exc)
+        try:
+            ok, files = self._write_shared(step, step_dir, facts, started, filled)
+            files.update(replicate(node, step_dir, filled.data if ok and filled is not None else None))
+        finally:
+            if filled is not None:
+                filled.data = None  # unmapped: the pages are the file's (an older step's go with its folder)
         try:
             if ok:
                 write_atomic(step_dir / part_name(node.rank), _part_text(step, node.key, node.rank, files))
@@ -129,34 +151,32 @@ class SnapshotWriter:
         if node.first_on_node:
             write_atomic(step_dir / MARKER, marker_text(step, node.key, node.world_size, node.hosts))
         node.barrier()  # committed on every node before any node drops its older step
+        older = [older_dir for older, older_dir in step_dirs(node.folder) if older < step]
+        for older_dir in older:
+            node.keep_spares(older_dir)
+        node.barrier()  # every rank's files moved before the folders go
         if node.first_on_node:
-            for older, older_dir in step_dirs(node.folder):
-                if older < step:
-                    remove_step(older_dir)
+            for older_dir in older:
+                remove_step(older_dir)
         log.info("memory tier: step %d committed on %s (%.2f s)", step, node.node, time.monotonic() - started)
 
     def _write_shared(self, step: int, step_dir: Path, facts: Sidecar, started: float,
-                      ok: bool) -> tuple[bool, dict[str, int]]:
-        """Rank 0's .metadata and sidecar onto every node (collective); whether all is well still, and this rank's
-        own shard's size."""
+                      filled: Filled | None) -> tuple[bool, dict[str, int]]:
+        """Every rank's pickled entries' places and rank 0's sidecar to every rank (collective), the ``.metadata``
+        and sidecar onto every node; whether every rank's copy went well and this rank's own file's size."""
         node = self.node
-        shared: list[Any] = [None]
-        if node.rank == 0 and ok:
+        sidecar = None
+        if node.rank == 0:
             sidecar = replace(facts, wall_time=time.time(), save_seconds=round(time.monotonic() - started, 3))
-            shared[0] = ((step_dir / METADATA).read_bytes(), sidecar)
-        if node.pg is not None:
-            dist.broadcast_object_list(shared, src=0, group=node.pg)
-        ok = ok and shared[0] is not None
-        files: dict[str, int] = {}
+        everyone = node.gather((None if filled is None else filled.blobs, sidecar))
+        if filled is None or any(blobs is None for blobs, _ in everyone):
+            return False, {}
+        assert self._layout is not None
         try:
-            if ok and node.first_on_node:
-                metadata, sidecar = shared[0]
-                if node.rank != 0:
-                    write_to_shm(step_dir / METADATA, metadata)
-                sidecar.write(step_dir)
-            own = step_dir / shard_name(node.rank)
-            if ok:
-                files[own.name] = own.stat().st_size
+            if node.first_on_node:
+                metadata = metadata_with(self._layout, [blobs for blobs, _ in everyone])
+                write_to_shm(step_dir / METADATA, pickle.dumps(metadata))
+                everyone[0][1].write(step_dir)
         except OSError as exc:
-            ok = node.failed(f"step {step}: {exc}")
-        return ok, files
+            return node.failed(f"step {step}: {exc}"), {}
+        return True, {self._layout.name: filled.data.numel()}

@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
-from fsdpjob.orchestrator.core.runfolder.memtier import REPLICA_CHUNK_BYTES
 from fsdpjob.orchestrator.core.units import GiB, count_text
 
 from .lora import trainable
@@ -257,8 +256,9 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
 def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
     """Host RAM per node the memory tier holds (jobs/checkpoint/memory.py): each rank's saved state (params + both
     AdamW moments of what trains) in shared memory, as much again for the replica it keeps of a rank of another
-    node (none on one node), and its stager's copy of the same, kept in the process between snapshots. Counted at
-    the peak, while a new snapshot is written beside the newest committed one: twice the files."""
+    node (none on one node), and the files of the step it last dropped, kept for the next snapshot to fill again
+    (jobs/checkpoint/memnode.keep_spares): twice the files, all the time. Nothing of the state's size lives in the
+    rank's process: a snapshot copies straight into the mapped files and the replica travels between them."""
     if not u.memory_tier:
         return 0
     tr = trainable(s, p, u.lora)
@@ -268,17 +268,9 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
 
 
 def tier_rank_bytes(saved: int, *, multi_node: bool) -> int:
-    """One rank's part of memory_tier_bytes for ``saved`` bytes of saved state: the files (own + replica, twice),
-    the stager's copy and, with a replica, the exchange's buffers (tier_process_bytes)."""
+    """One rank's part of memory_tier_bytes for ``saved`` bytes of saved state: its files (own + replica), twice."""
     copies = 2 if multi_node else 1  # own + replica
-    return 2 * copies * saved + tier_process_bytes(saved, multi_node=multi_node)
-
-
-def tier_process_bytes(saved: int, *, multi_node: bool) -> int:
-    """What the tier holds inside a rank's process at a snapshot's peak (bench/memory_tier.py measures it): the
-    stager's copy of the saved state and, where a replica goes to another node, one send and one receive buffer of
-    the exchange (jobs/checkpoint/memreplicate.py streams the shard in chunks; no whole copy of it)."""
-    return saved + 2 * min(saved, REPLICA_CHUNK_BYTES) * multi_node
+    return 2 * copies * saved
 
 
 def reads_own_shards(s: ModelShape, u: Setup) -> bool:

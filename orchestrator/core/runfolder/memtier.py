@@ -213,7 +213,7 @@ def remove_job(base: str | Path, job: str) -> None:
 
 AUTO = "auto"
 PROBE_STEPS = 5  # auto: snapshots this many steps into a launch and as many later, the second's cost measured over
-# as many more (the first pays the one-time staging allocation: jobs/checkpoint/memschedule.py)
+# as many more (the first pays the launch's plan and new files: jobs/checkpoint/memschedule.py)
 MAX_STALL_SHARE = 0.05  # auto: snapshots may stall the loop for at most this share of the training time
 
 
