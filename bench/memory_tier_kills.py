@@ -14,7 +14,7 @@ workers in the allocation. Read from the run log, per run:
   trained again);
 - the tier's bytes per node in shared memory (the peak of the node folders' allocated blocks, sampled every
   0.2 s while the run trains, the resume's sparse load copies included) against the plan's `memory_tier_bytes`
-  (`fsdpjob plan --json`), which also counts each rank's stager copy (process memory, not sampled here).
+  (`fsdpjob plan --json`: each node's own files and replicas, and the spare files of the step it dropped).
 Prints one JSON line per run and a table of medians. Nothing is asserted.
 """
 

@@ -264,7 +264,25 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
     tr = trainable(s, p, u.lora)
     saved = (math.ceil(tr.weights / u.shard_degree) * u.model_bytes
              + 2 * math.ceil(tr.trained / u.shard_degree) * u.moment_bytes)
-    return u.tasks_per_node * tier_rank_bytes(saved, multi_node=u.nodes > 1)
+    return u.tasks_per_node * tier_rank_bytes(saved, multi_node=u.nodes > 1) + tier_small_files_bytes(s, u)
+
+
+# A tensor chunk's entry in DCP's pickled .metadata (its chunk, its storage place; ~320 B measured on the
+# quickstart model), and per rank and step its pickled entries (RNG, schedule, data position: ~15 KB) with the
+# part file's block.
+TIER_ENTRY_BYTES = 400
+TIER_RANK_FILES_BYTES = 64 * 1024
+
+
+def tier_small_files_bytes(s: ModelShape, u: Setup) -> int:
+    """What a node's tier holds beside the tensors, for the committed step and the one in flight: the .metadata (an
+    entry per rank's chunk of every tensor, each parameter with its 2 moments and the optimizer's step; a dense
+    model's tensors, an upper bound under LoRA) and each rank's small entries. Megabytes against terabytes on a big
+    model, but the whole of the tier's excess over the tensors on a small one (bench/memory_tier_kills.py)."""
+    experts = max(s.experts, 1)
+    tensors = s.layers * (6 + 3 * experts + (experts > 1)) + 3  # q k v o, 2 norms, the MLP's 3 (each expert's), router
+    entries = 3 * tensors * u.world + tensors
+    return 2 * (entries * TIER_ENTRY_BYTES + u.tasks_per_node * TIER_RANK_FILES_BYTES)
 
 
 def tier_rank_bytes(saved: int, *, multi_node: bool) -> int:
