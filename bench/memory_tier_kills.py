@@ -16,6 +16,14 @@ workers in the allocation. Read from the run log, per run:
   0.2 s while the run trains, the resume's sparse load copies included) against the plan's `memory_tier_bytes`
   (`fsdpjob plan --json`: each node's own files and replicas, and the spare files of the step it dropped).
 Prints one JSON line per run and a table of medians. Nothing is asserted.
+
+--size 19M trains bench/worker_throughput.py's 19M Llama instead of the quickstart model (57 MB of weights and
+optimizer state per rank against 2 MB), --size 94M a larger one (280 MB per rank). --durable-every 5 saves the
+durable case as often as the tier: both resume from the same step, and their restarts differ only in where the load
+reads. --kill-range A B draws the kill steps (default 25-45). --cold drops the run's durable checkpoint files from
+the page cache at the kill (posix_fadvise DONTNEED, file by file), so the restart reads them from the disk as a node
+that did not just write them reads a shared file system; the dev cluster's nodes share this machine's page cache,
+which otherwise holds every checkpoint it wrote. The tier's files are shared memory: nothing to drop.
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ from devjobs import cli, poll, recovery_spec, status  # bench/devjobs.py (this f
 EVERY = 5
 
 
-def spec_file(root: Path, assets: dict, case: str, shm: Path) -> Path:
+def spec_file(root: Path, assets: dict, case: str, shm: Path, durable_every: int = 20) -> Path:
     spec = recovery_spec(f"kill-{case}", assets)
+    spec["checkpoint"]["interval_steps"] = durable_every
     if case == "memory":
         spec["checkpoint"] = {"interval_steps": 1000, "interval_minutes": 0, "memory_interval_steps": EVERY}
         spec["env"] = {"FSDPJOB_MEMORY_TIER_DIR": str(shm)}
@@ -70,9 +79,23 @@ def _tier_bytes(folder: Path) -> dict[str, int]:
     return out
 
 
-def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int | None) -> dict:
+def drop_cached(folder: Path) -> int:
+    """Evict every file under ``folder`` from the page cache; the bytes asked to go."""
+    dropped = 0
+    for path in (p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return dropped
+
+
+def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int | None, cold: bool,
+             durable_every: int) -> dict:
     shm = root / "shm"
-    path = spec_file(root, assets, case, shm)
+    path = spec_file(root, assets, case, shm, durable_every)
     out = cli("submit", str(path), "--json")
     run = json.loads(out[out.index("{"): out.index("}") + 1])
     run_dir = Path(run["run_dir"])
@@ -97,6 +120,7 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
     beat = json.loads((run_dir / "heartbeat" / "rank-3.json").read_text())
     at = time.time()
     os.kill(beat["pid"], signal.SIGKILL)
+    dropped = drop_cached(run_dir / "checkpoints") if cold else None
 
     def back_past_the_kill():
         """Once the restart trained past the step the kill interrupted: the run has its progress back."""
@@ -125,7 +149,8 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
            "kill_to_fault_s": round(fault["detected_at"] - at, 2),
            "fault_to_start_s": round(start["process_started_at"] - fault["detected_at"], 2),
            "start_to_ready_s": round(ready["time"] - start["process_started_at"], 2),
-           "ready_to_step_s": round(first["time"] - ready["time"], 2), "load_s": resume.get("load_s")}
+           "ready_to_step_s": round(first["time"] - ready["time"], 2), "load_s": resume.get("load_s"),
+           "durable_bytes_dropped": dropped}
     if case == "memory":
         row["tier_peak_bytes_per_node"] = max(peak.values()) if peak else 0
         row["tier_at_peak"] = at_peak
@@ -142,24 +167,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--size", choices=("quickstart", "19M", "94M"), default="quickstart")
+    parser.add_argument("--durable-every", type=int, default=20, help="the durable case's interval_steps")
+    parser.add_argument("--kill-range", type=int, nargs=2, default=(25, 45), metavar=("FIRST", "LAST"))
+    parser.add_argument("--cold", action="store_true", help="drop the durable checkpoint from the page cache")
     args = parser.parse_args()
     if not os.environ.get("SLURM_CONF"):
         sys.exit("needs the dev cluster: fsdpjob dev-cluster up, then export SLURM_CONF=...")
     from fsdpjob.jobs.quickstart import make_quickstart
 
     rng = random.Random(args.seed)
-    steps = [rng.randint(25, 45) for _ in range(args.kills)]
+    steps = [rng.randint(*args.kill_range) for _ in range(args.kills)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="fsdpjob-tier-kills-", ignore_cleanup_errors=True) as tmp:
         root = Path(tmp)
         os.environ["FSDPJOB_HOME"] = str(root / "home")
-        assets = make_quickstart(root / "assets")
+        if args.size == "quickstart":
+            assets = make_quickstart(root / "assets")
+        else:
+            from common import ModelSize, make_assets
+            from worker_throughput import SIZES
+
+            sizes = {**SIZES, "94M": ModelSize(vocab=4096, hidden=768, intermediate=2048, layers=14, heads=12,
+                                               kv_heads=4)}
+            (root / "assets").mkdir()
+            model, data = make_assets(root / "assets", sizes[args.size])
+            assets = {"model_path": str(model), "data_path": str(data)}
         plan = plan_tier_bytes(root, assets)
         for step in steps:
             for case in ("durable", "memory"):
-                rows.append(run_kill(root, assets, case, step, plan))
+                rows.append(run_kill(root, assets, case, step, plan, args.cold, args.durable_every))
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"kills at steps {steps}; medians:")
+    print(f"{args.size} model, durable every {args.durable_every} steps, its checkpoint "
+          f"{'dropped from' if args.cold else 'left in'} the page cache at the kill; kills at steps {steps}; medians:")
     print(f"{'case':<8} {'steps lost':>10} {'kill->step s':>12} {'kill->past s':>12} {'seen':>5} {'start':>6} "
           f"{'setup':>6} {'step':>5} {'load s':>7} {'tier MB/node':>12} {'plan MB/node':>12}")
     for case in ("durable", "memory"):

@@ -97,7 +97,8 @@ def check_goodput_after_one_preemption(run: dict, stop_step: int) -> None:
 
 def _slow_python(folder: Path) -> Path:
     """The test image's Python behind a start that sleeps on a requeued job's first launch: 3 x the last ready
-    event's setup_s + 60 s (what bounded a launch before it had its own bound) + 30 s."""
+    event's setup_s + 60 s (what bounded a launch before it had its own bound) + 10 s (the sleep starts after the
+    launch does, so it ends past that bound by more)."""
     folder.mkdir()
     script = folder / "python"
     script.write_text(
@@ -105,7 +106,7 @@ def _slow_python(folder: Path) -> Path:
         'if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && [ "${FSDPJOB_LAUNCH:-0}" = 0 ]; then\n'
         "    s=$(/opt/venv/bin/python -c 'import json, sys\n"
         'ready = [e for e in map(json.loads, open(sys.argv[1])) if e.get("event") == "ready"]\n'
-        "print(int(3 * float(ready[-1].get(\"setup_s\") or 0) + 60 + 30) if ready else 90)' "
+        "print(int(3 * float(ready[-1].get(\"setup_s\") or 0) + 60 + 10) if ready else 70)' "
         '"$FSDPJOB_RUN_DIR/events.jsonl")\n'
         '    echo "slow start: $s s"\n'
         '    sleep "$s"\n'
@@ -122,7 +123,7 @@ def test_external_scontrol_requeue_is_recorded_as_such_and_loses_nothing(slurm_c
     # requeue it a second time. The workers run in the test image, which has no Slurm: telling a requeue from a
     # time limit takes scontrol, so the record shows that the batch side asked.
     # The requeued allocation's workers start slowly, before their Python starts, as an image imported again on
-    # new nodes would (issue 36 item 3): 30 s past the bound that used to end a launch whose ranks never reported.
+    # new nodes would (issue 36 item 3): 10 s past the bound that used to end a launch whose ranks never reported.
     slow_start = _slow_python(tmp_path / "slow-start")
     run = submit(make_spec("extrequeue", train__max_steps=40), *in_container, "--set", f"container.python={slow_start}",
                  "--set", f"container.mounts=[{slow_start.parent}:{slow_start.parent}:ro]")
