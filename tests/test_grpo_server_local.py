@@ -37,7 +37,7 @@ def root(tmp_path_factory) -> Path:
                       "lr": 3e-3, "log_every": 1, "lr_schedule": "constant"},
             "fsdp": {"mixed_precision": "fp32"}, "checkpoint": {"interval_steps": 2, "interval_minutes": 0},
             "recovery": {"stall_floor_s": 60},
-            "grpo": {"reward": ["rewards.py:digits"], "num_generations": 4, "max_new_tokens": 4,
+            "grpo": {"reward": ["rewards.py:digits"], "num_generations": 4, "max_new_tokens": 10,
                      "generator": {"backend": "server", "deadline_s": DEADLINE_S}}}
     (root / "grpo.yaml").write_text(json.dumps(spec))
     return root

@@ -47,7 +47,7 @@ def test_grpo_with_a_server_step_preempted_then_frozen_ends_bitwise(slurm_cluste
                "train__micro_batch_size": 4, "train__grad_accum_steps": 2, "train__log_every": 1,
                "checkpoint__interval_steps": 2, "recovery__stall_floor_s": 60,
                "grpo__reward": [f"{tmp_path / 'rewards.py'}:digits"], "grpo__num_generations": 4,
-               "grpo__max_new_tokens": 4, "grpo__generator": {"backend": "server", "nodes": 1,
+               "grpo__max_new_tokens": 10, "grpo__generator": {"backend": "server", "nodes": 1,
                                                                "deadline_s": DEADLINE_S}}
     straight = submit(make_spec("grpo-straight", **options))
     done = wait_phase(straight["run_id"], {"COMPLETED", "FAILED"}, timeout=400)
