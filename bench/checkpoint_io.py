@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import evict_from_page_cache  # bench/common.py (this folder is on sys.path)
 
 CHUNK = 64 << 20
 
@@ -97,16 +98,6 @@ def _raw_read(path: Path) -> None:
     with open(path, "rb", buffering=0) as fh:
         while fh.readinto(buffer):
             pass
-
-
-def _evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _rank_files(step_dir: Path, rank: int) -> list[Path]:
@@ -178,7 +169,7 @@ def _worker(rank: int, world_size: int, port: int, workdir: str, args: dict, out
     raw_reads: list[float] = []
     for round_ in range(args["rounds"]):
         for mode in (["raw", *modes] if round_ % 2 == 0 else [*modes, "raw"]):
-            _evict(_rank_files(step_dir, rank) + [raw])
+            evict_from_page_cache(_rank_files(step_dir, rank) + [raw])
             if mode == "raw":
                 raw_reads.append(_timed(lambda: _raw_read(raw)))
             else:

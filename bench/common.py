@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,21 @@ def launch_ranks(argv: list[str], world: int, log_dir: Path, *, timeout: float =
                 proc.wait()
             log.close()
     return time.time() - started
+
+
+def evict_from_page_cache(paths: Iterable[Path]) -> int:
+    """Write each file's dirty pages back and drop all its pages from the page cache (posix_fadvise DONTNEED leaves
+    dirty pages), so the next read comes from the disk; returns the bytes dropped."""
+    dropped = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            dropped += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return dropped
 
 
 def read_jsonl(path: Path) -> list[dict]:

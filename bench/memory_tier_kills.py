@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import yaml
+from common import ModelSize, evict_from_page_cache, make_assets
 from devjobs import cli, poll, recovery_spec, status  # bench/devjobs.py (this folder is on sys.path)
 
 EVERY = 5
@@ -49,10 +50,11 @@ EVERY = 5
 
 def spec_file(root: Path, assets: dict, case: str, shm: Path, durable_every: int = 20) -> Path:
     spec = recovery_spec(f"kill-{case}", assets)
-    spec["checkpoint"]["interval_steps"] = durable_every
     if case == "memory":
         spec["checkpoint"] = {"interval_steps": 1000, "interval_minutes": 0, "memory_interval_steps": EVERY}
         spec["env"] = {"FSDPJOB_MEMORY_TIER_DIR": str(shm)}
+    else:
+        spec["checkpoint"]["interval_steps"] = durable_every
     path = root / f"{case}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -77,19 +79,6 @@ def _tier_bytes(folder: Path) -> dict[str, int]:
                     pass  # removed meanwhile (an older step dropped)
         out[node.name] = total
     return out
-
-
-def drop_cached(folder: Path) -> int:
-    """Evict every file under ``folder`` from the page cache; the bytes asked to go."""
-    dropped = 0
-    for path in (p for p in folder.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            dropped += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return dropped
 
 
 def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int | None, cold: bool,
@@ -120,7 +109,7 @@ def run_kill(root: Path, assets: dict, case: str, kill_step: int, plan_tier: int
     beat = json.loads((run_dir / "heartbeat" / "rank-3.json").read_text())
     at = time.time()
     os.kill(beat["pid"], signal.SIGKILL)
-    dropped = drop_cached(run_dir / "checkpoints") if cold else None
+    dropped = evict_from_page_cache(p for p in (run_dir / "checkpoints").rglob("*") if p.is_file()) if cold else None
 
     def back_past_the_kill():
         """Once the restart trained past the step the kill interrupted: the run has its progress back."""
@@ -185,7 +174,6 @@ def main() -> None:
         if args.size == "quickstart":
             assets = make_quickstart(root / "assets")
         else:
-            from common import ModelSize, make_assets
             from worker_throughput import SIZES
 
             sizes = {**SIZES, "94M": ModelSize(vocab=4096, hidden=768, intermediate=2048, layers=14, heads=12,

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import evict_from_page_cache
 from load_memory import MIB, _make_models, _run, _status_mib
 
 METHODS = ("rank0", "sharded")
@@ -54,15 +55,6 @@ def _worker(method: str, model_dir: str) -> None:
     )  # fmt: skip
     close_distributed()
     print("RESULT " + json.dumps(result), flush=True)
-
-
-def _evict(model_dir: Path) -> None:
-    for file in model_dir.glob("*.safetensors"):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _summary(runs: list[list[dict]]) -> dict[str, float]:
@@ -109,7 +101,7 @@ def main() -> None:
             for round_ in range(args.rounds):  # A B, then B A: neither method always meets the other's leftovers
                 for method in METHODS if round_ % 2 == 0 else METHODS[::-1]:
                     if not args.warm:
-                        _evict(dirs[storage])
+                        evict_from_page_cache(dirs[storage].glob("*.safetensors"))
                     runs[method].append(_run(method, dirs[storage], ranks, script=__file__))
             for method in METHODS:
                 raw[f"{ranks}/{storage}/{method}"] = runs[method]
