@@ -178,7 +178,10 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="session")
 def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """make(name, section__field=value, ...) writes a 2-node x 2-task spec YAML and returns its path."""
+    """make(name, section__field=value, ...) writes a 2-node x 1-task spec YAML and returns its path. One rank a
+    node: what the scenarios assert (a stop, a requeue, a fault on one node, the bits) needs two nodes, not two
+    ranks on each, and every rank launch costs ~10 CPU-s on the shared 2 cores; the tests that tell a rank from
+    its peer on the same node (and GRPO's, whose ranks share the first node) ask for resources__gpus_per_node=2."""
     tmp_path = tmp_path_factory.mktemp("specs")
 
     def make(name: str, **overrides) -> Path:
@@ -186,7 +189,7 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
             assets,
             name=name,
             profile="test-cluster",
-            resources={"nodes": 2, "time_limit": "10:00"},
+            resources={"nodes": 2, "gpus_per_node": 1, "time_limit": "10:00"},
             train={"max_steps": 60, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 5, "log_every": 2},
             fsdp={"mixed_precision": "fp32"},
             checkpoint={"interval_steps": 0, "interval_minutes": 0},
@@ -196,15 +199,26 @@ def make_spec(assets: dict, tmp_path_factory: pytest.TempPathFactory) -> Callabl
     return make
 
 
-@pytest.fixture(scope="session")
-def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
-    """An uninterrupted 2x2 run of the spec the interrupted runs use (their final weights must match it)."""
-    os.environ["SLURM_CONF"] = str(slurm_cluster_session.slurm_conf)
-    os.environ["FSDPJOB_HOME"] = str(tmp_path_factory.mktemp("reference_home"))
-    spec = make_spec("uninterrupted", train__max_steps=60)
+def _reference(cluster: ClusterInfo, make_spec, tmp_path_factory, name: str, **overrides) -> dict:
+    os.environ["SLURM_CONF"] = str(cluster.slurm_conf)
+    os.environ["FSDPJOB_HOME"] = str(tmp_path_factory.mktemp(f"{name}_home"))
+    spec = make_spec(name, train__max_steps=60, **overrides)
     ref = submit(spec)
     assert wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)["phase"] == "COMPLETED"
     return {"spec": spec, "weights": final_weights(ref["run_dir"])}
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
+    """An uninterrupted 2x1 run of the spec the interrupted runs use (their final weights must match it)."""
+    return _reference(slurm_cluster_session, make_spec, tmp_path_factory, "uninterrupted")
+
+
+@pytest.fixture(scope="session")
+def reference_2x2(slurm_cluster_session, make_spec, tmp_path_factory) -> dict:
+    """The same at 2 nodes x 2 tasks, for the tests whose faults must be told from a peer on the same node."""
+    return _reference(slurm_cluster_session, make_spec, tmp_path_factory, "uninterrupted-2x2",
+                      resources__gpus_per_node=2)
 
 
 

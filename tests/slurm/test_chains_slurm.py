@@ -109,7 +109,7 @@ def test_a_cancelled_parent_leaves_the_child_never_started(slurm_cluster, make_s
 
 
 def test_plan_and_dry_run_show_slurms_start_estimate(slurm_cluster, make_spec):
-    spec = make_spec("estimated", resources__nodes=1)
+    spec = make_spec("estimated", resources__nodes=1, resources__gpus_per_node=2)
     plan = json.loads(fsdpjob("plan", str(spec), "--json", "--shapes", "2x2", check=True).stdout)
     rows = {r["shape"]: r for r in plan["start_estimates"]}
     assert set(rows) == {"1x2", "2x2"} and all(r["error"] is None for r in rows.values()), rows

@@ -42,7 +42,7 @@ def test_grpo_with_a_server_step_preempted_then_frozen_ends_bitwise(slurm_cluste
     (tmp_path / "rewards.py").write_text(REWARDS)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"count {i}:"}) + "\n" for i in range(64)))
-    options = {"data__path": str(prompts), "data__seq_len": 24, "data__packing": False,
+    options = {"resources__gpus_per_node": 2, "data__path": str(prompts), "data__seq_len": 24, "data__packing": False,
                "train__method": "grpo", "train__max_steps": STEPS, "train__warmup_steps": 0,
                "train__micro_batch_size": 4, "train__grad_accum_steps": 2, "train__log_every": 1,
                "checkpoint__interval_steps": 2, "recovery__stall_floor_s": 60,

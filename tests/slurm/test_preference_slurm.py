@@ -1,4 +1,4 @@
-"""DPO on the real local Slurm cluster (2 nodes x 2 tasks): preempted inside its reference pass, or in training,
+"""DPO on the real local Slurm cluster (2 nodes x 1 task): preempted inside its reference pass, or in training,
 requeued, it ends with the weights of an uninterrupted DPO run, bit for bit."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _chunks(run_dir: str) -> int:
 
 
 def test_dpo_preempted_in_its_reference_pass_or_in_training_ends_bitwise(slurm_cluster, make_spec, tmp_path):
-    pairs = write_pairs(tmp_path / "pairs.jsonl", 64)  # 2 chunks of 8 pairs x 4 ranks: a stop between them
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 32)  # 2 chunks of 8 pairs x 2 ranks: a stop between them
     options = {"data__path": str(pairs), "data__seq_len": 16, "train__method": "dpo", "train__max_steps": STEPS,
                "train__warmup_steps": 0, "train__micro_batch_size": 1, "train__lr": 2e-3}
     straight = submit(make_spec("dpo-straight", **options))

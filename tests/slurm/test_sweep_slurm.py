@@ -32,7 +32,9 @@ def tasks_now(array_job: str) -> dict[str, tuple[str, str]]:
 def test_lr_sweep_is_one_capped_array_job_and_a_preempted_task_requeues_alone(slurm_cluster, make_spec, in_container,
                                                                               tmp_path, monkeypatch):
     monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
-    spec = make_spec("lrsweep", resources__nodes=1, train__max_steps=STEPS, train__eval_every=8, train__eval_batches=2,
+    # Two ranks a task: a task fills its node, so the high-tier job that takes that node preempts it alone.
+    spec = make_spec("lrsweep", resources__nodes=1, resources__gpus_per_node=2, train__max_steps=STEPS,
+                     train__eval_every=8, train__eval_batches=2,
                      data__eval_fraction=0.1)
     out = fsdpjob("sweep", str(spec), "--grid", f"train.lr={','.join(LRS)}", "--max-parallel", "2", "--json",
                   *in_container, check=True).stdout
