@@ -22,7 +22,10 @@ def free_port() -> int:
 # spawned rank imported them itself at every launch, 10-50 s a launch on CI's two loaded cores. Each rank is
 # still a new process that holds nothing of an earlier run; it takes the launching process's environment of the
 # moment (the server's is that of its own start), as a spawned one would.
-PRELOAD = ["torch", "fsdpjob.jobs.train"]
+# What every forked rank would import again (~1.8 CPU-s each, ~240 ranks a suite): the worker, transformers' model
+# and tokenizer paths (the worker imports them when it builds the model) and peft (the LoRA tests').
+PRELOAD = ["torch", "fsdpjob.jobs.train", "transformers.models.llama.modeling_llama",
+           "transformers.models.auto.tokenization_auto", "peft"]
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
