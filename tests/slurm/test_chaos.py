@@ -87,7 +87,9 @@ def test_random_faults_still_give_the_uninterrupted_bits(slurm_cluster, make_spe
     # A 10 s stall floor keeps a frozen rank's detection short; every fault may cost a restart in the allocation.
     tier = int(os.environ.get("FSDPJOB_CHAOS_MEMORY_TIER", "0"))
     durable = int(os.environ.get("FSDPJOB_CHAOS_DURABLE_EVERY", "0"))
+    tasks = int(os.environ.get("FSDPJOB_CHAOS_TASKS_PER_NODE", "1"))  # bench/chaos.sh: 2
     spec = make_spec(f"chaos{count}" + (f"-tier{tier}" if tier else ""), train__max_steps=steps,
+                     resources__gpus_per_node=tasks,
                      preemption__max_requeues=4 * count + 5, recovery__stall_floor_s=10,
                      recovery__max_restarts=count + 1, checkpoint__memory_interval_steps=tier,
                      checkpoint__interval_steps=durable)
