@@ -22,7 +22,9 @@
 - ``FSDPJOB_MIN_STEP_S=<s>``: in the job's first allocation (Slurm's restart count 0), every rank makes each
   training step last at least this long (it sleeps out the rest): a time-limit test's run then cannot finish
   inside its first allocation on any machine, and the next allocation, unpaced, trains the rest at the
-  machine's own speed instead of needing four more on a slow one.
+  machine's own speed instead of needing four more on a slow one. ``FSDPJOB_MIN_STEP_S_ALLOCATIONS=<k>``
+  (default 1) paces the first k allocations instead (restart counts 0 to k - 1): a fault a test sends in a
+  requeued allocation then lands mid-run however fast the machine trains.
 - ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
   that is not what it measures).
 The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
@@ -110,7 +112,8 @@ class TestHooks:
             stop_step=_int_or_none("FSDPJOB_FAULT_STOP_STEP") if faults else None,
             stop_rank=_int_or_none("FSDPJOB_FAULT_STOP_RANK") or 0,
             skip_final_save=envvars.is_on("FSDPJOB_SKIP_FINAL_SAVE"),
-            min_step_s=_number("FSDPJOB_MIN_STEP_S") if worker.restart_count == 0 else 0.0,
+            min_step_s=(_number("FSDPJOB_MIN_STEP_S")
+                        if worker.restart_count < (_int_or_none("FSDPJOB_MIN_STEP_S_ALLOCATIONS") or 1) else 0.0),
             min_chunk_s=_number("FSDPJOB_MIN_CHUNK_S") if worker.restart_count == 0 else 0.0,
             exit_step=_int_or_none("FSDPJOB_FAULT_EXIT_STEP") if faults else None,
         )

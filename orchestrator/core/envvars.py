@@ -56,6 +56,7 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_FAULT_EXIT_STEP": "after training step n, every rank exits at once (os._exit, no save, no clean-up)",
     "FSDPJOB_MIN_STEP_S": "in the job's first allocation, every rank makes each training step last at least this "
                           "long (a machine-independent step rate for time-limit tests)",
+    "FSDPJOB_MIN_STEP_S_ALLOCATIONS": "FSDPJOB_MIN_STEP_S paces the first k allocations (default 1)",
     "FSDPJOB_SKIP_FINAL_SAVE": "'1': no checkpoint at the end of training (bench/gpu.py)",
     "FSDPJOB_FAKE_GPUS": "'1': GPUs the scheduler granted are fakes (the dev cluster's /dev/null GPUs): train on CPU",
 }  # fmt: skip

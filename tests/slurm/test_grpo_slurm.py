@@ -57,7 +57,11 @@ def test_grpo_with_a_server_step_preempted_then_frozen_ends_bitwise(slurm_cluste
     starts = [e for e in _events(straight) if e["event"] == "start"]
     assert starts[0]["world_size"] == 2, starts
 
-    run = submit(make_spec("grpo-interrupted", **options))
+    # Both allocations' steps paced to >= 3 s (FSDPJOB_MIN_STEP_S): the preemption sent after step 3, and the
+    # freeze after step 6, land before step 10 on any machine (a quiet one trained steps 2-10 unpaced in 4.3 s,
+    # before Slurm's preemption did: seen in CI). The pace sleeps after a step; the bits are the straight run's.
+    run = submit(make_spec("grpo-interrupted", **options), "--set", "env.FSDPJOB_MIN_STEP_S='3'",
+                 "--set", "env.FSDPJOB_MIN_STEP_S_ALLOCATIONS='2'")
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 3, timeout_s=300, interval_s=1.0, what="step 3")
     preempt_now()
     assert wait_phase(run["run_id"], {"REQUEUED", "PENDING"}, timeout=120)["restarts"] >= 1
