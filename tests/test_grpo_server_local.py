@@ -43,8 +43,10 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def _submit(root: Path, name: str, *, wait: bool) -> dict:
-    done = fsdpjob("submit", "grpo.yaml", "--json", "--set", f"name={name}", *(["--wait"] if wait else []), cwd=root)
+def _submit(root: Path, name: str, *, wait: bool, pace_s: float = 0) -> dict:
+    paced = ["--set", f"env.FSDPJOB_MIN_STEP_S='{pace_s}'"] if pace_s else []
+    done = fsdpjob("submit", "grpo.yaml", "--json", "--set", f"name={name}", *paced, *(["--wait"] if wait else []),
+                   cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout[: done.stdout.index("}") + 1])
 
@@ -75,7 +77,9 @@ def test_a_frozen_server_is_detected_at_its_deadline_restarted_and_the_run_ends_
     published = sorted(p.name for p in (Path(straight["run_dir"]) / "generation-server" / "weights").iterdir())
     assert published == ["v00000006.safetensors", "v00000007.safetensors"]  # the newest two policies
 
-    frozen = _submit(root, "frozen", wait=False)
+    # Its steps paced to >= 2 s (FSDPJOB_MIN_STEP_S; a local run has no requeue): the freeze sent after step 3 lands
+    # before step 8 however fast the machine trains (unpaced, a quiet one trains a step in ~0.5 s).
+    frozen = _submit(root, "frozen", wait=False, pace_s=2)
     wait_for(lambda: (_status(root, frozen)["step"] or 0) >= 3, 300, interval_s=0.5, what="step 3")
     os.kill(_server_pid(frozen), signal.SIGSTOP)
     report = wait_for(lambda: (r := _status(root, frozen))["phase"] in ("COMPLETED", "FAILED") and r, 500,
