@@ -25,7 +25,11 @@ TEST_ONLY_PACKAGES = {"chromium": "chromium"}  # tool: Debian package
 def pytest_configure(config: pytest.Config) -> None:
     """The README's test command on a fresh machine runs every test: as root where apt-get exists, the Debian
     packages some tests need are installed before collection (their modules look for the tools when they
-    load), instead of those tests skipping. FSDPJOB_NO_INSTALL=1 turns this off."""
+    load), instead of those tests skipping. FSDPJOB_NO_INSTALL=1 turns this off. FSDPJOB_TEST_CPU_LOG=FILE
+    logs each test's CPU seconds (tests/cpuprofile.py)."""
+    import cpuprofile  # tests/ is on sys.path (above)
+
+    cpuprofile.register(config)
     missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
     if hasattr(config, "workerinput"):  # an xdist worker: the controller installed them before it started
         return
