@@ -23,7 +23,11 @@ from fsdpjob.jobs.grpo.client import GenerationClient, GenerationServerError
 from fsdpjob.jobs.grpo.servecmd import server_argv
 
 POLL_S = 0.5
-SERVER_THREADS = 2
+# The server's torch CPU threads, pinned (CPU completions are bitwise only at a fixed count). One: on CPU the server
+# shares its cores with the ranks (local profile) or other work, and a second intra-op thread bought nothing at the
+# sizes CPU serves but burned what its waits spun: beside two CPU burners, the local GRPO server test took 95.1
+# CPU-s with 2 threads and 73.5 with 1, same bits (tests/cpuprofile.py). A GPU server's threads only feed CUDA.
+SERVER_THREADS = 1
 
 
 class ServerDown(RuntimeError):
