@@ -42,13 +42,20 @@ def final_weights(run_dir: str) -> dict:
 
 
 def wait_phase(ref: str, phases: set[str], timeout: float, seen: list | None = None) -> dict:
+    last: dict = {}
+
     def probe():
         report = status(ref)
+        last.update(report)
         if seen is not None and (not seen or seen[-1] != report["phase"]):
             seen.append(report["phase"])
         return report if report["phase"] in phases else None
 
-    return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
+    try:
+        return wait_for(probe, timeout_s=timeout, interval_s=1.0, what=f"{ref} in {phases}")
+    except AssertionError as exc:  # say where the run was instead of "last value: None"
+        where = {k: last.get(k) for k in ("phase", "step", "restarts", "steps_lost", "last_stop", "failure_reason")}
+        raise AssertionError(f"{exc}; its last status: {where}") from None
 
 
 def in_its_own_container(pid: int) -> bool:

@@ -45,8 +45,10 @@ def assert_same_weights(reference: dict, run_dir: str) -> None:
 
 def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(slurm_cluster, reference, in_container):
     # The workers run in the test image (issue 23): no Slurm inside; the supervisor outside classifies and requeues.
+    # The first allocation's steps paced to >= 1 s (FSDPJOB_MIN_STEP_S; the bits do not change): the preemption
+    # sent after step 10 then lands before step 60 however fast the machine trains (the LoRA test's race).
     spec = reference["spec"]
-    run = submit(spec, *in_container)
+    run = submit(spec, *in_container, "--set", "env.FSDPJOB_MIN_STEP_S='1'")
     seen: list[str] = []
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 10, timeout_s=180, interval_s=1.0, what="step 10")
     pids = worker_pids(run["run_dir"])

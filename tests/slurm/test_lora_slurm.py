@@ -18,8 +18,10 @@ STEPS = 30
 
 
 def test_preempted_lora_job_saves_adapters_requeues_and_completes(slurm_cluster, make_spec):
+    # The first allocation's steps paced to >= 1 s (FSDPJOB_MIN_STEP_S): unpaced, a quiet machine trains a LoRA
+    # step in ~0.1 s, and the run finished its 30 steps before the preemption sent after step 5 landed (seen in CI).
     spec = make_spec("lora-preempted", train__max_steps=STEPS, model__lora={"r": 4, "alpha": 8},
-                     model__activation_checkpointing=True)
+                     model__activation_checkpointing=True, env={"FSDPJOB_MIN_STEP_S": "1"})
     run = submit(spec)
     wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 5, timeout_s=180, interval_s=1.0, what="step 5")
     preempt_now()
