@@ -50,16 +50,30 @@ def model_kwargs(lens: SeqLens, device: torch.device) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": lens.max_length, "max_length_k": lens.max_length}
 
 
+class Kernel(NamedTuple):
+    """torch's ``varlen_attn`` and what this torch's signature takes: it changed between releases (2.10 has
+    ``is_causal`` and no ``scale``, ``window_size`` or ``enable_gqa``; 2.12 has all three and no ``is_causal``)."""
+
+    fn: object
+    causal: dict
+    takes_scale: bool
+    takes_gqa: bool
+
+    @classmethod
+    def of(cls, fn) -> Kernel:
+        params = inspect.signature(fn).parameters
+        causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        return cls(fn, causal, "scale" in params, "enable_gqa" in params)
+
+
 @cache
-def _varlen_kernel():
-    """torch's varlen flash attention (torch >= 2.10, CUDA) and how this torch spells causal, or None."""
+def _varlen_kernel() -> Kernel | None:
+    """torch's varlen flash attention (torch >= 2.10, CUDA), read for its signature, or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    return varlen_attn, causal, "enable_gqa" in params
+    return Kernel.of(varlen_attn)
 
 
 def cuda_kernel_available() -> bool:
@@ -87,12 +101,19 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out.unsqueeze(0), None
 
 
-def _on_cuda(kernel, q, k, v, cu, max_length: int, scale: float) -> torch.Tensor:
-    varlen_attn, causal, gqa = kernel
-    if k.shape[1] != q.shape[1] and not gqa:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    extra = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
-    return varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scale, **causal, **extra)
+def _on_cuda(kernel: Kernel, q, k, v, cu, max_length: int, scale: float) -> torch.Tensor:
+    """Called by the signature present. Without ``scale`` the kernel uses 1/sqrt(head_dim) (Llama's own scaling):
+    another scale is folded into q. Without ``enable_gqa`` k and v go in un-repeated, as the flash kernel takes
+    fewer KV heads natively (repeating them would copy k and v in every layer and every recompute)."""
+    extra = dict(kernel.causal)
+    default = 1 / math.sqrt(q.shape[-1])
+    if kernel.takes_scale:
+        extra["scale"] = scale
+    elif not math.isclose(scale, default, rel_tol=1e-6):
+        q = q * (scale / default)
+    if kernel.takes_gqa and k.shape[1] != q.shape[1]:
+        extra["enable_gqa"] = True
+    return kernel.fn(q, k, v, cu, cu, max_length, max_length, **extra)
 
 
 def _per_example(q, k, v, cu, scale: float) -> torch.Tensor:
