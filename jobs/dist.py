@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars, slurmenv
-from fsdpjob.orchestrator.core.rendezvous import MASTER_PORT_VAR, port_for_job
+from fsdpjob.orchestrator.core.rendezvous import MASTER_PORT_VAR, is_loopback, port_for_job, reachable_address
 
 from . import netif
 from .workerenv import WorkerEnv
@@ -32,6 +32,9 @@ class DistEnv:
     master_port: int
     backend: str
     device: torch.device
+    # The job's other nodes (Slurm launches; empty elsewhere): gloo routes towards one where the rendezvous name
+    # resolves to loopback on its own node (jobs/netif.py).
+    other_nodes: tuple[str, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -122,6 +125,7 @@ def _from_submitit(cpu_offload: bool, worker: WorkerEnv) -> DistEnv:
         master_port=int(envvars.get(MASTER_PORT_VAR) or port_for_job(job_env.job_id, worker.launch)),
         backend=backend,
         device=device,
+        other_nodes=tuple(h for h in job_env.hostnames if h != job_env.hostnames[0]) if worker.on_slurm else (),
     )
 
 
@@ -186,7 +190,8 @@ def init_distributed(timeout_s: int, *, cpu_offload: bool = False, worker: Worke
         dist.init_process_group(env.backend, store=dist.HashStore(), **options)
     else:
         os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
-        _choose_gloo_interface(env.master_addr)  # every run has gloo groups (control, export, checkpoint)
+        # every run has gloo groups (control, export, checkpoint)
+        _choose_gloo_interface(env.master_addr, env.other_nodes)
         dist.init_process_group(env.backend, store=_rendezvous_store(env, timeout_s, worker), **options)
     log.info(
         "process group up: rank %d/%d (local %d/%d), backend %s, device %s, master %s:%d",
@@ -205,12 +210,21 @@ def _rendezvous_store(env: DistEnv, timeout_s: int, worker: WorkerEnv) -> dist.S
     return dist.PrefixStore(f"fsdpjob/{worker.job_id or 'local'}/{worker.launch}/", store)
 
 
-def _choose_gloo_interface(master_addr: str) -> None:
+def _choose_gloo_interface(master_addr: str, other_nodes: tuple[str, ...] = ()) -> None:
     """GLOO_SOCKET_IFNAME, where the profile left it unset: the interface on the route to the rendezvous host
-    (jobs/netif.py: a host name resolving to 127.0.1.1 would bind every rank to loopback and hang across nodes)."""
+    (jobs/netif.py: a host name resolving to 127.0.1.1 would bind every rank to loopback and hang across nodes).
+    Where that route is loopback but another node of the job has an address off loopback (the rendezvous node's
+    own name mapped to 127.0.1.1 in its /etc/hosts), the route towards that node. Nodes that all sit on loopback
+    (one machine, as the dev cluster's) keep ``lo``."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return
-    if (name := netif.gloo_interface(master_addr)) is not None:
+    name = netif.gloo_interface(master_addr)
+    if name == "lo" and other_nodes:
+        passed = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS"))
+        addrs = (passed[node] if node in passed else reachable_address(node) for node in other_nodes)
+        if (towards := next((a for a in addrs if a and not is_loopback(a)), None)) is not None:
+            name, master_addr = netif.gloo_interface(towards), towards
+    if name is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
         log.info("GLOO_SOCKET_IFNAME unset: gloo uses %s, the interface towards %s", name, master_addr)
 

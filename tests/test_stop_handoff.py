@@ -149,15 +149,49 @@ def test_the_worker_takes_the_rendezvous_address_from_the_supervisor():
 
 
 def test_the_supervisor_resolves_only_names_that_do_not_resolve(monkeypatch):
+    from fsdpjob.orchestrator.supervise import allocation
     from fsdpjob.orchestrator.supervise.allocation import SlurmAllocation
 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "x")
     monkeypatch.setattr(slurm_cli, "hostnames", lambda nodelist: ["localhost", "n9.invalid"])
     asked = []
     monkeypatch.setattr(slurm_cli, "node_addr", lambda node, timeout: asked.append(node) or "10.9.9.9")
-    assert socket.getaddrinfo("localhost", None)
+    monkeypatch.setattr(allocation, "reachable_address", lambda node: "10.0.0.3" if node == "n3" else None)
+    monkeypatch.setattr(slurm_cli, "hostnames", lambda nodelist: ["n3", "n9.invalid"])
     assert SlurmAllocation(nodes=2, job_id="7").worker_env() == {"FSDPJOB_NODE_ADDRS": "n9.invalid=10.9.9.9"}
     assert asked == ["n9.invalid"]
+
+
+def test_a_name_that_resolves_to_loopback_counts_as_unresolved_when_the_job_spans_nodes(monkeypatch):
+    """Debian's and Ubuntu's /etc/hosts map a host's own name to 127.0.1.1: the batch node (the rendezvous node)
+    resolves its name to loopback, and without NodeAddr its gloo would bind to lo and hang across nodes."""
+    from fsdpjob.orchestrator.core import rendezvous
+    from fsdpjob.orchestrator.supervise import allocation
+    from fsdpjob.orchestrator.supervise.allocation import SlurmAllocation
+
+    real = socket.getaddrinfo
+    hosts = {"gpu01": "127.0.1.1", "gpu02": "10.1.0.2"}
+
+    def getaddrinfo(name, *args, **kwargs):
+        if name in hosts:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (hosts[name], 0))]
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert rendezvous.reachable_address("gpu01") is None and rendezvous.reachable_address("gpu02") == "10.1.0.2"
+    assert rendezvous.reachable_address("localhost") is None and rendezvous.reachable_address("x.invalid") is None
+    assert rendezvous.is_loopback("127.0.1.1") and rendezvous.is_loopback("::1") and not rendezvous.is_loopback("n1")
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    monkeypatch.setattr(slurm_cli, "hostnames", lambda nodelist: ["gpu01", "gpu02"])
+    asked = []
+    monkeypatch.setattr(slurm_cli, "node_addr", lambda node, timeout: asked.append(node) or "10.1.0.1")
+    assert SlurmAllocation(nodes=2, job_id="7").worker_env() == {"FSDPJOB_NODE_ADDRS": "gpu01=10.1.0.1"}
+    assert asked == ["gpu01"]
+    # One node: its ranks meet on loopback, nothing to ask
+    monkeypatch.setattr(slurm_cli, "hostnames", lambda nodelist: ["gpu01"])
+    assert SlurmAllocation(nodes=1, job_id="7").worker_env() == {} and asked == ["gpu01"]
+    assert allocation.reachable_address is rendezvous.reachable_address
 
 
 def _called_binaries(tree: ast.AST) -> set[str]:

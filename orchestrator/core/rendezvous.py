@@ -50,3 +50,28 @@ def pick_port(rng: random.Random | None = None) -> int:
             return port
         port = rng.randint(*PORT_RANGE)
     return port
+
+
+def reachable_address(name: str) -> str | None:
+    """The first address ``name`` resolves to that another node could reach, or None: a name that does not resolve,
+    and one that resolves to loopback only (Debian's and Ubuntu's /etc/hosts map a host's own name to 127.0.1.1),
+    are the same to a job that spans nodes. The rendezvous host then binds gloo to ``lo`` and the first group
+    across nodes hangs at creation, on every launch."""
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for *_, sockaddr in infos:
+        address = sockaddr[0]
+        if not is_loopback(address):
+            return address
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False

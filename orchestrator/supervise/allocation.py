@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.core import slurmenv
 from fsdpjob.orchestrator.core.errors import FsdpjobError, SlurmTimeout
+from fsdpjob.orchestrator.core.rendezvous import reachable_address
 from fsdpjob.orchestrator.core.runfolder import attempts, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.stophandoff import NOT_REQUEUED, StopHandoff
 from fsdpjob.orchestrator.slurm import commands as slurm_cli
@@ -151,21 +152,22 @@ class SlurmAllocation:
 
     def worker_env(self) -> dict[str, str]:
         """FSDPJOB_NODE_ADDRS: the Slurm NodeAddr of each node whose name does not resolve here (Slurm node names
-        need not be host names), so that the workers find their rendezvous host without scontrol."""
+        need not be host names), or resolves to loopback only while the job spans nodes (a 127.0.1.1 line in
+        /etc/hosts: core/rendezvous.reachable_address), so that the workers find their rendezvous host without
+        scontrol and do not bind gloo to ``lo``."""
         try:
             nodes = slurm_cli.hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
         except FsdpjobError:
             return {}
         addrs = {}
         for node in nodes:
+            if reachable_address(node) is not None or (len(nodes) == 1 and _resolves(node)):
+                continue  # one node: loopback is where its ranks meet
             try:
-                socket.getaddrinfo(node, None)
-            except socket.gaierror:
-                try:
-                    if addr := slurm_cli.node_addr(node, timeout=PROBE_TIMEOUT_S):
-                        addrs[node] = addr
-                except FsdpjobError:
-                    pass  # the worker then says that the node does not resolve
+                if addr := slurm_cli.node_addr(node, timeout=PROBE_TIMEOUT_S):
+                    addrs[node] = addr
+            except FsdpjobError:
+                pass  # the worker then says that the node does not resolve
         return {"FSDPJOB_NODE_ADDRS": slurmenv.format_node_addrs(addrs)} if addrs else {}
 
     def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
@@ -252,3 +254,11 @@ _BACKENDS: dict[str, Callable[[], Allocation]] = {"slurm": SlurmAllocation.from_
 
 def allocation_for(scheduler: str) -> Allocation:
     return _BACKENDS[scheduler]()
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.getaddrinfo(name, None)
+    except socket.gaierror:
+        return False
+    return True

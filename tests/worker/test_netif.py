@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 from fsdpjob.jobs import netif
@@ -36,4 +37,28 @@ def test_a_profiles_own_setting_is_kept(monkeypatch) -> None:
     assert os.environ["GLOO_SOCKET_IFNAME"] == "ib7"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     jobs_dist._choose_gloo_interface("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_a_rendezvous_name_on_loopback_routes_towards_another_node(monkeypatch) -> None:
+    """The rendezvous node's own name maps to 127.0.1.1 (Debian's /etc/hosts): its route is lo, and gloo bound to lo
+    hangs at the first group across nodes; the route towards another node of the job is taken instead. Nodes that
+    all sit on loopback (the dev cluster's, one machine) keep lo."""
+    from fsdpjob.jobs import dist as jobs_dist
+
+    routes = {"127.0.1.1": "lo", "127.0.0.1": "lo", "10.1.0.2": "eth7"}
+    monkeypatch.setattr(jobs_dist.netif, "gloo_interface", lambda towards: routes.get(towards))
+    monkeypatch.setattr(jobs_dist, "reachable_address", lambda node: {"gpu02": "10.1.0.2"}.get(node))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("FSDPJOB_NODE_ADDRS", raising=False)
+    jobs_dist._choose_gloo_interface("127.0.1.1", ("gpu02",))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setenv("FSDPJOB_NODE_ADDRS", "n1=127.0.0.1")  # the dev cluster: every node at 127.0.0.1
+    jobs_dist._choose_gloo_interface("127.0.0.1", ("n1",))
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    jobs_dist._choose_gloo_interface("127.0.0.1", ())  # one node
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
