@@ -41,6 +41,8 @@ VARIABLES: dict[str, str] = {
                                "named in core/runfolder/memtier.py, read by jobs/checkpoint/tiers.py; the supervisor "
                                "reads it from the spec's env, supervise/run.py)",
     "FSDPJOB_CHECKPOINT_IO": "'stock': DCP's own FileSystemWriter/Reader behaviour (jobs/checkpoint/io.py)",
+    "FSDPJOB_TEST_HOOKS": "'1' in the submitting shell: the test hooks below set there go to the job on purpose "
+                          "(planner/jobload.py refuses them at submit otherwise: sbatch exports that shell)",
     # -- test and fault-injection hooks of the worker (jobs/hooks.py); unset in real runs
     "FSDPJOB_STOP_AT_STEP": "rank 0 requests a stop after this step, as if a stop signal had come",
     "FSDPJOB_STOP_IN_REFERENCE": "rank 0 requests a stop once this chunk of the reference pass is written",
@@ -60,6 +62,17 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_SKIP_FINAL_SAVE": "'1': no checkpoint at the end of training (bench/gpu.py)",
     "FSDPJOB_FAKE_GPUS": "'1': GPUs the scheduler granted are fakes (the dev cluster's /dev/null GPUs): train on CPU",
 }  # fmt: skip
+
+# The switches that change what a job does for a test (the hooks above, and fake GPUs): set in the submitting shell,
+# sbatch would export them into a user's job unseen (FSDPJOB_SKIP_FINAL_SAVE=1 drops the final checkpoint).
+_NAMES = list(VARIABLES)
+TEST_HOOKS = tuple(_NAMES[_NAMES.index("FSDPJOB_STOP_AT_STEP"):])  # the last section of the list
+
+
+def test_hooks_set(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test hooks with a value in ``environ`` (default: this process's), as {name: value}."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in TEST_HOOKS if environ.get(name)}
 
 
 def get(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdpjob.orchestrator.core import envrefs
+from fsdpjob.orchestrator.core import envrefs, envvars
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError, SpecError
 from fsdpjob.orchestrator.core.jobspec.notifyspec import notify_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
@@ -186,6 +186,12 @@ def check_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc) -> N
                   for name in envrefs.unset(value, os.environ)]
     if (problem := _path_problem(spec, profile)) is not None:
         found.append(SpecError.at(doc, ("env", "PATH"), problem))
+    if (stray := envvars.test_hooks_set()) and not envvars.is_on("FSDPJOB_TEST_HOOKS"):
+        # sbatch exports this shell (and local workers inherit it): a leftover hook would change the job unseen.
+        # Hooks a spec or profile sets in its env are written down, and the workers print them at start.
+        shown = ", ".join(f"{k}={v}" for k, v in stray.items())
+        raise InputError(f"{shown} set in this shell: a test hook the job would inherit; unset it, or set "
+                         "FSDPJOB_TEST_HOOKS=1 to submit with it on purpose", file="environment")
     notify = notify_of(spec.notify, profile.notify)
     if notify and notify.webhook_url_env and not os.environ.get(notify.webhook_url_env):
         # The batch side reads the URL from the environment sbatch exports: unset here, nothing would be sent.
