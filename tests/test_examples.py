@@ -177,15 +177,14 @@ def test_llama2_70b_on_two_nodes_does_not_fit_the_usable_memory(tmp_path: Path) 
     model = config_only_folder(tmp_path, "llama-2-70b-hf")
     sets = plan_sets(tmp_path, model)
     # The recipe's root unit, held gathered: fsdp.separate_root: auto would separate it, and 2 nodes would fit with
-    # 0.4 GiB spare (the first fix below).
+    # 0.4 GiB spare: under the 3 % a fix must leave (issue 54), so it is not among the fixes.
     sets = [*sets, "fsdp.separate_root=false"]
     rc, plan = plan_json("llama2-70b-3x8-a100.yaml", *sets, "resources.nodes=2")
     assert rc == 2 and plan["fits"] is False
     mem = plan["device_memory"]
     assert plan["topology"]["world_size"] == 16 and mem["budget_bytes"] < mem["peak_bytes"] < 80 * 2**30, mem
     changes = [f["change"] for f in plan["fixes"]]
-    assert changes == ["fsdp.separate_root=true", "model.dtype=bfloat16", "fsdp.cpu_offload=true",
-                       "resources.nodes=3"], changes
+    assert changes == ["model.dtype=bfloat16", "fsdp.cpu_offload=true", "resources.nodes=3"], changes
     args = [a for s in [*sets, "resources.nodes=2"] for a in ("--set", s)]
     text = fsdpjob("plan", "examples/llama2-70b-3x8-a100.yaml", *args)
     assert text.returncode == 2 and "DOES NOT FIT" in text.stdout, text.stdout

@@ -156,12 +156,13 @@ def test_seed_70b_fits_on_three_a100_nodes_not_two(seed_70b: JobSpec) -> None:
     assert two.device.peak_moment.name == "backward, first layer"
     assert two.device.budget == int(79.1 * GiB) < two.device.peak < 80 * GiB and not two.fits
     # The root as units of its own (issue 41's saver) frees the head and its gradient during the layers' backward
-    # (~1 GiB) and costs no accuracy; then the recipe's own configuration (bf16 weights): it costs no speed, unlike
-    # offload or a node.
-    assert [f.change for f in two.fixes] == ["fsdp.separate_root=true", "model.dtype=bfloat16", "fsdp.cpu_offload=true",
-                                             "resources.nodes=3"]
-    assert 78 * GiB < two.fixes[0].peak < 79.1 * GiB
-    bf16 = two.fixes[1]
+    # (~1 GiB), but lands at 78.7 of 79.1 GiB: under the 3 % headroom a fix must leave (issue 54), so it is not
+    # offered alone. Then the recipe's own configuration (bf16 weights): it costs no speed, unlike offload or a node.
+    assert [f.change for f in two.fixes] == ["model.dtype=bfloat16", "fsdp.cpu_offload=true", "resources.nodes=3"]
+    assert all(f.peak <= 0.97 * two.device.budget for f in two.fixes)
+    separated = make_plan(resolve(with_changes(seed_70b, "fsdp.separate_root=true"), A100))
+    assert separated.fits and 78 * GiB < separated.device.peak < 79.1 * GiB and separated.fixes  # tight: fixes shown
+    bf16 = two.fixes[0]
     assert 40 * GiB < bf16.peak < 50 * GiB and "round away" in bf16.why  # ~46 GiB, and what it costs in accuracy
     assert make_plan(resolve(with_changes(seed_70b, bf16.change), A100)).fits
     plan = make_plan(resolve(with_changes(seed_70b, "resources.nodes=3"), A100))
@@ -241,9 +242,9 @@ def test_micro_batch_fix_keeps_the_global_batch(tmp_path: Path) -> None:
     spec = plan_spec(eight_layers, data={"seq_len": 4096}, train={"micro_batch_size": 8, "grad_accum_steps": 2})
     plan = make_plan(resolve(spec, A100))
     first_keys = [f.change.split()[0] for f in plan.fixes]
-    assert first_keys == ["model.activation_checkpointing=selective", "model.activation_checkpointing=true",
-                          "train.micro_batch_size=3"]  # selective AC (issue 41) between none and full
-    changed = with_changes(spec, plan.fixes[2].change)
+    # Full AC, or a smaller micro-batch (selective AC, issue 41, would land under the 3 % headroom a fix must leave)
+    assert first_keys == ["model.activation_checkpointing=true", "train.micro_batch_size=3"]
+    changed = with_changes(spec, plan.fixes[1].change)
     assert changed.train.grad_accum_steps == 6  # ceil(8 x 2 / 3): the global batch does not shrink
     assert make_plan(resolve(changed, A100)).fits
 

@@ -118,7 +118,8 @@ def format_plan(plan: FitPlan) -> str:
         lines += advice_lines(plan.interval)
     if plan.fixes:
         unit = unit_for(max(f.peak for f in plan.fixes))
-        lines += ["", "fixes, cheapest first (each fits alone):"]
+        room = f"each fits alone{' with 3 % of the GPU left' if plan.device.kind == 'gpu' else ''}"
+        lines += ["", f"fixes, cheapest first ({room}):"]
         lines += [f"  --set {' --set '.join(f.change.split())}  -> {size_text(f.peak, unit)} {unit[0]} ({f.why})"
                   for f in plan.fixes]
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
