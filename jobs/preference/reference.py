@@ -62,11 +62,13 @@ def as_reference(model: torch.nn.Module, lora: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def _adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """peft's own switch on each of its layers (the injected model keeps no PeftModel and its disable_adapter):
-    LoRA layers and modules_to_save wrappers then compute as the base; switching back restores the adapters'
-    requires_grad as peft set it."""
+    LoRA layers, and the wrappers of ``modules_to_save`` (and trainable tokens), which are no tuner layers: left on,
+    a trained ``lm_head`` copy stayed in the "reference" (logits 1.66 away from the base in a tiny check). Each then
+    computes as the base; switching back restores the adapters' requires_grad as peft set it."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     for layer in layers:
         layer.enable_adapters(False)
     try:
