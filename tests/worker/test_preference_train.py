@@ -114,6 +114,8 @@ def test_dpo_starts_at_ln2_and_its_loss_falls_as_the_chosen_answers_win(runs):
 
 def test_a_stop_in_training_resumes_bitwise(runs):
     full, stopped = metrics(runs["full"]), metrics(runs["stopped"])
+    # The relaunch resumed at the stop (a silent restart from step 0 would give the same final bits)
+    assert [e["step"] for e in events(runs["stopped"]) if e["event"] in ("stop", "resume")] == [STOP_AT, STOP_AT]
     assert [full[s]["loss"] for s in full] == [stopped[s]["loss"] for s in full]
     a, b = committed_model_state(runs["full"]), committed_model_state(runs["stopped"])
     assert all((a[k] == b[k]).all() for k in a)
