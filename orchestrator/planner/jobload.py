@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
 from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors, validators_without_plugins
 from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import resume_problem, unwritable
+from fsdpjob.orchestrator.core.weightfiles import INDEX_FILE, read_header, weight_files
 
 from .resolve import PartitionSize, Resolved, partition_size_unknown, resolve
 
@@ -102,6 +104,8 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         found.append(SpecError.at(doc, *image))
     if files and (problem := _lora_target_problem(spec)):  # reads config.json
         found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
+    if files and (problem := _modules_to_save_problem(spec)):  # reads the weights' names
+        found.append(SpecError.at(doc, ("model", "lora", "modules_to_save"), problem))
     checks = [*([lambda: check_environment(spec, profile, doc)] if environment else []),
               *([lambda: check_inputs(spec, doc, config_only=config_only)] if files else [])]
     for check in checks:
@@ -148,6 +152,35 @@ def _lora_target_problem(spec: JobSpec) -> str | None:
     except (InputError, OSError, ValueError, TypeError):
         return None
     return target_problem(shape, spec.model.lora)
+
+
+def _modules_to_save_problem(spec: JobSpec) -> str | None:
+    """modules_to_save names no module of the model: peft would refuse it on the workers, after the queue. The
+    modules are read from the weights' names (the safetensors index or header; a tied lm_head has none of its
+    own); a folder without safetensors weights is not checked here."""
+    lora = spec.model.lora
+    if lora is None or not lora.modules_to_save:
+        return None
+    folder = Path(spec.model.path)
+    try:
+        files = weight_files(folder)
+        if not files:
+            return None
+        index = folder / INDEX_FILE
+        keys = (json.loads(index.read_text())["weight_map"] if index.is_file() else read_header(files[0])[0])
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # check_inputs says what is wrong with the folder
+    modules = {key.rpartition(".")[0] for key in keys}
+    if config.get("tie_word_embeddings", True):
+        modules.add("lm_head")
+    missing = [m for m in lora.modules_to_save if not any(x == m or x.endswith(f".{m}") for x in modules)]
+    if not missing:
+        return None
+    names = {m.rpartition(".")[2] for m in modules}
+    usual = [t for t in ("embed_tokens", "lm_head", "norm", "score", "wte") if t in names] or sorted(names)[:4]
+    return (f"{', '.join(missing)}: no such module in {folder} (peft would refuse it on the workers); name modules "
+            f"of the model, e.g. {', '.join(usual)}")
 
 
 def _path_problem(spec: JobSpec, profile: ClusterProfile) -> str | None:
