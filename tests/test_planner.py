@@ -495,7 +495,7 @@ def test_attention_rule_is_one_for_planner_and_worker() -> None:
 @pytest.mark.parametrize("gpu_type, bf16", [("H100-SXM5-80GB", 989e12), ("H100-PCIe-80GB", 756e12),
                                             ("H100-NVL-94GB", 835e12), ("H200-NVL-141GB", 835e12),
                                             ("H200-SXM-141GB", 989e12), ("H800-SXM-80GB", 989e12),
-                                            ("A100-80GB", 312e12)])
+                                            ("A100-80GB", 312e12), ("GH200-480GB", 989e12)])
 def test_the_planner_and_the_worker_read_one_peak_table(gpu_type: str, bf16: float) -> None:
     """A profile's gpu_type and torch's device name find the same row (core/flops.PEAK_FLOPS): a PCIe or NVL card
     is not planned at the SXM card's peak, and the worker's MFU uses the figure the plan did."""

@@ -31,6 +31,7 @@ PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
     ("h100 nvl", 835e12, 60e12),
     ("h100", 989e12, 67e12),
     ("h200 nvl", 835e12, 60e12),
+    ("gh200", 989e12, 67e12),  # Grace Hopper: the H100 SXM's tensor cores (torch names it "NVIDIA GH200 480GB")
     ("h200", 989e12, 67e12),
     ("h800 pcie", 756e12, 51e12),
     ("h800", 989e12, 67e12),
