@@ -64,3 +64,17 @@ def test_a_grpo_step_line_shows_its_mean_reward() -> None:
     line = stream_line({"event": "metric", "step": 5, "time": 1.0, "loss": 1e-9, "reward": 0.25, "tokens_per_s": 400.0},
                        60)
     assert line.startswith("step 5/60  loss 0.0000  reward 0.2500  400 tok/s"), line
+
+
+def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path, capsys) -> None:
+    """Not 'FAILED at step None/3' (issue 54, also found)."""
+    events = [{"event": "start", "time": 1.0, "restart": 0, "world_size": 2},
+              {"event": "failed", "time": 2.0, "rank": 0, "phase": "setup", "step": None, "error": "ValueError: x",
+               "retryable": False}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    record = JobRecord(run_id="r-2", name="r", run_dir=str(tmp_path), scheduler="local", job_id="999999998",
+                       profile="local", submitted_at=0.0, spec_hash="h", nodes=1, tasks_per_node=2, max_steps=3,
+                       extra={}, gpus_per_node=0)
+    assert wait_for(record, poll_s=0.01) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "before its first step" in err and "None" not in err, err
