@@ -170,7 +170,8 @@ def plan_generator(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: Mo
     plan = GeneratorPlan(g.backend, nodes, gpus, tp, servers, budget, weights, runtime, kv, token_bytes, held,
                          completions * seq, completions, generated, round_s, rate_note, sync_bytes, sync_s,
                          sync_note, trainer_ranks, shard_degree)
-    return replace(plan, refusal=_refusal(plan, s, p, profile, g, per_node, seq) if on_gpu else None)
+    # Without the GPU's memory in the profile (budget 0) nothing is checked: the device plan warns about it.
+    return replace(plan, refusal=_refusal(plan, s, p, profile, g, per_node, seq) if on_gpu and budget else None)
 
 
 def _kv_token_bytes(s: ModelShape, tp: int, dtype: int) -> int:
