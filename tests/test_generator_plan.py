@@ -115,8 +115,11 @@ def test_vllm_layouts_the_nodes_cannot_hold_are_refused_at_validate(tmp_path: Pa
     for generator, resources, words in (
             ({"tensor_parallel_size": 3}, {"nodes": 2}, "does not divide the 8 GPUs"),
             ({"gpus_per_node": 16}, {"nodes": 2}, "16 GPUs per generator node"),
-            ({"nodes": 2}, {"nodes": 2}, "leave none of the job's 2 to train")):
+            ({"nodes": 2}, {"nodes": 2}, "leave none of the job's 2 to train"),
+            # 24 ranks divide by 3, the 16 that train do not
+            ({"nodes": 1}, {"nodes": 3}, "trainers' world = 2 node.s. beside the generation server x 8 tasks = 16")):
         spec = plan_spec(folder, data={"seq_len": 2048, "packing": False}, resources=resources,
+                         fsdp={"replicate_degree": 3 if resources["nodes"] == 3 else 1},
                          train={"method": "grpo", "micro_batch_size": 8},
                          grpo={"reward": ["rewards:exact"], "generator": {"backend": "vllm", **generator}})
         with pytest.raises(SpecError, match=words):

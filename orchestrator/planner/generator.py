@@ -124,24 +124,32 @@ def takes_nodes(spec: JobSpec, profile: ClusterProfile) -> int:
     return generator.nodes
 
 
-def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_gpus: int) -> list[tuple[tuple, str]]:
-    """vLLM's layout against the job's ``nodes`` of ``node_gpus`` GPUs: its GPUs within a node, TP dividing them,
-    nodes left to train."""
+def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_gpus: int, tasks: int
+                       ) -> list[tuple[tuple, str]]:
+    """A generation server's layout against the job's ``nodes`` of ``node_gpus`` GPUs and ``tasks`` ranks: vLLM's
+    GPUs within a node, TP dividing them, nodes left to train, and the trainers' world for fsdp.replicate_degree."""
     generator = spec.grpo.generator if spec.grpo is not None else None
-    if generator is None or generator.backend != "vllm":
+    if generator is None or generator.backend not in SERVER_BACKENDS:
         return []
     out: list[tuple[tuple, str]] = []
     where = ("grpo", "generator")
     gpus, tp = generator.gpus_per_node or node_gpus, generator.tensor_parallel_size
-    if node_gpus and gpus > node_gpus:
+    vllm = generator.backend == "vllm"
+    if vllm and node_gpus and gpus > node_gpus:
         out.append(((*where, "gpus_per_node"), f"{gpus} GPUs per generator node, but the job's nodes have "
                                                f"{node_gpus}; lower grpo.generator.gpus_per_node"))
-    elif node_gpus and gpus % tp:
+    elif vllm and node_gpus and gpus % tp:
         out.append(((*where, "tensor_parallel_size"), f"tensor_parallel_size {tp} does not divide the {gpus} GPUs "
                                                       "of a generator node (TP stays within a node); pick a divisor"))
-    if takes_nodes(spec, profile) >= nodes:
+    trainers = nodes - takes_nodes(spec, profile)
+    if vllm and trainers <= 0:  # (resolve.py says so for backend: server)
         out.append(((*where, "nodes"), f"the vLLM server's {generator.nodes} node(s) leave none of the job's "
                                        f"{nodes} to train; raise resources.nodes"))
+    elif trainers > 0 and trainers < nodes and (trainers * tasks) % spec.fsdp.replicate_degree:
+        out.append((("fsdp", "replicate_degree"), f"the trainers' world = {trainers} node(s) beside the generation "
+                                                  f"server x {tasks} tasks = {trainers * tasks}, not divisible by "
+                                                  f"replicate_degree ({spec.fsdp.replicate_degree}); pick a divisor "
+                                                  f"of {trainers * tasks}"))
     return out
 
 
@@ -227,8 +235,8 @@ def _round_s(profile: ClusterProfile, p: ParamCount, tokens: int, gpus: int, vll
         return None, f"no measured decode rate for {what}"
     per_gpu = rate.tokens_per_s * rate.params / p.total
     unit = "GPU" if profile.gpus_per_node else "server"
-    return tokens / (per_gpu * gpus), (f"{per_gpu:,.3g} tokens/s per {unit} x {count_text(gpus, unit)} ({rate.source}"
-                                       f", scaled by parameters)")
+    return tokens / (per_gpu * gpus), (f"{per_gpu:,.3g} tokens/s per {unit} x {count_text(gpus, unit)}: "
+                                       f"{rate.source}, scaled by parameters")
 
 
 def _sync(s: ModelShape, p: ParamCount, spec: JobSpec, profile: ClusterProfile, on_gpu: bool, vllm: bool
