@@ -67,3 +67,5 @@ def test_a_generation_server_takes_the_generation_off_the_training_ranks(tmp_pat
     plan = _plan(folder, grpo={"generator": {"backend": "server", "nodes": 1}}, resources={"nodes": 3})
     assert not [m for m in plan.device.moments if m.name == "generation (grpo)"]
     assert plan.timing.generation_s is None
+    # the server's node does not train: 2 nodes x 8 ranks shard the policy (issue 52 item 7)
+    assert (plan.setup.world, plan.setup.shard_degree, plan.generator.trainer_ranks) == (16, 16, 16)

@@ -326,7 +326,9 @@ def test_json_has_the_documented_keys_and_round_trips(seed_70b: JobSpec) -> None
     out = make_plan(resolve(with_changes(seed_70b, "resources.nodes=1"), A100)).to_json()
     assert json.loads(json.dumps(out)) == out
     assert set(out) == {"verdict", "fits", "refusal", "model", "params", "topology", "device_memory", "host_memory",
-                        "checkpoint", "step", "signal", "step_plan", "checkpoint_interval", "fixes", "warnings"}
+                        "checkpoint", "step", "signal", "step_plan", "checkpoint_interval", "fixes", "warnings",
+                        "generator"}
+    assert out["generator"] is None  # not grpo (tests/test_generator_plan.py has its keys)
     assert out["fits"] is False and out["params"]["total"] == 68_976_648_192
     assert out["device_memory"]["peak_bytes"] == sum(i["bytes"] for i in out["device_memory"]["breakdown"])
     assert {"change", "peak_bytes", "saves_bytes", "why"} == set(out["fixes"][0])

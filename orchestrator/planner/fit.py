@@ -31,6 +31,7 @@ from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
 from fsdpjob.orchestrator.core.units import GiB
 
+from .generator import GeneratorPlan, plan_generator, takes_nodes
 from .interval import IntervalAdvice, advise, current_interval
 from .lora import Trainable, trainable
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
@@ -64,6 +65,7 @@ class FitPlan:
     warnings: tuple[str, ...] = field(default_factory=tuple)
     interval: IntervalAdvice | None = None  # with the profile's expected_interruptions_per_day
     refusal: str | None = None  # a spec setting the plan's own figures contradict (submit refuses it)
+    generator: GeneratorPlan | None = None  # grpo's generation server (generator.py); None: in-process or not grpo
 
     @property
     def fits(self) -> bool:
@@ -112,6 +114,7 @@ class FitPlan:
         - fixes [{change, peak_bytes, saves_bytes, why}], cheapest first; warnings [str]
         - checkpoint_interval: null, or (profile's expected_interruptions_per_day) save_s, mtbi_s, optimal_s,
           current_s, current_note, lost_per_hour_optimal_s, lost_per_hour_current_s (Young/Daly)
+        - generator: null, or grpo's generation server (GeneratorPlan.to_json); topology then counts the trainers
         """
         p, d, h, t, u = self.params, self.device, self.host, self.timing, self.setup
         return {
@@ -152,6 +155,7 @@ class FitPlan:
             ],
             "warnings": list(self.warnings),
             "checkpoint_interval": self.interval.to_json() if self.interval else None,
+            "generator": self.generator.to_json() if self.generator else None,
         }
 
 
@@ -162,7 +166,8 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
     packed = spec.data.packing is True and spec.train.method == "sft"
     options = spec.method_options
     return Setup(
-        nodes=eff.nodes,
+        nodes=eff.nodes - takes_nodes(spec, profile),  # the trainers' (a generation server's nodes do not train)
+        generator_nodes=takes_nodes(spec, profile),
         tasks_per_node=eff.tasks_per_node,
         replicate_degree=spec.fsdp.replicate_degree,
         on_gpu=on_gpu,
@@ -266,8 +271,8 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
     if (u.on_gpu and not u.cpu_offload and u.replicate_degree == 1
             and not offload_broadcast_conflict(s, p, offloaded, env or {})):
         consider("fsdp.cpu_offload=true", offloaded, "state on the host: steps much slower")
-    if profile.max_nodes is None or profile.max_nodes > u.nodes:
-        most = profile.max_nodes or max(4 * u.nodes, u.nodes + 64)
+    if profile.max_nodes is None or profile.max_nodes > u.nodes + u.generator_nodes:
+        most = profile.max_nodes - u.generator_nodes if profile.max_nodes else max(4 * u.nodes, u.nodes + 64)
         # Node counts whose world size the replicate degree divides, the fewest that fits by bisection
         # (memory per rank falls as nodes are added).
         step = u.replicate_degree // math.gcd(u.replicate_degree, u.tasks_per_node)
@@ -275,7 +280,7 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
         nodes = _boundary(range(first, most + 1, step), lambda n: fits(replace(u, nodes=n))[0])
         if nodes is not None:
             more = replace(u, nodes=nodes)
-            consider(f"resources.nodes={nodes}", more,
+            consider(f"resources.nodes={nodes + u.generator_nodes}", more,
                      f"shard over {more.shard_degree} ranks: the fewest nodes that fit")
     return out
 
@@ -315,11 +320,14 @@ def make_plan(job: Resolved) -> FitPlan:
     dev = device_memory(shape, params, u, profile)
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
-    plan = FitPlan(spec.name, shape, params, u, dev, host, timing)
+    gen = plan_generator(spec, profile, eff.gpus_per_node, shape, params, u.world, u.shard_degree)
+    if gen is not None and gen.round_s is not None:  # the trainers wait for each round and its weight sync
+        timing = replace(timing, generation_s=(gen.round_s + gen.sync_s) / spec.grpo.steps_per_generation)
+    plan = FitPlan(spec.name, shape, params, u, dev, host, timing, generator=gen)
     # A plan that fits too tightly gets fixes as one that does not fit; each fix leaves that room on a GPU.
     fixes = () if plan.fits and not tight(dev) else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env,
                                                                   spec.train.method, room=HEADROOM))
-    refusal = offload_broadcast_conflict(shape, params, u, spec.env)
+    refusal = offload_broadcast_conflict(shape, params, u, spec.env) or (gen.refusal if gen else None)
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),
                    interval=_interval(job, timing), refusal=refusal)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
 
 from .fit import FitPlan
+from .generator import generator_lines
 from .interval import advice_lines
 from .memory import DeviceMemory, HostMemory, Setup
 from .modelshape import ModelShape
@@ -104,8 +105,9 @@ def format_plan(plan: FitPlan) -> str:
         f"checkpoint: {t.checkpoint_bytes / GB:,.3g} GB ({'adapters' if u.lora else 'params'} + AdamW), "
         f"save ~{t.save_s:,.0f} s",
         f"step: {step} ({t.flops_per_rank:.3g} FLOP per rank; {t.throughput_note})",
-        *([f"step split (grpo): generation ~{t.generation_s:,.2g} s (a lower bound: decoding is memory-bound), "
-           f"training ~{t.step_s - t.generation_s:,.2g} s"] if t.generation_s is not None and t.step_s else []),
+        *([f"step split (grpo): generation ~{t.generation_s:,.2g} s ("
+           + ("a lower bound: decoding is memory-bound" if plan.generator is None else "the server's round and sync")
+           + f"), training ~{t.step_s - t.generation_s:,.2g} s"] if t.generation_s is not None and t.step_s else []),
         f"signal lead: {t.signal_lead_s} s (needs {t.needed_lead_s} s: 2 steps + agreement + save + requeue + margin)",
     ]
     if u.grad_accum > 1:
@@ -114,6 +116,7 @@ def format_plan(plan: FitPlan) -> str:
             + ("micro-batches (unsharded fp32 gradients accumulate in between: counted above)" if u.defer_grad_sync
                else "micro-batches (deferring it to the last would not fit)")
         )
+    lines += generator_lines(plan.generator)
     if plan.interval:
         lines += advice_lines(plan.interval)
     if plan.fixes:

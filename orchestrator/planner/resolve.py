@@ -13,6 +13,7 @@ from fsdpjob.orchestrator.core.runfolder.paths import runs_root
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 
 from .containers import container_problems
+from .generator import generator_problems
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ def problems(spec: JobSpec, profile: ClusterProfile,
         # On the local profile the server is a process beside the workers; on Slurm it takes nodes of its own.
         out.append((("grpo", "generator", "nodes"), f"the generation server's {generator.nodes} node(s) leave none of "
                                                     f"the job's {eff.nodes} to train; raise resources.nodes"))
+    out += generator_problems(spec, profile, eff.nodes, eff.gpus_per_node, eff.tasks_per_node)
     out += _size_problems(spec, profile, eff, partition_size)
     out += container_problems(spec, profile, str(runs_root()))
     return out

@@ -47,6 +47,7 @@ class Setup:
     generation_rows: int = 0
     generation_tokens: int = 0  # grpo.max_new_tokens
     generation_group: int = 0  # grpo.num_generations (a rank's completions per step are whole groups); 0: not grpo
+    generator_nodes: int = 0  # nodes of the allocation grpo's generation server takes (nodes counts the trainers')
 
     @property
     def rows(self) -> int:

@@ -100,12 +100,24 @@ def value_name(function: str) -> str:
 
 
 class GeneratorSpec(Strict):
-    backend: Literal["inprocess", "server"] = "inprocess"
+    backend: Literal["inprocess", "server", "vllm"] = "inprocess"
     ("inprocess: the training ranks generate with the policy they train, in lockstep (no gather of the whole model on "
      "one rank). server: a generation server runs as its own step of the same Slurm job on `nodes` of its nodes and "
-     "loads each new policy before the next generation.")
+     "loads each new policy before the next generation. vllm: as server, with vLLM's server (tensor parallel within "
+     "a node, one data-parallel server per group of GPUs).")
     nodes: Annotated[int, Field(strict=True, gt=0)] = 1
-    """Nodes of the allocation that run the generation server (backend: server); the others train."""
+    """Nodes of the allocation that run the generation server (backend: server or vllm); the others train."""
+    python: str | None = None
+    """Python interpreter of vLLM's own environment (backend: vllm); none: the profile's."""
+    tensor_parallel_size: Annotated[int, Field(strict=True, gt=0)] = 1
+    """GPUs one vLLM server splits the model over, within a node (vLLM's --tensor-parallel-size)."""
+    gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.9
+    ("Share of each server GPU's memory vLLM may take: weights, activations and, in the rest, the KV cache (vLLM's "
+     "--gpu-memory-utilization).")
+    gpus_per_node: Annotated[int, Field(strict=True, gt=0)] | None = None
+    """GPUs of each generator node the servers use (backend: vllm); none: all of the node's."""
+    max_model_len: Annotated[int, Field(strict=True, gt=0)] | None = None
+    """Longest sequence (prompt + completion) a vLLM server accepts (--max-model-len); none: data.seq_len."""
     deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
     ("Bound on a silence of the server (backend: server): a generation request or weight load during which the "
      "server decodes no token, or that it never answers, fails this long after the server was last heard from, a "
