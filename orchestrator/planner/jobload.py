@@ -156,7 +156,7 @@ def _path_problem(spec: JobSpec, profile: ClusterProfile) -> str | None:
     checks) a PATH is refused when none of its folders (its $VARs expanded as here) holds srun while this
     machine's own PATH has one. Off a cluster (no srun here) nothing is known, so nothing is refused."""
     value = spec.env.get("PATH", "")
-    if profile.scheduler != "slurm" or not value.strip(":").strip():
+    if not profile.kind.srun_in_batch or not value.strip(":").strip():
         return None
 
     def here(m: re.Match) -> str:

@@ -122,12 +122,12 @@ def problems(spec: JobSpec, profile: ClusterProfile,
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
-    if profile.scheduler == "slurm" and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
+    if profile.kind.srun_in_batch and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
         # The supervisor runs srun and scontrol in the batch script after the job's env is exported.
         out.append((("env", "PATH"), "an empty PATH hides srun and scontrol from the job's supervisor; drop "
                                      "env.PATH, or extend it: $PATH:/my/bin"))
     generator = spec.grpo.generator if spec.grpo is not None else None
-    if profile.scheduler == "slurm" and generator is not None and generator.backend == "server" \
+    if profile.kind.side_step_takes_nodes and generator is not None and generator.backend == "server" \
             and generator.nodes >= eff.nodes:
         # On the local profile the server is a process beside the workers; on Slurm it takes nodes of its own.
         out.append((("grpo", "generator", "nodes"), f"the generation server's {generator.nodes} node(s) leave none of "
