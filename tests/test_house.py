@@ -227,6 +227,19 @@ def test_the_jobs_top_level_holds_at_most_15_modules():
     assert figures.modules_per_package()["jobs"] <= figures.MAX_MODULES_PER_PACKAGE
 
 
+def test_every_lazy_face_lists_every_module_of_its_package():
+    """core.lazy_face's users (core/jobspec/, core/runfolder/): a face that lists part of its package hides the rest
+    from ``from PACKAGE import NAME``."""
+    import importlib
+
+    faces = [p for p in _modules("orchestrator") if p.name == "__init__.py" and "= lazy_face(" in p.read_text()]
+    assert faces, "no lazy face left: drop this test"
+    for init in faces:
+        package = importlib.import_module(figures.module_name(_rel(init)))
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
+        assert sorted(package.MODULES) == modules, f"{_rel(init)}'s MODULES"
+
+
 def test_no_import_circle_at_module_level():
     assert _figures()["import_circles_module_level"] == []
 

@@ -92,7 +92,7 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
                                 files: bool = True, environment: bool = True) -> None:
     """The checks of this machine's files and environment, every problem at once (one line each); ``files`` or
     ``environment`` False skips that half (--no-file-checks skips the files only)."""
-    from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+    from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 
     found: list[InputError] = []
     if files and spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):

@@ -17,9 +17,9 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps, run_checkpoint_root
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 from fsdpjob.orchestrator.registry import JobRecord
+from fsdpjob.orchestrator.views.goodput import goodput
 
 from .display import table
-from .goodput import goodput
 from .status import StatusReport, build_report
 
 LIVE = ("PENDING", "RUNNING", "REQUEUED")
