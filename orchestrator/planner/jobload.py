@@ -85,7 +85,7 @@ def _load(spec_path: str, profile: str | None, overrides: tuple[str, ...], check
         check_files_and_environment(spec, prof, doc, config_only=check_files == "config",
                                     files=bool(check_files), environment=check_env is not False)
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)),
-                     size_unknown=unknown)
+                     size_unknown=unknown, container=resolved.container)
 
 
 def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool,

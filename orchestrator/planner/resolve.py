@@ -12,7 +12,7 @@ from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.paths import runs_root
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 
-from .containers import container_problems
+from .containers import ContainerPlan, container_plan, container_problems
 
 
 @dataclass(frozen=True)
@@ -197,12 +197,15 @@ class Resolved:
     eff: Effective
     # Why the partition's size could not be checked (a plan warning), where the check was asked for and failed.
     size_unknown: str | None = field(default=None, kw_only=True)
+    # The workers' container, decided once here (planner/containers.py); None: no container.
+    container: ContainerPlan | None = field(default=None, kw_only=True)
 
 
 def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
             partition_size: PartitionSize | None = None) -> Resolved:
     """Check spec against profile (SpecErrors with FILE:LINE when ``doc`` is given) and apply its defaults."""
-    return Resolved(spec=spec, profile=profile, eff=check(spec, profile, doc, partition_size))
+    eff = check(spec, profile, doc, partition_size)
+    return Resolved(spec=spec, profile=profile, eff=eff, container=container_plan(spec, profile))
 
 
 def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
