@@ -5,7 +5,7 @@ same two processes.
 
 Two gloo ranks (torchrun, one thread each) emulate two nodes (SLURMD_NODENAME n1, n2), so every snapshot also
 sends its replica to the other rank. One model, optimizer and batch stream; blocks of steps alternate between
-``off`` (no tier) and ``on`` (jobs/checkpoint/memory.py's MemoryTier.save every ``--every`` steps, into a
+``off`` (no tier) and ``on`` (jobs/checkpoint/memory/tier.py's MemoryTier.save every ``--every`` steps, into a
 folder under /dev/shm, from the block's first step on, so that every commit overlaps the steps after it and the
 block's end waits only for what is left of its last one), the order reversed every other block, so both share the
 load and the clock. Reported:
@@ -102,7 +102,7 @@ def setup(args: argparse.Namespace) -> Bench:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdpjob.jobs.checkpoint.memory import MemoryTier
+    from fsdpjob.jobs.checkpoint.memory.tier import MemoryTier
     from fsdpjob.jobs.checkpoint.state import ModelOptimState, RNGState
     from fsdpjob.jobs.data import MicroBatch, count_tokens
     from fsdpjob.jobs.dist import DistEnv

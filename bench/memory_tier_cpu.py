@@ -50,13 +50,13 @@ def _timing(parts: collections.Counter) -> Callable[[str, Callable], Callable]:
 
 def instrument() -> collections.Counter:
     """Wrap the parts (before the tier is built); returns the counter they add their CPU seconds to."""
-    from fsdpjob.jobs.checkpoint import memwrite
+    from fsdpjob.jobs.checkpoint.memory import write
 
     parts: collections.Counter = collections.Counter()
     timed = _timing(parts)
-    memwrite.take = timed("take", memwrite.take)
-    memwrite.fill = timed("copy", memwrite.fill)
-    memwrite.replicate = timed("replica", memwrite.replicate)
+    write.take = timed("take", write.take)
+    write.fill = timed("copy", write.fill)
+    write.replicate = timed("replica", write.replicate)
     return parts
 
 

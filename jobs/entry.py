@@ -1,6 +1,9 @@
-"""The callable submitit pickles and runs in every task. Imports torch only when called."""
+"""The callable submitit pickles and runs in every task, and the login node's other doors into the worker side
+(in-process export, the quickstart's assets). Imports torch only when called."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class TrainJob:
@@ -59,3 +62,28 @@ def _heartbeat_exited() -> None:
     from fsdpjob.orchestrator.core.runfolder import heartbeat
 
     heartbeat.current().exited()
+
+
+# -- the login node's other doors into the worker side (orchestrator/ imports jobs/ only through this module) ------
+
+class ExportFailed(Exception):
+    """A checkpoint the exporter could not read or write (the worker's CheckpointError, carried across the seam)."""
+
+
+def export_model(path: Path, out: Path, dtype: str, *, merge: bool) -> Path:
+    """`fsdpjob export` without --submit: the worker's exporter in this process (torch loads here). Returns the
+    step folder exported; raises ExportFailed for a checkpoint it cannot export."""
+    from .checkpoint import CheckpointError
+    from .export import export_from_path
+
+    try:
+        return export_from_path(path, out, dtype, merge=merge)
+    except CheckpointError as exc:
+        raise ExportFailed(str(exc)) from None
+
+
+def make_quickstart(out_dir: str | Path) -> dict[str, str]:
+    """`fsdpjob quickstart`: the tiny Llama model, tokenizer and data set (jobs/quickstart.py; torch loads here)."""
+    from .quickstart import make_quickstart as make
+
+    return make(out_dir)

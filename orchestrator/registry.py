@@ -29,7 +29,7 @@ class JobRecord:
     slurm_conf: str | None = None
     extra: dict = field(default_factory=dict)
     gpus_per_node: int | None = None  # 0 on CPU profiles; None in records written before it was kept
-    # A task of a sweep (orchestrator/cli/sweepsubmit.py): {id, name, index, count, values, job_id (the array job's)}.
+    # A task of a sweep (orchestrator/cli/sweeps/submit.py): {id, name, index, count, values, job_id (the array job's)}.
     sweep: dict | None = None
 
     @property

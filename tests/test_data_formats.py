@@ -12,7 +12,7 @@ import pytest
 from test_inputs import make_model
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 from fsdpjob.orchestrator.core.jobspec.spec import load_spec
 from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 
@@ -165,7 +165,7 @@ def test_login_node_reads_tables_without_datasets_or_torch(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
     load(tmp_path, "  sources:\n    - path: d.parquet\n      weight: 0.5\n    - path: saved\n      weight: 0.5\n")
     code = ("import sys; from fsdpjob.orchestrator.core.jobspec.spec import load_spec; "
-            "from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs; check_inputs(*load_spec(sys.argv[1])); "
+            "from fsdpjob.orchestrator.core.inputs.checks import check_inputs; check_inputs(*load_spec(sys.argv[1])); "
             "print(sorted({'torch', 'transformers', 'datasets', 'pyarrow'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.yaml")], capture_output=True, text=True,
                          check=True).stdout
@@ -247,7 +247,7 @@ logging:
 
 def test_validate_warns_when_many_examples_are_longer_than_seq_len(tmp_path):
     from fsdpjob.jobs.quickstart import build_tokenizer
-    from fsdpjob.orchestrator.core.jobspec.dataformats import long_example_warnings
+    from fsdpjob.orchestrator.core.inputs.dataformats import long_example_warnings
 
     rows = [{"text": "short one"}] * 18 + [{"text": " ".join(["word"] * 200)}] * 2  # 10 % long
     parquet(tmp_path / "d.parquet", rows)

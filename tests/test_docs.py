@@ -137,7 +137,7 @@ def test_each_preference_methods_worked_example_validates_with_its_data_line(tmp
     from click.testing import CliRunner
 
     from fsdpjob.orchestrator.cli import cli
-    from fsdpjob.orchestrator.core.jobspec.records import record_fields
+    from fsdpjob.orchestrator.core.inputs.records import record_fields
     from fsdpjob.orchestrator.core.jobspec.spec import load_spec
 
     page = (DOCS / "preference" / f"{method}.md").read_text(encoding="utf-8")

@@ -15,8 +15,8 @@ from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
 from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.planner.fit import make_plan
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 # Llama-3-70B's config.json (meta-llama/Meta-Llama-3-70B): 80 layers, 64 heads, 8 KV heads of 128.
 LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

@@ -1,4 +1,4 @@
-"""Goodput breakdown (orchestrator/core/runfolder/goodputaccount.py, through views/goodput.py) over hand-built run
+"""Goodput breakdown (orchestrator/core/goodput/account.py, through views/goodput.py) over hand-built run
 logs, and
 scheduler times from sacct output recorded on the real dev cluster: every category, parts adding up to the
 allocated time, interruptions and how they were recovered, the checkpoint interval advice."""
@@ -105,12 +105,12 @@ PREEMPT_METRICS = [metric(10, 20), metric(20, 30), metric(30, 172), metric(40, 1
 
 def test_the_batch_side_counts_from_spec_json_what_the_views_count_from_the_record():
     """The notifier has no registry record: spec.json's facts give the same split (submit time aside)."""
-    from fsdpjob.orchestrator.core.runfolder import goodputaccount
+    from fsdpjob.orchestrator.core.goodput import account
     from fsdpjob.orchestrator.core.runfolder.runmeta import EffectiveFacts, RunMeta
 
     meta = RunMeta(spec={"name": "r"}, profile={"gpus_per_node": 2},
                    effective=EffectiveFacts(nodes=1, tasks_per_node=2))
-    batch = goodputaccount.goodput(meta.run_facts("r-1"), None, CRASH_EVENTS, CRASH_METRICS)
+    batch = account.goodput(meta.run_facts("r-1"), None, CRASH_EVENTS, CRASH_METRICS)
     views = goodput(record(1000), None, CRASH_EVENTS, CRASH_METRICS)
     assert (batch.units, batch.unit, batch.source) == (views.units, views.unit, views.source) == (2, "GPU", "events")
     assert batch.unit_seconds == views.unit_seconds and batch.goodput == views.goodput is not None
@@ -186,7 +186,7 @@ def test_a_live_run_counts_up_to_now_and_a_cancelled_one_keeps_only_committed_st
 
 def test_a_cancel_is_no_crash_and_gives_no_interval_advice_even_when_it_lost_work():
     """A cancel whose workers were killed before a stop checkpoint lost steps, but it was the user's choice."""
-    from fsdpjob.orchestrator.views.goodputreport import interval_advice
+    from fsdpjob.orchestrator.views.report.run import interval_advice
 
     rep = goodput(record(0, gpus_per_node=0), None, [
         ev("start", 2), ev("ready", 4, step=0), ev("checkpoint", 10, step=5, reason="interval", save_s=1),
@@ -267,8 +267,8 @@ def test_plan_prints_the_young_daly_interval_when_the_profile_states_an_interrup
     from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
     from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
     from fsdpjob.orchestrator.planner.fit import make_plan
-    from fsdpjob.orchestrator.planner.planformat import format_plan
     from fsdpjob.orchestrator.planner.resolve import resolve
+    from fsdpjob.orchestrator.views.plan import format_plan
 
     model = tmp_path / "model"
     model.mkdir()
@@ -309,7 +309,7 @@ def test_a_short_local_resumed_run_names_its_source_and_its_units_and_measures_i
     """A 16 s run on 2 CPU ranks, resumed from step 150 of an earlier run, logging one line: times from the local
     processes (no sacct), rank-seconds named so and shown to a precision that fits, a measured step time."""
     from fsdpjob.orchestrator.views.display import goodput_line
-    from fsdpjob.orchestrator.views.goodputreport import RunReport, format_report
+    from fsdpjob.orchestrator.views.report.run import RunReport, format_report
 
     local = record(100, gpus_per_node=0, scheduler="local", max_steps=160)
     events = [ev("start", 101, process_started_at=100.5), ev("resume", 106, step=150), ev("ready", 106.2, step=150),

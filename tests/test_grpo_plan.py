@@ -10,8 +10,8 @@ from specs import plan_spec, write_config
 from test_planner_savers import H100, LLAMA31_8B
 
 from fsdpjob.orchestrator.planner.fit import make_plan
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 
 def _plan(folder: Path, grpo: dict | None = None, **sections):

@@ -14,7 +14,7 @@ from pathlib import Path
 import helpers
 import pytest
 
-from fsdpjob.orchestrator.core.jobspec.rewardfns import LOGIN_FORBIDDEN, load_function, signature_problem
+from fsdpjob.orchestrator.core.inputs.rewardfns import LOGIN_FORBIDDEN, load_function, signature_problem
 
 fsdpjob = partial(helpers.fsdpjob, timeout_s=60)
 GOOD_REWARDS = '''
@@ -125,7 +125,7 @@ def test_torch_imported_inside_the_function_is_fine(tmp_path):
 def test_the_torch_check_holds_where_torch_is_loaded_already(tmp_path):
     """In a process that has torch (a test run) the module is loaded with torch hidden, and torch is back after."""
     (tmp_path / "r.py").write_text("import torch.nn\ndef f(prompts, completions, **kw):\n    return []\n")
-    code = ("import sys, torch\nfrom fsdpjob.orchestrator.core.jobspec.rewardfns import *\n"
+    code = ("import sys, torch\nfrom fsdpjob.orchestrator.core.inputs.rewardfns import *\n"
             f"try:\n    load_function({str(tmp_path / 'r.py:f')!r}, forbid=LOGIN_FORBIDDEN)\n"
             "except RewardLoadError as e:\n    print(e)\n"
             "assert sys.modules['torch'] is torch and 'torch.nn' in sys.modules\n")

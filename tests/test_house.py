@@ -2,7 +2,9 @@
 a move: every function in orchestrator/ and jobs/ at most 80 lines and every module at most 450; every repository
 path a comment, a docstring or a doc names exists; the docs Layout table (docs/internals.md) names every package
 and top-level module of orchestrator/ and jobs/ and nothing that is gone; and no FSDPJOB_* variable is read from
-the environment anywhere but core/envvars.py, the one reader."""
+any mapping anywhere but core/envvars.py, the one reader. Then the figures bench/house_figures.py prints (issue 51),
+each at its bound: scheduler-name and method-name compares, modules per package, import circles, private names
+across modules, and the orchestrator reaching the worker side only through jobs/entry.py."""
 
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import ast
 import functools
 import io
 import re
+import sys
 import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import house_figures as figures  # noqa: E402 - bench/ is no package
+
 CODE = ("orchestrator", "jobs")  # the two sides; the bounds below are the style note's
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 450
@@ -158,52 +164,12 @@ def test_the_docs_layout_names_every_package_and_top_level_module():
 ENVVARS = ROOT / "orchestrator" / "core" / "envvars.py"
 
 
-def _fsdpjob_constants() -> set[str]:
-    """Names bound at module level to an "FSDPJOB_..." string anywhere in the code (a switch read by name)."""
-    names = set()
-    for path in _modules(*CODE):
-        for node in _tree(path).body:
-            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-            if isinstance(value, ast.Constant) and str(value.value).startswith("FSDPJOB_"):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return names
-
-
-def _is_environ(node: ast.expr) -> bool:
-    """os.environ, environ or env: the process environment, or one handed on as a mapping."""
-    return (isinstance(node, ast.Attribute) and node.attr == "environ") or \
-        (isinstance(node, ast.Name) and node.id in ("environ", "env"))
-
-
-def _env_reads(tree: ast.Module, constants: set[str]) -> Iterator[tuple[int, str]]:
-    def fsdpjob_key(key: ast.expr | None) -> str | None:
-        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.startswith("FSDPJOB_"):
-            return key.value
-        ident = key.id if isinstance(key, ast.Name) else key.attr if isinstance(key, ast.Attribute) else None
-        return ident if ident in constants else None
-
-    for node in ast.walk(tree):
-        key = None
-        if isinstance(node, ast.Call) and node.args and isinstance(node.func, (ast.Attribute, ast.Name)):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id
-            if name == "getenv" or (name == "get" and isinstance(func, ast.Attribute) and _is_environ(func.value)):
-                key = node.args[0]
-        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
-            key = node.slice
-        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
-                and _is_environ(node.comparators[0]):
-            key = node.left
-        if (found := fsdpjob_key(key)) is not None:
-            yield node.lineno, found
-
-
 def test_only_core_envvars_reads_fsdpjob_variables():
-    constants = _fsdpjob_constants()
+    """From any mapping: the process environment, or one the batch side is about to hand on."""
+    constants = figures.fsdpjob_constants(_tree(path) for path in _modules(*CODE))
     reads = [f"{_rel(path)}:{line} {name}" for path in _modules(*CODE) if path != ENVVARS
-             for line, name in _env_reads(_tree(path), constants)]
-    assert reads == [], "read these through core/envvars.get or is_on"
+             for line, name in figures.env_reads(_tree(path), constants)]
+    assert reads == [], "read these through core/envvars.get(NAME, environ=MAPPING) or is_on"
 
 
 def test_the_env_check_sees_each_form_of_read():
@@ -211,8 +177,81 @@ def test_the_env_check_sees_each_form_of_read():
 import os
 SWITCH = "FSDPJOB_X"
 os.environ.get("FSDPJOB_A"); os.getenv("FSDPJOB_B"); environ.get(SWITCH); os.environ["FSDPJOB_C"]
-env.get(mod.SWITCH); "FSDPJOB_D" in os.environ
-env = {"FSDPJOB_E": "1"}; os.environ["FSDPJOB_F"] = "1"; os.environ.get("HOME")
+env.get(mod.SWITCH); "FSDPJOB_D" in os.environ; self.worker_env.get("FSDPJOB_G"); launch_env["FSDPJOB_H"]
+env = {"FSDPJOB_E": "1"}; os.environ["FSDPJOB_F"] = "1"; os.environ.get("HOME"); envvars.get("FSDPJOB_I")
 """
-    reads = sorted(name for _, name in _env_reads(ast.parse(source), {"SWITCH"}))
-    assert reads == ["FSDPJOB_A", "FSDPJOB_B", "FSDPJOB_C", "FSDPJOB_D", "SWITCH", "SWITCH"]
+    reads = sorted(name for _, name in figures.env_reads(ast.parse(source), {"SWITCH"}))
+    assert reads == ["FSDPJOB_A", "FSDPJOB_B", "FSDPJOB_C", "FSDPJOB_D", "FSDPJOB_G", "FSDPJOB_H", "SWITCH", "SWITCH"]
+
+
+# -- the figures of bench/house_figures.py (issue 51): each at its bound ------------------------------------------
+
+@functools.cache
+def _figures() -> dict:
+    return figures.figures()
+
+
+def test_no_scheduler_name_is_compared_outside_the_backends():
+    """A scheduler question is a fact of the backend or of core/jobspec/profiles.SchedulerKind, not a name compare."""
+    assert _figures()["scheduler_name_compares"] == {}
+
+
+def test_method_names_are_compared_only_in_the_method_tables():
+    """At most 2 compares of ``method`` with a method name outside core/jobspec/methods.py and the worker's method
+    table. Fails until the method tables (issue 51 item 1, another branch) land: 22 compares at 877336a."""
+    found = _figures()["method_name_compares"]
+    assert sum(map(len, found.values())) <= figures.MAX_METHOD_COMPARES, found
+
+
+def test_the_method_compare_count_sees_each_form():
+    source = """
+if spec.train.method == "sft": pass
+x = 2 if method in PAIRED_METHODS else 1
+y = method in ("dpo", "kto")
+z = spec.train.method != "reward" and method not in {"grpo"}
+w = spec.train.loss == "sft"; v = method == other; u = kind == "dpo"
+"""
+    assert figures.method_compares("orchestrator/x.py", ast.parse(source)) == [2, 3, 4, 5, 5]
+    assert figures.method_compares("orchestrator/core/jobspec/methods.py", ast.parse(source)) == []
+
+
+def test_no_package_holds_more_than_15_modules():
+    """Every package of orchestrator/ and jobs/ (__init__ not counted; jobs/ top level apart, below)."""
+    over = {p: n for p, n in figures.modules_per_package().items()
+            if n > figures.MAX_MODULES_PER_PACKAGE and p != "jobs"}
+    assert over == {}, "re-cut these by what their modules hold"
+
+
+def test_the_jobs_top_level_holds_at_most_15_modules():
+    """Fails until jobs/'s top level is re-cut (issue 51 item 1's method packages, another branch): 18 at 877336a."""
+    assert figures.modules_per_package()["jobs"] <= figures.MAX_MODULES_PER_PACKAGE
+
+
+def test_every_lazy_face_lists_every_module_of_its_package():
+    """core.lazy_face's users (core/jobspec/, core/runfolder/): a face that lists part of its package hides the rest
+    from ``from PACKAGE import NAME``."""
+    import importlib
+
+    faces = [p for p in _modules("orchestrator") if p.name == "__init__.py" and "= lazy_face(" in p.read_text()]
+    assert faces, "no lazy face left: drop this test"
+    for init in faces:
+        package = importlib.import_module(figures.module_name(_rel(init)))
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
+        assert sorted(package.MODULES) == modules, f"{_rel(init)}'s MODULES"
+
+
+def test_no_import_circle_at_module_level():
+    assert _figures()["import_circles_module_level"] == []
+
+
+def test_no_underscore_name_is_imported_across_product_modules():
+    assert _figures()["underscore_names_imported_across_modules"] == {}
+
+
+def test_the_orchestrator_imports_the_worker_side_only_through_jobs_entry():
+    """The style note's rule 10, inside functions too. The one allowed exception (bench/house_figures.py's
+    ORCHESTRATOR_TO_JOBS_ALLOWED) is supervise/genserver.py, whose torch-free client types are moving into
+    orchestrator/core/ on another branch; pyproject.toml's protected contract says the same."""
+    found = _figures()["orchestrator_imports_of_jobs_beyond_entry"]
+    assert set(figures.ORCHESTRATOR_TO_JOBS_ALLOWED) <= set(found), "an allowed import is gone: drop it from the list"
+    assert {m: names for m, names in found.items() if m not in figures.ORCHESTRATOR_TO_JOBS_ALLOWED} == {}

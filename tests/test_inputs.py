@@ -11,9 +11,9 @@ import pytest
 from specs import write_spec
 
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.inputs.checks import check_inputs
+from fsdpjob.orchestrator.core.inputs.records import SCAN_LINES
 from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES
-from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
-from fsdpjob.orchestrator.core.jobspec.records import SCAN_LINES
 from fsdpjob.orchestrator.core.jobspec.spec import load_spec
 
 SPEC = """\
@@ -226,7 +226,7 @@ def test_supported_families_are_decoder_only():
 
 
 def test_no_torch_on_the_login_node():
-    code = ("import sys, fsdpjob.orchestrator.core.jobspec.inputs; "
+    code = ("import sys, fsdpjob.orchestrator.core.inputs.checks; "
             "assert not {'torch', 'transformers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

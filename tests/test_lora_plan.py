@@ -17,8 +17,8 @@ from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.lora import lora_training
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 BASE = "name: unit\nmodel:\n  path: /m\n{lora}data:\n  path: /d.jsonl\ntrain:\n  max_steps: 10\n"
 LLAMA2_70B = {

@@ -25,8 +25,8 @@ from fsdpjob.orchestrator.planner.memory import (
     usable_gpu_memory,
 )
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 # Public config.json values of meta-llama/Llama-2-70b-hf.
 LLAMA2_70B = {

@@ -17,8 +17,8 @@ from fsdpjob.orchestrator.core.units import GiB
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.memory import device_memory
 from fsdpjob.orchestrator.planner.modelshape import count_params, read_model_shape
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 # Public config.json values of meta-llama/Llama-3.1-8B.
 LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

@@ -1,4 +1,4 @@
-"""`fsdpjob report RUN --html FILE` (views/reporthtml.py, templates/report.html.j2): one self-contained page
+"""`fsdpjob report RUN --html FILE` (views/report/html.py, templates/report.html.j2): one self-contained page
 from a run folder of recorded events (no training), its user strings escaped, bad output paths refused in one
 line, and the page opened in a real headless browser (Debian's chromium): no console error, the picture shows."""
 
@@ -66,8 +66,8 @@ def test_html_is_one_self_contained_page_with_the_picture_breakdown_and_interrup
 
 
 def test_user_strings_are_escaped(tmp_path):
-    from fsdpjob.orchestrator.views.goodputreport import run_report
-    from fsdpjob.orchestrator.views.reporthtml import page
+    from fsdpjob.orchestrator.views.report.html import page
+    from fsdpjob.orchestrator.views.report.run import run_report
 
     rec = run_folder(tmp_path, run_id="x")
     rec.run_id = HOSTILE  # a run id as hostile as a name could make it, and a job's error text

@@ -1,4 +1,4 @@
-"""The picture of `fsdpjob report` (views/reportpicture.py: what it shows; views/goodputplot.py: the drawing)
+"""The picture of `fsdpjob report` (views/report/picture.py: what it shows; views/report/plot.py: the drawing)
 over hand-built run logs: loss against step per attempt, progress against wall time, checkpoint and evaluation
 marks, start-ups named, time units that fit the run, and each kind of stop drawn as what it was."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from fsdpjob.orchestrator.backend import AttemptTimes
 from fsdpjob.orchestrator.registry import JobRecord
-from fsdpjob.orchestrator.views import goodputplot
 from fsdpjob.orchestrator.views.goodput import goodput
-from fsdpjob.orchestrator.views.reportpicture import picture, time_unit
+from fsdpjob.orchestrator.views.report import plot
+from fsdpjob.orchestrator.views.report.picture import picture, time_unit
 
 
 def record(run_id: str = "r-1", gpus_per_node: int = 0) -> JobRecord:
@@ -65,11 +65,11 @@ def short_run() -> tuple[dict, dict, bytes, dict]:
     """The 16 s run's report JSON, picture data, PNG and what was drawn (drawing takes a second or more)."""
     data = report_json()
     pic = picture(data, EVENTS, METRICS)
-    return data, pic, *goodputplot.png_bytes(pic)
+    return data, pic, *plot.png_bytes(pic)
 
 
 def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_evaluations(short_run):
-    assert goodputplot.available()  # matplotlib comes with the test extra
+    assert plot.available()  # matplotlib comes with the test extra
     data, pic, png, drawn = short_run
     assert (pic["unit"], pic["unit_s"]) == ("s", 1.0)
     # Each start of the workers: its own loss curve, and its start-up from the allocation start to ready.
@@ -97,13 +97,13 @@ def test_a_short_run_reads_in_seconds_with_attempts_start_ups_checkpoints_and_ev
 
 def test_a_cancel_is_never_drawn_as_a_crash_and_each_kind_of_stop_has_its_own_mark(short_run):
     drawn = short_run[3]
-    crash_color = goodputplot.MARKERS["crash"][1]
+    crash_color = plot.MARKERS["crash"][1]
     assert [(kind, color) for _, kind, color in drawn["stops"]] == [
-        ("preemption", goodputplot.MARKERS["preemption"][1]), ("cancel", goodputplot.MARKERS["cancel"][1])]
+        ("preemption", plot.MARKERS["preemption"][1]), ("cancel", plot.MARKERS["cancel"][1])]
     assert crash_color not in [color for *_, color in drawn["stops"]] and "crash" not in drawn["texts"]
     # The four stops a user tells apart look apart: shape and colour.
     kinds = ("crash", "preemption", "cancel", "time_limit")
-    assert len({goodputplot.MARKERS[k] for k in kinds}) == len({goodputplot.MARKERS[k][1] for k in kinds}) == 4
+    assert len({plot.MARKERS[k] for k in kinds}) == len({plot.MARKERS[k][1] for k in kinds}) == 4
 
     # The same run, but the first attempt crashed (no stop save) and the second hit its time limit.
     events = [e for e in EVENTS if e["event"] not in ("stop", "cancel")]
@@ -111,8 +111,8 @@ def test_a_cancel_is_never_drawn_as_a_crash_and_each_kind_of_stop_has_its_own_ma
                ev("stop", 15.5, reason="time_limit", signal="SIGUSR2", step=12, requeued=False, save_s=0.4)]
     crashed = picture(report_json(events), events, METRICS)
     assert [(s["kind"], s["label"]) for s in crashed["stops"]] == [("crash", "crash"), ("time_limit", "time limit")]
-    _, drawn = goodputplot.png_bytes(crashed)
-    assert [color for *_, color in drawn["stops"]] == [crash_color, goodputplot.MARKERS["time_limit"][1]]
+    _, drawn = plot.png_bytes(crashed)
+    assert [color for *_, color in drawn["stops"]] == [crash_color, plot.MARKERS["time_limit"][1]]
     assert "crash" in drawn["texts"] and "time limit" in drawn["texts"]
 
 
@@ -146,7 +146,7 @@ def test_a_long_run_reads_in_hours_and_a_run_name_is_drawn_as_text():
     rec = record(run_id="my$run^_<b>-1")
     pic = picture(report_json(events, metrics, rec), events, metrics)
     assert pic["unit"] == "h" and pic["stops"] == []
-    _, drawn = goodputplot.png_bytes(pic)
+    _, drawn = plot.png_bytes(pic)
     assert any(t.startswith("my$run^_<b>-1: goodput") for t in drawn["texts"])
     assert any(t.startswith("wall time since submit (h)") for t in drawn["texts"])
     assert drawn["curves"] == {"attempt 0": 25}

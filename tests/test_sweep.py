@@ -16,7 +16,7 @@ from helpers import run_cli
 from specs import quickstart_spec, write_spec
 from test_render import GOLDEN, PYTHON, REPO, VALID, assert_golden
 
-from fsdpjob.orchestrator.cli.sweepspec import make_sweep, split_values
+from fsdpjob.orchestrator.cli.sweeps.spec import make_sweep, split_values
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.planner.jobload import load_job
@@ -114,7 +114,7 @@ def test_the_dry_run_lists_every_variant_and_the_array_script(tiny_spec, tmp_pat
 def test_a_dpo_beta_sweep_is_one_array_of_distinct_specs(tiny_spec, tmp_path, monkeypatch):
     """issue 39: a beta sweep as one array job. Each variant's spec has its beta (the dpo section made by --set),
     and its hash differs from the others' for that alone (the names made equal)."""
-    from fsdpjob.orchestrator.cli.sweepsubmit import plan_sweep
+    from fsdpjob.orchestrator.cli.sweeps.submit import plan_sweep
 
     monkeypatch.setenv("FSDPJOB_HOME", str(tmp_path / "home"))
     pairs = tmp_path / "pairs.jsonl"

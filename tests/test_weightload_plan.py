@@ -10,8 +10,8 @@ from test_planner import A100, LLAMA2_70B
 
 from fsdpjob.orchestrator.planner.fit import make_plan
 from fsdpjob.orchestrator.planner.memory import CUDA_PROCESS_BYTES
-from fsdpjob.orchestrator.planner.planformat import format_plan
 from fsdpjob.orchestrator.planner.resolve import resolve
+from fsdpjob.orchestrator.views.plan import format_plan
 
 
 def _plan(folder: Path, weights: str | None, **cfg):

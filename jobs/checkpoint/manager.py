@@ -80,7 +80,7 @@ def _remove_step(step_dir: Path) -> None:
 def save_facts(step: int, state: dict[str, Any], *, reason: str, eval_loss: float | None, world_size: int,
                run: RunFacts) -> Sidecar:
     """The step's sidecar but for its timings, taken when the save starts (the state may move on during an
-    async write); the memory tier (checkpoint/memwrite.py) writes the same one.
+    async write); the memory tier (checkpoint/memory/write.py) writes the same one.
 
     Besides the reason and the eval loss: ``model_key``, where export finds the weights ("<model_key>.model.<hf
     name>"), and every entry of flat scalars (train counters, data position) under its own key,

@@ -1,5 +1,5 @@
 """A launch's two checkpoint tiers: the durable one (manager.py) and, with checkpoint.memory_interval_steps, the
-memory tier (memory.py); opening the memory tier, and which of the two a start resumes from."""
+memory tier (memory/tier.py); opening the memory tier, and which of the two a start resumes from."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpjob.jobs.checkpoint.memory.tier import MemoryTier
 from fsdpjob.orchestrator.core.jobspec.spec import CheckpointSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, memtier
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dir_name
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 from .manager import CheckpointManager
-from .memory import MemoryTier
 
 
 def open_memory_tier(checkpoint: CheckpointSpec, ckpt: CheckpointManager, *, job_id: str | None, restart: int,

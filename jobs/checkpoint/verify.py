@@ -17,9 +17,9 @@ from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
     SIDECAR,
     committed_steps,
     parse_step,
-    run_checkpoint_root,
     step_dirs,
 )
+from fsdpjob.orchestrator.core.runfolder.runmeta import checkpoint_root
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
 log = logging.getLogger("fsdpjob.checkpoint")
@@ -115,7 +115,7 @@ def select_checkpoint(path: Path, fingerprint: dict[str, Any] | None = None) -> 
             raise CheckpointError(f"{path}: cannot resume from this checkpoint: {reason}")
         check_fingerprint(path, fingerprint)
         return path
-    root = path if step_dirs(path) else run_checkpoint_root(path)
+    root = path if step_dirs(path) else checkpoint_root(path)
     if not root.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint (no step-N folders and no checkpoints/ folder inside)")
     found = newest_valid_step(root, fingerprint)

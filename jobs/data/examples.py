@@ -8,8 +8,8 @@ from typing import Any
 
 import jinja2
 
+from fsdpjob.orchestrator.core.inputs.records import RecordError, iter_records
 from fsdpjob.orchestrator.core.jobspec.dataspec import FieldOptions
-from fsdpjob.orchestrator.core.jobspec.records import RecordError, iter_records
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 IGNORE = -100  # label value the HF loss skips

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 
 import jinja2
 
+from fsdpjob.orchestrator.core.inputs.promptroom import prompt_room_problem
+from fsdpjob.orchestrator.core.inputs.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
-from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
-from fsdpjob.orchestrator.core.jobspec.records import WithMargin
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from .examples import DataError, bos_ids, encode, eos_ids

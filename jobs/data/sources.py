@@ -1,6 +1,6 @@
 """The worker's data in every format, and mixtures: the data section read to one packed SequenceTable.
 
-JSONL files and parquet files are read as orchestrator/core/jobspec/dataformats.py finds them (the login node's
+JSONL files and parquet files are read as orchestrator/core/inputs/dataformats.py finds them (the login node's
 checks read the same way), a save_to_disk folder through `datasets.load_from_disk`. Every record meets the
 JSONL rules (inputs.record_fields), so a bad row fails at its file and row like a bad line at its line. Each
 source is tokenized and packed on its own, so a packed row never mixes sources; a mixture's table is the
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fsdpjob.orchestrator.core.jobspec.dataformats import (
+from fsdpjob.orchestrator.core.inputs.dataformats import (
     Located,
     RowError,
     SourceProblem,
@@ -25,8 +25,8 @@ from fsdpjob.orchestrator.core.jobspec.dataformats import (
     plain_cell,
     source_records,
 )
+from fsdpjob.orchestrator.core.inputs.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
-from fsdpjob.orchestrator.core.jobspec.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from .examples import DataError, Example, examples_from_records

@@ -1,5 +1,5 @@
 """GRPO's prompts (data shape ``prompts``): every record of data.path as the prompt to generate for, its token ids,
-and the record's other fields, which the reward functions receive (orchestrator/core/jobspec/promptrecords.py reads
+and the record's other fields, which the reward functions receive (orchestrator/core/inputs/promptrecords.py reads
 the records, as the login node's checks read them).
 
 Token ids, as preference data's prompts (jobs/data/preference.py):
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from fsdpjob.orchestrator.core.jobspec.dataformats import RowError, SourceProblem
-from fsdpjob.orchestrator.core.jobspec.promptrecords import PromptRecord, field_names, keyword_problem, prompt_records
-from fsdpjob.orchestrator.core.jobspec.promptroom import prompt_room_problem
+from fsdpjob.orchestrator.core.inputs.dataformats import RowError, SourceProblem
+from fsdpjob.orchestrator.core.inputs.promptrecords import PromptRecord, field_names, keyword_problem, prompt_records
+from fsdpjob.orchestrator.core.inputs.promptroom import prompt_room_problem
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 from ..data.examples import DataError, bos_ids, encode

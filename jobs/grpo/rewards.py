@@ -1,4 +1,4 @@
-"""GRPO's reward functions on the worker: loaded as validate loaded them (orchestrator/core/jobspec/rewardfns.py),
+"""GRPO's reward functions on the worker: loaded as validate loaded them (orchestrator/core/inputs/rewardfns.py),
 called as TRL calls them, and their answers checked: never a silent zero.
 
 Each function is called once per batch: ``fn(prompts=[...], completions=[...], **fields)``, one entry per completion
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from fsdpjob.orchestrator.core.inputs.promptrecords import keyword_problem
+from fsdpjob.orchestrator.core.inputs.rewardfns import RewardLoadError, load_function, signature_problem
 from fsdpjob.orchestrator.core.jobspec.methods import RewardFunctionSpec
-from fsdpjob.orchestrator.core.jobspec.promptrecords import keyword_problem
-from fsdpjob.orchestrator.core.jobspec.rewardfns import RewardLoadError, load_function, signature_problem
 
 SHOWN_CHARS = 60  # of a prompt or a returned value in an error
 

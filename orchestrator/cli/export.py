@@ -49,8 +49,7 @@ def export(source: str, out: Path, dtype: str, merge: bool, as_job: bool, profil
         return
     if profile:
         raise click.UsageError("--profile goes with --submit (the profile of the export job)")
-    from fsdpjob.jobs.checkpoint import CheckpointError
-    from fsdpjob.jobs.export import export_from_path
+    from fsdpjob.jobs.entry import ExportFailed, export_model
 
     path = Path(source)
     if best:
@@ -79,8 +78,8 @@ def export(source: str, out: Path, dtype: str, merge: bool, as_job: bool, profil
                 "(`fsdpjob list`), a run folder or a checkpoint folder"
             ) from None
     try:
-        written = export_from_path(path, out, dtype, merge=merge)
-    except CheckpointError as exc:
+        written = export_model(path, out, dtype, merge=merge)
+    except ExportFailed as exc:
         raise FsdpjobError(f"cannot export {source}: {exc}") from None
     click.echo(f"exported {written} -> {out}")
 

@@ -108,7 +108,7 @@ def quickstart(directory: Path | None) -> None:
 
     DIRECTORY: by default examples/quickstart-assets when run in a checkout of fsdpjob (beside
     examples/quickstart.yaml, which reads it), else $FSDPJOB_HOME/quickstart-assets."""
-    from fsdpjob.jobs.quickstart import make_quickstart
+    from fsdpjob.jobs.entry import make_quickstart
 
     place = quickstart_place(directory, Path.cwd())
     made = make_quickstart(place.assets)

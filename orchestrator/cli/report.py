@@ -50,8 +50,8 @@ def _write_output(option: str, path: Path, data: bytes) -> None:
 def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | None) -> None:
     """Goodput: where every allocated GPU-second of a run went, across all its attempts."""
     from fsdpjob.orchestrator import registry
-    from fsdpjob.orchestrator.views import goodputplot
-    from fsdpjob.orchestrator.views.goodputreport import format_report, run_report
+    from fsdpjob.orchestrator.views.report import plot
+    from fsdpjob.orchestrator.views.report.run import format_report, run_report
 
     if plot_file is not None and html_file is not None and plot_file.resolve() == html_file.resolve():
         # Both are written, the page last: the PNG would be lost without a word.
@@ -59,8 +59,8 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
     for option, path in (("--plot", plot_file), ("--html", html_file)):
         if path is not None:
             _output_file(option, path)
-            if not goodputplot.available():
-                click.echo(f"fsdpjob: {option} needs matplotlib: {goodputplot.INSTALL_HINT}", err=True)
+            if not plot.available():
+                click.echo(f"fsdpjob: {option} needs matplotlib: {plot.INSTALL_HINT}", err=True)
                 raise SystemExit(2)
     if tasks := registry.sweep_records(run):
         _sweep_report(tasks, as_json, plot_file, html_file)
@@ -70,11 +70,11 @@ def report(run: str, as_json: bool, plot_file: Path | None, html_file: Path | No
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     data = result.to_json()
-    png = goodputplot.run_png(data, record.run_dir) if plot_file or html_file else b""
+    png = plot.run_png(data, record.run_dir) if plot_file or html_file else b""
     if plot_file is not None:
         _write_output("--plot", plot_file, png)
     if html_file is not None:
-        from fsdpjob.orchestrator.views.reporthtml import page
+        from fsdpjob.orchestrator.views.report.html import page
 
         _write_output("--html", html_file, page(result, png, record.scheduler).encode("utf-8"))
     if as_json:

@@ -46,7 +46,7 @@ def validate(specs: tuple[str, ...], profile: str | None, sets: tuple[str, ...],
         if job.size_unknown:
             click.echo(f"warning: {path}: {job.size_unknown}", err=True)
         if not no_file_checks:
-            from fsdpjob.orchestrator.core.jobspec.dataformats import long_example_warnings
+            from fsdpjob.orchestrator.core.inputs.dataformats import long_example_warnings
 
             for warning in long_example_warnings(job.spec.data, Path(job.spec.model.path)):
                 click.echo(f"warning: {path}: {warning}", err=True)
@@ -118,7 +118,7 @@ def plan(spec: str, profile: str | None, sets: tuple[str, ...], shapes: str | No
     Needs only the model's config.json (plan before the download); validate and submit check the weights too."""
     from fsdpjob.orchestrator.planner.fit import make_plan
     from fsdpjob.orchestrator.planner.jobload import load_job
-    from fsdpjob.orchestrator.planner.planformat import format_plan
+    from fsdpjob.orchestrator.views.plan import format_plan
 
     from .estimate import echo_estimates, start_estimates_for
 

@@ -88,7 +88,7 @@ def print_dry_run(job, fit, run_dir: Path | None, *, spec: str, profile, sets, s
     """The plan, the start estimates and what would be submitted (the request: on stdout, the rest on stderr)."""
     from fsdpjob.orchestrator import submit as submission
     from fsdpjob.orchestrator.backend import dry_run
-    from fsdpjob.orchestrator.planner.planformat import format_plan
+    from fsdpjob.orchestrator.views.plan import format_plan
 
     from .estimate import echo_estimates, start_estimates_for
 
@@ -105,7 +105,7 @@ def print_dry_run(job, fit, run_dir: Path | None, *, spec: str, profile, sets, s
 def submit_checked(job, fit, spec: str, *, force: bool, run_dir, resume_from, dependency, as_json: bool):
     """Submit unless the plan refuses (the plan printed when it does not fit); say what was submitted."""
     from fsdpjob.orchestrator import submit as submission
-    from fsdpjob.orchestrator.planner.planformat import format_plan
+    from fsdpjob.orchestrator.views.plan import format_plan
 
     if no := refusal(fit, spec, force=force):
         if fit.verdict == "DOES NOT FIT":

@@ -1,4 +1,4 @@
-"""`fsdpjob sweep`: the variants (sweepspec.py), each checked and planned (sweepsubmit.py), then the dry run or the
+"""`fsdpjob sweep`: the variants (sweeps/spec.py), each checked and planned (sweeps/submit.py), then the dry run or the
 job array through the backend; runs that are this terminal's (the local profile) are followed one by one."""
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def sweep(spec, grids, sweep_file, max_parallel, name, profile, sets, dry_run, f
     """Run variants of a spec (a grid of values, or a list of --set variants) as one Slurm array job, each a run
     of its own; on the local profile one after another. Every variant is checked before anything is submitted."""
     from fsdpjob.orchestrator import submit as submission
+    from fsdpjob.orchestrator.cli.sweeps.spec import make_sweep
 
-    from . import sweepsubmit
-    from .sweepspec import make_sweep
+    from .sweeps import submit as sweepsubmit
 
     if no_file_checks and not dry_run:  # as submit's: a real sweep checks the files first
         raise click.UsageError("--no-file-checks goes with --dry-run only: a real sweep checks the files first")
@@ -98,7 +98,7 @@ def follow_each(plan, array, request) -> None:
     """The runs are this terminal's: each followed to its end before the next starts; exit 1 if any failed."""
     from fsdpjob.orchestrator.views.follow import wait_for
 
-    from . import sweepsubmit
+    from .sweeps import submit as sweepsubmit
 
     results: list[int] = []
 

@@ -1,9 +1,11 @@
-"""Spec + profile -> the workers' container (or none), what it must mount, and what is refused (pure)."""
+"""Spec + profile -> the workers' container (or none), what it must mount, and what is refused (pure). A run's
+container is decided here once (``container_plan``, kept in the resolved job); the render only formats it."""
 
 from __future__ import annotations
 
 import posixpath
 import re
+from dataclasses import dataclass
 
 from fsdpjob.orchestrator.core.jobspec.container import (
     RUNTIME_ROWS,
@@ -19,6 +21,32 @@ from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import memtier
 
 _GLOB = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """A run's container as resolve decided it: the profile's container with the spec's fields on top, and what it
+    mounts. The run folder is known only at submit, so ``mounts(run_dir)`` adds it; slurm/render.py and
+    slurm/containerline.py format the rest as they find it."""
+
+    container: ContainerSpec
+    checkpoint_dir: str | None  # written
+    inputs: tuple[str, ...]  # read: the model folder, the data files' folders
+    memory_tier: str | None  # the memory tier's node-local folder, where the job uses the tier
+    user: tuple[Mount, ...]  # the container's own mounts, after the automatic ones (never hiding them)
+
+    def mounts(self, run_dir: str) -> list[Mount]:
+        """What the container gets: the automatic mounts, then the user's."""
+        return [*auto_mounts(run_dir, self.checkpoint_dir, list(self.inputs), self.memory_tier), *self.user]
+
+
+def container_plan(spec: JobSpec, profile: ClusterProfile) -> ContainerPlan | None:
+    """The run's container, or None when neither the spec nor the profile asks for one."""
+    container = container_of(spec, profile)
+    if container is None:
+        return None
+    return ContainerPlan(container=container, checkpoint_dir=spec.checkpoint.dir, inputs=tuple(input_folders(spec)),
+                         memory_tier=memory_tier_dir(spec), user=tuple(parse_mount(m) for m in container.mounts))
 
 
 def container_of(spec: JobSpec, profile: ClusterProfile) -> ContainerSpec | None:
@@ -43,17 +71,13 @@ def _folder(path: str) -> str:
 
 
 def needed_mounts(spec: JobSpec, run_dir: str) -> list[Mount]:
+    """The automatic mounts alone (what a user's mount must not hide)."""
     return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec), memory_tier_dir(spec))
 
 
 def memory_tier_dir(spec: JobSpec) -> str | None:
     """The memory tier's node-local folder, where the job uses the tier (the spec's env may move it)."""
     return memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
-
-
-def all_mounts(container: ContainerSpec, spec: JobSpec, run_dir: str) -> list[Mount]:
-    """What the container gets: the automatic mounts, then the user's (which never hide the former)."""
-    return [*needed_mounts(spec, run_dir), *(parse_mount(m) for m in container.mounts)]
 
 
 def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -> list[tuple[tuple, str]]:

@@ -1,7 +1,7 @@
 """Preflight planner: parameter count from config.json, per-rank and per-node memory, checkpoint and step time.
 
 Pure arithmetic on the login node: reads the model folder's ``config.json`` only (never weights) and imports
-neither torch nor transformers. ``make_plan(resolved)`` returns a :class:`FitPlan`; ``planformat.format_plan``
+neither torch nor transformers. ``make_plan(resolved)`` returns a :class:`FitPlan`; ``views/plan.format_plan``
 renders it as a text table and ``FitPlan.to_json()`` as a dict with stable keys (documented on the method). The
 model's shape and parameter count come from ``modelshape.py``, the memory model from ``memory.py`` and the
 step and save times from ``timing.py``; this module puts them together into a plan and finds the fixes.

@@ -87,14 +87,14 @@ def _load(spec_path: str, profile: str | None, overrides: tuple[str, ...], check
         check_files_and_environment(spec, prof, doc, config_only=check_files == "config",
                                     files=bool(check_files), environment=check_env is not False)
     return LoadedJob(spec=spec, profile=prof, eff=resolved.eff, doc=doc, source=str(Path(spec_path)),
-                     size_unknown=unknown)
+                     size_unknown=unknown, container=resolved.container)
 
 
 def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc, *, config_only: bool,
                                 files: bool = True, environment: bool = True) -> None:
     """The checks of this machine's files and environment, every problem at once (one line each); ``files`` or
     ``environment`` False skips that half (--no-file-checks skips the files only)."""
-    from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+    from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 
     found: list[InputError] = []
     if files and spec.checkpoint.dir and (problem := unwritable(Path(spec.checkpoint.dir))):
@@ -189,7 +189,7 @@ def _path_problem(spec: JobSpec, profile: ClusterProfile) -> str | None:
     checks) a PATH is refused when none of its folders (its $VARs expanded as here) holds srun while this
     machine's own PATH has one. Off a cluster (no srun here) nothing is known, so nothing is refused."""
     value = spec.env.get("PATH", "")
-    if profile.scheduler != "slurm" or not value.strip(":").strip():
+    if not profile.kind.srun_in_batch or not value.strip(":").strip():
         return None
 
     def here(m: re.Match) -> str:

@@ -12,7 +12,7 @@ from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 from fsdpjob.orchestrator.core.runfolder.paths import runs_root
 from fsdpjob.orchestrator.core.slurmtime import format_slurm_time
 
-from .containers import container_problems
+from .containers import ContainerPlan, container_plan, container_problems
 from .generator import generator_problems
 
 
@@ -123,12 +123,12 @@ def problems(spec: JobSpec, profile: ClusterProfile,
                 "lower signal_lead_s or raise resources.time_limit",
             )
         )
-    if profile.scheduler == "slurm" and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
+    if profile.kind.srun_in_batch and "PATH" in spec.env and not spec.env["PATH"].strip(":").strip():
         # The supervisor runs srun and scontrol in the batch script after the job's env is exported.
         out.append((("env", "PATH"), "an empty PATH hides srun and scontrol from the job's supervisor; drop "
                                      "env.PATH, or extend it: $PATH:/my/bin"))
     generator = spec.grpo.generator if spec.grpo is not None else None
-    if profile.scheduler == "slurm" and generator is not None and generator.backend == "server" \
+    if profile.kind.side_step_takes_nodes and generator is not None and generator.backend == "server" \
             and generator.nodes >= eff.nodes:
         # On the local profile the server is a process beside the workers; on Slurm it takes nodes of its own.
         out.append((("grpo", "generator", "nodes"), f"the generation server's {generator.nodes} node(s) leave none of "
@@ -199,12 +199,15 @@ class Resolved:
     eff: Effective
     # Why the partition's size could not be checked (a plan warning), where the check was asked for and failed.
     size_unknown: str | None = field(default=None, kw_only=True)
+    # The workers' container, decided once here (planner/containers.py); None: no container.
+    container: ContainerPlan | None = field(default=None, kw_only=True)
 
 
 def resolve(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
             partition_size: PartitionSize | None = None) -> Resolved:
     """Check spec against profile (SpecErrors with FILE:LINE when ``doc`` is given) and apply its defaults."""
-    return Resolved(spec=spec, profile=profile, eff=check(spec, profile, doc, partition_size))
+    eff = check(spec, profile, doc, partition_size)
+    return Resolved(spec=spec, profile=profile, eff=eff, container=container_plan(spec, profile))
 
 
 def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .containers import container_of
 from .resolve import Resolved
 
 
@@ -18,6 +17,5 @@ def resolved_spec(job: Resolved) -> dict[str, Any]:
         partition=eff.partition, account=eff.account, qos=eff.qos, constraint=eff.constraint,
     )
     data["preemption"]["signal_lead_s"] = eff.signal_lead_s  # "auto" made a number
-    container = container_of(job.spec, job.profile)
-    data["container"] = container.model_dump(mode="json") if container else None
+    data["container"] = job.container.container.model_dump(mode="json") if job.container else None
     return data

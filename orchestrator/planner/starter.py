@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.jobspec.inputs import architecture_problem
+from fsdpjob.orchestrator.core.inputs.checks import architecture_problem
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 
 PLACEHOLDER_MODEL = "/path/to/hf-model-folder"

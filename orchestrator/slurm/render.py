@@ -19,7 +19,6 @@ from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME, task_shell
-from fsdpjob.orchestrator.planner.containers import all_mounts, container_of
 from fsdpjob.orchestrator.planner.resolve import Effective, Resolved
 
 from .containerline import BUNDLE_DIR, container_launch
@@ -166,8 +165,9 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
     srun_opts += srun_binding(eff, profile)
     srun_opts += [_option(o, literal) for o in profile.srun_extra]
     worker_python, launcher, files, container_line, env_again = python, "", (), (), ()
-    if (container := container_of(spec, profile)) is not None:
-        launch = container_launch(container, all_mounts(container, spec, str(paths.run_dir)),
+    if job.container is not None:
+        container = job.container.container
+        launch = container_launch(container, job.container.mounts(str(paths.run_dir)),
                                   run_dir=str(paths.run_dir), gpus=bool(eff.gpus_per_node),
                                   literal=literal, with_vars=with_vars, job_env=dict(env))
         srun_opts += launch.srun_options

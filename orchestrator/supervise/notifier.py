@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from fsdpjob.orchestrator.core.goodput.account import goodput
 from fsdpjob.orchestrator.core.jobspec.notifyspec import NotifySpec
 from fsdpjob.orchestrator.core.runfolder import runlog, sweepstate
-from fsdpjob.orchestrator.core.runfolder.goodputaccount import goodput
 from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
 from . import webhook

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import buildid, rendezvous, slurmenv
+from fsdpjob.orchestrator.core import buildid, envvars, rendezvous, slurmenv
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -93,7 +93,7 @@ class Supervisor:
             nodes[:] = [used]
             return line
         step_for(["true"])  # which nodes: known before the first launch (the training step leaves them out)
-        addrs = slurmenv.node_addrs(self.worker_env.get("FSDPJOB_NODE_ADDRS"))
+        addrs = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=self.worker_env))
         host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
         server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
                                   step_for=step_for, python=sys.executable, host=host)

@@ -1,11 +1,11 @@
 """Goodput of a registered run: the record's facts and its backend's name for the scheduler's account, handed to
-the pure accounting (core/runfolder/goodputaccount.py, which the batch side's notifier uses too, without a registry)."""
+the pure accounting (core/goodput/account.py, which the batch side's notifier uses too, without a registry)."""
 
 from __future__ import annotations
 
 from fsdpjob.orchestrator.backend import AttemptTimes, backend_for
-from fsdpjob.orchestrator.core.runfolder.goodputaccount import CATEGORIES, GoodputReport
-from fsdpjob.orchestrator.core.runfolder.goodputaccount import goodput as account_goodput
+from fsdpjob.orchestrator.core.goodput.account import CATEGORIES, GoodputReport
+from fsdpjob.orchestrator.core.goodput.account import goodput as account_goodput
 from fsdpjob.orchestrator.core.runfolder.runmeta import RunFacts
 from fsdpjob.orchestrator.registry import JobRecord
 

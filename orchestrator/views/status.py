@@ -11,9 +11,9 @@ from fsdpjob.orchestrator.backend import SchedView, backend_for
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.registry import JobRecord
+from fsdpjob.orchestrator.views.goodput import goodput
 
 from .chains import chain_state
-from .goodput import goodput
 from .lineage import resumed_from
 from .progress import Progress, read_progress
 
@@ -79,7 +79,7 @@ class StatusReport:
     failure_reason: str | None
     # The newest stop checkpoint: {"reason": preemption|time_limit|requeue|cancelled|signal, "step", "requeued"}.
     last_stop: dict | None = None
-    # The goodput headline (core/runfolder/goodputaccount.py): goodput, ettr, allocated_unit_s, productive_unit_s
+    # The goodput headline (core/goodput/account.py): goodput, ettr, allocated_unit_s, productive_unit_s
     # (unit-seconds:
     # GPU-seconds, or CPU rank-seconds), unit, units, source, interruptions (their count).
     goodput: dict | None = None

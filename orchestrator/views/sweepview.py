@@ -14,12 +14,13 @@ from pathlib import Path
 from fsdpjob.orchestrator.backend import SchedView, backend_for
 from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.runfolder import runlog
-from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps, run_checkpoint_root
+from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
+from fsdpjob.orchestrator.core.runfolder.runmeta import checkpoint_root
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 from fsdpjob.orchestrator.registry import JobRecord
+from fsdpjob.orchestrator.views.goodput import goodput
 
 from .display import table
-from .goodput import goodput
 from .status import StatusReport, build_report
 
 LIVE = ("PENDING", "RUNNING", "REQUEUED")
@@ -250,7 +251,7 @@ def report_html(records: list[JobRecord], rows: list[VariantRow], png: bytes) ->
 def best_checkpoint(row: VariantRow) -> tuple[Path, str]:
     """The best variant's checkpoint to export: its committed step with the lowest recorded eval loss (the
     sidecar's, as keep_best keeps it), else its newest committed step; (folder, why this one)."""
-    root = run_checkpoint_root(Path(row.run_dir))
+    root = checkpoint_root(Path(row.run_dir))
     steps = committed_steps(root) if root.is_dir() else []
     if not steps:
         raise FsdpjobError(f"the best run {row.run_id} has no committed checkpoint in {root}")

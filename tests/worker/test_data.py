@@ -20,7 +20,7 @@ from fsdpjob.jobs.data import (
     read_examples,
 )
 from fsdpjob.jobs.quickstart import ARCHS, build_tiny_model, build_tokenizer, make_quickstart
-from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec, load_spec
 
 CORPUS = ["hello world", "the quick brown fox jumps", "12+345=357", "naïve café 日本語 🎉", "a\tb\nc  d"] * 20

@@ -114,7 +114,7 @@ def test_auto_interval_probes_then_snapshots_as_its_measured_cost_says(tmp_path,
     one-time staging allocation), the probe snapshot 5 steps later, the interval decided 5 steps after it from what
     the probe cost (one event, the profile's rate as the MTBI), and a crash after step 19 resumes from a snapshot of
     that schedule."""
-    from fsdpjob.jobs.checkpoint.memschedule import auto_steps
+    from fsdpjob.jobs.checkpoint.memory.schedule import auto_steps
     from fsdpjob.orchestrator.core.runfolder.memtier import MAX_STALL_SHARE
 
     run_dir = make_run(tmp_path, "auto", assets)

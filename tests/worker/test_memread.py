@@ -34,8 +34,8 @@ def _fetch(rank: int, world_size: int, base: str, size: int, ranges: list, chunk
 
     import torch.distributed as dist
 
-    from fsdpjob.jobs.checkpoint.memnode import TierNode
-    from fsdpjob.jobs.checkpoint.memread import fetcher
+    from fsdpjob.jobs.checkpoint.memory.node import TierNode
+    from fsdpjob.jobs.checkpoint.memory.read import fetcher
     from fsdpjob.orchestrator.core.runfolder.memtier import TierChoice, TierKey
 
     os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"

@@ -24,7 +24,7 @@ MiB = 2**20
 def _node(rank: int, world_size: int, base: str):
     import torch.distributed as dist
 
-    from fsdpjob.jobs.checkpoint.memnode import TierNode
+    from fsdpjob.jobs.checkpoint.memory.node import TierNode
     from fsdpjob.orchestrator.core.runfolder.memtier import TierKey
 
     os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
@@ -40,7 +40,7 @@ def _own(step_dir: Path, rank: int, size: int):
     """This rank's shard written and mapped as memraw.fill leaves it."""
     import torch
 
-    from fsdpjob.jobs.checkpoint.memnode import map_file
+    from fsdpjob.jobs.checkpoint.memory.node import map_file
     from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
 
     data = map_file(step_dir / shard_name(rank), size)
@@ -53,7 +53,7 @@ def _round_trips(rank: int, world_size: int, base: str) -> dict:
     the replica's file, then a plain exchange again."""
     import torch.distributed as dist
 
-    from fsdpjob.jobs.checkpoint import memreplicate
+    from fsdpjob.jobs.checkpoint.memory import replicate
     from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
 
     node = _node(rank, world_size, base)
@@ -64,7 +64,7 @@ def _round_trips(rank: int, world_size: int, base: str) -> dict:
         step_dir = node.folder / name
         step_dir.mkdir(parents=True)
         data = _own(step_dir, rank, size) if own else None
-        written = memreplicate.replicate(node, step_dir, data, chunk_bytes=CHUNK)
+        written = replicate.replicate(node, step_dir, data, chunk_bytes=CHUNK)
         replica = step_dir / shard_name(other)
         same = replica.exists() and replica.read_bytes() == _content(other, size)
         return written, same, sorted(p.name for p in step_dir.iterdir())
@@ -72,15 +72,15 @@ def _round_trips(rank: int, world_size: int, base: str) -> dict:
     for size in SIZES:
         out["sizes"][size] = exchange(f"size-{size}", size)
     out["sender failed"] = exchange("sender-failed", 3 * CHUNK, own=rank != 0)
-    real = memreplicate.ShmMap
+    real = replicate.ShmMap
 
     def full(path, size, reuse=None):
         raise OSError(28, "No space left on device")
 
     if rank == 1:
-        memreplicate.ShmMap = full
+        replicate.ShmMap = full
     out["receiver full"] = exchange("receiver-full", 3 * CHUNK + 5)
-    memreplicate.ShmMap = real
+    replicate.ShmMap = real
     out["after"] = exchange("after", 2 * CHUNK)
     dist.destroy_process_group()
     return out
@@ -135,8 +135,8 @@ def _exchange_peak(rank: int, world_size: int, base: str, shard: int) -> int:
 
     import torch.distributed as dist
 
-    from fsdpjob.jobs.checkpoint.memnode import map_file
-    from fsdpjob.jobs.checkpoint.memreplicate import replicate
+    from fsdpjob.jobs.checkpoint.memory.node import map_file
+    from fsdpjob.jobs.checkpoint.memory.replicate import replicate
     from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
 
     node = _node(rank, world_size, base)

@@ -1,4 +1,4 @@
-"""When the memory tier snapshots with ``memory_interval_steps: auto`` (jobs/checkpoint/memschedule.py), driven by a
+"""When the memory tier snapshots with ``memory_interval_steps: auto`` (jobs/checkpoint/memory/schedule.py), driven by a
 recorded timeline instead of a run: which steps snapshot, and which snapshot's cost decides the interval."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdpjob.jobs.checkpoint.memschedule import MemorySchedule, auto_steps
-from fsdpjob.jobs.checkpoint.memwrite import SnapshotWriter
+from fsdpjob.jobs.checkpoint.memory.schedule import MemorySchedule, auto_steps
+from fsdpjob.jobs.checkpoint.memory.write import SnapshotWriter
 from fsdpjob.orchestrator.core.runfolder.memtier import PROBE_STEPS, auto_interval
 
 STEP_S = 1.0  # every training step

@@ -24,7 +24,7 @@ from fsdpjob.jobs.data.preference import (
 )
 from fsdpjob.jobs.quickstart import build_tokenizer
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec, load_spec
 
 CORPUS = ["hello world", "the quick brown fox jumps", "12+345=357", "what is two plus two", "four"] * 20

@@ -21,7 +21,7 @@ from fsdpjob.jobs.data.preference import read_pair_table, read_unpaired_table
 from fsdpjob.jobs.data.stream import BatchStream, split_eval
 from fsdpjob.jobs.preference.ktobatch import KtoTable
 from fsdpjob.orchestrator.core.errors import InputError
-from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+from fsdpjob.orchestrator.core.inputs.checks import check_inputs
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec, load_spec
 from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 

@@ -176,7 +176,7 @@ def test_submit_checks_refuse_chunked_for_a_model_that_transforms_its_logits(tmp
     from helpers import tiny_model_folder
 
     from fsdpjob.orchestrator.core.errors import InputError
-    from fsdpjob.orchestrator.core.jobspec.inputs import check_inputs
+    from fsdpjob.orchestrator.core.inputs.checks import check_inputs
     from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
     folder = tiny_model_folder(tmp_path / "m")

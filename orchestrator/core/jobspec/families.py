@@ -1,6 +1,6 @@
 """The decoder-only causal LM families fsdpjob trains, one row each: how its decoder layer differs from
 Llama's for the planner's parameter count, the config.json keys it reads its own way, and the linear layers
-LoRA's all-linear finds in it. Pure data, no torch: the login node's checks (core/jobspec/inputs.py), the planner
+LoRA's all-linear finds in it. Pure data, no torch: the login node's checks (core/inputs/checks.py), the planner
 (planner/modelshape.py, planner/lora.py) and the tests (tests/families.py) all read it.
 
 Every family was checked on transformers 5.24 by building it from a tiny config; FSDP wraps the blocks the

@@ -38,12 +38,15 @@ class SchedulerKind:
     partitions: bool  # its jobs ask a partition for nodes, whose size the scheduler can tell (a limit names it)
     containers: bool  # it can start each task in a container (pyxis, apptainer, OCI)
     this_machine: bool  # it runs the workers on the machine fsdpjob runs on (whose cores the profile has)
+    srun_in_batch: bool  # its batch side runs srun and scontrol after the job's env is exported (env.PATH keeps them)
+    side_step_takes_nodes: bool  # a side step (the GRPO generation server) takes nodes of its own from the job's
 
 
 KINDS = {
     "slurm": SchedulerKind(max_nodes=None, where="the cluster's nodes", partitions=True, containers=True,
-                           this_machine=False),
-    "local": SchedulerKind(max_nodes=1, where="this machine", partitions=False, containers=False, this_machine=True),
+                           this_machine=False, srun_in_batch=True, side_step_takes_nodes=True),
+    "local": SchedulerKind(max_nodes=1, where="this machine", partitions=False, containers=False, this_machine=True,
+                           srun_in_batch=False, side_step_takes_nodes=False),
 }
 
 

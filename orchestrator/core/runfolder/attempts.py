@@ -10,7 +10,7 @@ progress count with the same cuts.
 "Did it train" has one definition, ``trained``: a launch logged a training step past the step it became
 ready at. Not "any metric line" (a line of an earlier launch must not count for this one) and not "it got
 ready" (a launch that crashed before its first step, e.g. out of memory at step 0, would crash the same way
-again). Where a launch *resumed* is another question, answered by its ready event (core/runfolder/goodputaccount.py).
+again). Where a launch *resumed* is another question, answered by its ready event (core/goodput/account.py).
 """
 
 from __future__ import annotations

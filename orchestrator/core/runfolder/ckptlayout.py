@@ -13,10 +13,7 @@ import os
 import re
 from pathlib import Path
 
-# The rule lives with spec.json (core/runfolder/runmeta.py); jobs/checkpoint/verify.py and views/sweepview.py read it
-# under
-# this name.
-from .runmeta import checkpoint_root as run_checkpoint_root
+from .runmeta import checkpoint_root  # the rule lives with spec.json, under this one name
 
 MARKER = "COMMITTED"
 SIDECAR = "fsdpjob.json"
@@ -60,7 +57,7 @@ def resume_problem(path: Path) -> str | None:
         if not (path / MARKER).is_file():
             return f"{path} is a checkpoint that was never committed (its save did not finish); pick a committed step-N"
         return None
-    root = path if step_dirs(path) else run_checkpoint_root(path)
+    root = path if step_dirs(path) else checkpoint_root(path)
     if not committed_steps(root):
         return (f"{path} is not a checkpoint: no committed step-N folder in it or in its run's checkpoints folder; "
                 "give a step-N folder, a checkpoints folder or a run folder that holds one")

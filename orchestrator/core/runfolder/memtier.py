@@ -1,5 +1,5 @@
 """The memory checkpoint tier's layout and its one decision, which step a restart may resume from: plain file reads,
-no torch. The worker (jobs/checkpoint/memory.py) writes the tier; every rank scans its own node's folder with
+no torch. The worker (jobs/checkpoint/memory/tier.py) writes the tier; every rank scans its own node's folder with
 ``scan_node`` and rank 0 decides with ``choose_step`` on what all ranks found.
 
     <base>/<job id>/<node>/step-00000120/   __<rank>_0.distcp of this node's ranks and of the ranks it keeps a
@@ -28,7 +28,7 @@ from .ckptlayout import MARKER, SIDECAR, step_dirs
 DEFAULT_BASE = "/dev/shm/fsdpjob"
 BASE_VAR = "FSDPJOB_MEMORY_TIER_DIR"  # a node-local folder other than /dev/shm/fsdpjob (a profile's env)
 # A replica travels in pieces of at most this many bytes through one buffer per direction in each rank's process
-# (jobs/checkpoint/memreplicate.py), so the host holds two such buffers per rank beside the tier's files, never a
+# (jobs/checkpoint/memory/replicate.py), so the host holds two such buffers per rank beside the tier's files, never a
 # second copy of the shard; the planner counts them (planner/memory.py: memory_tier_bytes).
 REPLICA_CHUNK_BYTES = 64 * 2**20
 
@@ -213,7 +213,7 @@ def remove_job(base: str | Path, job: str) -> None:
 
 AUTO = "auto"
 PROBE_STEPS = 5  # auto: snapshots this many steps into a launch and as many later, the second's cost measured over
-# as many more (the first pays the launch's plan and new files: jobs/checkpoint/memschedule.py)
+# as many more (the first pays the launch's plan and new files: jobs/checkpoint/memory/schedule.py)
 MAX_STALL_SHARE = 0.05  # auto: snapshots may stall the loop for at most this share of the training time
 
 

@@ -40,7 +40,7 @@ class EffectiveFacts:
 @dataclass(frozen=True)
 class RunFacts:
     """A run's size and submit time: what its goodput accounting needs besides its log
-    (core/runfolder/goodputaccount.py).
+    (core/goodput/account.py).
     From a registry record on the login side (views/goodput.py), from spec.json on the batch side."""
 
     run_id: str

@@ -23,12 +23,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
+from fsdpjob.orchestrator.core.errors import InputError
+
 from .promptrecords import CALL_KEYWORDS, keyword_problem, login_field_names
 
 if TYPE_CHECKING:
-    from .spec import JobSpec
-    from .yamlio import YamlDoc
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 
 LOGIN_FORBIDDEN = ("torch", "transformers")  # what a reward module must not load on the login node
 _P = inspect.Parameter
@@ -195,6 +196,6 @@ def check_reward_functions(spec: JobSpec, doc: YamlDoc | None = None) -> None:
     if len(found) == 1:
         raise found[0]
     if found:
-        from .validation import SpecErrors
+        from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 
         raise SpecErrors(found)

@@ -3,9 +3,9 @@ under /dev/shm that outlive the worker process), with a replica on a rank of ano
 same allocation resumes from a few steps back instead of from the last durable checkpoint.
 
 This module is the tier's face to the saver and the resume, and its clean-up (leftovers at the start, steps a
-resume made obsolete, the node's folder at the job's end). Its parts: the node folder and group (memnode.py), when
-to snapshot (memschedule.py), the file format (memraw.py), the snapshot and its commit (memwrite.py), the replicas
-(memreplicate.py) and the resume's read (memread.py). Layout and the choice of a step:
+resume made obsolete, the node's folder at the job's end). Its parts, beside it in jobs/checkpoint/memory/: the node
+folder and group (node.py), when to snapshot (schedule.py), the file format (raw.py), the snapshot and its commit
+(write.py), the replicas (replicate.py) and the resume's read (read.py). Layout and the choice of a step:
 orchestrator/core/runfolder/memtier.py.
 """
 
@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fsdpjob.jobs.checkpoint.manager import CheckpointManager
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import step_dirs
 from fsdpjob.orchestrator.core.runfolder.memtier import (
     AutoInterval,
@@ -26,11 +27,10 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
-from . import memread
-from .manager import CheckpointManager
-from .memnode import TierNode
-from .memschedule import MemorySchedule
-from .memwrite import SnapshotWriter
+from . import read
+from .node import TierNode
+from .schedule import MemorySchedule
+from .write import SnapshotWriter
 
 
 class MemoryTier:
@@ -88,11 +88,11 @@ class MemoryTier:
 
     def find(self) -> TierChoice | None:
         """The newest step the nodes of this launch hold in full (same answer on every rank), if any."""
-        return memread.find(self.node)
+        return read.find(self.node)
 
     def load(self, ckpt: CheckpointManager, choice: TierChoice, state: dict[str, Any]) -> Sidecar:
         """Load ``state`` from the tier's step ``choice.step`` through the durable manager's load."""
-        return memread.load(self.node, ckpt, choice, state)
+        return read.load(self.node, ckpt, choice, state)
 
     # -- clean-up --------------------------------------------------------------------------------
 

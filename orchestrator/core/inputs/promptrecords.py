@@ -17,7 +17,7 @@ from .dataformats import RowError, SourceProblem, locate, plain_cell, schema, ta
 from .records import SCAN_LINES, RecordError, parse_object, record_fields
 
 if TYPE_CHECKING:
-    from .dataspec import DataSource, DataSpec
+    from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource, DataSpec
 
 # The keywords a reward function gets the prompts and the completions in: no record field may take them.
 CALL_KEYWORDS = ("prompts", "completions")

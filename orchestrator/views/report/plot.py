@@ -11,9 +11,9 @@ from pathlib import Path
 
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.units import amount_text
+from fsdpjob.orchestrator.views.goodput import CATEGORIES
 
-from .goodput import CATEGORIES
-from .reportpicture import picture
+from .picture import picture
 
 INSTALL_HINT = "pip install 'fsdpjob[plot]'"
 COLORS = {"launch": "#c6dbef", "startup": "#9ecae1", "reference": "#a1d99b", "productive": "#31a354",

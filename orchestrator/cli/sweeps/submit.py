@@ -1,7 +1,7 @@
 """`fsdpjob sweep`: every variant loaded, validated and planned first (one bad variant refuses the whole sweep,
 named); then the variants as one job array through the backend (submit.submit_array: on Slurm one array job whose
 task i is run i, on the local profile the runs one after another), each with its own run folder and registry
-record. The variants are sweepspec.py's; the array is the backend's."""
+record. The variants are sweeps/spec.py's; the array is the backend's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fsdpjob.orchestrator.core.runfolder.paths import RunPaths, new_run_id, runs
 from fsdpjob.orchestrator.planner.jobload import LoadedJob, load_job
 from fsdpjob.orchestrator.registry import JobRecord
 
-from .sweepspec import SweepSpec, Variant
+from .spec import SweepSpec, Variant
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from . import runlog
-from .attempts import AttemptTimes, later_starts
-from .goodputseries import generation_share, series, step_time
-from .runmeta import RunFacts
+from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.attempts import AttemptTimes, later_starts
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunFacts
+
+from .series import generation_share, series, step_time
 
 CATEGORIES = ("launch", "startup", "reference", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
 _PRIORITY = ("checkpoint", "hang", "lost", "productive", "launch", "reference", "startup", "teardown")  # overlaps

@@ -12,10 +12,10 @@ import jinja2
 
 from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import advice_lines, duration_text
+from fsdpjob.orchestrator.views.goodput import CATEGORIES
 
-from .goodput import CATEGORIES
-from .goodputreport import LABELS, LIVE_PHASES, RunReport
-from .reportpicture import STOP_LABELS
+from .picture import STOP_LABELS
+from .run import LABELS, LIVE_PHASES, RunReport
 
 
 def _secs(value: float | None) -> str:

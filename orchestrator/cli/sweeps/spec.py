@@ -1,6 +1,6 @@
 """A sweep's variants, pure: `--grid KEY=V1,V2` options and a sweep file -> the list of `--set` overrides of
 each variant, with the messages of bad input (one line each, naming the option or the file). Loading and
-checking each variant against the spec is sweepsubmit.py's; this module touches nothing."""
+checking each variant against the spec is sweeps/submit.py's; this module touches nothing."""
 
 from __future__ import annotations
 

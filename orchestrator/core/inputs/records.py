@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .dataspec import FieldOptions
+    from fsdpjob.orchestrator.core.jobspec.dataspec import FieldOptions
 
 SCAN_LINES = 10_000  # the login node reads this many data lines; the worker validates the rest
 _SETTING = {"text": "data.text_field", "prompt": "data.prompt_field", "completion": "data.completion_field",

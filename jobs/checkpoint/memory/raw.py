@@ -6,7 +6,7 @@ goes"): the stager's copy into its buffers, DCP's planning and collectives, a to
 through write(), then the whole shard read back for the replica. Here DCP plans once per launch (``plan_layout``,
 a dry run that writes nothing: the global plan, its de-duplication and the metadata every rank then keeps), and every
 snapshot replays that plan: each tensor this rank saves is copied from the live state straight into its place in the
-rank's file, mapped from /dev/shm (``fill``), and the file's pages are what the replica sends (memreplicate.py).
+rank's file, mapped from /dev/shm (``fill``), and the file's pages are what the replica sends (memory/replicate.py).
 
 A rank's file: its tensors' bytes as they are in memory (C order), each at a 64-byte aligned offset that stays the
 same from snapshot to snapshot, then its pickled entries (LR scheduler, data position, RNG: DCP's BYTE_IO records,
@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from fsdpjob.jobs.checkpoint.io import pread_into
 from fsdpjob.orchestrator.core.runfolder.memtier import shard_name
 
-from .io import pread_into
-from .memnode import TierNode, map_file
+from .node import TierNode, map_file
 
 ALIGN = 64  # every tensor's offset: a multiple of any element size, and of a cache line
 

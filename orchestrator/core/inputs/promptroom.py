@@ -16,13 +16,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
+from fsdpjob.orchestrator.core.errors import InputError
+
 from .dataformats import RowError, SourceProblem, eval_data, locate, login_tokenizer, source_records
 from .promptrecords import prompt_records
 from .records import SCAN_LINES
 
 if TYPE_CHECKING:
-    from .spec import DataSpec
+    from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
 
 def _bos_count(model_folder: Path, tokenizer: Any) -> int:

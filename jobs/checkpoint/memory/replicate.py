@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder.memtier import REPLICA_CHUNK_BYTES, shard_name
 
-from .memnode import ShmMap, TierNode
+from .node import ShmMap, TierNode
 
 log = logging.getLogger("fsdpjob.checkpoint")
 

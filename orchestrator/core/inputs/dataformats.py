@@ -15,13 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import InputError
-from .dataspec import DataSource
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
+
 from .records import SCAN_LINES, RecordError, WithMargin, iter_records, record_fields
 
 if TYPE_CHECKING:
-    from .spec import DataSpec
-    from .yamlio import YamlDoc
+    from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
+    from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 
 TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("validation", "test")  # eval_path's default split, in this order

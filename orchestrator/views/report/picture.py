@@ -1,4 +1,4 @@
-"""What the picture of `fsdpjob report` shows, as plain data (pure; goodputplot.py draws it): the report's JSON
+"""What the picture of `fsdpjob report` shows, as plain data (pure; report/plot.py draws it): the report's JSON
 joined with the run's own events and metrics for what the report does not list (each start of the workers and
 its start-up, the checkpoints, the evaluations), and the time unit that fits the run's length."""
 
@@ -10,11 +10,11 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 
 # (unit, seconds per unit, longest run shown in it): a 16 s run reads in seconds, a 3 h one in hours.
 TIME_UNITS = (("s", 1.0, 120.0), ("min", 60.0, 2 * 3600.0), ("h", 3600.0, float("inf")))
-# How each kind of stop reads in the legend; the run's events said which it was (core/runfolder/goodputaccount.py).
+# How each kind of stop reads in the legend; the run's events said which it was (core/goodput/account.py).
 STOP_LABELS = {"preemption": "preempted", "time_limit": "time limit", "requeue": "requeued", "cancel": "cancelled",
                "signal": "signalled", "crash": "crash", "hang": "hang", "node_fail": "node failure",
                "unknown": "unknown stop"}
-_SLACK_S = 1.0  # as core/runfolder/goodputaccount.py: an event may carry a time just before its allocation's start
+_SLACK_S = 1.0  # as core/goodput/account.py: an event may carry a time just before its allocation's start
 
 
 def time_unit(span_s: float) -> tuple[str, float]:

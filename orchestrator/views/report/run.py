@@ -13,9 +13,8 @@ from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 from fsdpjob.orchestrator.core.units import amount_text
 from fsdpjob.orchestrator.planner.interval import IntervalAdvice, advice_lines, advise, current_interval, duration_text
 from fsdpjob.orchestrator.registry import JobRecord
-
-from .goodput import CATEGORIES, GoodputReport, goodput
-from .status import build_report
+from fsdpjob.orchestrator.views.goodput import CATEGORIES, GoodputReport, goodput
+from fsdpjob.orchestrator.views.status import build_report
 
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.

@@ -1,4 +1,4 @@
-"""The measured figures beside goodput's accounting (goodputaccount.py): the median step time, the curves the
+"""The measured figures beside goodput's accounting (goodput/account.py): the median step time, the curves the
 report's picture draws, and grpo's split of productive time into generation and training."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from statistics import median
 
-from . import runlog
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 SERIES_POINTS = 2000  # at most this many metric points in the report (and the picture)
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
-
-from .fit import FitPlan
-from .generator import generator_lines
-from .interval import advice_lines
-from .memory import DeviceMemory, HostMemory, Setup
-from .modelshape import ModelShape
+from fsdpjob.orchestrator.planner.fit import FitPlan
+from fsdpjob.orchestrator.planner.generator import generator_lines
+from fsdpjob.orchestrator.planner.interval import advice_lines
+from fsdpjob.orchestrator.planner.memory import DeviceMemory, HostMemory, Setup
+from fsdpjob.orchestrator.planner.modelshape import ModelShape
 
 
 def _row(label: str, value: str, note: str = "") -> str:

@@ -6,15 +6,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
+from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES, logit_transform
+
 from .dataformats import check_data, check_not_all_dropped
-from .families import SUPPORTED_MODEL_TYPES, logit_transform
 from .promptroom import check_prompt_room
 from .rewardfns import check_reward_functions
 
 if TYPE_CHECKING:
-    from .spec import DataSpec, JobSpec
-    from .yamlio import YamlDoc
+    from fsdpjob.orchestrator.core.jobspec.spec import DataSpec, JobSpec
+    from fsdpjob.orchestrator.core.jobspec.yamlio import YamlDoc
 
 
 def _read_config(folder: Path, doc: YamlDoc | None) -> dict[str, Any]:
@@ -168,6 +169,6 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
     if len(found) == 1:
         raise found[0]
     if found:
-        from .validation import SpecErrors
+        from fsdpjob.orchestrator.core.jobspec.validation import SpecErrors
 
         raise SpecErrors(found)

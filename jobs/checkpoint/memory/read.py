@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpjob.jobs.checkpoint.manager import CheckpointManager
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import SIDECAR, step_dir_name
 from fsdpjob.orchestrator.core.runfolder.memtier import (
     METADATA,
@@ -25,9 +26,8 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
-from .manager import CheckpointManager
-from .memnode import TierNode, write_to_shm
-from .memraw import RawReader
+from .node import TierNode, write_to_shm
+from .raw import RawReader
 
 log = logging.getLogger("fsdpjob.checkpoint")
 

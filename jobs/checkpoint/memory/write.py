@@ -1,9 +1,9 @@
 """The memory tier's snapshot: each rank's part of the checkpoint copied from the live state straight into its file
-in the node's folder (memraw.py: DCP's metadata over raw bytes, DCP's plan made once per launch), in the tier's copy
+in the node's folder (memory/raw.py: DCP's metadata over raw bytes, DCP's plan made once per launch), in the tier's copy
 thread, so the loop waits only for what the next step's forward and backward do not overlap (the optimizer's step
 waits at the staging gate, checkpoint/staging.py). The commit runs in the tier's own thread on its gloo group: every
 rank's pickled entries' places and rank 0's sidecar to every rank, the ``.metadata`` and sidecar onto every node, the
-replicas to the buddies (memreplicate.py, from the file's pages), each rank records its part, and once every rank's
+replicas to the buddies (memory/replicate.py, from the file's pages), each rank records its part, and once every rank's
 part is complete ``COMMITTED`` is written on every node. Any failure turns the tier off for the rest of the launch
 with a warning (shared memory full: ENOSPC, at the file's allocation); the durable tier is unchanged."""
 
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdpjob.jobs.checkpoint.manager import save_facts
+from fsdpjob.jobs.checkpoint.staging import StagingGate, bind_cuda_device
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, step_dir_name, step_dirs
 from fsdpjob.orchestrator.core.runfolder.memtier import (
@@ -32,11 +34,9 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
-from .manager import save_facts
-from .memnode import TierNode, write_to_shm
-from .memraw import Filled, Layout, fill, metadata_with, plan_layout, take
-from .memreplicate import replicate
-from .staging import StagingGate, bind_cuda_device
+from .node import TierNode, write_to_shm
+from .raw import Filled, Layout, fill, metadata_with, plan_layout, take
+from .replicate import replicate
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
