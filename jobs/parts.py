@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -168,7 +168,7 @@ def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, A
     tokenizing is a small part of a preference job's set-up beside its reference pass). data.eval_fraction holds
     whole rows out (a pair's two answers together); kto's KL partners are drawn after, within each side."""
     t_data = time.time()
-    read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
+    read = read_pair_table if facts_of(spec.train.method).paired else read_unpaired_table
     options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
     table = read(spec.data, tokenizer, **options)
     eval_table, train_rows = None, None

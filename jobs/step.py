@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdpjob.orchestrator.core.jobspec.families import logit_transform
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 
 from .data.packing import count_tokens
 from .model.chunkedloss import CHUNK_TOKENS, chunked_loss_sum
@@ -71,10 +72,11 @@ def loss_chunk_tokens(method: str, loss: str, worker_facts: Mapping[str, Any], c
     """The chunk of train.loss as the SFT step runs it (0: the standard loss). auto is the planner's decision, read
     here and nowhere else: spec.json's worker_facts["loss"] (standard or chunked), standard where the plan wrote
     none, and standard for a model (``config``: its config.json) that transforms its logits after lm_head, which
-    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). The
-    preference methods compute their own log-probabilities (the spec refuses chunked for them)."""
+    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). A method
+    whose loss reads the logits itself (core/jobspec/methods.py's MethodFacts.chunked_loss: all but sft) computes
+    its own log-probabilities (the spec refuses chunked for it)."""
     chosen = (worker_facts.get("loss") or "standard") if loss == "auto" else loss
-    if method != "sft" or chosen != "chunked":
+    if not facts_of(method).chunked_loss or chosen != "chunked":
         return 0
     if (transform := logit_transform(config)) is None:
         return CHUNK_TOKENS
