@@ -335,7 +335,7 @@ class JobSpec(Strict):
                 del dumped[section]
         if self.container is None:
             del dumped["container"]  # added later: a spec without one keeps its hash
-        for later in ("notify", "dpo", "orpo", "kto", "reward", "grpo"):  # added later too, likewise
+        for later in ("notify", *self._method_sections()):  # added later too (each method's section), likewise
             if getattr(self, later) is None:
                 del dumped[later]
         blob = json.dumps(dumped, sort_keys=True)
