@@ -12,10 +12,14 @@ The math runs on each DTensor's local shard (one op per tensor, not several DTen
 the states stay DTensors shaped like their parameters, so distributed checkpoints save and reshard them as they
 do torch's. Rounding to nearest means a second moment whose per-step change is under bf16's precision (2^-8
 relative; beta2 above ~0.996) stops decaying between large gradients: updates come out smaller, never larger.
+
+The learning-rate schedule (``lr_factor``): linear warmup, then cosine, linear or constant decay, a pure function
+of the step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -102,3 +106,20 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's moment states (their local shards)."""
     return sum(_local(s[k]).numel() * _local(s[k]).element_size()
                for s in optimizer.state.values() for k in _MOMENTS if k in s)
+
+
+def lr_factor(step: int, *, max_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based, the step about to be taken)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown lr_schedule {schedule!r}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay

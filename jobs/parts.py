@@ -6,33 +6,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 from .checkpoint.state import DictState, ModelOptimState, RNGState
 from .checkpoint.tiers import ResumeSource
-from .data.cache import load_or_build
 from .data.packing import SequenceTable, packing_mode
-from .data.pairtable import pad_id_of
-from .data.preference import read_pair_table, read_unpaired_table
-from .data.sources import build_table, eval_spec
-from .data.stream import BatchStream, split_eval
+from .data.stream import BatchStream
 from .dist import DistEnv
+from .methods import method_row
 from .metrics import Reporter
 from .model.build import load_model
 from .model.checkpointing import Checkpointing
 from .model.lora import trainable_parameters
-from .optim import build_optimizer
-from .preference.ktobatch import KtoTable
-from .schedule import lr_factor
+from .optim import build_optimizer, lr_factor
 from .step import StepValues
 
 
@@ -98,7 +91,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         lora=spec.model.lora,
         read_weights=read_weights,
         packed=packing_mode(spec.data.packing) == "boundary",
-        **_head(spec),
+        **method_row(spec.train.method).head(spec),
     )
     model.train()
     train = spec.train
@@ -119,82 +112,16 @@ def resolve_separate_root(setting: str | bool, worker_facts: dict) -> bool:
     return bool(worker_facts.get("separate_root", False))
 
 
-def _head(spec: JobSpec) -> dict[str, Any]:
-    """A reward model's scalar head, which scores a row at its last token that is not the data's pad id."""
-    if spec.train.method != "reward":
-        return {}
-    from transformers import AutoTokenizer
-
-    return {"head": "score", "pad_token_id": pad_id_of(AutoTokenizer.from_pretrained(spec.model.path))}
-
-
 def _load_data(spec: JobSpec, paths: RunPaths, env: DistEnv,
                report: Reporter) -> tuple[SequenceTable, SequenceTable | None, torch.Tensor | None]:
-    """Tokenized and packed the same way on every rank (each rank later reads its own slice); cached per run.
-    Returns the training table, the eval table (or None) and, with eval_fraction, the training rows' places
-    in the packed data."""
+    """The method's data (its row's reader: jobs/methods.py), read the same way on every rank (each rank later
+    reads its own slice). Returns the training table, the eval table (or None) and, with eval_fraction, the
+    training rows' places in the full data."""
     from transformers import AutoTokenizer
 
     heartbeat.enter(heartbeat.DATA_LOAD)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
-    if spec.train.method == "grpo":
-        return _prompt_data(spec, tokenizer, report)
-    if spec.train.method != "sft":
-        return _preference_data(spec, tokenizer, report)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    t_data = time.time()
-
-    def packed(data, cache_dir: Path) -> tuple[SequenceTable, bool]:
-        return load_or_build(data, spec.model.path, pad_id, cache_dir, is_main=env.is_main,
-                             build=lambda: build_table(data, tokenizer, pad_id))
-
-    table, cached = packed(spec.data, paths.cache_dir)
-    eval_table, train_rows, extra = None, None, {}
-    if spec.data.eval_fraction:
-        table, eval_table, train_rows, _ = split_eval(table, spec.data.eval_fraction, spec.train.seed)
-    elif spec.data.eval_path is not None:
-        # Its own cache folder: a cache folder keeps only its newest table.
-        eval_table, _ = packed(eval_spec(spec.data), paths.cache_dir / "eval")
-    if eval_table is not None:
-        extra = {"eval_sequences": len(eval_table)}
-    report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
-                 split=table.split, dropped=table.dropped, packing_efficiency=round(table.efficiency, 4),
-                 cached=cached, seconds=round(time.time() - t_data, 2), **extra)
-    return table, eval_table, train_rows
-
-
-def _preference_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, Any, torch.Tensor | None]:
-    """A pair (or labelled answer) per row, both answers right-padded to seq_len: not packed, not cached (the
-    tokenizing is a small part of a preference job's set-up beside its reference pass). data.eval_fraction holds
-    whole rows out (a pair's two answers together); kto's KL partners are drawn after, within each side."""
-    t_data = time.time()
-    read = read_pair_table if spec.train.method in PAIRED_METHODS else read_unpaired_table
-    options = {"margin_field": spec.reward.margin_field} if spec.train.method == "reward" and spec.reward else {}
-    table = read(spec.data, tokenizer, **options)
-    eval_table, train_rows = None, None
-    if spec.data.eval_fraction:
-        table, eval_table, train_rows, _ = split_eval(table, spec.data.eval_fraction, spec.train.seed)
-    elif spec.data.eval_path:
-        eval_table = read(spec.data, tokenizer, path=spec.data.eval_path, **options)
-    if spec.train.method == "kto":  # each answer with its mismatched KL row (its partner fixed by the seed)
-        table = KtoTable.of(table, spec.train.seed, pad_id_of(tokenizer))
-        eval_table = KtoTable.of(eval_table, spec.train.seed, pad_id_of(tokenizer)) if eval_table else None
-    report.event(runlog.DATA, sequences=len(table), examples=table.num_examples, truncated=table.truncated,
-                 dropped=table.dropped, cached=False, seconds=round(time.time() - t_data, 2),
-                 **({"eval_sequences": len(eval_table)} if eval_table is not None else {}))
-    return table, eval_table, train_rows
-
-
-def _prompt_data(spec: JobSpec, tokenizer, report: Reporter) -> tuple[Any, None, None]:
-    """grpo's prompts, each with room for its completion (validate refused longer ones), and their records' fields
-    for the reward functions."""
-    from .grpo.prompts import read_prompt_table
-
-    t_data = time.time()
-    table = read_prompt_table(spec.data, tokenizer, max_prompt_tokens=spec.data.seq_len - spec.grpo.max_new_tokens)
-    report.event(runlog.DATA, sequences=len(table), examples=len(table), truncated=0, dropped=0, cached=False,
-                 seconds=round(time.time() - t_data, 2))
-    return table, None, None
+    return method_row(spec.train.method).read_data(spec, paths, env, report, tokenizer)
 
 
 def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource | None, report: Reporter,

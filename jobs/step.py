@@ -7,7 +7,7 @@ the stream to drain before it issues the next kernels. The loss's denominator (t
 with the step's data,
 counted by every rank from the whole table it holds (jobs/data/stream.py BatchStream), and the loss and gradient
 norm stay where they were computed until a log or save step reads them (StepValues), which every rank does
-at the same steps.
+at the same steps. ``EvalSchedule`` is every method's evaluation schedule.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdpjob.orchestrator.core.jobspec.families import logit_transform
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 
 from .data.packing import count_tokens
 from .model.chunkedloss import CHUNK_TOKENS, chunked_loss_sum
@@ -67,14 +68,44 @@ class StepValues:
         return {}
 
 
+class EvalSchedule:
+    """Evaluates at every ``eval_every`` steps and at the end; every method runs on all ranks. A subclass's
+    ``run(step)`` evaluates, records ``last`` and returns the eval loss (jobs/sft/evaluate.py's,
+    jobs/preference/evaluate.py's).
+
+    The schedule depends on the step alone, so a resumed or resharded run evaluates at the same steps.
+    """
+
+    def __init__(self, eval_every: int):
+        self.eval_every = eval_every
+        self.last: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation of this start
+
+    def run(self, step: int) -> float:
+        raise NotImplementedError
+
+    def maybe_run(self, step: int) -> None:
+        if step % self.eval_every == 0:
+            self.run(step)
+
+    def run_final(self, step: int, start_step: int) -> None:
+        """After the last step: evaluate unless this start trained no step or already evaluated this one."""
+        if step > start_step and (self.last is None or self.last[0] != step):
+            self.run(step)
+
+    def loss_at(self, step: int) -> float | None:
+        """The eval loss of ``step`` when this start evaluated it (what a checkpoint of that step records)."""
+        return self.last[1] if self.last is not None and self.last[0] == step else None
+
+
 def loss_chunk_tokens(method: str, loss: str, worker_facts: Mapping[str, Any], config: Mapping[str, Any]) -> int:
     """The chunk of train.loss as the SFT step runs it (0: the standard loss). auto is the planner's decision, read
     here and nowhere else: spec.json's worker_facts["loss"] (standard or chunked), standard where the plan wrote
     none, and standard for a model (``config``: its config.json) that transforms its logits after lm_head, which
-    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). The
-    preference methods compute their own log-probabilities (the spec refuses chunked for them)."""
+    the chunks would skip (an explicit chunked is refused at submit; here too, for a spec that got past). A method
+    whose loss reads the logits itself (core/jobspec/methods.py's MethodFacts.chunked_loss: all but sft) computes
+    its own log-probabilities (the spec refuses chunked for it)."""
     chosen = (worker_facts.get("loss") or "standard") if loss == "auto" else loss
-    if method != "sft" or chosen != "chunked":
+    if not facts_of(method).chunked_loss or chosen != "chunked":
         return 0
     if (transform := logit_transform(config)) is None:
         return CHUNK_TOKENS

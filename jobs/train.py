@@ -40,16 +40,14 @@ from .dist import (
     init_distributed,
     share_from_rank0,
 )
-from .evaluate import EvalSchedule, Evaluator
-from .grpo.client import ServerUnresponsive
 from .hooks import StepHooks, TestHooks
+from .methods import MethodSetUp, method_row
 from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
 from .model.parallelize import build_mesh
 from .parts import TrainParts, TrainState, build, resume
-from .preference.setup import preference_step_function
 from .savepolicy import Checkpointer
-from .step import StepValues, loss_chunk_tokens, train_step
+from .step import EvalSchedule, StepValues, loss_chunk_tokens
 from .workerenv import WorkerEnv, process_started_at
 
 log = logging.getLogger("fsdpjob.train")
@@ -105,7 +103,8 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         crashed = True
         # The step reached counts the steps this crash loses (fsdpjob status: steps lost).
         launch.report.event(runlog.FAILED, all_ranks=True, rank=launch.env.rank,
-                            error=f"{type(exc).__name__}: {exc}"[:2000], retryable=_retryable(exc),
+                            error=f"{type(exc).__name__}: {exc}"[:2000],
+                            retryable=_retryable(exc, launch.spec.train.method),
                             step=launch.state.step if launch.state else None)
         raise
     finally:
@@ -131,7 +130,7 @@ def _launch(run_dir: Path, stop: preemption.StopFlag | None) -> Launch:
     except Exception as exc:  # no reporter yet: each failing rank says itself whether a new launch may pass
         rank = int(worker.log_rank) if worker.log_rank.isdigit() else None
         runlog.append(paths.run_dir, runlog.FAILED, rank=rank, phase="rendezvous", step=None, host=worker.host,
-                      error=f"{type(exc).__name__}: {exc}"[:2000], retryable=_retryable(exc))
+                      error=f"{type(exc).__name__}: {exc}"[:2000], retryable=_retryable(exc, spec.train.method))
         raise
     report = Reporter(paths.run_dir, enabled=env.is_main, max_steps=spec.train.max_steps,
                       log_every=spec.train.log_every)
@@ -161,32 +160,29 @@ def _set_up(launch: Launch) -> Training:
                   worker_facts=launch.meta.worker_facts)
     launch.state = parts.state
     control = control_group(env)
-    grpo = None
-    if spec.train.method == "grpo":  # its generation, rewards and losses are loaded for grpo runs only
-        from .grpo.setup import grpo_training
-
-        grpo = grpo_training(spec, parts, env, control, launch.paths.run_dir)
-    stream, app_state = resume(parts, spec, env, source, report, stream_for=grpo.stream_for if grpo else None)
-    tiers.resumed_at(parts.state.step)
+    defer_grad_sync = bool(launch.meta.worker_facts.get("defer_grad_sync"))
     chunk_tokens = loss_chunk_tokens(spec.train.method, spec.train.loss, launch.meta.worker_facts,
                                      parts.model.config.to_dict())
-    # A preference method's reference pass runs here, where it is not done yet: training starts after it.
-    step = grpo.step if grpo else _step_function(
-        launch, parts, control, chunk_tokens=chunk_tokens,
-        defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")))
+    method = method_row(spec.train.method).set_up(MethodSetUp(
+        spec, parts, env, report, paths.run_dir, control, chunk_tokens, defer_grad_sync,
+        stop_agreed=lambda: _stop_agreed(launch, control),
+        hand_off=lambda signum: _hand_off_before_training(launch, signum, control),
+        on_chunk=lambda index: launch.hooks.after_reference_chunk(index, launch.stop, env.is_main)))
+    stream, app_state = resume(parts, spec, env, source, report, stream_for=method.stream_for)
+    tiers.resumed_at(parts.state.step)
+    step = method.step()  # a preference method's reference pass runs here, where it is not done yet
     report.event(runlog.READY, step=parts.state.step, setup_s=round(time.time() - t_start, 2))
 
     # The ranks' wait for rank 0's export, on gloo with the export phase's own bound (not the collectives').
     waits_export = export_group(heartbeat.export_wait_s(spec.recovery.setup_timeout_s, spec.recovery.stall_floor_s)) \
         if spec.checkpoint.export_final and env.world_size > 1 else control
-    evaluator = _evaluator(spec, parts, env, report, step, chunk_tokens)
+    evaluator = method.evaluator(step) if spec.train.eval_every and parts.eval_table is not None else None
     saver = Checkpointer(tiers, spec.checkpoint, max_steps=spec.train.max_steps, stop=launch.stop, control=control,
                          report=report, hooks=launch.hooks, eval_loss_at=evaluator.loss_at if evaluator else None)
     hooks = launch.hooks.at(rank=env.rank, world_size=env.world_size, run_dir=paths.run_dir,
                             train_rows=parts.train_rows)
     return Training(parts, stream, app_state, saver, evaluator, hooks, step, control, waits_export,
-                    defer_grad_sync=bool(launch.meta.worker_facts.get("defer_grad_sync")),
-                    start_step=parts.state.step)
+                    defer_grad_sync=defer_grad_sync, start_step=parts.state.step)
 
 
 def _train(launch: Launch, training: Training) -> None:
@@ -215,22 +211,6 @@ def _train(launch: Launch, training: Training) -> None:
             training.evaluator.maybe_run(state.step)
         if signum := saver.after_step(state.step, training.app_state):
             _hand_off(launch, training, signum)
-
-
-def _step_function(launch: Launch, parts: TrainParts, control: dist.ProcessGroup | None, *,
-                   defer_grad_sync: bool, chunk_tokens: int) -> Callable[[StepBatch], StepValues]:
-    """SFT's step, or a preference method's with its reference (preference/setup.py runs the reference pass)."""
-    spec, env = launch.spec, launch.env
-    if spec.train.method != "sft":
-        return preference_step_function(spec, parts, env, launch.paths.run_dir, launch.report,
-                                        stop_agreed=lambda: _stop_agreed(launch, control),
-                                        hand_off=lambda signum: _hand_off_before_training(launch, signum, control),
-                                        on_chunk=lambda index: launch.hooks.after_reference_chunk(
-                                            index, launch.stop, env.is_main))
-    return lambda batch: train_step(parts.model, parts.optimizer, batch.micro_batches, env.device,
-                                    tokens=batch.tokens, max_grad_norm=spec.train.max_grad_norm,
-                                    defer_grad_sync=defer_grad_sync, processed=batch.processed,
-                                    chunk_tokens=chunk_tokens)
 
 
 def _stop_agreed(launch: Launch, control: dist.ProcessGroup | None) -> int:
@@ -282,18 +262,6 @@ def _flops_per_token(spec: JobSpec, model: torch.nn.Module) -> float:
                                  trained_params=trained if spec.model.lora else None)
 
 
-def _evaluator(spec: JobSpec, parts: TrainParts, env: DistEnv, report: Reporter,
-               step: Callable[[StepBatch], StepValues], chunk_tokens: int) -> EvalSchedule | None:
-    if not spec.train.eval_every or parts.eval_table is None:
-        return None
-    if spec.train.method != "sft":  # the method's own loss and metrics, with its reference (preference/evaluate.py)
-        return step.evaluator(spec.train.eval_every, report)
-    return Evaluator(parts.model, parts.eval_table, eval_every=spec.train.eval_every,
-                     max_batches=spec.train.eval_batches, micro_batch_size=spec.train.micro_batch_size,
-                     rank=env.rank, world_size=env.world_size, device=env.device, report=report,
-                     chunk_tokens=chunk_tokens)
-
-
 def open_checkpoints(spec: JobSpec, root: Path, env: DistEnv, mesh: DeviceMesh,
                      hooks: TestHooks) -> CheckpointManager:
     """The durable tier: the production writer (wrapped by the save-pause test hook where it is set)."""
@@ -320,13 +288,14 @@ class BuildMismatch(RuntimeError):
     """The worker's fsdpjob or submitit is not the batch side's (core/buildid.py)."""
 
 
-def _retryable(exc: BaseException) -> bool:
-    """Whether a crash may pass on a new attempt: a lost peer or connection, yes; errors of the job itself
-    (data, resume refused, out of memory, bugs) or an interrupt, no. The batch script's failure policy
+def _retryable(exc: BaseException, method: str) -> bool:
+    """Whether a crash may pass on a new attempt: a lost peer or connection, or a fault of the method's own
+    machinery its row names (grpo's frozen generation server), yes; errors of the job itself (data, resume
+    refused, out of memory, bugs) or an interrupt, no. The batch script's failure policy
     (orchestrator/supervise/failure.py) also requires that the attempt made progress."""
     if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError)):
         return False
-    if isinstance(exc, (dist.DistError, ServerUnresponsive)):  # a lost peer, or grpo's frozen generation server
+    if isinstance(exc, (dist.DistError, *method_row(method).retryable())):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(

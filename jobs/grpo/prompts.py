@@ -12,6 +12,7 @@ in the login check's words (validate refuses the string prompts it reads; a conv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,8 @@ import torch
 from fsdpjob.orchestrator.core.inputs.dataformats import RowError, SourceProblem
 from fsdpjob.orchestrator.core.inputs.promptrecords import PromptRecord, field_names, keyword_problem, prompt_records
 from fsdpjob.orchestrator.core.inputs.promptroom import prompt_room_problem
-from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
+from fsdpjob.orchestrator.core.jobspec.spec import DataSpec, JobSpec
+from fsdpjob.orchestrator.core.runfolder import runlog
 
 from ..data.examples import DataError, bos_ids, encode
 from ..data.pairtable import tensors_fingerprint
@@ -95,3 +97,13 @@ def read_prompt_table(data: DataSpec, tokenizer: Any, *, max_prompt_tokens: int)
     return PromptTable(prompts=[r.prompt for r in records], prompt_ids=prompt_ids,
                        fields=[{name: r.fields.get(name) for name in names} for r in records],
                        places=[f"{r.file}:{r.line}" for r in records])
+
+
+def read_prompt_data(spec: JobSpec, tokenizer: Any, report) -> tuple[PromptTable, None, None]:
+    """grpo's prompts, each with room for its completion (validate refused longer ones), and their records' fields
+    for the reward functions; no eval data (validate refuses it)."""
+    t_data = time.time()
+    table = read_prompt_table(spec.data, tokenizer, max_prompt_tokens=spec.data.seq_len - spec.grpo.max_new_tokens)
+    report.event(runlog.DATA, sequences=len(table), examples=len(table), truncated=0, dropped=0, cached=False,
+                 seconds=round(time.time() - t_data, 2))
+    return table, None, None

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder import heartbeat
 
-from ..evaluate import EvalSchedule
 from ..metrics import Reporter
+from ..step import EvalSchedule
 from .objective import Objective
 from .step import Forward, ReferenceOf, ratios
 
@@ -33,7 +33,7 @@ def eval_rows(total: int, micro_batch_size: int, rank: int, world_size: int) -> 
 
 
 class PreferenceEvaluator(EvalSchedule):
-    """A preference method's evaluation on jobs/evaluate.EvalSchedule's schedule."""
+    """A preference method's evaluation on jobs/step.py EvalSchedule's schedule."""
 
     def __init__(self, model: torch.nn.Module, table, *, objective: Objective, reference_of: ReferenceOf,
                  forward: Forward, eval_every: int, max_batches: int, micro_batch_size: int, rank: int, world_size: int,

@@ -3,7 +3,8 @@ reference's), with the ecosystem's metrics (TRL's names) as sums the step adds u
 
 An objective names its metrics itself: each logged metric is the ratio of one of its sums to one of its counts
 (kto's rewards/chosen: the desirable answers' summed rewards over their number, as TRL averages them), or to the
-global batch's examples (dpo's and orpo's per-pair means)."""
+global batch's examples (dpo's and orpo's per-pair means). Every builder takes (options, rank_mean) (only kto's
+uses the ranks' mean); which builder a method trains with is its row's (jobs/methods.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from fsdpjob.orchestrator.core.jobspec.methods import DpoSpec, KtoSpec, OrpoSpec, RewardSpec
 
 from .losses import dpo_loss, kto_kl, kto_loss, orpo_loss, pair_metrics, reward_loss, rpo_term
+
+RankMean = Callable[[torch.Tensor], torch.Tensor]  # a value's mean over every rank (a collective)
 
 # The metrics a pair method logs, in this order (metrics.jsonl, the trackers).
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -72,7 +75,7 @@ def _sums(loss, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.stack([means[name].float() for name in PAIR_METRICS]) * chosen.numel()
 
 
-def dpo_objective(options: DpoSpec) -> Objective:
+def dpo_objective(options: DpoSpec, _rank_mean: RankMean | None = None) -> Objective:
     def objective(logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None, _batch) -> BatchLoss:
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = counts.chunk(2)
@@ -87,7 +90,7 @@ def dpo_objective(options: DpoSpec) -> Objective:
     return _pair_objective(objective)
 
 
-def orpo_objective(options: OrpoSpec) -> Objective:
+def orpo_objective(options: OrpoSpec, _rank_mean: RankMean | None = None) -> Objective:
     def objective(logps: torch.Tensor, counts: torch.Tensor, _reference: torch.Tensor | None, _batch) -> BatchLoss:
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = (c.clamp(min=1) for c in counts.chunk(2))
@@ -98,7 +101,7 @@ def orpo_objective(options: OrpoSpec) -> Objective:
     return _pair_objective(objective)
 
 
-def kto_objective(options: KtoSpec, rank_mean: Callable[[torch.Tensor], torch.Tensor]) -> Objective:
+def kto_objective(options: KtoSpec, rank_mean: RankMean) -> Objective:
     """KTO as TRL 1.16's KTOTrainer: the micro-batch's KL estimate from its mismatched rows (ktobatch.py),
     averaged over the ranks with ``rank_mean`` (a collective: every rank calls it once per micro-batch), then
     clamped at 0 inside kto_loss."""
@@ -121,7 +124,7 @@ def kto_objective(options: KtoSpec, rank_mean: Callable[[torch.Tensor], torch.Te
             ("logps/chosen", "chosen"), ("logps/rejected", "rejected"))))
 
 
-def reward_objective(_options: RewardSpec) -> Objective:
+def reward_objective(_options: RewardSpec, _rank_mean: RankMean | None = None) -> Objective:
     """Bradley-Terry on the rows' scores (batches.reward_scores: chosen rows, then rejected), with each pair's
     margin where reward.margin_field gives one (the batch's margins)."""
     def objective(scores: torch.Tensor, _counts: torch.Tensor, _reference: torch.Tensor | None, batch) -> BatchLoss:
@@ -133,13 +136,3 @@ def reward_objective(_options: RewardSpec) -> Objective:
         per_pair = torch.stack([accuracy, margin, (c + r) / 2, c, r, accuracy, margin])  # REWARD_METRICS' order
         return BatchLoss(losses, per_pair.sum(dim=1))
     return Objective(objective, len(REWARD_METRICS), tuple(Ratio(name, i) for i, name in enumerate(REWARD_METRICS)))
-
-
-def objective_for(method: str, options, *, rank_mean: Callable[[torch.Tensor], torch.Tensor]) -> Objective:
-    if method == "kto":
-        return kto_objective(options, rank_mean)
-    return {"dpo": dpo_objective, "orpo": orpo_objective, "reward": reward_objective}[method](options)
-
-
-def needs_reference(method: str) -> bool:
-    return method in ("dpo", "kto")

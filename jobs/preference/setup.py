@@ -9,19 +9,20 @@ from pathlib import Path
 
 import torch
 
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import runlog
 
 from ..data.packing import StepBatch
+from ..data.pairtable import pad_id_of
 from ..dist import DistEnv
 from ..metrics import Reporter
 from ..model.build import load_model
 from ..model.checkpointing import NONE
-from .batches import policy_logps, reward_scores
 from .evaluate import PreferenceEvaluator
-from .objective import needs_reference, objective_for
+from .objective import Objective, RankMean
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
-from .step import preference_step, rank_mean
+from .step import Forward, preference_step, rank_mean
 
 
 class PreferenceTraining:
@@ -35,11 +36,13 @@ class PreferenceTraining:
 
 
 def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, report: Reporter, *,
+                             objective_of: Callable[[object, RankMean], Objective], forward: Forward,
                              stop_agreed: Callable[[], int], hand_off: Callable[[int], None],
                              on_chunk: Callable[[int], None] | None = None) -> PreferenceTraining:
-    objective = objective_for(spec.train.method, spec.method_options, rank_mean=rank_mean)
-    forward = reward_scores if spec.train.method == "reward" else policy_logps
-    reference = needs_reference(spec.train.method)
+    """The method's step with ``objective_of``'s objective (its options, the ranks' mean) over ``forward``'s
+    log-probabilities (or scores), and its reference where the method has one (core/jobspec/methods.py)."""
+    objective = objective_of(spec.method_options, rank_mean)
+    reference = facts_of(spec.train.method).reference is not None
     reference_of = _reference(spec, parts, parts.table, env, run_dir, report, stop_agreed, hand_off, on_chunk) \
         if reference else (lambda _batch: None)
     # The eval rows' reference too, before training: a pass of their own where cached; live, the same model.
@@ -63,6 +66,14 @@ def preference_step_function(spec: JobSpec, parts, env: DistEnv, run_dir: Path, 
                                    world_size=env.world_size, device=env.device, report=evaluated,
                                    as_eval=lambda model: as_reference(model, False))
     return PreferenceTraining(step, evaluator if parts.eval_table is not None else None)
+
+
+def score_head(spec: JobSpec) -> dict:
+    """A reward model's scalar head (load_model's arguments), which scores a row at its last token that is not the
+    data's pad id."""
+    from transformers import AutoTokenizer
+
+    return {"head": "score", "pad_token_id": pad_id_of(AutoTokenizer.from_pretrained(spec.model.path))}
 
 
 def _reference(spec: JobSpec, parts, table, env: DistEnv, run_dir: Path, report: Reporter,

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from fsdpjob.orchestrator.core.errors import InputError, ProfileError
+from fsdpjob.orchestrator.core.jobspec.methods import METHODS, facts_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.runfolder.paths import fsdpjob_home
 from fsdpjob.orchestrator.planner.starter import GRPO_FILES, grpo_file, starter_spec
@@ -76,7 +77,7 @@ def write_starter(out: Path, profile: str, model_dir: Path | None, data: Path | 
     except OSError as exc:
         raise InputError(f"cannot write {out}: {exc.strerror}", file="--out") from None
     todo = [] if model_dir else [f"set model.path in {out} to your model folder"]
-    if method == "grpo":
+    if facts_of(method).generates:  # grpo: its reward functions and prompts
         todo += _write_grpo_files(out.parent, data)
     if data is None and not (out.parent / "data.jsonl").exists():
         todo.append(f"put the training data at {out.parent / 'data.jsonl'} (or set data.path)")
@@ -132,7 +133,7 @@ def quickstart(directory: Path | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The training data (JSONL) [default: data.jsonl beside the spec].",
 )
-@click.option("--method", type=click.Choice(["sft", "dpo", "orpo", "kto", "reward", "grpo"]), default="sft",
+@click.option("--method", type=click.Choice(list(METHODS)), default="sft",
               show_default=True, help="Supervised fine-tuning, preference training (docs/preference.md), or GRPO "
                                       "(also writes rewards.py and math-answer prompts beside the spec).")
 def init(model_dir: Path | None, profile: str, out: Path, data: Path | None, method: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from fsdpjob.orchestrator.core import envvars, hostcpu
 from fsdpjob.orchestrator.core.jobspec.families import attention_for
-from fsdpjob.orchestrator.core.jobspec.methods import PAIRED_METHODS
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.stopping import AGREE_EVERY_S, STEPS_BEFORE_STOP
@@ -163,7 +163,8 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
     on_gpu = eff.gpus_per_node > 0
     ac = spec.model.activation_checkpointing
     # Boundary-aware packing: each example attends to itself only; a preference method's rows are never packed.
-    packed = spec.data.packing is True and spec.train.method == "sft"
+    method = facts_of(spec.train.method)
+    packed = spec.data.packing is True and method.packs
     options = spec.method_options
     return Setup(
         nodes=eff.nodes - takes_nodes(spec, profile),  # the trainers' (a generation server's nodes do not train)
@@ -194,11 +195,10 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
         async_save=spec.checkpoint.async_save,
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
         onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),
-        rows_per_example=2 if spec.train.method in PAIRED_METHODS else 1,
-        reference_copy=(getattr(options, "reference", None) == "live"
-                        or (spec.train.method == "grpo" and spec.grpo.beta > 0)) and spec.model.lora is None,
+        rows_per_example=method.rows_per_example,
+        reference_copy=method.reference_copy(options) and spec.model.lora is None,
         generation_rows=(spec.train.micro_batch_size * spec.train.grad_accum_steps
-                         if spec.train.method == "grpo" and spec.grpo.generator.backend == "inprocess" else 0),
+                         if method.generates and spec.grpo.generator.backend == "inprocess" else 0),
         generation_tokens=spec.grpo.max_new_tokens if spec.grpo else 0,
         generation_group=spec.grpo.num_generations if spec.grpo else 0,
     )
@@ -256,8 +256,8 @@ def _fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, peak
             consider(f"{prefix}train.micro_batch_size={mb} train.grad_accum_steps={new.grad_accum}", new,
                      "same global batch, more micro-steps")
             break
-    if u.reference_copy and method == "grpo":
-        consider("grpo.beta=0", replace(u, reference_copy=False), "no KL term: no reference model (TRL's default)")
+    if u.reference_copy and facts_of(method).reference == "beta":
+        consider(f"{method}.beta=0", replace(u, reference_copy=False), "no KL term: no reference model (TRL's default)")
     elif u.reference_copy:
         consider(f"{method}.reference=cached", replace(u, reference_copy=False),
                  "the reference's log-probabilities computed once before training and kept on disk: no second "

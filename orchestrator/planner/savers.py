@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
@@ -47,7 +48,7 @@ def decide_savers(spec: JobSpec, s: ModelShape, p: ParamCount, u: Setup, profile
     """``u`` with train.loss: auto and fsdp.separate_root: auto decided (GPU workers; CPU keeps the plain path)."""
     if not u.on_gpu:
         return u
-    if spec.train.loss == "auto" and spec.train.method == "sft" and logits_largest(s, p, u, profile):
+    if spec.train.loss == "auto" and facts_of(spec.train.method).chunked_loss and logits_largest(s, p, u, profile):
         u = replace(u, chunked_loss=True)
     if spec.fsdp.separate_root == "auto" and u.lora is None and not s.tied:
         separate = replace(u, separate_root=True)
@@ -60,7 +61,7 @@ def saver_fixes(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
                 method: str = "sft") -> list[tuple[str, Setup, str]]:
     """(change, setup, why) for each saver the plan does not use yet that would lower its peak, cheapest first."""
     out: list[tuple[str, Setup, str]] = []
-    if not u.chunked_loss and method == "sft":  # the preference methods' losses read the logits themselves
+    if not u.chunked_loss and facts_of(method).chunked_loss:  # other methods' losses read the logits themselves
         why = "the logits are the largest item" if logits_largest(s, p, u, profile) else "no full logits held"
         out.append(("train.loss=chunked", replace(u, chunked_loss=True),
                     f"{why}: the cross-entropy over chunks of the sequence, the same loss"))

@@ -11,11 +11,17 @@ TRL's names for their options and losses so that a recipe carries over:
   advantages (TRL's GRPOTrainer's names and losses).
 A method's section (``dpo:``, ``orpo:``, ``kto:``, ``reward:``) may be left out for its defaults (``grpo:`` names its
 reward functions, so it is required); a section of another method is refused (it would silently do nothing).
+
+``METHODS`` is the login side's table of methods, one frozen ``MethodFacts`` row each (as ``families.FAMILIES`` is
+for model families): its section, its data shape and field defaults, its reference, whether SFT's chunked loss
+applies, its rows per example, its generation, its export kind and its goodput phases. The spec checks, the planner
+and ``fsdpjob init`` read the row, never the method's name.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -23,8 +29,6 @@ from pydantic import Field, field_validator, model_validator
 from .validation import Strict, field_error
 
 Method = Literal["sft", "dpo", "orpo", "kto", "reward", "grpo"]
-PREFERENCE_METHODS = ("dpo", "orpo", "kto", "reward")  # trained on pairs or labelled answers, not token streams
-PAIRED_METHODS = ("dpo", "orpo", "reward")  # a chosen and a rejected answer per prompt
 Reference = Literal["cached", "live"]
 Positive = Annotated[float, Field(strict=True, gt=0)]
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm")
@@ -171,14 +175,82 @@ class GrpoSpec(Strict):
         return self
 
 
-SECTIONS: dict[str, type[Strict]] = {"dpo": DpoSpec, "orpo": OrpoSpec, "kto": KtoSpec, "reward": RewardSpec,
-                                     "grpo": GrpoSpec}
-REQUIRED_SECTIONS = ("grpo",)  # no defaults: the section names the reward functions
+# What a method reads from a record where the data section names no field of its own: TRL's names.
+_PAIR_FIELDS = {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"}
+_UNPAIRED_FIELDS = {"prompt_field": "prompt", "completion_field": "completion", "label_field": "label"}
+
+
+@dataclass(frozen=True)
+class MethodFacts:
+    """What the login side knows of one training method (``train.method``), in one place."""
+
+    section: type[Strict] | None = None  # its options' section (the spec's field of the method's name); None: none
+    section_required: bool = False  # no defaults: the section must be written (grpo names its reward functions)
+    # -- data: the shape of data.* it trains on (dataspec's DataSpec.shape; None: token streams, packed or not)
+    data_shape: Literal["preference", "unpaired", "prompts"] | None = None
+    fields: dict[str, str] = field(default_factory=dict)  # data field names filled in where the spec sets none
+    # -- the model: a reference to stay near ("section": its section's reference, cached or live; "beta": a
+    # frozen copy of the starting model while grpo.beta > 0), its LoRA form, its export
+    reference: Literal["section", "beta"] | None = None
+    lora: bool = True  # False: trained in full (a new head with no LoRA form)
+    export: Literal["causal_lm", "classifier"] = "causal_lm"
+    # -- the step
+    loss_reads_logits: bool = True  # its loss reads the logits itself: SFT's chunked cross-entropy does not apply
+    generates: bool = False  # the ranks (or a generation server) generate completions every round
+    # -- goodput: phases of its own beside the steps (runlog and goodput names)
+    phases: tuple[str, ...] = ()
+    # -- a method the spec knows whose training is not built yet: refused at validate with this reason
+    not_yet: str | None = None
+
+    @property
+    def packs(self) -> bool:
+        """Trains on token streams, packed when data.packing says so (not rows of pairs, answers or prompts)."""
+        return self.data_shape is None
+
+    @property
+    def paired(self) -> bool:
+        """A chosen and a rejected answer per prompt, both in the same micro-batch."""
+        return self.data_shape == "preference"
+
+    @property
+    def rows_per_example(self) -> int:
+        return 2 if self.paired else 1
+
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether train.loss: chunked (SFT's cross-entropy a chunk of tokens at a time) applies."""
+        return not self.loss_reads_logits
+
+    def reference_copy(self, options: Any) -> bool:
+        """Whether training holds a frozen copy of the model beside the policy (before LoRA, whose reference is
+        the base with the adapters off): ``options`` is the method's options (JobSpec.method_options)."""
+        if self.reference == "section":
+            return options.reference == "live"
+        return self.reference == "beta" and options.beta > 0
+
+
+# One row per method, in --method's order.
+METHODS: dict[str, MethodFacts] = {
+    "sft": MethodFacts(loss_reads_logits=False),
+    "dpo": MethodFacts(DpoSpec, data_shape="preference", fields=_PAIR_FIELDS, reference="section",
+                       phases=("reference",)),
+    "orpo": MethodFacts(OrpoSpec, data_shape="preference", fields=_PAIR_FIELDS),
+    "kto": MethodFacts(KtoSpec, data_shape="unpaired", fields=_UNPAIRED_FIELDS, reference="section",
+                       phases=("reference",)),
+    "reward": MethodFacts(RewardSpec, data_shape="preference", fields=_PAIR_FIELDS, lora=False, export="classifier"),
+    "grpo": MethodFacts(GrpoSpec, section_required=True, data_shape="prompts", fields={"prompt_field": "prompt"},
+                        reference="beta", generates=True, phases=("generation",)),
+}
+
+
+def facts_of(method: str) -> MethodFacts:
+    """``method``'s row (the spec's Method literal admits only the table's names)."""
+    return METHODS[method]
 
 
 def check_method_sections(method: str, sections: dict[str, Strict | None]) -> None:
     """A section of a method the job does not train with is an error: its options would do nothing."""
-    if method in REQUIRED_SECTIONS and sections.get(method) is None:
+    if facts_of(method).section_required and sections.get(method) is None:
         raise field_error("train.method", f"{method} needs its section: add {method}: with reward: [file.py:function]"
                                           " (see fsdpjob init --method grpo)")
     for name, section in sections.items():
@@ -189,16 +261,8 @@ def check_method_sections(method: str, sections: dict[str, Strict | None]) -> No
 
 def method_options(method: str, sections: dict[str, Strict | None]) -> Strict | None:
     """The options of ``method``: its section, or its defaults where the spec leaves the section out."""
-    if method not in SECTIONS:
-        return None
-    return sections.get(method) or SECTIONS[method]()
-
-
-# What each preference method reads from a record where the data section names no field of its own: TRL's names.
-DEFAULT_FIELDS = {"dpo": {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"},
-                  "kto": {"prompt_field": "prompt", "completion_field": "completion", "label_field": "label"}}
-DEFAULT_FIELDS["orpo"] = DEFAULT_FIELDS["reward"] = DEFAULT_FIELDS["dpo"]
-DEFAULT_FIELDS["grpo"] = {"prompt_field": "prompt"}
+    section = facts_of(method).section
+    return None if section is None else sections.get(method) or section()
 
 
 def with_method_fields(raw: Any) -> Any:
@@ -207,19 +271,15 @@ def with_method_fields(raw: Any) -> Any:
     if not isinstance(raw, dict) or not isinstance(raw.get("train"), dict) or not isinstance(raw.get("data"), dict):
         return raw
     method = raw["train"].get("method")
-    defaults = DEFAULT_FIELDS.get(method) if isinstance(method, str) else None  # a wrong type: pydantic says so
-    data = raw["data"]
-    if defaults is None:
+    facts = METHODS.get(method) if isinstance(method, str) else None  # a wrong type or name: pydantic says so
+    data, defaults = raw["data"], facts.fields if facts is not None else None
+    if not defaults:
         return raw
     # Unset is missing or null (a dumped spec writes every field); prompt_field only when missing: a null written
     # out is the implicit prompt.
     fill = {} if any(data.get(k) is not None for k in defaults if k != "prompt_field") else {
         k: v for k, v in defaults.items() if k != "prompt_field" or k not in data}
     return {**raw, "data": {**data, **fill, "packing": data.get("packing", False)}}
-
-
-# Methods the spec knows whose training is not built yet: refused at validate, never on a node.
-NOT_YET: dict[str, str] = {}
 
 
 def _check_grpo_data(data: Any) -> None:
@@ -252,15 +312,15 @@ def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any) -> None:
 
 def check_method_model(method: str, lora: Any) -> None:
     """A reward model is trained in full: its new head and the export as a sequence classifier have no LoRA form."""
-    if method == "reward" and lora is not None:
-        raise field_error("model.lora", "a reward model is trained in full in this version; drop model.lora")
+    if not facts_of(method).lora and lora is not None:
+        raise field_error("model.lora", f"a {method} model is trained in full in this version; drop model.lora")
 
 
 def check_method_data(method: str, data: Any) -> None:
     """The data section fits the method: pairs for dpo, orpo and reward, labelled answers for kto, token streams
     for sft; pairs are not packed (both answers of a pair go through the same micro-batch, one row each)."""
-    wants = {"dpo": "preference", "orpo": "preference", "reward": "preference", "kto": "unpaired",
-             "grpo": "prompts"}.get(method)
+    facts = facts_of(method)
+    wants = facts.data_shape
     if wants is None:
         if data.shape == "prompts":
             raise field_error("data.completion_field", "prompt_field and completion_field go together; set both (a "
@@ -270,10 +330,10 @@ def check_method_data(method: str, data: Any) -> None:
             raise field_error(f"data.{field}", f"{field} is for preference training, but train.method is sft; set "
                                                "train.method (dpo, orpo, kto or reward) or drop the field")
         return
-    if method in NOT_YET:
-        raise field_error("train.method", f"{method} is not supported in this version yet ({NOT_YET[method]}); "
+    if facts.not_yet is not None:
+        raise field_error("train.method", f"{method} is not supported in this version yet ({facts.not_yet}); "
                                           "use dpo or orpo")
-    if method == "grpo":
+    if wants == "prompts":
         if data.sources is not None:
             raise field_error("data.sources", "a data mixture is not supported for grpo yet; give data.path")
         _check_grpo_data(data)

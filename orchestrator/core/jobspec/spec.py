@@ -15,6 +15,7 @@ from .container import ContainerSpec
 from .dataspec import DataSpec
 from .loggingspec import LoggingSpec
 from .methods import (
+    METHODS,
     DpoSpec,
     GrpoSpec,
     KtoSpec,
@@ -25,6 +26,7 @@ from .methods import (
     check_method_data,
     check_method_model,
     check_method_sections,
+    facts_of,
     method_options,
     with_method_fields,
 )
@@ -108,7 +110,7 @@ class TrainSpec(Strict):
 
     @model_validator(mode="after")
     def _chunked_for_sft(self) -> TrainSpec:
-        if self.loss == "chunked" and self.method != "sft":
+        if self.loss == "chunked" and not facts_of(self.method).chunked_loss:
             raise field_error("loss", f"the chunked loss is SFT's cross-entropy; {self.method} computes its own "
                                       "loss from the model's outputs; set train.loss: auto or standard")
         return self
@@ -264,7 +266,8 @@ class JobSpec(Strict):
         return self
 
     def _method_sections(self) -> dict:
-        return {"dpo": self.dpo, "orpo": self.orpo, "kto": self.kto, "reward": self.reward, "grpo": self.grpo}
+        """Each method's section as written (None where left out), by the table's method names."""
+        return {name: getattr(self, name) for name, facts in METHODS.items() if facts.section is not None}
 
     @property
     def method_options(self) -> DpoSpec | OrpoSpec | KtoSpec | RewardSpec | GrpoSpec | None:
@@ -332,7 +335,7 @@ class JobSpec(Strict):
                 del dumped[section]
         if self.container is None:
             del dumped["container"]  # added later: a spec without one keeps its hash
-        for later in ("notify", "dpo", "orpo", "kto", "reward", "grpo"):  # added later too, likewise
+        for later in ("notify", *self._method_sections()):  # added later too (each method's section), likewise
             if getattr(self, later) is None:
                 del dumped[later]
         blob = json.dumps(dumped, sort_keys=True)
