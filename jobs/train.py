@@ -109,10 +109,13 @@ def run(run_dir: str, stop: preemption.StopFlag | None = None) -> dict:
         raise
     finally:
         gcpolicy.stop()
+        if crashed:  # peers may be dead or stuck: abort first, so that nothing below waits on them (or a tracker)
+            close_distributed(abort=True)
         if launch.tiers is not None:
             launch.tiers.close(completed=completed, crashed=crashed)
-        launch.report.close()
-        close_distributed(abort=crashed)
+        launch.report.close()  # W&B's finish may take seconds: after the abort on a crash
+        if not crashed:
+            close_distributed()
 
 
 def _launch(run_dir: Path, stop: preemption.StopFlag | None) -> Launch:
