@@ -147,8 +147,11 @@ def _set_up(launch: Launch) -> Training:
         raise BuildMismatch(mismatch)  # not retryable: every restart would run the same image
     spec, env, worker, report, paths = launch.spec, launch.env, launch.worker, launch.report, launch.paths
     torch.manual_seed(spec.train.seed)
+    if hooks_on := envvars.test_hooks_set():  # a test switch changes what this run does: said, never silent
+        log.warning("test hooks in force: %s", ", ".join(f"{k}={v}" for k, v in hooks_on.items()))
     report.event(runlog.START, restart=worker.restart_count, world_size=env.world_size, job_id=worker.job_id,
-                 host=worker.host, launch=worker.launch, process_started_at=process_started_at())
+                 host=worker.host, launch=worker.launch, process_started_at=process_started_at(),
+                 **({"test_hooks": hooks_on} if hooks_on else {}))
     report.open_trackers(spec)  # W&B and MLflow (spec logging) on rank 0; a missing package stops here
     mesh = build_mesh(env, spec.fsdp.replicate_degree)
     tiers = launch.tiers = Tiers(open_checkpoints(spec, launch.meta.checkpoint_root(paths), env, mesh, launch.hooks))

@@ -116,6 +116,9 @@ def test_a_stop_in_training_resumes_bitwise(runs):
     full, stopped = metrics(runs["full"]), metrics(runs["stopped"])
     # The relaunch resumed at the stop (a silent restart from step 0 would give the same final bits)
     assert [e["step"] for e in events(runs["stopped"]) if e["event"] in ("stop", "resume")] == [STOP_AT, STOP_AT]
+    # The test hook that stopped it is said at the start it was set for, and only there (issue 55)
+    starts = [e.get("test_hooks") for e in events(runs["stopped"]) if e["event"] == "start"]
+    assert starts == [{"FSDPJOB_STOP_AT_STEP": str(STOP_AT)}, None], starts
     assert [full[s]["loss"] for s in full] == [stopped[s]["loss"] for s in full]
     a, b = committed_model_state(runs["full"]), committed_model_state(runs["stopped"])
     assert all((a[k] == b[k]).all() for k in a)
