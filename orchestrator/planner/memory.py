@@ -257,7 +257,7 @@ def memory_tier_bytes(s: ModelShape, p: ParamCount, u: Setup) -> int:
     """Host RAM per node the memory tier holds (jobs/checkpoint/memory/tier.py): each rank's saved state (params + both
     AdamW moments of what trains) in shared memory, as much again for the replica it keeps of a rank of another
     node (none on one node), and the files of the step it last dropped, kept for the next snapshot to fill again
-    (jobs/checkpoint/memnode.keep_spares): twice the files, all the time. Nothing of the state's size lives in the
+    (checkpoint/memory/node.py, keep_spares): twice the files, all the time. Nothing of the state's size lives in the
     rank's process: a snapshot copies straight into the mapped files and the replica travels between them."""
     if not u.memory_tier:
         return 0

@@ -19,6 +19,6 @@ def facts_of(record: JobRecord) -> RunFacts:
 
 def goodput(record: JobRecord, attempts: list[AttemptTimes] | None, events: list[dict], metrics: list[dict],
             *, now: float | None = None) -> GoodputReport:
-    """The run's goodput report (core/goodputaccount.goodput) from its registry record."""
+    """The run's goodput report (core/goodput/account.py's goodput) from its registry record."""
     account = backend_for(record.scheduler).account if attempts else "events"  # a backend is asked only then
     return account_goodput(facts_of(record), attempts, events, metrics, now=now, account=account)

@@ -2,10 +2,10 @@
 (core/memtier.buddies), so a snapshot survives the loss of any one node.
 
 A shard is as large as the rank's saved state (params + both AdamW moments: 12 GB per rank for 8B on 8 GPUs). It is
-sent from the pages of the rank's own file, mapped as it was written (memraw.fill), and received straight into the
+sent from the pages of the rank's own file, mapped as it was written (raw.fill), and received straight into the
 pages of the replica's file, mapped the same way: no buffer, no read back, no second write. It travels in messages
 of at most REPLICA_CHUNK_BYTES (each a slice of the mappings), sizes first (-1: none). The replica is filled under a
-temporary name and renamed into place only once whole (memnode.ShmMap), so a half-received replica is never listed in
+temporary name and renamed into place only once whole (node.ShmMap), so a half-received replica is never listed in
 the part nor found by a scan; one whose file cannot be made (shared memory full) is still received, into one
 message's worth of scratch, and dropped."""
 

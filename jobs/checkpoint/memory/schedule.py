@@ -4,7 +4,7 @@ what the probe cost and the job's mean time between faults. The rule itself is c
 module measures its inputs and keeps the answer.
 
 The first snapshot of a launch is not measured: it pays once for what later ones reuse (DCP's plan, made with
-collectives, and the files' pages, which later snapshots fill again: memory/raw.py, memnode.keep_spares), so an interval
+collectives, and the files' pages, which later snapshots fill again: memory/raw.py, node.keep_spares), so an interval
 decided from it would be longer than the snapshots that follow justify (issue 36, R4)."""
 
 from __future__ import annotations

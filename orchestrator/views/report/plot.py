@@ -1,6 +1,6 @@
 """The picture of `fsdpjob report` (--plot FILE.png, and inside --html): loss against step, the run's progress
 against wall time with its attempts, start-ups, checkpoints, evaluations and stops, and a bar of the goodput
-breakdown; drawn from reportpicture.picture() only. matplotlib is the optional extra `fsdpjob[plot]`; the Agg
+breakdown; drawn from picture.picture() only. matplotlib is the optional extra `fsdpjob[plot]`; the Agg
 canvas, no display."""
 
 from __future__ import annotations
