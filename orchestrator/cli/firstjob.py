@@ -1,5 +1,5 @@
 """A first job's files: `fsdpjob quickstart` (where it puts its model and data) and `fsdpjob init` writing a starter
-spec: the commands and their side effects (the spec's text is planner/starter.py's)."""
+spec: the commands and their side effects (the spec's text is views/starter.py's)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fsdpjob.orchestrator.core.errors import InputError, ProfileError
 from fsdpjob.orchestrator.core.jobspec.methods import METHODS, facts_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile, load_profile
 from fsdpjob.orchestrator.core.runfolder.paths import fsdpjob_home
-from fsdpjob.orchestrator.planner.starter import GRPO_FILES, grpo_file, starter_spec
+from fsdpjob.orchestrator.views.starter import GRPO_FILES, grpo_file, starter_spec
 
 from .options import command, profile_option
 
