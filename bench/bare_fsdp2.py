@@ -117,7 +117,7 @@ def vmhwm_mb() -> float | None:
 
 
 def _cuda_memory() -> dict[str, float]:
-    """The worker's other two memory figures (jobs/metrics.py memory_figures), so bench/gpu.py compares like for
+    """The worker's other two memory figures (jobs/report/metrics.py memory_figures), so bench/gpu.py compares like for
     like."""
     import torch
 

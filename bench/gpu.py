@@ -285,7 +285,7 @@ def main() -> None:
         model, data = build_assets(root, args.tiny)
         from transformers import AutoConfig
 
-        from fsdpjob.jobs.metrics import model_flops_per_token
+        from fsdpjob.jobs.report.metrics import model_flops_per_token
 
         args.flops_per_token = model_flops_per_token(AutoConfig.from_pretrained(model), seq_len=args.seq)
         print(f"assets            {time.time() - t0:.0f} s", flush=True)

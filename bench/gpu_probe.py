@@ -54,7 +54,7 @@ def sdpa_backends(seq: int) -> str:
 def probe(tiny: bool, seq: int) -> dict:
     import torch
 
-    from fsdpjob.jobs.metrics import peak_flops_for_name
+    from fsdpjob.jobs.report.metrics import peak_flops_for_name
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if tiny or not torch.cuda.is_available():

@@ -43,7 +43,7 @@ CARRIED = {
 # Import names the machine must have already (torch's and transformers' own dependencies): never carried.
 PRESENT = ("torch", "transformers", "safetensors", "click", "numpy", "yaml", "jinja2", "filelock")
 # What bench/gpu.py and the worker cases import from fsdpjob.
-WORKER_MODULES = ("fsdpjob.jobs.train", "fsdpjob.jobs.quickstart", "fsdpjob.jobs.metrics",
+WORKER_MODULES = ("fsdpjob.jobs.train", "fsdpjob.jobs.quickstart", "fsdpjob.jobs.report.metrics",
                   "fsdpjob.orchestrator.core.jobspec.spec", "fsdpjob.orchestrator.core.runfolder.runmeta",
                   "fsdpjob.orchestrator.planner.fit", "fsdpjob.orchestrator.planner.resolve")  # fmt: skip
 # pip matches a --platform tag exactly: every manylinux level up to a current glibc, so that whichever a

@@ -30,11 +30,11 @@ from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from .data.packing import StepBatch
 from .data.preference import read_pair_table, read_unpaired_table
 from .dist import DistEnv
-from .metrics import Reporter
 from .preference.batches import policy_logps, reward_scores
 from .preference.data import read_preference_data
 from .preference.objective import dpo_objective, kto_objective, orpo_objective, reward_objective
 from .preference.setup import preference_step_function, score_head
+from .report.metrics import Reporter
 from .sft.data import read_sft_data
 from .sft.step import sft_evaluator, sft_step
 from .step import EvalSchedule, StepValues

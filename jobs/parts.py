@@ -21,11 +21,11 @@ from .data.packing import SequenceTable, packing_mode
 from .data.stream import BatchStream
 from .dist import DistEnv
 from .methods import method_row
-from .metrics import Reporter
 from .model.build import load_model
 from .model.checkpointing import Checkpointing
 from .model.lora import trainable_parameters
 from .optim import build_optimizer, lr_factor
+from .report.metrics import Reporter
 from .step import StepValues
 
 

@@ -19,7 +19,7 @@ from . import preemption
 from .agreement import FlagAgreement
 from .checkpoint.tiers import Tiers
 from .hooks import TestHooks
-from .metrics import Reporter
+from .report.metrics import Reporter
 
 log = logging.getLogger("fsdpjob.train")
 

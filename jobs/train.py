@@ -42,10 +42,10 @@ from .dist import (
 )
 from .hooks import StepHooks, TestHooks
 from .methods import MethodSetUp, method_row
-from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint
 from .model.parallelize import build_mesh
 from .parts import TrainParts, TrainState, build, resume
+from .report.metrics import Reporter, model_flops_per_token
 from .savepolicy import Checkpointer
 from .step import EvalSchedule, StepValues, loss_chunk_tokens
 from .workerenv import WorkerEnv, process_started_at

@@ -501,7 +501,7 @@ def test_attention_rule_is_one_for_planner_and_worker() -> None:
 def test_the_planner_and_the_worker_read_one_peak_table(gpu_type: str, bf16: float) -> None:
     """A profile's gpu_type and torch's device name find the same row (core/flops.PEAK_FLOPS): a PCIe or NVL card
     is not planned at the SXM card's peak, and the worker's MFU uses the figure the plan did."""
-    from fsdpjob.jobs.metrics import peak_flops_for_name
+    from fsdpjob.jobs.report.metrics import peak_flops_for_name
     from fsdpjob.orchestrator.core.flops import peak_flops
 
     assert peak_flops(gpu_type) == bf16 and peak_flops(gpu_type, 4) < bf16 / 10

@@ -16,7 +16,7 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 
 from ..data.pairtable import pad_id_of
 from ..data.stream import split_eval
-from ..metrics import Reporter
+from ..report.metrics import Reporter
 from .ktobatch import KtoTable
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.runfolder import heartbeat
 
-from ..metrics import Reporter
+from ..report.metrics import Reporter
 from ..step import EvalSchedule
 from .objective import Objective
 from .step import Forward, ReferenceOf, ratios

@@ -16,9 +16,9 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 from ..data.packing import StepBatch
 from ..data.pairtable import pad_id_of
 from ..dist import DistEnv
-from ..metrics import Reporter
 from ..model.build import load_model
 from ..model.checkpointing import NONE
+from ..report.metrics import Reporter
 from .evaluate import PreferenceEvaluator
 from .objective import Objective, RankMean
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps

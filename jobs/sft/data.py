@@ -18,7 +18,7 @@ from ..data.packing import SequenceTable
 from ..data.sources import build_table, eval_spec
 from ..data.stream import split_eval
 from ..dist import DistEnv
-from ..metrics import Reporter
+from ..report.metrics import Reporter
 
 
 def read_sft_data(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter,

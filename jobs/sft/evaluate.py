@@ -11,7 +11,7 @@ from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 from ..data.packing import SequenceTable
 from ..data.stream import eval_batches
-from ..metrics import Reporter
+from ..report.metrics import Reporter
 from ..step import EvalSchedule, eval_loss
 
 

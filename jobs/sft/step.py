@@ -8,7 +8,7 @@ from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
 from ..data.packing import StepBatch
 from ..dist import DistEnv
-from ..metrics import Reporter
+from ..report.metrics import Reporter
 from ..step import StepValues, train_step
 from .evaluate import Evaluator
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdpjob.jobs import metrics
-from fsdpjob.jobs.metrics import Reporter
+from fsdpjob.jobs.report import metrics
+from fsdpjob.jobs.report.metrics import Reporter
 
 VALUES = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 1000.0, "mfu": math.nan, "peak_mem_mb": 10.0}
 

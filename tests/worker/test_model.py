@@ -16,10 +16,10 @@ from distributed import free_port, run_ranks
 from torch import nn
 
 from fsdpjob.jobs.dist import DistEnv, close_distributed, detect_env, init_distributed
-from fsdpjob.jobs.metrics import model_flops_per_token, peak_flops_for_name
 from fsdpjob.jobs.model.build import find_decoder_layers, load_model, read_full_state_dict
 from fsdpjob.jobs.model.checkpointing import FULL, NONE
 from fsdpjob.jobs.model.parallelize import build_mesh
+from fsdpjob.jobs.report.metrics import model_flops_per_token, peak_flops_for_name
 from fsdpjob.orchestrator.core.rendezvous import MASTER_PORT_VAR, port_for_job
 
 pytestmark = pytest.mark.distributed

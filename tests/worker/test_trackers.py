@@ -17,7 +17,7 @@ from specs import job_spec
 wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
 
-from fsdpjob.jobs.trackers import TRACKERS_FILE, TrackerError, Trackers  # noqa: E402
+from fsdpjob.jobs.report.trackers import TRACKERS_FILE, TrackerError, Trackers  # noqa: E402
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec  # noqa: E402
 from fsdpjob.orchestrator.core.runfolder import runlog  # noqa: E402
 

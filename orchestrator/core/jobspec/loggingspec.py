@@ -1,5 +1,5 @@
 """The spec's logging section: Weights & Biases and MLflow beside TensorBoard (the default). The workers' rank 0
-logs to each; jobs/trackers.py does the logging."""
+logs to each; jobs/report/trackers.py does the logging."""
 
 from __future__ import annotations
 

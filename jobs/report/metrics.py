@@ -19,7 +19,7 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 if TYPE_CHECKING:
     from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 
-    from .step import StepValues
+    from ..step import StepValues
     from .trackers import Trackers
 
 log = logging.getLogger("fsdpjob.train")
