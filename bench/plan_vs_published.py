@@ -13,7 +13,8 @@ Sources (read from the public repositories):
 - Answer.AI: fsdp_qlora's benchmarks_03_2024.md (Llama-2 7B LoRA r 64 on q/k/v/gate/up/down, dropout 0.1, bf16,
   FSDP over 2 RTX 3090s, full AC, batch 1-6; "Peak Memory" is the reserved peak, the note below the second table
   gives two allocated peaks; FSDP1 without expandable segments).
-- ms-swift (mixture of experts, issue 56): examples/pytorch/llm/scripts/qwen1half_moe_a2_7b_chat/lora/sft.sh
+- ms-swift (mixture of experts, issue 56):
+  modelscope/ms-swift:examples/pytorch/llm/scripts/qwen1half_moe_a2_7b_chat/lora/sft.sh
   ("Experimental environment: A100 / 42GB GPU memory": Qwen1.5-MoE-A2.7B-Chat, LoRA r 8 on ALL linear layers, which
   in the transformers of the day were every expert's gate/up/down, the shared expert's and the router; gradient
   checkpointing, batch 1, max_length 1024, bf16, one GPU) and .../mixtral_moe_7b_instruct/lora/sft.sh ("2 * A100 /

@@ -33,7 +33,7 @@ class Family:
     lm_head_bias: bool = False
     shared_expert: bool = False  # always-on experts: shared_expert_intermediate_size (Qwen2-MoE), or
     # n_shared_experts x moe_intermediate_size (DeepSeek-V3)
-    # -- mixture of experts: LoRA's default targets leave the experts (and router) out: attention only
+    # -- mixture of experts (routed experts and a router in its MLP)
     moe: bool = False
     # -- config.json keys read the family's own way
     bias_key: tuple[str, bool] | None = None  # (key, default) that switches the attention biases on
@@ -112,8 +112,6 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
-
 def windowed(config: Mapping) -> bool:
     """Whether a config.json's attention is more than causal within each example: a sliding window in use, logit
     soft-capping or ALiBi. Varlen attention (jobs/model/varlen.py) implements none of them."""
