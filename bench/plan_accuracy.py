@@ -16,6 +16,7 @@ tracks live tensors, and each step maps and faults its memory afresh (the step t
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py            # the full grid (a few minutes on 2 cores)
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py --quick    # the three cases of tests/worker/test_plan_accuracy.py
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py --frozen   # also measure with the mmap threshold frozen
+    OMP_NUM_THREADS=1 python bench/plan_accuracy.py --moe      # the mixture-of-experts cases only
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Case:
     dtype: str = "float32"
     attn: str = "sdpa"
     reshard: bool = True
+    experts: int = 0  # a Mixtral of this many experts (intermediate: each expert's), routed top_k; 0: Llama
+    top_k: int = 2
 
     @property
     def label(self) -> str:
@@ -66,6 +69,7 @@ class Case:
             "bf16-master": self.dtype == "bfloat16",
             "eager": self.attn == "eager",
             "no-reshard": not self.reshard,
+            f"moe{self.experts}x{self.top_k}": self.experts > 0,
         }
         return " ".join([self.size, f"w{self.world}", self.mp, *(name for name, on in flags.items() if on)])
 
@@ -95,6 +99,12 @@ def grid() -> list[Case]:
     return out
 
 
+# Mixture of experts (issue 56): the S model with 8 experts of its MLP's width, top-2 routed.
+MOE = [
+    replace(Case("S", **SIZES["S"]), experts=8),
+    replace(Case("S", **SIZES["S"]), experts=8, ac=True),
+]
+
 QUICK = [
     Case("S", **SIZES["S"]),
     replace(Case("M", **SIZES["M"]), ac=True, world=1),
@@ -110,9 +120,11 @@ def write_model(case: Case, folder: Path) -> Path:
     """A randomly initialised model folder (config.json + fp32 safetensors), as the worker loads it."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
-    cfg = LlamaConfig(
+    moe = {"num_local_experts": case.experts, "num_experts_per_tok": case.top_k} if case.experts else {}
+    cfg = (MixtralConfig if case.experts else LlamaConfig)(
+        **moe,
         vocab_size=case.vocab,
         hidden_size=case.hidden,
         intermediate_size=case.intermediate,
@@ -242,7 +254,7 @@ def measure(case: Case, model_dir: Path, stock_malloc: bool = True) -> dict:
     if not stock_malloc:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = FROZEN_MMAP_THRESHOLD  # spawned ranks inherit it at exec
     try:
-        results = run_ranks(measure_rank, case.world, model_dir=str(model_dir), case=asdict(case))
+        results = run_ranks(measure_rank, case.world, timeout=900, model_dir=str(model_dir), case=asdict(case))
     finally:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         if saved is not None:
@@ -266,11 +278,12 @@ def predict_load_rank0(case: Case, model_dir: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the three test cases")
+    ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts cases")
     ap.add_argument("--frozen", action="store_true", help="also measure with glibc's mmap threshold frozen at 128 KiB")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="measure each case N times with the default allocator: its peak varies from run to run")
     args = ap.parse_args()
-    cases = QUICK if args.quick else grid()
+    cases = QUICK if args.quick else MOE if args.moe else grid() + MOE
     stock = f" {'frozen':>11} {'error':>7} {'s/step':>6}" if args.frozen else ""
     header = f"{'case':<26} {'predicted':>9} {'measured':>11} {'error':>15} {'s/step':>6}{stock}"
     print(f"{header}   load, rank 0: predicted / measured (MiB)")

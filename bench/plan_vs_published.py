@@ -13,6 +13,16 @@ Sources (read from the public repositories):
 - Answer.AI: fsdp_qlora's benchmarks_03_2024.md (Llama-2 7B LoRA r 64 on q/k/v/gate/up/down, dropout 0.1, bf16,
   FSDP over 2 RTX 3090s, full AC, batch 1-6; "Peak Memory" is the reserved peak, the note below the second table
   gives two allocated peaks; FSDP1 without expandable segments).
+- ms-swift (mixture of experts, issue 56):
+  modelscope/ms-swift:examples/pytorch/llm/scripts/qwen1half_moe_a2_7b_chat/lora/sft.sh
+  ("Experimental environment: A100 / 42GB GPU memory": Qwen1.5-MoE-A2.7B-Chat, LoRA r 8 on ALL linear layers, which
+  in the transformers of the day were every expert's gate/up/down, the shared expert's and the router; gradient
+  checkpointing, batch 1, max_length 1024, bf16, one GPU) and .../mixtral_moe_7b_instruct/lora/sft.sh ("2 * A100 /
+  2 * 60GB GPU memory": Mixtral-8x7B-Instruct, LoRA r 8 on q/k/v/o, no checkpointing, batch 1, max_length 2048).
+  The scripts' comments do not say which counter they read; taken as the reserved peak in GiB (nvidia-smi's MiB
+  figure less the CUDA context is close to it). The Mixtral run split the layers over the two GPUs with
+  device_map (naive model parallelism), which the worker does not do: planned as FSDP2 over 2 and reported apart.
+  No published FSDP2 MoE fine-tuning memory figure was found in the notes (field-survey-4.md lists none).
 Cases the worker cannot express (float8, optimizer-in-backward, QLoRA) are left out of the sources' rows here.
 
     python bench/plan_vs_published.py            # the table and the error summary (bench/RESULTS.md)
@@ -42,6 +52,18 @@ LLAMA32_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, 
 LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
              "tie_word_embeddings": False, "torch_dtype": "float16"}
+# Qwen/Qwen1.5-MoE-A2.7B and mistralai/Mixtral-8x7B-v0.1 config.json values
+QWEN15_MOE = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 151936,
+              "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+              "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+MIXTRAL_8X7B = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 32000,
+                "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+SWIFT = "modelscope/ms-swift examples/pytorch/llm/scripts"
+SWIFT_LORA = {"r": 8, "alpha": 32.0, "dropout": 0.05}
 TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_MX = "pytorch/torchtitan torchtitan/components/quantization/mxfp8.md (Dense Models)"
 TUNE = "pytorch/torchtune README.md (Optimization flags)"
@@ -102,6 +124,14 @@ def cases() -> list[Case]:
         Case(ANSWER, "LoRA, batch 6", LLAMA2_7B, 2, "RTX-3090", 2048, 6, ANSWER_LORA, 21.35, "reserved"),
         Case(ANSWER, "LoRA, DDP, batch 4", LLAMA2_7B, 2, "RTX-3090", 2048, 4, ANSWER_LORA, 22.04, "reserved",
              replicate=2),
+        Case(SWIFT, "qwen1half_moe_a2_7b_chat/lora (MoE)", QWEN15_MOE, 1, "A100-SXM4-80GB", 1024, 1,
+             {"dtype": "bfloat16", "activation_checkpointing": "full",
+              "lora": {**SWIFT_LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj", "gate"]}}, 42.0, "reserved"),
+        Case(SWIFT, "mixtral_moe_7b_instruct/lora (MoE)", MIXTRAL_8X7B, 2, "A100-SXM4-80GB", 2048, 1,
+             {"dtype": "bfloat16", "lora": {**SWIFT_LORA, "target_modules": ["q_proj", "k_proj", "v_proj",
+                                                                               "o_proj"]}}, 60.0, "reserved",
+             not_expressible="ms-swift split the layers over the 2 GPUs (device_map); the worker shards with FSDP2"),
     ]
 
 
@@ -126,18 +156,20 @@ def planned_gib(case: Case, folder: Path) -> float:
 
 
 def main() -> int:
-    rows, errors, others = [], [], []
+    rows, errors, others, moe = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases():
             plan = planned_gib(case, Path(tmp))
             error = plan / case.measured_gib - 1
             (others if case.not_expressible else errors).append(error)
+            if "(MoE)" in case.where:
+                moe.append(error)
             model = case.model
             ac = model.get("activation_checkpointing", "none")
             ac = f"{ac} {model['selective_ac']}" if ac == "selective" else ac
             setup = (f"{case.gpus} x {case.gpu_type}, seq {case.seq_len} x mb {case.micro_batch}, AC {ac}, "
                      f"{'compile, ' if model.get('compile') else ''}loss {case.loss}"
-                     f"{', LoRA r 64' if 'lora' in model else ''}, weights {model.get('dtype')}")
+                     f"{lora_rank(model)}, weights {model.get('dtype')}")
             rows.append(f"| {case.source} | {case.where} | {setup} | {case.measured_gib:.2f} {case.what} | "
                         f"{plan:.2f} | {plan / case.measured_gib:.3f} | {error:+.1%} |"
                         + (f" not expressible: {case.not_expressible}" if case.not_expressible else " |"))
@@ -145,7 +177,13 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("\n" + summary(errors, others))
+    print(f"MoE rows ({len(moe)}, the model-parallel one included): median |error| "
+          f"{statistics.median(abs(e) for e in moe):.1%}, worst {max(moe, key=abs):+.1%}")
     return 0
+
+
+def lora_rank(model: dict) -> str:
+    return f", LoRA r {model['lora']['r']}" if "lora" in model else ""
 
 
 def summary(errors: list[float], others: list[float]) -> str:

@@ -25,6 +25,7 @@ from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 
 from .data.packing import count_tokens
 from .model.chunkedloss import CHUNK_TOKENS, chunked_loss_sum
+from .model.router import aux_term, routed_values, router_tap
 from .model.varlen import NAME as VARLEN_NAME
 from .model.varlen import SeqLens, model_kwargs, seq_lens
 
@@ -217,17 +218,21 @@ def train_step(model, optimizer, micro_batches, device: torch.device, *, tokens:
     scale = dist.get_world_size() / max(float(tokens), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
+    tap = router_tap(model)  # MoE: load-balancing loss and router metrics (jobs/model/router.py)
     for i, (input_ids, labels, position_ids, lens) in enumerate(_prefetched(micro_batches, device)):
         if defer_grad_sync and last:
             model.set_requires_gradient_sync(i == last)
+        if tap is not None:
+            tap.arm()
         token_loss = token_loss_sum(model, input_ids, labels, position_ids, device, lens=lens,
                                     chunk_tokens=chunk_tokens)
-        (token_loss * scale).backward()
+        (token_loss * scale + aux_term(tap, len(micro_batches))).backward()
         loss_sum += token_loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepValues(loss_sum, tokens, norm, processed)
+    values = StepValues(loss_sum, tokens, norm, processed)
+    return values if tap is None else routed_values(tap, values)
 
 
 def eval_loss(model, micro_batches, device: torch.device, *, chunk_tokens: int = 0) -> tuple[float, int]:

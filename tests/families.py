@@ -16,9 +16,17 @@ _OWN = {
     "gemma": dict(head_dim=8),
     "gemma2": dict(head_dim=8),
     "gemma3_text": dict(head_dim=8),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16,
+                    output_router_logits=True),
+    # first layer dense, the second shared + routed; multi-head latent attention; plain RoPE (the default is YaRN)
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
     "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, bos_token_id=1,
@@ -32,7 +40,9 @@ FAMILIES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi", "phi3", "olmo", "olmo2", "stablelm",
     "granite", "mixtral", "gpt2", "gpt_neox", "falcon",
 )  # fmt: skip
-assert set(FAMILIES) <= set(TABLE)
+# The mixture-of-experts families (tests/worker/test_moe_families.py: trains, resumes, exports each).
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+assert set(FAMILIES) <= set(TABLE) and set(MOE_FAMILIES) <= set(TABLE)
 # ministral's config class leaves head_dim None, so no tiny model of it can be built from a config alone.
 _NO_TINY_CONFIG = ("ministral",)
 

@@ -74,7 +74,8 @@ def model_flops_per_token(config: Any, *, seq_len: int | None = None, trained_pa
     every weight trains), plus causal attention when ``seq_len`` is given (it grows with the context, so pass
     the training seq_len). Activation checkpointing's recompute is not counted (model FLOPs, not hardware).
 
-    Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them.
+    Input-embedding lookups cost no FLOPs; the output projection counts even when tied to them. MoE: the routed
+    experts count top_k of them, as the planner does (orchestrator/planner/moe.py).
     """
     from transformers import AutoModelForCausalLM  # only here: the reporter itself runs without it
 
@@ -84,11 +85,24 @@ def model_flops_per_token(config: Any, *, seq_len: int | None = None, trained_pa
         p.numel() for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
     )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    matmul_params -= inactive_expert_params(model, getattr(text, "num_experts_per_tok", None))
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return train_flops_per_token(
         matmul_params=matmul_params, trained_params=matmul_params if trained_params is None else trained_params,
         layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim, seq_len=seq_len or 0,
     )
+
+
+def inactive_expert_params(model: nn.Module, top_k: int | None) -> int:
+    """MoE: the routed experts' parameters a token skips (transformers 5 stacks each layer's experts in 3-D
+    tensors under ``.experts.``, the expert first): all but ``top_k`` of them; 0 for dense models."""
+    if not top_k:
+        return 0
+    skipped = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name and "shared_expert" not in name and p.dim() >= 2 and p.shape[0] > top_k:
+            skipped += p.numel() * (p.shape[0] - top_k) // p.shape[0]
+    return skipped
 
 
 def peak_flops_for_name(device_name: str) -> float:

@@ -31,6 +31,7 @@ from fsdpjob.orchestrator.core.savers import checkpointed_layers
 
 from .lora import adapter_activations
 from .modelshape import ModelShape
+from .moe import is_moe, mlp_width, moe_mlp_activations
 from .setup import Setup
 
 
@@ -40,7 +41,8 @@ def layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
     c, t, b = u.compute_bytes, u.rows * u.seq_len, u.rows
     fused = u.compile and u.attn != "eager"
     norms = 2 * (2 * c if fused else 4 + 2 * c) * s.hidden
-    per_token = norms + (2 if fused else 4) * c * s.intermediate
+    # the MLP: one, or top_k routed experts + shared ones + router + permute buffers (planner/moe.py)
+    per_token = norms + (moe_mlp_activations(s, c, fused) if is_moe(s) else (2 if fused else 4) * c * s.intermediate)
     scores = 0
     if u.attn == "eager":
         per_token += 4 * c * s.q_dim
@@ -52,7 +54,7 @@ def layer_activations(s: ModelShape, u: Setup) -> tuple[int, int]:
     if s.qk_norm:
         per_token += (4 + c) * (s.q_dim + s.kv_dim)
     per_token += adapter_activations(s, u.lora, c)
-    working = max(3 * c * t * s.intermediate, b * s.heads * u.seq_len**2 * (4 + 2 * c) if u.attn == "eager" else 0)
+    working = max(3 * c * t * mlp_width(s), b * s.heads * u.seq_len**2 * (4 + 2 * c) if u.attn == "eager" else 0)
     mask = b * u.seq_len**2 if u.dense_mask else 0  # the bool mask itself, shared by the layers
     return t * per_token + scores, working + 2 * 4 * t * s.hidden + mask
 
@@ -62,7 +64,7 @@ def op_kept(s: ModelShape, u: Setup) -> int:
     other matmul's output."""
     c, t, b = u.compute_bytes, u.rows * u.seq_len, u.rows
     # Every other matmul, counted from the layer's first (q, k, v, o, [gate,] up, down): q, v and gate + down, or up.
-    mlp = s.intermediate + (s.hidden if s.gated_mlp else 0)
+    mlp = mlp_width(s) + (s.hidden if s.gated_mlp else 0)
     per_token = c * (s.hidden + 2 * s.q_dim + s.kv_dim + mlp) + 4 * s.heads
     per_token += adapter_activations(s, u.lora, c)  # the adapters' A outputs are matmul outputs too
     scores = 0

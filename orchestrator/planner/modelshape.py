@@ -76,7 +76,8 @@ class ModelShape:
     positions: int = 0  # learned position embeddings (GPT-2)
     lm_head_bias: bool = False
     experts: int = 1  # MoE: every expert counts
-    shared_expert: int = 0  # intermediate size of an always-on expert (Qwen2-MoE)
+    top_k: int = 1  # MoE: experts each token is routed to (num_experts_per_tok)
+    shared_expert: int = 0  # intermediate size of the always-on experts (Qwen2-MoE, DeepSeek-V3)
     windowed: bool = False  # attention beyond causal-per-example (sliding window, soft-capping): no varlen kernel
     counted: ParamCount | None = None  # exact, from the safetensors headers
     # safetensors weights in the folder (by name only): each worker reads just its own shards of them
@@ -208,6 +209,13 @@ def _need(cfg: dict, key: str, path: Path) -> int:
     return value
 
 
+def _shared_expert(cfg: dict) -> int:
+    """The always-on experts' intermediate size: Qwen2-MoE's one, DeepSeek's n_shared_experts routed-sized ones."""
+    if cfg.get("shared_expert_intermediate_size"):
+        return cfg["shared_expert_intermediate_size"]
+    return (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_intermediate_size") or 0)
+
+
 def read_model_shape(model_dir: str | Path) -> ModelShape:
     """Parse ``<model_dir>/config.json`` (and the safetensors headers, where the weights are there)."""
     folder = Path(model_dir)
@@ -218,7 +226,7 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
     f = family or Family()
     heads, hidden = _need(cfg, "num_attention_heads", path), _need(cfg, "hidden_size", path)
     layers, vocab = _need(cfg, "num_hidden_layers", path), _need(cfg, "vocab_size", path)
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 1
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 1
     intermediate = _first(cfg, "intermediate_size") or 4 * hidden
     if experts > 1 and isinstance(cfg.get("moe_intermediate_size"), int):
         intermediate = cfg["moe_intermediate_size"]
@@ -235,7 +243,8 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
         gated_mlp=f.gated, norm_params=2 if f.ln_bias else 1, norms=_norms(cfg, f), final_norm=f.final_norm,
         positions=(cfg.get("n_positions") or 1024) * hidden if f.positions else 0,
         lm_head_bias=f.lm_head_bias, experts=experts,
-        shared_expert=(cfg.get("shared_expert_intermediate_size") or 0) if f.shared_expert else 0,
+        top_k=min(cfg.get("num_experts_per_tok") or 1, experts) if experts > 1 else 1,
+        shared_expert=_shared_expert(cfg) if f.shared_expert else 0,
         safetensors=(folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file(),
         windowed=windowed(cfg),
     )  # fmt: skip

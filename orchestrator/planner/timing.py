@@ -17,6 +17,7 @@ from .activations import recomputed_flops_share
 from .lora import trainable
 from .memory import Setup
 from .modelshape import ModelShape, ParamCount
+from .moe import inactive_params
 from .moments import loss_positions
 
 MFU = 0.40  # assumed model FLOPs utilisation on GPUs
@@ -122,8 +123,10 @@ def _communication(u: Setup, weights: int, trained: int, profile: ClusterProfile
 
 def plan_timing(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile, cpus: int | None, lead: int) -> Timing:
     tr = trainable(s, p, u.lora)
-    matmul_params = tr.weights - (0 if s.tied else p.embedding)  # the embedding lookup does no matmul
-    per_token = train_flops_per_token(matmul_params=matmul_params, trained_params=tr.trained, layers=s.layers,
+    # The embedding lookup does no matmul; MoE: a token runs through top_k of the routed experts (planner/moe.py).
+    matmul_params = tr.weights - (0 if s.tied else p.embedding) - inactive_params(s)
+    trained = tr.trained if tr.is_lora else max(tr.trained - inactive_params(s), 0)
+    per_token = train_flops_per_token(matmul_params=matmul_params, trained_params=trained, layers=s.layers,
                                       q_dim=s.q_dim, seq_len=u.seq_len)
     # Recomputation: the checkpointed layers' forward again (op-level selective AC recomputes no matmul), and the
     # chunked loss's lm_head matmul, chunk by chunk in backward.

@@ -9,12 +9,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from plan_accuracy import QUICK, Case, measure, predict, write_model
+from plan_accuracy import MOE, QUICK, Case, measure, predict, write_model
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("case", QUICK, ids=[c.label for c in QUICK])
+CASES = [*QUICK, MOE[0]]  # and a tiny Mixtral (8 experts, top 2): the top-k activation term (issue 56)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_predicted_peak_within_15_percent(case: Case, tmp_path: Path) -> None:
     model_dir = write_model(case, tmp_path / "model")
     predicted = predict(case, model_dir)

@@ -31,7 +31,10 @@ class Family:
     tied: bool = False  # tie_word_embeddings when config.json leaves it out
     positions: bool = False  # a learned position embedding (n_positions x hidden)
     lm_head_bias: bool = False
-    shared_expert: bool = False  # an always-on expert of shared_expert_intermediate_size (Qwen2-MoE)
+    shared_expert: bool = False  # always-on experts: shared_expert_intermediate_size (Qwen2-MoE), or
+    # n_shared_experts x moe_intermediate_size (DeepSeek-V3)
+    # -- mixture of experts (routed experts and a router in its MLP)
+    moe: bool = False
     # -- config.json keys read the family's own way
     bias_key: tuple[str, bool] | None = None  # (key, default) that switches the attention biases on
     attention_bias_skips_o: bool = False  # attention_bias gives q/k/v a bias, not o_proj
@@ -59,11 +62,20 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(mlp_bias_key=True),
     "mistral": Family(omitted_kv_heads=8),
     "ministral": Family(),
-    "mixtral": Family(),
+    "mixtral": Family(moe=True),
     "qwen2": Family(qkv_bias=True, attention_bias_skips_o=True, omitted_kv_heads=32),
-    "qwen2_moe": Family(qkv_bias=True, attention_bias_skips_o=True, shared_expert=True),
+    "qwen2_moe": Family(qkv_bias=True, attention_bias_skips_o=True, shared_expert=True, moe=True),
     "qwen3": Family(qk_norm="head", omitted_kv_heads=32, omitted_head_dim=128),
-    "qwen3_moe": Family(qk_norm="head"),
+    "qwen3_moe": Family(qk_norm="head", moe=True),
+    "olmoe": Family(qk_norm="full", moe=True),
+    # gpt-oss: attention sinks (eager only in transformers), biases on q/k/v/o, router and experts, alternating
+    # sliding-window layers; DeepSeek-V3: multi-head latent attention, shared + routed experts, dense first layers.
+    # Neither is counted from config.json alone (the safetensors headers give the exact count).
+    "gpt_oss": Family(qkv_bias=True, o_bias=True, mlp_bias=True, sdpa=False, exact_from_config=False, moe=True,
+                      lora_linears=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "deepseek_v3": Family(shared_expert=True, exact_from_config=False, moe=True,
+                          lora_linears=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                        "o_proj", "gate_proj", "up_proj", "down_proj")),
     "gemma": Family(tied=True, omitted_head_dim=256),
     "gemma2": Family(tied=True, norms=4, omitted_head_dim=256, sdpa=False),
     "gemma3_text": Family(tied=True, norms=4, qk_norm="head", omitted_head_dim=256),
@@ -74,7 +86,7 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(qk_norm="full"),
     "olmo3": Family(qk_norm="full"),
     "granite": Family(mlp_bias_key=True),
-    "granitemoe": Family(),
+    "granitemoe": Family(moe=True),
     "cohere": Family(tied=True, norms=1),
     "cohere2": Family(tied=True, norms=1),
     "starcoder2": Family(gated=False, ln_bias=True, tied=True, bias_key=("use_bias", True),
@@ -100,8 +112,6 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
-
 def windowed(config: Mapping) -> bool:
     """Whether a config.json's attention is more than causal within each example: a sliding window in use, logit
     soft-capping or ALiBi. Varlen attention (jobs/model/varlen.py) implements none of them."""
