@@ -152,7 +152,7 @@ def show(spec: str, profile: str | None, sets: tuple[str, ...], as_json: bool) -
     import yaml
 
     from fsdpjob.orchestrator.planner.jobload import load_job
-    from fsdpjob.orchestrator.planner.resolved import resolved_spec
+    from fsdpjob.orchestrator.planner.resolve import resolved_spec
 
     data = resolved_spec(load_job(spec, profile=profile, overrides=sets, check_files=False))
     if as_json:

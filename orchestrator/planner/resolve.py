@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdpjob.orchestrator.core.errors import SpecError
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
@@ -217,3 +218,17 @@ def check(spec: JobSpec, profile: ClusterProfile, doc: YamlDoc | None = None,
     if found:
         raise SpecErrors([SpecError.at(doc, loc, msg) for loc, msg in found])
     return apply_profile(spec, profile)
+
+
+def resolved_spec(job: Resolved) -> dict[str, Any]:
+    """The resolved spec `fsdpjob show` prints: what the workers would run with, as a spec: every field set (the
+    defaults), the profile's values filled in (resources, signal lead, container) and secrets redacted."""
+    data = job.spec.redacted().model_dump(mode="json")
+    eff = job.eff
+    data["resources"].update(
+        gpus_per_node=eff.gpus_per_node, tasks_per_node=eff.tasks_per_node, cpus_per_task=eff.cpus_per_task,
+        partition=eff.partition, account=eff.account, qos=eff.qos, constraint=eff.constraint,
+    )
+    data["preemption"]["signal_lead_s"] = eff.signal_lead_s  # "auto" made a number
+    data["container"] = job.container.container.model_dump(mode="json") if job.container else None
+    return data
