@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpjob.orchestrator.core import buildid, envvars
+from fsdpjob.orchestrator.core.genserver.client import ServerUnresponsive
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -41,7 +42,6 @@ from .dist import (
     share_from_rank0,
 )
 from .evaluate import EvalSchedule, Evaluator
-from .grpo.client import ServerUnresponsive
 from .hooks import StepHooks, TestHooks
 from .metrics import Reporter, model_flops_per_token
 from .model.lora import checkpoint_fingerprint

@@ -1,11 +1,12 @@
-"""The trainer's side of the generation server: calls bounded by a deadline, and weights published atomically.
+"""The trainer's side of a generation server: calls bounded by a deadline, and weights published atomically
+(vllm.py speaks vLLM's protocol over these calls).
 
 The deadline bounds a silence, not the work: each call asks the server for a keep-alive (a space written while it
-makes progress, at a quarter of the deadline; jobs/grpo/server.py), so a round that takes minutes on a loaded or
-slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no token decoded) or
-never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and the request
-runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and then
-freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
+makes progress, at a quarter of the deadline; jobs/grpo/server.py; vLLM writes none), so a round that takes minutes
+on a loaded or slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no
+token decoded) or never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and
+the request runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and
+then freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
 waited, which the supervisor blames like a hung rank (trl#6797 is the endless wait this avoids). A server that
 answers with an error raises ``ServerRefused`` with its one line.
 
@@ -90,7 +91,9 @@ class GenerationClient:
         self.load_weights(path, version, deadline_s=deadline_s)
         return True
 
-    def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None) -> dict[str, Any]:
+    def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None, *,
+              text: bool = False) -> Any:
+        """The answer's JSON (``text``: its text, for vLLM's plain-text answers)."""
         deadline = self.deadline_s if deadline_s is None else deadline_s
         url = self.base_url + route
         data = None if body is None else json.dumps(body).encode()
@@ -107,7 +110,8 @@ class GenerationClient:
                     while chunk := response.read1(1 << 16):
                         outcome["heard"] = time.monotonic()
                         chunks.append(chunk)
-                    outcome["answer"] = json.loads(b"".join(chunks))
+                    raw = b"".join(chunks)
+                    outcome["answer"] = raw.decode() if text else json.loads(raw)
             except BaseException as err:  # handed to the caller's thread
                 outcome["error"] = err
 
