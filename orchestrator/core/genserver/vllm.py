@@ -38,6 +38,7 @@ from typing import Any
 
 from .client import GenerationClient, GenerationServerError, _prune, _rename_dir, _save_tensors
 
+SHIELD = Path(__file__).parent / "shield"  # a sitecustomize.py that makes the server's processes ignore SIGTERM
 LORA_NAME = "policy"  # the name the adapter is served under (completions ask for it as their model)
 SEED_LIMIT = 2**31 - 1
 # vLLM's request threads per rank: each prompt is a request; the server batches what arrives together.
