@@ -87,8 +87,8 @@ class GenerationServer:
         argv = vllm.vllm_argv(self.model_path, python=self.python, host="0.0.0.0", port=port, dtype=self.dtype,
                               **options)
         env = {**env, **vllm.vllm_env(cpu=options["cpu"], lora=options.get("lora_rank") is not None)}
-        # SIGTERM ignored in every process of the server (shield/sitecustomize.py): a preemption's signal leaves it
-        # serving until the ranks' stop checkpoint is written.
+        # SIGTERM, SIGUSR1, SIGUSR2 ignored by every process of the server (shield/sitecustomize.py): a preemption
+        # leaves it serving until the ranks' stop checkpoint is written.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(vllm.SHIELD), env.get("PYTHONPATH")) if p)
         if "TORCHINDUCTOR_CACHE_DIR" not in env and (cache := vllm.inductor_cache(self.python)):
             env["TORCHINDUCTOR_CACHE_DIR"] = cache
