@@ -140,7 +140,7 @@ def _grpo(s: MethodSetUp) -> MethodTraining:
 
 
 def _grpo_retryable() -> tuple[type[BaseException], ...]:
-    from .grpo.client import ServerUnresponsive
+    from fsdpjob.orchestrator.core.genserver.client import ServerUnresponsive
 
     return (ServerUnresponsive,)  # the generation server went silent: the supervisor restarts it
 

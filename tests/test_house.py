@@ -249,9 +249,9 @@ def test_no_underscore_name_is_imported_across_product_modules():
 
 
 def test_the_orchestrator_imports_the_worker_side_only_through_jobs_entry():
-    """The style note's rule 10, inside functions too. The one allowed exception (bench/house_figures.py's
-    ORCHESTRATOR_TO_JOBS_ALLOWED) is supervise/genserver.py, whose torch-free client types are moving into
-    orchestrator/core/ on another branch; pyproject.toml's protected contract says the same."""
+    """The style note's rule 10, inside functions too, with no exception left (bench/house_figures.py's
+    ORCHESTRATOR_TO_JOBS_ALLOWED is empty: the generation server's torch-free client moved to core/genserver/);
+    pyproject.toml's protected contract says the same."""
     found = _figures()["orchestrator_imports_of_jobs_beyond_entry"]
     assert set(figures.ORCHESTRATOR_TO_JOBS_ALLOWED) <= set(found), "an allowed import is gone: drop it from the list"
     assert {m: names for m, names in found.items() if m not in figures.ORCHESTRATOR_TO_JOBS_ALLOWED} == {}

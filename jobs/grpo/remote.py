@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core.genserver.client import GenerationClient, publish_weights
 
 from ..dist import DistEnv, host_barrier
 from ..model.lora import is_adapter_key, lora_config
-from .client import GenerationClient, publish_weights
 
 
 @dataclass
@@ -34,12 +34,14 @@ class RemoteGeneration:
                  control: dist.ProcessGroup | None):
         address = envvars.get("FSDPJOB_GENERATION_SERVER")
         if not address:
-            raise RuntimeError("grpo.generator.backend is server but no generation server was started for this "
-                               "launch (FSDPJOB_GENERATION_SERVER unset): run it through fsdpjob submit")
+            raise RuntimeError(f"grpo.generator.backend is {spec.grpo.generator.backend} but no generation server "
+                               "was started for this launch (FSDPJOB_GENERATION_SERVER unset): run it through "
+                               "fsdpjob submit")
         self.options, self.model, self.env, self.pad_id, self.control = spec.grpo, model, env, pad_id, control
         self.lora = spec.model.lora
         self.client = GenerationClient(f"http://{address}", deadline_s=spec.grpo.generator.deadline_s)
         self.folder = run_dir / "generation-server" / "weights"
+        self.address = address
 
     def before_round(self, start_step: int) -> None:
         """The policy of step ``start_step`` on the server (every rank: the gather is a collective)."""

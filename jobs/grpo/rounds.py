@@ -44,6 +44,7 @@ class Round:
     per_function: torch.Tensor  # [F, R]
     advantages: torch.Tensor  # [R]
     old_logps: torch.Tensor | None  # [R, T] the generating policy's log-probabilities (steps_per_generation > 1)
+    sampler_logps: torch.Tensor | None = None  # [R, T] the sampler's (vLLM's) own, for importance sampling
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
@@ -64,6 +65,7 @@ class CompletionBatch:
     mask: torch.Tensor
     advantages: torch.Tensor
     old_logps: torch.Tensor | None
+    sampler_logps: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,7 +148,8 @@ class GrpoRounds:
             batches.append(CompletionBatch(
                 prompt_ids=[self.table.prompt_ids[i] for i in r.rows[rows].tolist()],
                 completion_ids=r.completion_ids[rows], mask=r.mask[rows], advantages=r.advantages[rows],
-                old_logps=None if r.old_logps is None else r.old_logps[rows]))
+                old_logps=None if r.old_logps is None else r.old_logps[rows],
+                sampler_logps=None if r.sampler_logps is None else r.sampler_logps[rows]))
         return StepBatch(batches, self.last.tokens, self.last.tokens)
 
     def _new_round(self) -> None:
@@ -155,21 +158,25 @@ class GrpoRounds:
         start_step = self._step_of()
         if self._before_round is not None:  # a generation server loads the policy of this step first
             self._before_round(start_step)
+            self._timings["weight_sync_s"] = self._timings.get("weight_sync_s", 0.0) + time.monotonic() - started
         generator = torch.Generator(device=self.device).manual_seed(derived_seed(self.seed, start_step, self.rank))
         rows = torch.cat([self.prompts.next_step().micro_batches[0] for _ in range(self.steps_per_generation)])
         rows = rows.repeat_interleave(self.num_generations)  # a prompt's group: consecutive rows
-        ids, masks = [], []
+        ids, masks, sampled = [], [], []
         for at in range(0, len(rows), self.per_rank):  # one step's share per call: bounded memory, equal on ranks
             part = rows[at:at + self.per_rank].tolist()
             out = self._generate([self.table.prompt_ids[i] for i in part], generator)
             ids.append(out.completion_ids.cpu())
             masks.append(out.mask.cpu())
+            sampled.append(getattr(out, "logps", None))  # the sampler's log-probabilities, where it gives them
         completion_ids, mask = torch.cat(ids), torch.cat(masks)
         scored = time.monotonic()
         scores = self._score(rows.tolist(), completion_ids, mask)
         scoring = time.monotonic() - scored
         mine = {"rows": rows, "completion_ids": completion_ids, "mask": mask, "rewards": scores.total.float(),
                 "per_function": torch.stack([v.float() for v in scores.per_function.values()])}
+        if all(x is not None for x in sampled):
+            mine["sampler_logps"] = torch.cat([x.float().cpu() for x in sampled])
         glob = self._gather(mine)
         advantages = self._advantages(glob["rewards"])
         old = None
@@ -177,7 +184,7 @@ class GrpoRounds:
             mine_old = self._old_logps([self.table.prompt_ids[i] for i in rows.tolist()], completion_ids, mask)
             old = self._gather({"old": mine_old.float().cpu()})["old"]
         self.round = Round(start_step, glob["rows"], glob["completion_ids"], glob["mask"], glob["rewards"],
-                           glob["per_function"], advantages, old)
+                           glob["per_function"], advantages, old, glob.get("sampler_logps"))
         self.function_names = list(scores.per_function)
         self.trained = 0
         self._timings["scoring_s"] += scoring
@@ -207,10 +214,18 @@ class GrpoRounds:
         rewards = r.rewards[block]
         groups = rewards.view(-1, self.num_generations)
         out = {"reward": float(rewards.mean()), "reward_std": float(groups.std(dim=1).mean()),
-               "completion_length": float(r.mask[block].sum(dim=1).float().mean())}
+               "completion_length": float(r.mask[block].sum(dim=1).float().mean()),
+               "completions_distinct": self._distinct(block)}
         for name, values in zip(self.function_names, r.per_function[:, block]):
             out[f"rewards/{name}"] = float(values.nanmean())  # NaN: the function said None (not applicable)
         return out
+
+    def _distinct(self, block: slice) -> float:
+        """The share of distinct completions in a group, over the step's groups (1: no two alike; a sampler whose
+        seeds collapse a group gives 1/num_generations)."""
+        ids = self.round.completion_ids[block].masked_fill(~self.round.mask[block].bool(), -1)
+        groups = ids.view(-1, self.num_generations, ids.shape[-1])
+        return float(sum(len({tuple(row.tolist()) for row in g}) for g in groups)) / ids.shape[0]
 
     def take_timings(self) -> dict[str, float]:
         """Seconds spent generating and scoring since the last call (a logged step's metrics read them)."""

@@ -60,7 +60,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .client import KEEPALIVE_HEADER
+from fsdpjob.orchestrator.core.genserver.client import KEEPALIVE_HEADER
+
 from .keepalive import Ticker, keepalive_s
 
 log = logging.getLogger("fsdpjob.grpo.server")

@@ -24,6 +24,7 @@ from .rewards import RewardFunctions
 from .rounds import GrpoRounds
 from .sampling import eos_ids
 from .step import GrpoStepValues, grpo_step
+from .vllmgen import VllmGeneration
 
 
 class GrpoTraining:
@@ -70,8 +71,9 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
     before_round = None
-    if options.generator.backend == "server":  # the supervisor's server generates; the policy goes to it per round
-        remote = RemoteGeneration(spec, model, env, run_dir, pad, control)
+    if options.generator.backend in ("server", "vllm"):  # the supervisor's server generates; the policy goes to it
+        kind = VllmGeneration if options.generator.backend == "vllm" else RemoteGeneration
+        remote = kind(spec, model, env, run_dir, pad, control)
         gen, before_round = remote.generate, remote.before_round
 
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):

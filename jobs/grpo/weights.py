@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .client import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from fsdpjob.orchestrator.core.genserver.client import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 _PEFT_PREFIX = "base_model.model."  # where peft's save_pretrained puts the base model's names
 _LORA_PARTS = {".lora_A.weight": ("A", "linear"), ".lora_B.weight": ("B", "linear"),

@@ -1,9 +1,10 @@
-"""grpo's generation server (``grpo.generator: {backend: server, nodes: N}``) as the supervisor runs it: its own step
-of the job on the allocation's last N nodes (on the local profile a process on this machine), started before each
-launch of the training step and ready (its ready file written, ``GET /health`` answered) before the training step
-starts; the training step runs on the other nodes. A server that does not come up within its deadline fails the
-launch like a hang; one that stops answering later makes the workers' requests time out (jobs/grpo/client.py), the
-step crashes and the supervisor restarts both, inside the allocation.
+"""grpo's generation server (``grpo.generator: {backend: server|vllm, nodes: N}``) as the supervisor runs it: its own
+step of the job on the allocation's last N nodes (on the local profile a process on this machine), started before
+each launch of the training step and ready (this package's server: its ready file written, ``GET /health``
+answered; vLLM: ``GET /v1/models`` answered on the port given to it) before the training step starts; the
+training step runs on the other nodes. A server that does not come up within its deadline fails the launch like a
+hang; one that stops answering later makes the workers' requests time out (core/genserver/client.py), the step
+crashes and the supervisor restarts both, inside the allocation.
 
 Why the supervisor and not the workers: the server must outlive a crashed training step (or be restarted beside it)
 and must never be waited on without a bound; the supervisor already owns both (the launch loop, the stall bounds).
@@ -18,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-# Both torch-free (the batch side never imports torch): the workers' client and the server's command line.
-from fsdpjob.jobs.grpo.client import GenerationClient, GenerationServerError
-from fsdpjob.jobs.grpo.servecmd import server_argv
+# All torch-free (the batch side never imports torch): the workers' clients and the servers' command lines.
+from fsdpjob.orchestrator.core import rendezvous
+from fsdpjob.orchestrator.core.genserver import vllm
+from fsdpjob.orchestrator.core.genserver.client import GenerationClient, GenerationServerError
+from fsdpjob.orchestrator.core.genserver.servecmd import server_argv
 
 POLL_S = 0.5
 # The server's torch CPU threads, pinned (CPU completions are bitwise only at a fixed count). One: on CPU the server
@@ -43,9 +46,12 @@ class GenerationServer:
     launch on its nodes), ``wait_ready`` bounds its start, ``address`` is what the workers are given, ``stop`` ends
     it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, step_for, python: str, host: str):
+    def __init__(self, run_dir: Path, *, model_path: str, dtype: str, step_for, python: str, host: str,
+                 vllm_options: dict | None = None):
         self.run_dir, self.model_path, self.dtype = run_dir, model_path, dtype
         self.step_for, self.python = step_for, python
+        # backend vllm: vllm_argv's keywords (seed, cpu, lora_rank, ...); None: this package's server
+        self.vllm_options = vllm_options
         self.host = host  # where the workers reach it: its node's name or address (the server listens on all)
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
@@ -61,14 +67,46 @@ class GenerationServer:
         folder = server_dir(self.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        # Threads pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
-        argv = server_argv(self.model_path, host="0.0.0.0", port=0, dtype=self.dtype, ready_file=self.ready_file,
-                           threads=SERVER_THREADS, python=self.python)
+        if self.vllm_options is not None:
+            argv, env = self._vllm(env)
+        else:
+            # Threads pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
+            argv = server_argv(self.model_path, host="0.0.0.0", port=0, dtype=self.dtype,
+                               ready_file=self.ready_file, threads=SERVER_THREADS, python=self.python)
         log = open(folder / f"server-{self.starts}.log", "ab")
         self.proc = subprocess.Popen(self.step_for(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._log, self.starts = log, self.starts + 1
         print(f"fsdpjob supervisor: generation server started (log {log.name})", file=sys.stderr, flush=True)
+
+    def _vllm(self, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """vLLM's command and environment; its port drawn here (it writes no ready file) and kept in the ready
+        file's place, which wait_ready reads alike."""
+        port = rendezvous.pick_port()
+        options = self.vllm_options
+        argv = vllm.vllm_argv(self.model_path, python=self.python, host="0.0.0.0", port=port, dtype=self.dtype,
+                              **options)
+        env = {**env, **vllm.vllm_env(cpu=options["cpu"], lora=options.get("lora_rank") is not None)}
+        # SIGTERM, SIGUSR1, SIGUSR2 ignored by every process of the server (shield/sitecustomize.py): a preemption
+        # leaves it serving until the ranks' stop checkpoint is written.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(vllm.SHIELD), env.get("PYTHONPATH")) if p)
+        if "TORCHINDUCTOR_CACHE_DIR" not in env and (cache := vllm.inductor_cache(self.python)):
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        self._vllm_port = port
+        return argv, env
+
+    def _answering(self) -> str | None:
+        """The address once the server answers, else None."""
+        if self.vllm_options is not None:
+            address = f"{self.host}:{self._vllm_port}"
+            models = vllm.VllmClient(f"http://{address}", 5, self.model_path).models()
+            return address if models else None
+        if not self.ready_file.exists():
+            return None
+        port = self.ready_file.read_text().strip().rsplit(":", 1)[1]  # host:port, renamed into place
+        address = f"{self.host}:{int(port)}"
+        GenerationClient(f"http://{address}", deadline_s=5).health()  # the workers' client, no proxy
+        return address
 
     def wait_ready(self, bound_s: float) -> str:
         """The server's address once it answers /health; ServerDown after ``bound_s`` or when its step ended.
@@ -81,15 +119,12 @@ class GenerationServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerDown(f"the generation server's step ended with exit code {self.proc.returncode} before "
                                  f"it was ready; see {server_dir(self.run_dir)}")
-            if self.ready_file.exists():
-                try:
-                    port = self.ready_file.read_text().strip().rsplit(":", 1)[1]  # host:port, renamed into place
-                    address = f"{self.host}:{int(port)}"
-                    GenerationClient(f"http://{address}", deadline_s=5).health()  # the workers' client, no proxy
+            try:
+                if address := self._answering():
                     self.address = address
                     return address
-                except (OSError, ValueError, IndexError, GenerationServerError):
-                    pass  # written but not answering yet, or half-written: ask again
+            except (OSError, ValueError, IndexError, KeyError, TypeError, GenerationServerError):
+                pass  # not answering yet, or a half-written ready file: ask again
             time.sleep(POLL_S)
         raise ServerDown(f"the generation server was not ready within {bound_s:.0f} s (the launch bound: "
                          "3 x the longest launch in this allocation + 60 s, or recovery.setup_timeout_s)")
@@ -116,3 +151,13 @@ class GenerationServer:
                 pass
         self._log.close()
         self.proc, self.address = None, None
+
+
+def vllm_options(spec) -> dict:
+    """vllm_argv's keywords from the spec: CPU unless the generator's nodes have GPUs, the run's seed, LoRA's rank."""
+    generator, lora = spec.grpo.generator, spec.model.lora
+    gpus = generator.gpus_per_node if generator.gpus_per_node is not None else (spec.resources.gpus_per_node or 0)
+    return {"seed": spec.train.seed, "cpu": gpus == 0, "lora_rank": None if lora is None else lora.r,
+            "tensor_parallel_size": generator.tensor_parallel_size,
+            "gpu_memory_utilization": generator.gpu_memory_utilization,
+            "max_model_len": generator.max_model_len or spec.data.seq_len}

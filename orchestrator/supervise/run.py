@@ -39,7 +39,7 @@ from fsdpjob.orchestrator.core.runfolder.taskexit import read_task_exits
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
-from .genserver import GenerationServer, ServerDown
+from .genserver import GenerationServer, ServerDown, vllm_options
 from .policy import Fault, restart_in_allocation
 from .stall import Bounds, Verdict, Watch
 
@@ -82,9 +82,10 @@ class Supervisor:
         self.server, self.server_nodes = self._generation_server(spec)
 
     def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
-        """grpo with generator backend server: the server's step on the allocation's last nodes (genserver.py)."""
+        """grpo with generator backend server or vllm: the server's step on the allocation's last nodes
+        (genserver.py)."""
         generator = spec.grpo.generator if spec.grpo is not None else None
-        if generator is None or generator.backend != "server":
+        if generator is None or generator.backend == "inprocess":
             return None, ()
         nodes: list[tuple[str, ...]] = []
 
@@ -96,7 +97,8 @@ class Supervisor:
         addrs = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=self.worker_env))
         host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
         server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
-                                  step_for=step_for, python=sys.executable, host=host)
+                                  step_for=step_for, python=generator.python or sys.executable, host=host,
+                                  vllm_options=vllm_options(spec) if generator.backend == "vllm" else None)
         return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------

