@@ -99,13 +99,23 @@ def _check_straight(root: Path, run: dict, *, reloads_with: str, rises: bool = T
     assert published == ["v00000008"], published  # a folder per version, the older ones removed
 
 
-def _vllm_group() -> int:
-    """The vLLM server's process group: its API server leads the session the supervisor started it in (the engine
-    and worker processes vLLM spawns run `python -c ...`)."""
+def _vllm_group(run: dict) -> int:
+    """This run's vLLM server's process group: its API server (on the port of the run's last `server` event; other
+    tests' servers run beside it in the suite) leads the session the supervisor started it in (the engine and worker
+    processes vLLM spawns run `python -c ...`)."""
+    port = [e for e in _events(run) if e["event"] == "server"][-1]["address"].rsplit(":", 1)[1]
     found = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True,
                            text=True).stdout.split()
-    leaders = [int(p) for p in found if os.getpgid(int(p)) == int(p)]
-    assert len(leaders) == 1, found
+
+    def serves_here(pid: int) -> bool:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode()
+
+    leaders = [int(p) for p in found if serves_here(int(p)) and os.getpgid(int(p)) == int(p)]
+    assert len(leaders) == 1, (port, found)
     return leaders[0]
 
 
@@ -117,7 +127,7 @@ def test_vllm_full_weights_straight_then_interrupted_and_server_killed_end_bitwi
     wait_for(lambda: len([e for e in _events(run) if e["event"] == "server"]) >= 2 and
              (status_json(run["run_id"], cwd=root)["step"] or 0) >= 6, 900, interval_s=1.0,
              what="step 6 after the restart")
-    os.killpg(_vllm_group(), signal.SIGKILL)
+    os.killpg(_vllm_group(run), signal.SIGKILL)
     report = wait_for(lambda: (r := status_json(run["run_id"], cwd=root))["phase"] in ("COMPLETED", "FAILED") and r,
                       900, interval_s=2.0, what="the interrupted run to end")
     assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report

@@ -255,3 +255,15 @@ def test_the_orchestrator_imports_the_worker_side_only_through_jobs_entry():
     found = _figures()["orchestrator_imports_of_jobs_beyond_entry"]
     assert set(figures.ORCHESTRATOR_TO_JOBS_ALLOWED) <= set(found), "an allowed import is gone: drop it from the list"
     assert {m: names for m, names in found.items() if m not in figures.ORCHESTRATOR_TO_JOBS_ALLOWED} == {}
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    """setuptools' explicit package list (import names differ from the folders): a package missing from it works in
+    an editable install and is absent from a wheel (bench/gpu --offline found fsdpjob.jobs.report missing)."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = {name: tool["package-dir"][name] for name in tool["packages"]}
+    tree = {f"fsdpjob.{'.'.join(init.parent.relative_to(ROOT).parts)}": str(init.parent.relative_to(ROOT))
+            for side in CODE for init in (ROOT / side).rglob("__init__.py") if "__pycache__" not in init.parts}
+    assert {k: v for k, v in tree.items() if listed.get(k) != v} == {}, "add these to pyproject's packages"
