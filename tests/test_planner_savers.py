@@ -158,4 +158,4 @@ def test_bench_plan_vs_published_runs_and_meets_its_target(capsys) -> None:
     count = int(line.split()[0])
     median = float(line.split("median |error| ")[1].split("%")[0])
     worst = abs(float(line.split("worst ")[1].split("%")[0]))
-    assert count >= 10 and "3 sources" in line and median <= 10 and worst <= 25
+    assert count >= 10 and "4 sources" in line and median <= 10 and worst <= 25

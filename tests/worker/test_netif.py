@@ -49,8 +49,11 @@ def test_a_rendezvous_name_on_loopback_routes_towards_another_node(monkeypatch) 
     routes = {"127.0.1.1": "lo", "127.0.0.1": "lo", "10.1.0.2": "eth7"}
     monkeypatch.setattr(jobs_dist.netif, "gloo_interface", lambda towards: routes.get(towards))
     monkeypatch.setattr(jobs_dist, "reachable_address", lambda node: {"gpu02": "10.1.0.2"}.get(node))
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("FSDPJOB_NODE_ADDRS", raising=False)
+    # setenv first, so that monkeypatch restores these as they were (a delenv of an unset name records nothing, and
+    # the eth7 below would then outlive the test and reach every later rank of this process: gloo fails on it)
+    for name in ("GLOO_SOCKET_IFNAME", "FSDPJOB_NODE_ADDRS"):
+        monkeypatch.setenv(name, "unset by the test")
+        monkeypatch.delenv(name)
     jobs_dist._choose_gloo_interface("127.0.1.1", ("gpu02",))
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
 
