@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +209,12 @@ def import_circles(mods: dict[str, ast.Module]) -> list[list[str]]:
     edges = {module_name(rel): sorted({m for node in _body_imports(tree) for m in _imported(rel, node, known)}
                                       - {module_name(rel)})
              for rel, tree in mods.items()}
+    return strong_groups(edges)
+
+
+def strong_groups(edges: dict[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected groups of two or more nodes (Tarjan), each sorted, in sorted order; tests/test_layers.py
+    finds the sibling-package circles with it too."""
     index, low, on_stack, stack, groups = {}, {}, set(), [], []
 
     def visit(v: str) -> None:  # iterative enough for this graph's depth

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import house_figures as figures  # noqa: E402 - bench/ is no package
 
 
 def lint_imports() -> subprocess.CompletedProcess:
@@ -112,35 +114,8 @@ def import_facts(files: dict[str, Path]) -> tuple[dict[str, set[str]], list[tupl
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected groups of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for succ in sorted(graph[node]):
-            if succ not in index:
-                visit(succ)
-                low[node] = min(low[node], low[succ])
-            elif succ in stack:
-                low[node] = min(low[node], index[succ])
-        if low[node] == index[node]:
-            group = []
-            while True:
-                top = stack.pop()
-                group.append(top)
-                if top == node:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
+    """The strongly connected groups of more than one module (Tarjan), each sorted: bench/house_figures.py's."""
+    return figures.strong_groups(graph)
 
 
 def without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
