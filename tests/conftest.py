@@ -66,7 +66,8 @@ def _install_test_only_packages() -> None:
 # are one group, so they run one after another on one worker (the cluster has two nodes: two 2-node jobs at once
 # would queue behind each other and outlast their tests' waits); the groups come first, so one worker starts on
 # the main cluster's tests (mostly waiting on Slurm: holds, grace periods, polling) while the other takes
-# everything else a test at a time. The slow ungrouped tests go first so the two end together.
+# everything else a test at a time. The slow ungrouped tests go first so the two end together; within a queue, the
+# tests on vLLM go after the other slow ones (its environment may still be building: .ci/run).
 CLUSTER_GROUPS = (("slurm_cluster_session", "cluster"), ("slurm_cluster_noacct_session", "cluster-noacct"),
                   ("slurm_cluster4_session", "cluster4"))
 
@@ -85,9 +86,13 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = {group: i for i, (_, group) in enumerate(CLUSTER_GROUPS)}
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
         group = cluster_group(getattr(item, "fixturenames", []))
-        return order.get(group, len(order)), 0 if item.get_closest_marker("slow") else 1
+        slow = item.get_closest_marker("slow") is not None
+        # The tests on vLLM come after the other slow ones of their queue: .ci/run builds vLLM's environment while
+        # the first tests run (tests/vllmenv.py waits for it).
+        on_vllm = hasattr(getattr(item, "module", None), "vllm_python")
+        return order.get(group, len(order)), 0 if slow else 1, 1 if on_vllm else 0
 
     items.sort(key=rank)
 
