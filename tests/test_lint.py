@@ -35,3 +35,16 @@ def test_ruff_reports_a_planted_defect(tmp_path):
     done = subprocess.run([*_ruff(), "check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad)],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 1 and "F401" in done.stdout, done.stdout + done.stderr
+
+
+# The project's own bash scripts (CI, the dev cluster, the benches): the rendered ones are checked in test_render.py.
+SHELL_SCRIPTS = (".ci/run", ".ci/vllm-env", "bench/chaos.sh", "bench/elastic_trial/job.sh", "bench/gpu",
+                 "orchestrator/devcluster/cluster.sh")
+
+
+def test_shellcheck_passes_on_the_projects_own_scripts():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (conftest.py installs it as root)")
+    done = subprocess.run([shellcheck, *SHELL_SCRIPTS], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

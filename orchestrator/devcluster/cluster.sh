@@ -23,7 +23,7 @@ readonly MAX_NODES=8  # each slurmd is a daemon on this one host; the port map h
 readonly CLUSTER_NAME=fsdpjob
 readonly PACKAGES_BASE=(slurmctld slurmd slurm-client munge)
 readonly PACKAGES_ACCOUNTING=(slurmdbd mariadb-server)
-readonly PACKAGES_TOOLS=(shellcheck bubblewrap mmdebstrap)  # shellcheck lints rendered scripts; mmdebstrap builds the test image, bwrap runs it
+readonly PACKAGES_TOOLS=(shellcheck bubblewrap mmdebstrap)  # rendered scripts are linted by shellcheck; mmdebstrap builds the test image, bwrap runs it
 readonly UP_TIMEOUT_S=60
 readonly DRAIN_TIMEOUT_S=25
 
@@ -420,6 +420,9 @@ start_mariadb() {
     password=$(cat "${STATE_DIR}/db.pass")
     for host in localhost 127.0.0.1; do
         sql+="CREATE USER IF NOT EXISTS 'slurm'@'${host}' IDENTIFIED BY '${password}';"
+        # A database kept from an earlier state (a run killed mid-up, a db.pass lost) holds the user with another
+        # password, which CREATE ... IF NOT EXISTS keeps: slurmdbd was then refused ("Access denied for user").
+        sql+="ALTER USER 'slurm'@'${host}' IDENTIFIED BY '${password}';"
         sql+="GRANT ALL ON slurm_acct_db.* TO 'slurm'@'${host}';"
     done
     mariadb_sql "${sql}" || die "could not create the slurm database user"
