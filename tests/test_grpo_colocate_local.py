@@ -36,12 +36,6 @@ def root(tmp_path_factory) -> Path:
                          env={"PYTHONPATH": colocate_pythonpath(root / "pythonpath")})
 
 
-@pytest.fixture(scope="module")
-def straight(root: Path) -> dict:
-    """The uninterrupted full-weight run, shared by the checks below."""
-    return _submit(root, "straight")
-
-
 def _submit(root: Path, name: str, *sets: str) -> dict:
     extra = [a for s in sets for a in ("--set", s)]
     done = fsdpjob("submit", "grpo.yaml", "--json", "--wait", "--set", f"name={name}", *extra, cwd=root)
@@ -59,8 +53,9 @@ def _check_trained(root: Path, run: dict) -> list[dict]:
     assert not [e for e in _events(run) if e["event"] == "server"]  # no server: the ranks generate
     assert not (Path(run["run_dir"]) / "generation-server").exists()
     lines = (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    metrics = [m for m in map(json.loads, lines) if "reward" in m]
-    assert len(metrics) == STEPS, metrics
+    by_step = {m["step"]: m for m in map(json.loads, lines) if "reward" in m}  # a step trained again: its last
+    assert sorted(by_step) == list(range(1, STEPS + 1)), sorted(by_step)
+    metrics = [by_step[k] for k in sorted(by_step)]
     assert all(m["completions_distinct"] == 1.0 for m in metrics), [m["completions_distinct"] for m in metrics]
     # vLLM's own log-probabilities came back with each completion, and they are those of the policy the trainer
     # had at the round's start (float32 both sides: rounding only): the in-memory reload reached the engine.
@@ -68,10 +63,12 @@ def _check_trained(root: Path, run: dict) -> list[dict]:
     return metrics
 
 
-def test_colocate_full_weights_train_and_a_resumed_run_ends_bitwise(root: Path, straight: dict) -> None:
-    _check_trained(root, straight)
+def test_colocate_full_weights_train_and_a_resumed_run_ends_bitwise(root: Path) -> None:
+    straight = _submit(root, "straight")
+    expected = _check_trained(root, straight)
     run = _submit(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'")
-    _check_trained(root, run)
+    # The same completions and rewards at every step: the round of steps 4-5 was regenerated after the restart
+    assert [m["reward"] for m in _check_trained(root, run)] == [m["reward"] for m in expected]
     events = _events(run)
     faults = [e for e in events if e["event"] == "fault"]
     assert len(faults) == 1 and faults[0]["restart"], faults

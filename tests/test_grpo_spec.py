@@ -235,7 +235,7 @@ def test_colocate_options_a_server_has_are_refused_each_with_its_fix(tmp_path):
             ("{backend: vllm, mode: colocate, tensor_parallel_size: 2}",
              "grpo.generator.tensor_parallel_size: a colocated engine runs on its training rank's own device: "
              "tensor_parallel_size must be 1; use mode: server for a model that needs tensor parallelism"),
-            ("{backend: vllm, mode: colocate, nodes: 1}", "grpo.generator.nodes: nodes is a generation server's; a "
+            ("{backend: vllm, mode: colocate, nodes: 2}", "grpo.generator.nodes: nodes is a generation server's; a "
                                                           "colocated engine runs inside the training ranks (mode: "
                                                           "colocate): drop it")):
         _colocate(tmp_path, generator)

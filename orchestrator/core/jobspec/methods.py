@@ -149,8 +149,9 @@ class GeneratorSpec(Strict):
             raise field_error("tensor_parallel_size", "a colocated engine runs on its training rank's own device: "
                                                       "tensor_parallel_size must be 1; use mode: server for a model "
                                                       "that needs tensor parallelism")
+        # Against the defaults, not the fields set: the run folder's resolved spec writes every field.
         for name in ("nodes", "gpus_per_node", "deadline_s"):
-            if name in self.model_fields_set:
+            if getattr(self, name) != GeneratorSpec.model_fields[name].default:
                 raise field_error(name, f"{name} is a generation server's; a colocated engine runs inside the "
                                         "training ranks (mode: colocate): drop it")
         return self
