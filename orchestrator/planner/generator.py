@@ -420,7 +420,7 @@ def generator_lines(plan: GeneratorPlan | None) -> list[str]:
         f", {servers}; trains on {count_text(plan.trainer_ranks, 'rank')}, shard degree {plan.shard_degree}",
         f"  per {per} ({unit[0]}): weights {size_text(plan.weights_per_gpu, unit)} + runtime "
         f"{size_text(plan.runtime_per_gpu, unit)} + KV cache {size_text(max(plan.kv_per_gpu, 0), unit)}{budget}",
-        *([f"  beside the training's resident {size_text(plan.training_per_gpu, unit)} per GPU"]
+        *([f"  beside the training's resident state: {size_text(plan.training_per_gpu, unit)} {unit[0]} per GPU"]
           if plan.training_per_gpu is not None else []),
         f"  KV cache: {plan.kv_bytes_per_token:,} bytes a token per {per.split()[0]}; {held}",
         f"  round: {plan.completions:,} completions, {plan.generated_tokens:,} tokens at most, {round_s} "
