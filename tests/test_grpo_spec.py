@@ -220,3 +220,40 @@ def test_init_method_grpo_writes_a_spec_prompts_and_rewards_that_validate(tmp_pa
     # A second init beside them keeps both files and says so.
     again = fsdpjob("init", str(model), "--method", "grpo", "--out", "two.yaml", cwd=tmp_path)
     assert again.returncode == 0 and "rewards.py existed and was kept" in again.stderr, again.stderr
+
+
+def _colocate(tmp_path, generator: str) -> Path:
+    spec = job(tmp_path)
+    spec.write_text(spec.read_text() + f"  generator: {generator}\n")
+    return spec
+
+
+def test_colocate_options_a_server_has_are_refused_each_with_its_fix(tmp_path):
+    for generator, line in (
+            ("{backend: server, mode: colocate}", "grpo.generator.mode: colocate is a mode of vLLM's engine, not of "
+                                                  "backend server; set backend: vllm, or drop mode"),
+            ("{backend: vllm, mode: colocate, tensor_parallel_size: 2}",
+             "grpo.generator.tensor_parallel_size: a colocated engine runs on its training rank's own device: "
+             "tensor_parallel_size must be 1; use mode: server for a model that needs tensor parallelism"),
+            ("{backend: vllm, mode: colocate, nodes: 2}", "grpo.generator.nodes: nodes is a generation server's; a "
+                                                          "colocated engine runs inside the training ranks (mode: "
+                                                          "colocate): drop it")):
+        _colocate(tmp_path, generator)
+        said = refused(tmp_path)
+        assert said.startswith("job.yaml:") and said.split(": ", 1)[1] == line, said
+
+
+def test_colocate_without_vllm_in_the_workers_interpreter_is_refused(tmp_path):
+    """The launch's own interpreter (this venv: no vLLM) would run the workers; a generator.python that is not
+    there is refused too; an existing one validates (the worker checks its vLLM at set-up)."""
+    _colocate(tmp_path, "{backend: vllm, mode: colocate}")
+    said = refused(tmp_path)
+    assert said.endswith(f"grpo.generator.python: mode colocate runs vLLM inside the training workers, but their "
+                         f"interpreter ({sys.executable}) has no vllm; set grpo.generator.python to an environment "
+                         "with vLLM and fsdpjob (docs/grpo.md, colocate)"), said
+    _colocate(tmp_path, f"{{backend: vllm, mode: colocate, python: {tmp_path / 'none' / 'python'}}}")
+    assert refused(tmp_path).endswith(f"{tmp_path / 'none' / 'python'} does not exist; give the python of an "
+                                      "environment with vLLM and fsdpjob")
+    _colocate(tmp_path, f"{{backend: vllm, mode: colocate, python: {sys.executable}}}")
+    done = fsdpjob("validate", "job.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr

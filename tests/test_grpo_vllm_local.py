@@ -26,33 +26,17 @@ import helpers
 import pytest
 from distributed import committed_model_state
 from helpers import ONE_THREAD, status_json, wait_for
-from vllmenv import vllm_python
+from vllmenv import tiny_grpo_job, vllm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, timeout_s=1500)
 STEPS = 10
-REWARDS = "def digits(prompts, completions, **fields):\n" \
-          "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n"
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("grpo-vllm")
-    fsdpjob("quickstart", str(root / "assets"), cwd=root, check=True)
-    (root / "rewards.py").write_text(REWARDS)
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"count {i}:"}) + "\n" for i in range(64)))
-    spec = {"name": "grpo-vllm", "profile": "local", "resources": {"tasks_per_node": 2, "time_limit": "40:00"},
-            "model": {"path": str(root / "assets" / "model")}, "data": {"path": "prompts.jsonl", "seq_len": 24},
-            "train": {"method": "grpo", "max_steps": STEPS, "micro_batch_size": 4, "grad_accum_steps": 2,
-                      "lr": 3e-3, "log_every": 1, "lr_schedule": "constant"},
-            "fsdp": {"mixed_precision": "fp32"}, "checkpoint": {"interval_steps": 3, "interval_minutes": 0},
-            "recovery": {"stall_floor_s": 120},
-            "grpo": {"reward": ["rewards.py:digits"], "num_generations": 4, "max_new_tokens": 10,
-                     "steps_per_generation": 2,
-                     "generator": {"backend": "vllm", "python": python, "deadline_s": 300}}}
-    (root / "grpo.yaml").write_text(json.dumps(spec))
-    return root
+    return tiny_grpo_job(tmp_path_factory.mktemp("grpo-vllm"), "grpo-vllm", steps=STEPS, stall_floor_s=120,
+                         generator={"backend": "vllm", "python": vllm_python(), "deadline_s": 300})
 
 
 def _submit(root: Path, name: str, *sets: str, wait: bool) -> dict:

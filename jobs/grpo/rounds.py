@@ -114,12 +114,14 @@ class GrpoRounds:
                  per_rank: int, micro_batch_size: int, rank: int, world_size: int, device: torch.device,
                  generate: Generate, score: Score, advantages: Advantages, old_logps: OldLogps | None,
                  control: dist.ProcessGroup | None, step_of: Callable[[], int],
-                 before_round: Callable[[int], None] | None = None):
+                 before_round: Callable[[int], None] | None = None,
+                 after_round: Callable[[], None] | None = None):
         self.table, self.seed, self.rank, self.world = table, seed, rank, world_size
         self.num_generations, self.steps_per_generation = num_generations, steps_per_generation
         self.per_rank, self.micro_batch_size, self.device = per_rank, micro_batch_size, device
         self._generate, self._score, self._advantages, self._old_logps = generate, score, advantages, old_logps
         self._control, self._step_of, self._before_round = control, step_of, before_round
+        self._after_round = after_round  # a colocated vLLM engine sleeps while the ranks train
         self.prompts = BatchStream(PromptRows(table), seed=seed, shuffle=shuffle,
                                    micro_batch_size=per_rank // num_generations, grad_accum_steps=1, dp_rank=rank,
                                    dp_world=world_size, packing="none")
@@ -170,6 +172,8 @@ class GrpoRounds:
             masks.append(out.mask.cpu())
             sampled.append(getattr(out, "logps", None))  # the sampler's log-probabilities, where it gives them
         completion_ids, mask = torch.cat(ids), torch.cat(masks)
+        if self._after_round is not None:
+            self._after_round()
         scored = time.monotonic()
         scores = self._score(rows.tolist(), completion_ids, mask)
         scoring = time.monotonic() - scored

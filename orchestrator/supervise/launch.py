@@ -5,6 +5,7 @@ restarts it after a crash or a hang, like the batch script's supervisor does wit
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 import submitit
@@ -17,8 +18,8 @@ class SupervisedLocalExecutor(submitit.LocalExecutor):
     """submitit's LocalExecutor with the supervisor between it and its controller; the job id is the
     supervisor's pid (the controller names the job by its parent: SUBMITIT_LOCAL_WITH_SHELL)."""
 
-    def __init__(self, folder: str, run_dir: str):
-        super().__init__(folder=folder)
+    def __init__(self, folder: str, run_dir: str, python: str | None = None):
+        super().__init__(folder=folder, python=None if python is None else shlex.quote(python))
         self.run_dir = run_dir
 
     def _submit_command(self, command: str) -> LocalJob:

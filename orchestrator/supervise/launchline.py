@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 
-def rank_command(submitit_dir: Path) -> str:
-    """Each rank's command, as submitit's LocalExecutor writes it (its _submitit_command_str)."""
-    return " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(submitit_dir))])
+def rank_command(submitit_dir: Path, python: str | None = None) -> str:
+    """Each rank's command, as submitit's LocalExecutor writes it (its _submitit_command_str); ``python``: the
+    workers' interpreter where it is not this one (grpo's vLLM colocated in them: generator.python)."""
+    return " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit",
+                     shlex.quote(str(submitit_dir))])
 
 
 def supervisor_argv(run_dir: str, submitit_dir: Path, ntasks: int) -> list[str]:
@@ -37,10 +39,10 @@ def controller_env(ntasks: int, command: str, timeout_s: int, signal_delay_s: in
 
 
 def describe(profile: str, run_dir: Path, submitit_dir: Path, ntasks: int, timeout_s: int, signal_delay_s: int,
-             env: dict[str, str], secret: set[str]) -> str:
+             env: dict[str, str], secret: set[str], python: str | None = None) -> str:
     """The dry run's text: what starts, in order, and the environment the ranks get on top of this shell's
     (secret values shown as <secret>: they never reach a file or a terminal)."""
-    command = rank_command(submitit_dir)
+    command = rank_command(submitit_dir, python)
     env = {**env, **controller_env(ntasks, command, timeout_s, signal_delay_s)}
     lines = [
         f"# profile {profile!r} is local: no sbatch script; {ntasks} worker process(es) start on this machine "

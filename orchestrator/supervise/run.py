@@ -82,10 +82,10 @@ class Supervisor:
         self.server, self.server_nodes = self._generation_server(spec)
 
     def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
-        """grpo with generator backend server or vllm: the server's step on the allocation's last nodes
-        (genserver.py)."""
+        """grpo with generator backend server or vllm (server mode): the server's step on the allocation's last nodes
+        (genserver.py). vLLM colocated in the ranks starts none."""
         generator = spec.grpo.generator if spec.grpo is not None else None
-        if generator is None or generator.backend == "inprocess":
+        if generator is None or not generator.server:
             return None, ()
         nodes: list[tuple[str, ...]] = []
 

@@ -120,7 +120,7 @@ class GeneratorSpec(Strict):
      "whole.")
     python: str | None = None
     ("The interpreter that runs the server (backend: vllm: one whose environment has vLLM; server: default this "
-     "package's own).")
+     "package's own); with mode colocate, the interpreter the training workers run (vLLM and fsdpjob).")
     tensor_parallel_size: Annotated[int, Field(strict=True, gt=0)] = 1
     """vLLM's tensor-parallel degree on GPUs (within a node)."""
     gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.9
@@ -129,6 +129,42 @@ class GeneratorSpec(Strict):
     """GPUs of each generator node the server uses (default: the profile's gpus_per_node; 0 on CPU)."""
     max_model_len: Annotated[int, Field(strict=True, gt=0)] | None = None
     """vLLM's context length (prompt + completion); default data.seq_len."""
+    mode: Literal["server", "colocate"] = "server"
+    ("backend vllm: server (vLLM's OpenAI server as its own step) or colocate (TRL's vllm_mode colocate): a "
+     "vLLM engine inside each training rank, which generates that rank's prompts; no server step, no nodes of its "
+     "own. The workers then run `python` (an environment with vLLM and fsdpjob: the vLLM image or venv with fsdpjob "
+     "installed; default the launch's own interpreter, which must have vLLM), each round with a new policy copies "
+     "its weights into the engine in memory (LoRA: the adapters only), and on GPUs the engine sleeps (weights and "
+     "KV cache released) while the ranks train. gpu_memory_utilization is then the engine's share of each training "
+     "GPU; nodes, gpus_per_node, deadline_s and tensor_parallel_size > 1 do not apply.")
+
+    @model_validator(mode="after")
+    def _colocate(self) -> GeneratorSpec:
+        if self.mode != "colocate":
+            return self
+        if self.backend != "vllm":
+            raise field_error("mode", f"colocate is a mode of vLLM's engine, not of backend {self.backend}; set "
+                                      "backend: vllm, or drop mode")
+        if self.tensor_parallel_size != 1:
+            raise field_error("tensor_parallel_size", "a colocated engine runs on its training rank's own device: "
+                                                      "tensor_parallel_size must be 1; use mode: server for a model "
+                                                      "that needs tensor parallelism")
+        # Against the defaults, not the fields set: the run folder's resolved spec writes every field.
+        for name in ("nodes", "gpus_per_node", "deadline_s"):
+            if getattr(self, name) != GeneratorSpec.model_fields[name].default:
+                raise field_error(name, f"{name} is a generation server's; a colocated engine runs inside the "
+                                        "training ranks (mode: colocate): drop it")
+        return self
+
+    @property
+    def colocated(self) -> bool:
+        """vLLM inside each training rank (no server step)."""
+        return self.backend == "vllm" and self.mode == "colocate"
+
+    @property
+    def server(self) -> bool:
+        """A generation server runs as a step of its own (backend server, or vllm in server mode)."""
+        return self.backend != "inprocess" and not self.colocated
 
 
 class GrpoSpec(Strict):
@@ -180,6 +216,14 @@ class GrpoSpec(Strict):
             raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}); "
                                         "give each a distinct name")
         return self
+
+
+def workers_python(grpo: GrpoSpec | None, default: str) -> str:
+    """The interpreter the training workers run: ``generator.python`` where vLLM is colocated in them (it must
+    import vLLM and fsdpjob), else ``default`` (the profile's, the container's or the launch's own)."""
+    if grpo is not None and grpo.generator.colocated and grpo.generator.python:
+        return grpo.generator.python
+    return default
 
 
 # What a method reads from a record where the data section names no field of its own: TRL's names.
