@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from distributed import committed_model_state, run_ranks, write_run
 from distributed import train_worker as _worker
+from helpers import resumed_where_saved
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -105,6 +106,9 @@ def test_the_reward_rises_and_every_metric_has_trls_name(runs):
 @pytest.mark.parametrize("name", ["straight", "two"])
 def test_a_stop_resumes_bitwise_weights_and_rewards(runs, name):
     straight, stopped = metrics(runs[name]), metrics(runs[f"{name}-stopped"])
+    # The relaunch resumed at the stop: a silent restart from step 0 would end with the same bits.
+    lines = [json.loads(x) for x in (runs[f"{name}-stopped"] / "events.jsonl").read_text().splitlines()]
+    assert resumed_where_saved(lines, 1) == [{"straight": STOP_AT, "two": TWO_STOP_AT}[name]]
     for key in ("reward", "loss", "completion_length"):
         assert [straight[s][key] for s in straight] == [stopped[s][key] for s in straight], key
     a, b = committed_model_state(runs[name]), committed_model_state(runs[f"{name}-stopped"])
