@@ -95,7 +95,7 @@ class RewardFunctionSpec(Strict):
 
     @property
     def name(self) -> str:
-        """The function's name (metrics: rewards/<name>)."""
+        """The function's name (metrics: rewards/<name>/mean and /std)."""
         return value_name(self.function)
 
 
@@ -157,7 +157,8 @@ class GrpoSpec(Strict):
     """Divide the advantages by the standard deviation of the rewards in the group, in the batch, or not at all."""
     steps_per_generation: Annotated[int, Field(strict=True, gt=0)] = 1
     ("Optimizer steps trained on one round of generations (later steps of a round clip against the policy that "
-     "generated them).")
+     "generated them). Not TRL's unit: TRL's steps_per_generation counts micro-steps (default: its "
+     "gradient_accumulation_steps, one optimizer step); TRL's N is N / grad_accum_steps here.")
     generator: GeneratorSpec = Field(default_factory=GeneratorSpec)
     """Where completions are generated."""
     tis_cap: Annotated[float, Field(strict=True, ge=1)] | None = 2.0
@@ -177,7 +178,7 @@ class GrpoSpec(Strict):
     def _distinct(self) -> GrpoSpec:
         names = [r.name for r in self.reward]
         if twice := sorted({n for n in names if names.count(n) > 1}):
-            raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}); "
+            raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}/mean); "
                                         "give each a distinct name")
         return self
 
