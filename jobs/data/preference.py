@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jinja2
 
 from fsdpjob.orchestrator.core.inputs.promptroom import prompt_room_problem
-from fsdpjob.orchestrator.core.inputs.records import WithMargin
+from fsdpjob.orchestrator.core.inputs.records import WithMargin, implicit_prompt
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
@@ -90,21 +90,6 @@ def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool) -
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except jinja2.TemplateError as exc:  # raised by the template itself, e.g. roles out of order
         raise ValueError(f"the chat template rejected this conversation: {exc}") from None
-
-
-def implicit_prompt(answers: list[list[dict]]) -> tuple[list[dict], list[list[dict]]]:
-    """The messages every conversation starts with (the prompt) and what each has after them (its answer)."""
-    n, shortest = 0, min(len(a) for a in answers)
-    while n < shortest and all(a[n] == answers[0][n] for a in answers):
-        n += 1
-    if n == 0:
-        raise ValueError("chosen and rejected share no first message: without data.prompt_field the prompt is the "
-                         "messages both conversations start with; give the pair its prompt's messages or set "
-                         "data.prompt_field")
-    if n == shortest:
-        raise ValueError(f"chosen and rejected share their first {n} messages and one has nothing after them: "
-                         "each needs at least one answer message after the shared prompt")
-    return answers[0][:n], [a[n:] for a in answers]
 
 
 def _render_record(tokenizer: Any, record: dict[str, Any], roles: tuple[str, ...]) -> _Rendered:

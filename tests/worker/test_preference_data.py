@@ -131,7 +131,7 @@ def test_implicit_prompt_is_the_shared_leading_messages(tmp_path, tokenizer):
                  "rejected": [msg("user", "c"), msg("assistant", "d")]},
                 {"chosen": shared, "rejected": shared + [msg("assistant", "fox")]}):
         jsonl(path, [rows[0], bad])
-        with pytest.raises(DataError, match=r"i\.jsonl:2: chosen and rejected share"):
+        with pytest.raises(DataError, match=r"i\.jsonl:2: .*chosen and rejected share"):
             read_pairs(spec(path, fields=fields), tokenizer)
 
 

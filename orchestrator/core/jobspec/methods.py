@@ -49,6 +49,14 @@ class DpoSpec(Strict):
      "ranks, and kept in the run folder (no second model in memory while training). live: a frozen sharded copy "
      "of the model computes them at every step. With LoRA the reference is the base with the adapters off.")
 
+    @model_validator(mode="after")
+    def _smoothing_where_used(self) -> DpoSpec:
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise field_error("label_smoothing", f"loss_type {self.loss_type} has no label smoothing (cDPO is "
+                                                 "sigmoid's, robust DPO robust's): it would be ignored; drop "
+                                                 "label_smoothing or use loss_type sigmoid or robust")
+        return self
+
 
 class OrpoSpec(Strict):
     beta: Positive = 0.1
