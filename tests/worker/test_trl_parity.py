@@ -4,8 +4,10 @@ ORPOTrainer.get_batch_loss_metrics, called unbound on a stand-in trainer, its fo
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -104,3 +106,74 @@ def test_orpo_total_loss_gradient_and_metrics_are_trls(quickstart):
         assert our_metrics[name] == pytest.approx(their_metrics[name], rel=1e-5, abs=1e-6), name
     assert -our_metrics["logps/chosen"] < 20, our_metrics  # a per-token mean, not a sum over the answer
 
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _records(quickstart: dict) -> list[dict]:
+    """The pair file's records and a few that test the boundary: a prompt ending in a space, an answer that already
+    ends with the EOS text, digits that merge across the boundary."""
+    eos = quickstart["tokenizer"].eos_token
+    rows = [json.loads(line) for line in quickstart["pairs"].read_text().splitlines()]
+    return rows + [{"prompt": "12+30= ", "chosen": "42", "rejected": " 41"},
+                   {"prompt": "7+8=1", "chosen": "5" + eos, "rejected": "6"}]
+
+
+def _trl_tokenized(trainer: type, records: list[dict], tokenizer, path: Path) -> list[dict]:
+    """``records`` written to ``path`` (for fsdpjob's reader) and tokenized by TRL's own ``trainer._prepare_dataset``
+    (called unbound: what it reads of the trainer is the tokenizer, and KTO's whether it builds KL rows: fsdpjob's
+    are its own, ktobatch.py)."""
+    from datasets import Dataset
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    stand_in = SimpleNamespace(_tokenizer=tokenizer, calculate_KL=False)
+    return list(trainer._prepare_dataset(stand_in, Dataset.from_list(records), tokenizer, config, "train"))
+
+
+def _data(path: Path, **fields):
+    from fsdpjob.orchestrator.core.jobspec.dataspec import DataSpec
+
+    return DataSpec(path=str(path), seq_len=64, packing=False, **fields)
+
+
+@pytest.mark.parametrize("conversation", [False, True])
+def test_pairs_are_tokenized_as_trls_dpo_trainer(quickstart, tmp_path, conversation):
+    """The same records through TRL's DPOTrainer._prepare_dataset (its own tokenization) and fsdpjob's reader:
+    the same prompt, chosen and rejected ids, pair by pair."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    from fsdpjob.jobs.data.preference import read_pairs
+
+    tokenizer = quickstart["tokenizer"]
+    records = _records(quickstart)
+    if conversation:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = CHAT
+        records = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                    "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in records]
+    path = tmp_path / "pairs.jsonl"
+    theirs = _trl_tokenized(DPOTrainer, records, tokenizer, path)
+    ours = read_pairs(_data(path, prompt_field="prompt", chosen_field="chosen", rejected_field="rejected"),
+                      tokenizer)
+    assert len(ours) == len(theirs) == len(records)
+    for pair, trl_pair in zip(ours, theirs):
+        assert (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids) == (
+            trl_pair["prompt_ids"], trl_pair["chosen_ids"], trl_pair["rejected_ids"])
+
+
+def test_kto_answers_are_tokenized_as_trls_kto_trainer(quickstart, tmp_path):
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    from fsdpjob.jobs.data.preference import read_unpaired
+
+    tokenizer = quickstart["tokenizer"]
+    records = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+               for r in _records(quickstart) for side in ("chosen", "rejected")]
+    path = tmp_path / "answers.jsonl"
+    theirs = _trl_tokenized(KTOTrainer, records, tokenizer, path)
+    ours = read_unpaired(_data(path, prompt_field="prompt", completion_field="completion", label_field="label"),
+                         tokenizer)
+    assert [(a.prompt_ids, a.completion_ids) for a in ours] == [(t["prompt_ids"], t["completion_ids"]) for t in theirs]
