@@ -94,7 +94,7 @@ def run_case(root: Path, case: str, rnd: int, model: Path, prompts: Path, reward
         if m["step"] <= args.warmup:
             continue
         step_s = m["time"] - before["time"]
-        tokens = m["completion_length"] * 16  # 16 completions in the global step
+        tokens = m["completions/mean_length"] * 16  # 16 completions in the global step
         rows.append({"tokens_per_s": tokens / max(m["generation_s"], 1e-9), "step_s": step_s,
                      "generation": m["generation_s"] / step_s, "scoring": m["scoring_s"] / step_s})
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}

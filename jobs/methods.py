@@ -30,7 +30,7 @@ from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 from .data.packing import StepBatch
 from .data.preference import read_pair_table, read_unpaired_table
 from .dist import DistEnv
-from .preference.batches import policy_logps, reward_scores
+from .preference.batches import orpo_logps, policy_logps, reward_scores
 from .preference.data import read_preference_data
 from .preference.objective import dpo_objective, kto_objective, orpo_objective, reward_objective
 from .preference.setup import preference_step_function, score_head
@@ -149,7 +149,7 @@ def _grpo_retryable() -> tuple[type[BaseException], ...]:
 METHODS: dict[str, MethodRow] = {
     "sft": MethodRow(read_sft_data, _sft),
     "dpo": MethodRow(_pairs, _preference(dpo_objective, policy_logps)),
-    "orpo": MethodRow(_pairs, _preference(orpo_objective, policy_logps)),
+    "orpo": MethodRow(_pairs, _preference(orpo_objective, orpo_logps)),
     "kto": MethodRow(_labelled_answers, _preference(kto_objective, policy_logps)),
     "reward": MethodRow(_scored_pairs, _preference(reward_objective, reward_scores), head=score_head),
     "grpo": MethodRow(_prompts, _grpo, retryable=_grpo_retryable),

@@ -129,10 +129,11 @@ def committed_model_state(run_dir) -> dict:
     return dict(state["model"]["model"])
 
 
-def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True, facts: dict | None = None):
+def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True, facts: dict | None = None,
+              resume_from: str | None = None):
     """A run folder as `fsdpjob submit` writes it for the workers: the validated spec (and the plan's verdict on
-    deferring the gradient reduce-scatter, with any other ``facts`` of the plan) in spec.json. Returns the
-    folder."""
+    deferring the gradient reduce-scatter, with any other ``facts`` of the plan) in spec.json, and its
+    ``--resume-from``. Returns the folder."""
     from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
     from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
     from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
@@ -140,7 +141,8 @@ def write_run(root, name: str, spec: dict, *, defer_grad_sync: bool = True, fact
     run_dir = root / name
     run_dir.mkdir()
     spec = JobSpec.model_validate({"name": name, **spec})
-    RunMeta.of(spec, worker_facts={"defer_grad_sync": defer_grad_sync, **(facts or {})}).write(RunPaths(run_dir))
+    RunMeta.of(spec, worker_facts={"defer_grad_sync": defer_grad_sync, **(facts or {})},
+               resume_from=resume_from).write(RunPaths(run_dir))
     return run_dir
 
 

@@ -98,3 +98,18 @@ def tiny_model_folder(folder: Path) -> Path:
     (folder / "tokenizer.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text("{}")
     return folder
+
+
+def resumed_where_saved(events: list[dict], count: int) -> list[int]:
+    """The steps of a run's ``count`` resume events, each checked to be a step the run saved before it (a checkpoint
+    or a stop event) past 0: a relaunch that ignored its checkpoint and trained again from step 0 ends with the
+    same bits in a deterministic run, and only this tells it apart."""
+    saved, steps = set(), []
+    for event in events:
+        if event["event"] in ("checkpoint", "stop") and event.get("step"):
+            saved.add(event["step"])
+        elif event["event"] == "resume":
+            assert event["step"] in saved, (event, sorted(saved))
+            steps.append(event["step"])
+    assert len(steps) == count, (steps, count)
+    return steps

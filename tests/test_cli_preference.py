@@ -74,7 +74,7 @@ def test_parquet_pairs_and_labels_are_checked_by_their_columns(tmp_path):
     pq.write_table(pa.Table.from_pylist([*rows, rows[0] | {"label": True}]), tmp_path / "data.parquet")
     assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
     # A pair's fields: strings or messages; a missing chosen column named with the field to set.
-    job(tmp_path / "p", "dpo", data="data.parquet") if (tmp_path / "p").mkdir() is None else None
+    chat_job(tmp_path / "p", "dpo", data="data.parquet") if (tmp_path / "p").mkdir() is None else None
     conversation = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
                     "rejected": [{"role": "assistant", "content": "b"}]}
     pq.write_table(pa.Table.from_pylist([conversation]), tmp_path / "p" / "data.parquet")
@@ -129,3 +129,49 @@ def test_a_kto_mixture_checks_each_sources_labels(tmp_path):
     assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
     jsonl(b, both[:1] * 2)
     assert refused(tmp_path).startswith(f"{b}:1: kto needs desirable and undesirable answers")
+
+
+USER, BOT = ({"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"})
+
+
+def chat_job(tmp_path: Path, method: str, data: str = "data.jsonl") -> Path:
+    """job() with a model whose tokenizer has a chat template (conversations pass the template check)."""
+    spec = job(tmp_path, method, data)
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    return spec
+
+
+def test_an_answer_not_written_by_the_assistant_is_refused_at_its_line(tmp_path):
+    chat_job(tmp_path, "dpo")
+    good = {"prompt": [USER], "chosen": [BOT], "rejected": [BOT | {"content": "3"}]}
+    data = jsonl(tmp_path / "data.jsonl", [good, good | {"rejected": [USER | {"content": "3"}]}])
+    assert refused(tmp_path) == (f"{data}:2: field 'rejected': the answer's message 0 has role 'user'; an answer is "
+                                 "written by the assistant (role assistant, then assistant or tool): move the other "
+                                 "turns into the prompt")
+
+
+def test_conversations_that_share_no_opening_message_are_refused_at_their_line(tmp_path):
+    spec = chat_job(tmp_path, "dpo")
+    spec.write_text(spec.read_text().replace("  seq_len: 128\n", "  seq_len: 128\n  prompt_field: null\n"))
+    implicit = {"chosen": [USER, BOT], "rejected": [USER, BOT | {"content": "3"}]}
+    data = jsonl(tmp_path / "data.jsonl", [implicit, {"chosen": [USER, BOT], "rejected": [BOT, BOT]}])
+    assert refused(tmp_path).startswith(f"{data}:2: fields 'chosen' and 'rejected': chosen and rejected share no "
+                                        "first message")
+
+
+def test_conversation_pairs_for_a_model_without_a_chat_template_are_refused_at_the_first(tmp_path):
+    job(tmp_path, "orpo")
+    data = jsonl(tmp_path / "data.jsonl", [{"prompt": [USER], "chosen": [BOT], "rejected": [BOT]}])
+    assert refused(tmp_path) == (f"{data}:1: field 'prompt': the record is a conversation, and the tokenizer in "
+                                 f"{tmp_path / 'model'} has no chat template to render it; give strings or add a "
+                                 "chat template")
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "hinge", "sigmoid_norm"])
+def test_label_smoothing_with_a_loss_that_ignores_it_is_refused(tmp_path, loss_type):
+    spec = job(tmp_path, "dpo")
+    spec.write_text(spec.read_text() + f"dpo:\n  loss_type: {loss_type}\n  label_smoothing: 0.1\n")
+    jsonl(tmp_path / "data.jsonl", [PAIR])
+    assert refused(tmp_path) == (f"job.yaml:14: dpo.label_smoothing: loss_type {loss_type} has no label smoothing "
+                                 "(cDPO is sigmoid's, robust DPO robust's): it would be ignored; drop label_smoothing "
+                                 "or use loss_type sigmoid or robust")

@@ -16,7 +16,7 @@ from pathlib import Path
 import helpers
 import pytest
 from distributed import committed_model_state
-from helpers import ONE_THREAD, status_json, wait_for
+from helpers import ONE_THREAD, resumed_where_saved, status_json, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, timeout_s=600)
@@ -93,5 +93,7 @@ def test_a_frozen_server_is_detected_at_its_deadline_restarted_and_the_run_ends_
     [fault] = [e for e in events if e["event"] == "fault"]
     assert fault["kind"] == "crash" and fault["restart"] is True, fault
     assert [e["start"] for e in events if e["event"] == "server"] == [1, 2]  # a new server for the new launch
+    # The new launch resumed from a step saved before the freeze, not from step 0 (the same bits either way).
+    resumed_where_saved(events, 1)
     a, b = committed_model_state(straight["run_dir"]), committed_model_state(frozen["run_dir"])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

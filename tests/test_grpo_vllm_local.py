@@ -25,7 +25,7 @@ from pathlib import Path
 import helpers
 import pytest
 from distributed import committed_model_state
-from helpers import ONE_THREAD, status_json, wait_for
+from helpers import ONE_THREAD, resumed_where_saved, status_json, wait_for
 from vllmenv import tiny_grpo_job, vllm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -121,6 +121,7 @@ def test_vllm_full_weights_straight_then_interrupted_and_server_killed_end_bitwi
     failed = [e for e in events if e["event"] == "failed" and "error" in e]
     assert any("generation server" in e["error"] for e in failed), failed  # the killed server, named
     assert [e["start"] for e in events if e["event"] == "server"] == [1, 2, 3]
+    resumed_where_saved(events, 2)  # each new launch from a saved step, not from step 0 (the same bits either way)
     a, b = committed_model_state(straight["run_dir"]), committed_model_state(run["run_dir"])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 

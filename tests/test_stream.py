@@ -60,10 +60,30 @@ def test_wait_streams_the_whole_timeline_of_a_run_that_ended(tmp_path: Path, cap
     assert err.startswith("r-1: CANCELLED at step 40/40")
 
 
-def test_a_grpo_step_line_shows_its_mean_reward() -> None:
-    line = stream_line({"event": "metric", "step": 5, "time": 1.0, "loss": 1e-9, "reward": 0.25, "tokens_per_s": 400.0},
-                       60)
-    assert line.startswith("step 5/60  loss 0.0000  reward 0.2500  400 tok/s"), line
+def test_a_grpo_step_line_shows_its_mean_reward_its_std_and_the_completions_length() -> None:
+    """Not its loss: 0 at a round's first step by construction (issue 53)."""
+    line = stream_line({"event": "metric", "step": 5, "time": 1.0, "loss": 1e-9, "reward": 0.25, "reward_std": 0.4629,
+                        "completions/mean_length": 11.25, "tokens_per_s": 400.0}, 60)
+    assert line == "step 5/60  reward 0.2500 (std 0.4629)  length 11.2  400 tok/s", line
+
+
+def test_a_pair_step_line_shows_the_accuracy_and_margin_beside_the_loss() -> None:
+    line = stream_line({"event": "metric", "step": 3, "time": 1.0, "loss": 0.6921, "rewards/accuracies": 0.75,
+                        "rewards/margins": 0.0123, "tokens_per_s": 50.0}, 16)
+    assert line == "step 3/16  loss 0.6921  accuracy 0.75  margin 0.0123  50 tok/s", line
+
+
+def test_the_reference_pass_is_streamed_with_its_rows_and_rate() -> None:
+    lines = [stream_line({"event": "reference", "time": 1, "phase": "start", "rows": 40, "folder": "/r"}, 16),
+             stream_line({"event": "reference", "time": 2, "phase": "stopped", "seconds": 1.5}, 16),
+             stream_line({"event": "reference", "time": 3, "phase": "start", "rows": 40, "weights": "model.path"}, 16),
+             stream_line({"event": "reference", "time": 4, "phase": "done", "rows": 40, "seconds": 2.0}, 16),
+             stream_line({"event": "reference", "time": 5, "phase": "done", "rows": 10, "seconds": 0.5,
+                          "table": "eval"}, 16)]
+    assert lines == ["[reference] reference pass: 40 rows", "[reference] reference pass stopped after 1.50 s",
+                     "[reference] reference pass: 40 rows (from model.path)",
+                     "[reference] reference pass done: 40 rows in 2.00 s (20.0 rows/s)",
+                     "[reference] reference pass of the eval rows done: 10 rows in 0.50 s (20.0 rows/s)"]
 
 
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path, capsys) -> None:

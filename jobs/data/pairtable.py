@@ -95,6 +95,7 @@ class PairBatch:
     rejected_ids: torch.Tensor
     rejected_labels: torch.Tensor
     margins: torch.Tensor | None  # [mbs] float, reward.margin_field's
+    chosen_lengths: torch.Tensor | None = None  # [mbs] long: the chosen rows' non-pad positions (ORPO's NLL)
 
     # A pair is one sample: the samples log (FSDPJOB_LOG_SAMPLES, jobs/hooks.py) names it by its row.
     sample_ids = property(lambda self: self.rows)
@@ -129,7 +130,7 @@ class PairTable:
     def micro_batch(self, rows: torch.Tensor) -> PairBatch:
         margins = self.margins[rows] if self.margins is not None else None
         return PairBatch(rows, self.chosen_ids[rows], self.chosen_labels[rows], self.rejected_ids[rows],
-                         self.rejected_labels[rows], margins)
+                         self.rejected_labels[rows], margins, self.lengths[rows, 0])
 
     def row_tokens(self) -> torch.Tensor:
         """Target tokens of each pair, both answers ([N] long)."""

@@ -1,8 +1,10 @@
 """Preference data (train.method dpo, orpo, reward: pairs; kto: labelled answers): records to token ids.
 
-Each answer is a sequence of its own, prompt + answer, with the prompt shared by a pair's two answers:
-- strings: the prompt is bos + tokens(prompt), an answer tokens(answer) + eos (add_special_tokens=False, as
-  examples.py places bos and eos itself);
+Each answer is a sequence of its own, prompt + answer, with the prompt shared by a pair's two answers, tokenized
+as TRL 1.16 does (_tokenized): the prompt, and the prompt followed by each answer, in one call each, split where
+they stop sharing tokens:
+- strings: the tokenizer's own special-token rule (a BOS only where its post-processor adds one) and the EOS
+  token's text after each answer that does not end with it (as TRL: a string, tokenized with the rest);
 - conversations (TRL's conversational shape): the prompt is its messages rendered by the chat template with the
   generation prompt; an answer is what rendering prompt + answer messages adds to that rendering (a template that
   does not render the prompt as the start of the whole is a DataError at the record), no bos or eos beyond what
@@ -30,11 +32,11 @@ from typing import Any, NamedTuple
 import jinja2
 
 from fsdpjob.orchestrator.core.inputs.promptroom import prompt_room_problem
-from fsdpjob.orchestrator.core.inputs.records import WithMargin
+from fsdpjob.orchestrator.core.inputs.records import WithMargin, implicit_prompt
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
 
-from .examples import DataError, bos_ids, encode, eos_ids
+from .examples import DataError
 from .pairtable import (
     PairTable,
     UnpairedTable,
@@ -92,21 +94,6 @@ def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool) -
         raise ValueError(f"the chat template rejected this conversation: {exc}") from None
 
 
-def implicit_prompt(answers: list[list[dict]]) -> tuple[list[dict], list[list[dict]]]:
-    """The messages every conversation starts with (the prompt) and what each has after them (its answer)."""
-    n, shortest = 0, min(len(a) for a in answers)
-    while n < shortest and all(a[n] == answers[0][n] for a in answers):
-        n += 1
-    if n == 0:
-        raise ValueError("chosen and rejected share no first message: without data.prompt_field the prompt is the "
-                         "messages both conversations start with; give the pair its prompt's messages or set "
-                         "data.prompt_field")
-    if n == shortest:
-        raise ValueError(f"chosen and rejected share their first {n} messages and one has nothing after them: "
-                         "each needs at least one answer message after the shared prompt")
-    return answers[0][:n], [a[n:] for a in answers]
-
-
 def _render_record(tokenizer: Any, record: dict[str, Any], roles: tuple[str, ...]) -> _Rendered:
     answers = [record[role] for role in roles]
     if not isinstance(answers[0], list):
@@ -131,7 +118,14 @@ def _render_record(tokenizer: Any, record: dict[str, Any], roles: tuple[str, ...
 
 
 def _tokenized(records: Records, tokenizer: Any, roles: tuple[str, ...]) -> list[tuple[list[int], list[list[int]]]]:
-    """(prompt ids, each answer's ids) of every record, in order; DataError at the record's file and line."""
+    """(prompt ids, each answer's ids) of every record, in order; DataError at the record's file and line.
+
+    As TRL 1.16's DPOTrainer and KTOTrainer (_prepare_dataset): the prompt alone and the prompt followed by each
+    answer are tokenized in one call each, and each answer is what follows the longest prefix the prompt shares
+    with all of them (a merge across the boundary moves into the answer, not a token of its own). Strings get the
+    tokenizer's own special-token rule (a BOS where its post-processor adds one, none where it does not) and the
+    EOS token's text after each answer that does not end with it; a conversation is the chat template's text,
+    which writes its own special tokens (apply_chat_template's add_special_tokens=False)."""
     rendered = []
     for key, record in records.items:
         file, line = records.where(key)
@@ -142,16 +136,32 @@ def _tokenized(records: Records, tokenizer: Any, roles: tuple[str, ...]) -> list
             rendered.append(_render_record(tokenizer, record, roles))
         except ValueError as exc:
             raise DataError(str(exc), file=file, line=line) from None
-    prompts = encode(tokenizer, [r.prompt for r in rendered])["input_ids"]
-    answers = [encode(tokenizer, [r.answers[i] for r in rendered])["input_ids"] for i in range(len(roles))]
-    bos, eos = bos_ids(tokenizer), eos_ids(tokenizer)
-    out = []
-    for i, r in enumerate(rendered):
-        if r.conversation:  # the template writes its own special tokens
-            out.append((prompts[i], [a[i] for a in answers]))
-        else:
-            out.append((bos + prompts[i], [a[i] + eos for a in answers]))
+    eos = tokenizer.eos_token or ""
+    out: list[Any] = [None] * len(rendered)
+    for conversation in (False, True):
+        at = [i for i, r in enumerate(rendered) if r.conversation == conversation]
+        if not at:
+            continue
+        special = not conversation  # strings: the tokenizer's rule; the template wrote a conversation's own
+        ends = "" if conversation else eos  # TRL's add_eos, for strings only
+        prompts = tokenizer([rendered[i].prompt for i in at], add_special_tokens=special)["input_ids"]
+        wholes = [tokenizer([_with_end(rendered[i].prompt, rendered[i].answers[k], ends) for i in at],
+                            add_special_tokens=special)["input_ids"] for k in range(len(roles))]
+        for j, i in enumerate(at):
+            shared = min(_common_prefix(prompts[j], w[j]) for w in wholes)
+            out[i] = (prompts[j][:shared], [w[j][shared:] for w in wholes])
     return out
+
+
+def _with_end(prompt: str, answer: str, end: str) -> str:
+    return prompt + (answer if answer.endswith(end) else answer + end)
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    n = 0
+    while n < min(len(ids), len(other)) and ids[n] == other[n]:
+        n += 1
+    return n
 
 
 def _fit(tokenized: list[tuple[list[int], list[list[int]]]], records: Records, source: Any,

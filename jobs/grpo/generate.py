@@ -162,7 +162,8 @@ def completions_of(tokens: torch.Tensor, eos: torch.Tensor) -> Completions:
 
 
 def completion_logps(model: nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: torch.Tensor,
-                     mask: torch.Tensor, device: torch.device, *, temperature: float) -> torch.Tensor:
+                     mask: torch.Tensor, device: torch.device, *, temperature: float,
+                     entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[N, T] log-probability of each completion token under ``model``, its logits divided by ``temperature``
     (TRL's, so that the ratio is taken against the distribution sampled from); 0 outside ``mask``.
 
@@ -181,4 +182,10 @@ def completion_logps(model: nn.Module, prompt_ids: Sequence[Sequence[int]], comp
     rows, cols = (mask != 0).nonzero(as_tuple=True)
     scores = logits[:, :-1][rows, cols].float() / temperature
     picked = -F.cross_entropy(scores, completion_ids[rows, cols], reduction="none")
-    return scores.new_zeros(completion_ids.shape).index_put((rows, cols), picked)
+    logps = scores.new_zeros(completion_ids.shape).index_put((rows, cols), picked)
+    if not entropy:
+        return logps
+    with torch.no_grad():  # with ``entropy``: each token's entropy of the same distribution too (TRL's metric)
+        log_p = F.log_softmax(scores.detach(), dim=-1)
+        per_token = -(log_p.exp() * log_p).sum(dim=-1)
+    return logps, scores.new_zeros(completion_ids.shape).index_put((rows, cols), per_token)

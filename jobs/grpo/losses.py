@@ -32,7 +32,8 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALES = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
 # The sums metric_sums returns, in its order; the last is the count each is divided by.
-METRIC_SUM_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "tokens")
+METRIC_SUM_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy",
+                    "tokens")
 
 
 class TokenTerms(NamedTuple):
@@ -139,15 +140,25 @@ def reduce(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, *, compl
     raise ValueError(f"loss_type {loss_type!r} is not one of {LOSS_TYPES}")
 
 
-def metric_sums(terms: TokenTerms, mask: torch.Tensor) -> torch.Tensor:
-    """[5] fp32 sums over this micro-batch's completion tokens, in METRIC_SUM_NAMES' order: KL (0 when beta is 0),
-    low-, high- and region-clipped tokens, and the token count. Add them over micro-batches and all-reduce (SUM)
-    them over ranks, then ``metric_means``."""
+def metric_sums(terms: TokenTerms, mask: torch.Tensor, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """[6] fp32 sums over this micro-batch's completion tokens, in METRIC_SUM_NAMES' order: KL (0 when beta is 0),
+    low-, high- and region-clipped tokens, the policy's entropy ([N, T] per token, 0 when not given) and the token
+    count. Add them over micro-batches and all-reduce (SUM) them over ranks, then ``metric_means``."""
     m = mask.to(torch.float32)
     region = terms.low_clipped | terms.high_clipped
     kl = (terms.kl * m).sum() if terms.kl is not None else m.new_zeros(())
+    entropy_sum = (entropy.float() * m).sum() if entropy is not None else m.new_zeros(())
     return torch.stack([kl, (terms.low_clipped * m).sum(), (terms.high_clipped * m).sum(), (region * m).sum(),
-                        m.sum()]).detach()
+                        entropy_sum, m.sum()]).detach()
+
+
+def nanstd(values: torch.Tensor) -> torch.Tensor:
+    """The Bessel-corrected standard deviation of the values that are not NaN (TRL's nanstd: NaN for fewer than
+    two)."""
+    v = values.double()
+    count = (~torch.isnan(v)).sum()
+    variance = torch.nanmean((v - torch.nanmean(v)) ** 2) * count / (count - 1)
+    return variance.sqrt().float()
 
 
 def metric_means(sums: torch.Tensor, *, beta: float) -> dict[str, float]:

@@ -8,10 +8,11 @@ besides the prompt as a list of that field's values. It returns one number per c
 one-element tensor or array); ``total`` is the weighted sum (grpo.reward's weights) in float32.
 
 Returned None means "not applicable to this completion", as in TRL: that function's reward is NaN there (its
-``rewards/<name>`` metric is a nanmean) and adds nothing to the total (TRL's nansum). A completion that every function
-answers None for has no reward at all: that is a RewardError, not a zero. A function that raises, returns another
-count, a value that is not a number, or NaN or an infinity raises RewardError naming the function (its spec string),
-the record (its row in the prompt table, its file and line when known, the prompt shortened) and what it returned.
+``rewards/<name>/mean`` and ``/std`` metrics skip it) and adds nothing to the total (TRL's nansum). A completion that
+every function answers None for has no reward at all: that is a RewardError, not a zero. A function that raises,
+returns another count, a value that is not a number, or NaN or an infinity raises RewardError naming the function
+(its spec string), the record (its row in the prompt table, its file and line when known, the prompt shortened)
+and what it returned.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class RewardFunctions:
 
     @property
     def names(self) -> list[str]:
-        """The metric names' ends: rewards/<name>."""
+        """The names in the metrics: rewards/<name>/mean and /std."""
         return [spec.name for spec in self.specs]
 
     def check_fields(self, names: Sequence[str]) -> None:

@@ -30,6 +30,7 @@ from fsdpjob.orchestrator.core.runfolder import heartbeat
 from ..checkpoint.state import derived_seed
 from ..data.packing import StepBatch
 from ..data.stream import BatchStream
+from .losses import nanstd
 
 
 @dataclass
@@ -79,6 +80,32 @@ class StepSlice:
     metrics: dict[str, float]
 
 
+def completion_metrics(rewards: torch.Tensor, per_function: torch.Tensor, names: list[str],
+                       completion_ids: torch.Tensor, mask: torch.Tensor, *, num_generations: int, scale_rewards: str,
+                       end_ids: frozenset[int]) -> dict[str, float]:
+    """TRL 1.16's names and definitions (GRPOTrainer._generate_and_score_completions) over a step's completions:
+    reward (mean) and reward_std (the batch's std, Bessel-corrected: TRL's nanstd), each function's
+    rewards/<name>/mean and /std (over the completions it scored: NaN where it said None), frac_reward_zero_std
+    (the share of completions whose advantage's std is 0: their group's, or the batch's with scale_rewards batch),
+    completions/mean_length, min_length, max_length and clipped_ratio (the share whose last token is no end token:
+    cut at max_new_tokens)."""
+    lengths = mask.sum(dim=1)
+    if scale_rewards == "batch":
+        stds = nanstd(rewards).reshape(1)
+    else:
+        stds = torch.stack([nanstd(group) for group in rewards.view(-1, num_generations)])
+    last = completion_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    ended = torch.tensor([int(t) in end_ids for t in last], dtype=torch.bool) | (lengths == 0)
+    out = {"reward": float(rewards.nanmean()), "reward_std": float(nanstd(rewards)),
+           "frac_reward_zero_std": float(torch.isclose(stds, torch.zeros_like(stds)).float().mean()),
+           "completions/mean_length": float(lengths.float().mean()), "completions/min_length": float(lengths.min()),
+           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean())}
+    for name, values in zip(names, per_function):
+        out[f"rewards/{name}/mean"] = float(values.nanmean())
+        out[f"rewards/{name}/std"] = float(nanstd(values))
+    return out
+
+
 class PromptRows:
     """The prompt table as the batch stream's table: a row per prompt, its micro-batch the row indices."""
 
@@ -115,13 +142,16 @@ class GrpoRounds:
                  generate: Generate, score: Score, advantages: Advantages, old_logps: OldLogps | None,
                  control: dist.ProcessGroup | None, step_of: Callable[[], int],
                  before_round: Callable[[int], None] | None = None,
-                 after_round: Callable[[], None] | None = None):
+                 after_round: Callable[[], None] | None = None, end_ids: frozenset[int] = frozenset(),
+                 scale_rewards: str = "group"):
         self.table, self.seed, self.rank, self.world = table, seed, rank, world_size
         self.num_generations, self.steps_per_generation = num_generations, steps_per_generation
         self.per_rank, self.micro_batch_size, self.device = per_rank, micro_batch_size, device
         self._generate, self._score, self._advantages, self._old_logps = generate, score, advantages, old_logps
         self._control, self._step_of, self._before_round = control, step_of, before_round
         self._after_round = after_round  # a colocated vLLM engine sleeps while the ranks train
+        # For the logged metrics only: where a completion ends (EOS ids and the pad id), which std scales it.
+        self.end_ids, self.scale_rewards = end_ids, scale_rewards
         self.prompts = BatchStream(PromptRows(table), seed=seed, shuffle=shuffle,
                                    micro_batch_size=per_rank // num_generations, grad_accum_steps=1, dp_rank=rank,
                                    dp_world=world_size, packing="none")
@@ -212,17 +242,11 @@ class GrpoRounds:
         return out
 
     def _metrics(self, block: slice) -> dict[str, float]:
-        """TRL's names over the global step's completions: reward (mean), reward_std (the groups' mean standard
-        deviation), rewards/<function>, completion_length."""
         r = self.round
-        rewards = r.rewards[block]
-        groups = rewards.view(-1, self.num_generations)
-        out = {"reward": float(rewards.mean()), "reward_std": float(groups.std(dim=1).mean()),
-               "completion_length": float(r.mask[block].sum(dim=1).float().mean()),
-               "completions_distinct": self._distinct(block)}
-        for name, values in zip(self.function_names, r.per_function[:, block]):
-            out[f"rewards/{name}"] = float(values.nanmean())  # NaN: the function said None (not applicable)
-        return out
+        out = completion_metrics(r.rewards[block], r.per_function[:, block], self.function_names,
+                                 r.completion_ids[block], r.mask[block], num_generations=self.num_generations,
+                                 scale_rewards=self.scale_rewards, end_ids=self.end_ids)
+        return {**out, "completions_distinct": self._distinct(block)}
 
     def _distinct(self, block: slice) -> float:
         """The share of distinct completions in a group, over the step's groups (1: no two alike; a sampler whose

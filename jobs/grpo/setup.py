@@ -98,12 +98,17 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             advantages=lambda r: group_advantages(r, options.num_generations, options.scale_rewards),
             # One step per round: the ratio is 1 and its gradient the policy's own (TRL: logps.detach()).
             old_logps=old_logps if options.steps_per_generation > 1 else None,
-            control=control, step_of=lambda: parts.state.step, before_round=before_round, after_round=after_round)
+            control=control, step_of=lambda: parts.state.step, before_round=before_round, after_round=after_round,
+            end_ids=frozenset(eos | {pad}), scale_rewards=options.scale_rewards)
 
     reference_of = _reference(spec, parts, env, logps_of)
 
+    def train_logps_of(m: torch.nn.Module, prompt_ids, completion_ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        return completion_logps(m, prompt_ids, completion_ids, mask, env.device, temperature=options.temperature,
+                                entropy=True)
+
     def step(rounds: GrpoRounds, batch: StepBatch) -> GrpoStepValues:
-        return grpo_step(model, parts.optimizer, batch.micro_batches, rounds.last, logps_of=logps_of,
+        return grpo_step(model, parts.optimizer, batch.micro_batches, rounds.last, logps_of=train_logps_of,
                          reference_of=reference_of, options=options, max_grad_norm=spec.train.max_grad_norm,
                          timings=rounds.take_timings)
 

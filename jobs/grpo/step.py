@@ -20,8 +20,9 @@ from .rounds import CompletionBatch, StepSlice
 
 # (micro-batch) -> the reference's per-token log-probabilities [rows, T], or None without a reference (beta 0)
 ReferenceOf = Callable[[CompletionBatch], torch.Tensor | None]
-# (model, prompt ids, completion ids, mask) -> per-token log-probabilities [rows, T] (generate.completion_logps)
-Logps = Callable[[torch.nn.Module, list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
+# (model, prompt ids, completion ids, mask) -> per-token log-probabilities and entropies [rows, T] each
+# (generate.completion_logps with entropy=True)
+Logps = Callable[[torch.nn.Module, list[list[int]], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class GrpoStepValues(StepValues):
@@ -71,7 +72,7 @@ def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_ba
     sums = sampler = None
     for batch in micro_batches:
         reference = reference_of(batch)
-        logps = logps_of(model, batch.prompt_ids, batch.completion_ids, batch.mask)
+        logps, entropy = logps_of(model, batch.prompt_ids, batch.completion_ids, batch.mask)
         device = logps.device
         mask = batch.mask.to(device)
         terms = loss_terms(logps, None if batch.old_logps is None else batch.old_logps.to(device),
@@ -83,7 +84,7 @@ def grpo_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_ba
         share = reduce(terms.per_token, mask, options.loss_type, completions_global=step.completions,
                        tokens_global=step.tokens_norm, max_new_tokens=options.max_new_tokens)
         (share * world).backward()  # FSDP averages the gradients over the ranks
-        part = torch.cat([share.detach().float().reshape(1), metric_sums(terms, mask)])
+        part = torch.cat([share.detach().float().reshape(1), metric_sums(terms, mask, entropy)])
         sums = part if sums is None else sums + part
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()

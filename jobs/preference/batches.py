@@ -34,6 +34,22 @@ def policy_logps(model: torch.nn.Module, batch, device: torch.device) -> tuple[t
     return torch.cat([logps, kl_logps]), torch.cat([counts, kl_counts])
 
 
+def orpo_logps(model: torch.nn.Module, batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's forward (one, over the chosen then the rejected rows): per row [R, 2] the answer's summed
+    log-probability and, for the chosen rows, the whole row's (prompt and answer: every non-pad token after the
+    first, as TRL's NLL takes it; 0 on the rejected rows), with their token counts [R, 2]."""
+    ids, labels = answer_rows(batch)
+    logits = model(input_ids=ids.to(device), use_cache=False).logits
+    answers, answer_counts = answer_logps(logits, labels.to(device))
+    chosen = batch.chosen_ids.shape[0]
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    whole = torch.where(positions < batch.chosen_lengths.unsqueeze(1), batch.chosen_ids, IGNORE).to(device)
+    rows, row_counts = answer_logps(logits[:chosen], whole)
+    pad = torch.zeros(ids.shape[0] - chosen, dtype=rows.dtype, device=rows.device)
+    return (torch.stack([answers, torch.cat([rows, pad])], dim=1),
+            torch.stack([answer_counts, torch.cat([row_counts, pad.long()])], dim=1))
+
+
 def concatenated_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the answer's summed log-probability under ``model`` and its token count. Rows are right-padded

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from fsdpjob.orchestrator.core.jobspec.methods import DpoSpec, KtoSpec, OrpoSpec, RewardSpec
 
@@ -23,6 +24,9 @@ RankMean = Callable[[torch.Tensor], torch.Tensor]  # a value's mean over every r
 # The metrics a pair method logs, in this order (metrics.jsonl, the trackers).
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
+# ORPO's own, after the pair metrics (TRL's ORPOTrainer names): the chosen rows' NLL, the mean of
+# logsigmoid(log-odds) and of the log-odds.
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 # kto's sums, in the order of its metric_sums: the KL of each micro-batch (already the ranks' mean) and the
 # micro-batches counted, the desirable ("chosen") and undesirable ("rejected") answers' rewards, their numbers
 # and their summed log-probabilities.
@@ -91,14 +95,21 @@ def dpo_objective(options: DpoSpec, _rank_mean: RankMean | None = None) -> Objec
 
 
 def orpo_objective(options: OrpoSpec, _rank_mean: RankMean | None = None) -> Objective:
+    """ORPO as TRL 1.16's ORPOTrainer (batches.orpo_logps' forward): the NLL of the micro-batch's chosen rows, a
+    mean over all their tokens, prompt and answer (TRL's cross-entropy over the input ids), minus the mean of
+    beta logsigmoid(log-odds) of the answers' per-token mean log-probabilities; ``logps/*`` are those means, as TRL
+    logs them, and nll_loss, log_odds_ratio and log_odds_chosen its other metrics."""
     def objective(logps: torch.Tensor, counts: torch.Tensor, _reference: torch.Tensor | None, _batch) -> BatchLoss:
-        chosen, rejected = logps.chunk(2)
-        chosen_tokens, rejected_tokens = (c.clamp(min=1) for c in counts.chunk(2))
-        out = orpo_loss(chosen / chosen_tokens, rejected / rejected_tokens, beta=options.beta)
-        # ORPO is the chosen answer's SFT loss (its tokens' mean NLL) plus the odds-ratio term.
-        losses = -chosen / chosen_tokens + out.losses
-        return BatchLoss(losses, _sums(out, chosen, rejected))
-    return _pair_objective(objective)
+        answers, rows = logps.unbind(1)
+        chosen, rejected = (a / c.clamp(min=1) for a, c in zip(answers.chunk(2), counts[:, 0].chunk(2)))
+        out = orpo_loss(chosen, rejected, beta=options.beta)
+        pairs = chosen.numel()
+        nll = -rows.float().sum() / counts[:, 1].sum().clamp(min=1)  # the micro-batch's, spread over its pairs
+        losses = nll.expand(pairs) + out.losses
+        odds = torch.stack([nll.detach(), F.logsigmoid(out.log_odds_ratio).mean(), out.log_odds_ratio.mean()])
+        return BatchLoss(losses, torch.cat([_sums(out, chosen, rejected), odds * pairs]))
+    names = PAIR_METRICS + ORPO_METRICS
+    return Objective(objective, len(names), tuple(Ratio(name, i) for i, name in enumerate(names)))
 
 
 def kto_objective(options: KtoSpec, rank_mean: RankMean) -> Objective:

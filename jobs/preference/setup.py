@@ -12,6 +12,7 @@ import torch
 from fsdpjob.orchestrator.core.jobspec.methods import facts_of
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
 
 from ..data.packing import StepBatch
 from ..data.pairtable import pad_id_of
@@ -22,6 +23,7 @@ from ..report.metrics import Reporter
 from .evaluate import PreferenceEvaluator
 from .objective import Objective, RankMean
 from .reference import ReferenceCache, as_reference, cache_dir, compute_reference, reference_logps
+from .refsource import adopt, cache_of_source
 from .step import Forward, preference_step, rank_mean
 
 
@@ -89,20 +91,27 @@ def _reference(spec: JobSpec, parts, table, env: DistEnv, run_dir: Path, report:
                 return reference_logps(model, batch, env.device, width)
         return live
     cache = ReferenceCache(cache_dir(run_dir, table.fingerprint(), _model_key(spec)), len(table), width)
-    if not cache.complete:
-        if parts.state.step > 0 and not lora:
-            raise RuntimeError(f"the reference cache {cache.folder} is missing or incomplete, and this run resumes at "
-                               f"step {parts.state.step}: the weights it would be computed from are trained already. "
-                               "Restore the folder or start a new run")
-        _run_pass(spec, parts.model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what)
-    else:
+    if cache.complete:
         cache.load_written()
+    elif parts.state.step == 0 or lora:  # the weights it starts from: the model now (LoRA: its adapters off)
+        _run_pass(spec, parts.model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what)
+    elif (found := cache_of_source(cache, run_dir, RunMeta.read(run_dir).resume_from)) is not None:
+        adopt(cache, found, env.is_main)
+    else:
+        # Past step 0 the model is trained: the pass runs on a fresh copy of the starting weights (model.path;
+        # resume refuses another), held for the pass only.
+        starting = frozen_copy(spec, env, parts.mesh, parts.separate_root)
+        _run_pass(spec, starting, table, env, cache, report, False, stop_agreed, hand_off, on_chunk, what,
+                  weights="model.path")
+        del starting
     return lambda batch: cache.lookup(batch.rows)
 
 
-def _run_pass(spec, model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what) -> None:
+def _run_pass(spec, model, table, env, cache, report, lora, stop_agreed, hand_off, on_chunk, what,
+              weights: str | None = None) -> None:
     started = time.time()
     named = {"table": what} if what != "train" else {}  # the eval rows' pass says so; the training rows' as before
+    named |= {"weights": weights} if weights else {}  # a pass on a fresh copy of the starting weights says so
     report.event(runlog.REFERENCE, phase="start", rows=cache.rows, folder=str(cache.folder), **named)
     signum = compute_reference(model, table, cache, lora=lora, device=env.device,
                                micro_batch_size=spec.train.micro_batch_size, rank=env.rank,

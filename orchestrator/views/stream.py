@@ -22,8 +22,20 @@ def _metric(e: dict, max_steps: int) -> str:
     if "eval_loss" in e:  # an evaluation's own line: no training figures in it
         return f"{head}  eval_loss {_num(e['eval_loss'])}" + (f"  ({_secs(e['eval_s'])})" if "eval_s" in e else "")
     eta = f"  eta {e['eta_s']:.0f} s" if isinstance(e.get("eta_s"), (int, float)) else ""
-    reward = f"  reward {_num(e['reward'])}" if "reward" in e else ""  # grpo: what the run is for (its loss is ~0)
-    return f"{head}  loss {_num(e.get('loss'))}{reward}  {_num(e.get('tokens_per_s') or 0, 0)} tok/s{eta}"
+    return f"{head}  {_figures(e)}  {_num(e.get('tokens_per_s') or 0, 0)} tok/s{eta}"
+
+
+def _figures(e: dict) -> str:
+    """What a step says a run learns: grpo's mean reward, its std and the completions' mean length (its loss is ~0
+    by construction); a pair method's loss with the share of pairs ranked right and the reward margin (DPO's loss
+    stays near ln 2 while they move); else the loss."""
+    if "reward" in e:
+        length = f"  length {_num(e['completions/mean_length'], 1)}" if "completions/mean_length" in e else ""
+        return f"reward {_num(e['reward'])} (std {_num(e.get('reward_std'))}){length}"
+    loss = f"loss {_num(e.get('loss'))}"
+    if "rewards/accuracies" in e:
+        return f"{loss}  accuracy {_num(e['rewards/accuracies'], 2)}  margin {_num(e.get('rewards/margins'))}"
+    return loss
 
 
 def _start(e: dict) -> str:
@@ -46,6 +58,18 @@ def _fault(e: dict) -> str:
     return f"{what}; {'restarting' if e.get('restart') else 'giving up'}: {e.get('decision')}"
 
 
+def _reference(e: dict) -> str:
+    """The reference pass of a preference method (before the first step): its rows, and at its end their rate."""
+    table = " of the eval rows" if e.get("table") == "eval" else ""
+    if e.get("phase") == "start":
+        return f"reference pass{table}: {e.get('rows')} rows" + (" (from model.path)" if e.get("weights") else "")
+    seconds = e.get("seconds")
+    if e.get("phase") == "done" and isinstance(seconds, (int, float)) and isinstance(e.get("rows"), int):
+        rate = e["rows"] / max(seconds, 1e-9)
+        return f"reference pass{table} done: {e['rows']} rows in {_secs(seconds)} ({rate:.1f} rows/s)"
+    return f"reference pass{table} {e.get('phase')} after {_secs(seconds)}"
+
+
 # Event kind -> its line's text (after "[kind] "); kinds not here (data) are not streamed.
 _EVENTS: dict[str, Callable[[dict], str]] = {
     runlog.START: _start,
@@ -60,6 +84,7 @@ _EVENTS: dict[str, Callable[[dict], str]] = {
     runlog.CANCEL: lambda e: f"by {e.get('by')}",
     runlog.EXPORT: lambda e: f"Hugging Face folder written: {e.get('path')}",
     runlog.DONE: lambda e: f"finished at step {e.get('step')}, loss {_num(e.get('loss'))}",
+    runlog.REFERENCE: _reference,
 }
 
 

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import resumed_where_saved, wait_for
 from slurm.slurm_helpers import final_weights, status, submit, wait_phase
 from slurm.test_fsdp_slurm import preempt_now, release_when_held
 
@@ -80,5 +80,7 @@ def test_grpo_with_a_server_step_preempted_then_frozen_ends_bitwise(slurm_cluste
     failed = [e for e in events if e["event"] == "failed" and "error" in e]
     assert any("generation server" in e["error"] for e in failed), failed
     assert [e["start"] for e in events if e["event"] == "server"] == [1, 1, 2]  # allocation 1; allocation 2, twice
+    # Each new launch resumed from a saved step (the first at the preemption's stop), not from step 0.
+    assert resumed_where_saved(events, 2)[0] == stop["step"]
     a, b = final_weights(straight["run_dir"]), final_weights(run["run_dir"])
     assert a.keys() == b.keys() and not [k for k in a if not (a[k] == b[k]).all()]

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import resumed_where_saved, wait_for
 from slurm.slurm_helpers import final_weights, status, submit, wait_phase
 from slurm.test_fsdp_slurm import preempt_now, release_when_held
 from vllmenv import vllm_python
@@ -61,5 +61,7 @@ def test_grpo_on_vllm_preempted_ends_bitwise(slurm_cluster, make_spec, tmp_path)
     [stop] = [e for e in events if e["event"] == "stop"]
     assert stop["reason"] == "preemption", stop
     assert [e["start"] for e in events if e["event"] == "server"] == [1, 1]  # a server in each allocation
+    # Each new launch resumed from a saved step (the first at the preemption's stop), not from step 0.
+    assert resumed_where_saved(events, 1)[0] == stop["step"]
     a, b = final_weights(straight["run_dir"]), final_weights(run["run_dir"])
     assert a.keys() == b.keys() and not [k for k in a if not (a[k] == b[k]).all()]

@@ -67,10 +67,12 @@ def _trl_self(loss_type: str, *, beta: float, epsilon: float, epsilon_high: floa
         _metrics=defaultdict(lambda: defaultdict(list)))
 
 
-def _trl_loss(trainer: SimpleNamespace, logps, b: dict, rows: slice, *, num_items: float, with_old: bool):
-    """TRL's loss of one micro-batch (``rows`` of the batch)."""
+def _trl_loss(trainer: SimpleNamespace, logps, b: dict, rows: slice, *, num_items: float, with_old: bool,
+              entropy: torch.Tensor | None = None):
+    """TRL's loss of one micro-batch (``rows`` of the batch), its forward giving ``entropy`` (default 0)."""
     mask = b["mask"][rows]
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps[rows], torch.zeros_like(logps[rows]), None)
+    entropies = torch.zeros_like(logps[rows]) if entropy is None else entropy[rows]
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps[rows], entropies, None)
     inputs = {"prompt_ids": torch.zeros(len(mask), 2, dtype=torch.long), "prompt_mask": torch.ones(len(mask), 2),
               "completion_ids": torch.zeros_like(mask), "completion_mask": mask, "advantages": b["adv"][rows],
               "ref_per_token_logps": b["ref"][rows], "num_items_in_batch": torch.tensor(float(num_items))}
@@ -154,15 +156,18 @@ def test_metrics_are_trls_token_weighted_means(beta):
     """One process, one micro-batch: TRL's logged kl and clip ratios equal metric_means of the summed metric_sums
     of any split of the batch."""
     b = _batch(seed=3, n=64)  # enough tokens in each clip region
+    entropy = 2 * torch.rand(b["logps"].shape, generator=torch.Generator().manual_seed(4))
     trainer = _trl_self("dapo", beta=beta, epsilon=0.2, epsilon_high=0.4, processes=1, accumulation=1,
                         steps_per_generation=1)
-    _trl_loss(trainer, b["logps"], b, slice(None), num_items=float(b["mask"].sum()), with_old=True)
+    _trl_loss(trainer, b["logps"], b, slice(None), num_items=float(b["mask"].sum()), with_old=True, entropy=entropy)
     sums = sum(metric_sums(loss_terms(b["logps"][rows], b["old"][rows], b["ref"][rows] if beta else None,
-                                      b["adv"][rows], epsilon=0.2, epsilon_high=0.4, beta=beta), b["mask"][rows])
+                                      b["adv"][rows], epsilon=0.2, epsilon_high=0.4, beta=beta), b["mask"][rows],
+                           entropy[rows])
                for rows in (slice(0, 5), slice(5, None)))
     ours = metric_means(sums, beta=beta)
     logged = trainer._metrics["train"]
-    names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"] + (["kl"] if beta else [])
+    names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy"] + (
+        ["kl"] if beta else [])
     assert sorted(ours) == sorted(names)
     for name in names:
         assert ours[name] == pytest.approx(logged[name][0], rel=1e-5, abs=1e-7), name
@@ -254,3 +259,54 @@ def test_truncated_importance_sampling_weights_each_token_and_measures_the_misma
     assert_close(weighted.per_token, terms.per_token * torch.exp(old - sampler).clamp(max=2.0))
     unweighted, _ = importance_sampling(terms, logps, batch, mask, None)
     assert unweighted.per_token is terms.per_token
+
+
+# ---- logged metrics: TRL 1.16's _generate_and_score_completions lines, with its nanstd ------------------------
+
+def _trl_metrics(rewards_per_func, weights, names, completion_ids, lengths, num_generations, scale, end_ids):
+    nanstd = _nanstd()
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    if scale == "batch":
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    else:
+        std_rewards = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    out = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
+           "frac_reward_zero_std": is_std_zero.float().mean().item(),
+           "completions/mean_length": lengths.float().mean().item(),
+           "completions/min_length": lengths.float().min().item(),
+           "completions/max_length": lengths.float().max().item(),
+           "completions/clipped_ratio": torch.tensor([ids[:n][-1].item() not in end_ids for ids, n in
+                                                      zip(completion_ids, lengths.tolist())]).float().mean().item()}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_logged_reward_and_completion_metrics_are_trls(scale):
+    """Two groups of 4, [0, 0, 1, 1 | 0, 0, 0, 0]: reward_std is the batch's (0.463), not the groups' mean (0.289);
+    a function that said None for some completions has its mean and std over the others."""
+    from fsdpjob.jobs.grpo.rounds import completion_metrics
+
+    digits = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    seen = torch.tensor([1.0, float("nan"), 0.0, 1.0, float("nan"), float("nan"), 0.0, 0.0])
+    per_func, weights = torch.stack([digits, seen], dim=1), torch.tensor([1.0, 0.5])
+    total = (per_func * weights).nansum(dim=1)
+    eos, pad, width = 2, 0, 5
+    lengths = torch.tensor([5, 3, 1, 5, 2, 4, 5, 5])
+    ids = torch.randint(5, 50, (8, width), generator=torch.Generator().manual_seed(0))
+    ids[1, 2], ids[2, 0], ids[4, 1], ids[5, 3], ids[6, 4] = eos, eos, eos, eos, eos  # 6 ends at max, with EOS
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    ours = completion_metrics(total, per_func.t(), ["digits", "seen"], ids, mask, num_generations=4,
+                              scale_rewards=scale, end_ids=frozenset({eos, pad}))
+    theirs = _trl_metrics(per_func, weights, ["digits", "seen"], ids, lengths, 4, scale, {eos, pad})
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert ours[name] == pytest.approx(theirs[name], rel=1e-6), name
+    assert ours["completions/clipped_ratio"] == 3 / 8  # rows 0, 3, 7: cut at max_new_tokens without an end
+    assert ours["frac_reward_zero_std"] == {"batch": 0.0}.get(scale, 0.5)  # the second group: all 0
+    alone = completion_metrics(digits, digits.unsqueeze(0), ["digits"], ids, mask, num_generations=4,
+                               scale_rewards=scale, end_ids=frozenset({eos, pad}))
+    assert alone["reward_std"] == pytest.approx(0.4629, abs=1e-4)  # the batch's, not the groups' mean 0.2887

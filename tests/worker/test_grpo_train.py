@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from distributed import committed_model_state, run_ranks, write_run
 from distributed import train_worker as _worker
+from helpers import resumed_where_saved
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -93,19 +94,27 @@ def test_the_reward_rises_and_every_metric_has_trls_name(runs):
     first = sum(m[s]["reward"] for s in range(1, 6)) / 5
     last = sum(m[s]["reward"] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last >= 2 * first and last > 0, (first, last)
-    for key in ("reward", "reward_std", "rewards/digits", "rewards/answer_seen", "completion_length", "clip_ratio",
-                "loss", "grad_norm", "generation_s", "scoring_s"):
+    for key in ("reward", "reward_std", "rewards/digits/mean", "rewards/digits/std", "rewards/answer_seen/mean",
+                "completions/mean_length", "completions/min_length", "completions/max_length",
+                "completions/clipped_ratio", "frac_reward_zero_std", "entropy", "clip_ratio", "loss", "grad_norm",
+                "generation_s", "scoring_s"):
         assert key in m[STEPS], (key, m[STEPS])
     assert "kl" not in m[STEPS]  # beta 0: no reference, no kl
-    assert 0 < m[1]["completion_length"] <= 12
+    assert 0 < m[1]["completions/min_length"] <= m[1]["completions/mean_length"] <= m[1]["completions/max_length"] <= 12
+    assert 0 <= m[1]["completions/clipped_ratio"] <= 1 and 0 <= m[1]["frac_reward_zero_std"] <= 1
+    assert m[1]["entropy"] > 0  # the sampled distribution's, per completion token
     # The weighted sum of the functions' means is the mean reward.
-    assert m[3]["reward"] == pytest.approx(m[3]["rewards/digits"] + 0.5 * m[3]["rewards/answer_seen"], abs=1e-5)
+    assert m[3]["reward"] == pytest.approx(m[3]["rewards/digits/mean"] + 0.5 * m[3]["rewards/answer_seen/mean"],
+                                           abs=1e-5)
 
 
 @pytest.mark.parametrize("name", ["straight", "two"])
 def test_a_stop_resumes_bitwise_weights_and_rewards(runs, name):
     straight, stopped = metrics(runs[name]), metrics(runs[f"{name}-stopped"])
-    for key in ("reward", "loss", "completion_length"):
+    # The relaunch resumed at the stop: a silent restart from step 0 would end with the same bits.
+    lines = [json.loads(x) for x in (runs[f"{name}-stopped"] / "events.jsonl").read_text().splitlines()]
+    assert resumed_where_saved(lines, 1) == [{"straight": STOP_AT, "two": TWO_STOP_AT}[name]]
+    for key in ("reward", "loss", "completions/mean_length", "entropy"):
         assert [straight[s][key] for s in straight] == [stopped[s][key] for s in straight], key
     a, b = committed_model_state(runs[name]), committed_model_state(runs[f"{name}-stopped"])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

@@ -137,3 +137,23 @@ def test_the_cache_holds_each_answers_and_its_kl_rows_reference(runs):
     expected = logps.view(2, -1).t()
     assert torch.allclose(cache.logps, expected, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(cache.logps[:, 0], cache.logps[:, 1], atol=1e-2)  # the KL rows are other rows
+
+
+def test_a_new_kto_run_continues_a_stopped_one_from_its_step_folder(runs, tmp_path):
+    """`submit --resume-from <step folder of another run>` for kto: the answers' and the KL rows' reference come
+    from the run that wrote the checkpoint (copied, no pass), and the steps after the stop are the straight run's."""
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
+
+    meta = json.loads((runs["full"] / "spec.json").read_text())
+    continued = write_run(tmp_path, "continued", {k: v for k, v in meta["spec"].items() if k != "name"},
+                          resume_from=str(runs["stopped"] / "checkpoints" / f"step-{STOP_AT:08d}"))
+    assert RunMeta.read(continued).resume_from
+    assert run_ranks(_worker, 2, run_dir=str(continued), env={}) == [0, 0]
+    lines = events(continued)
+    assert [e["step"] for e in lines if e["event"] == "resume"] == [STOP_AT]
+    assert not [e for e in lines if e["event"] == "reference"]  # the stopped run's cache, copied
+    full, after = metrics(runs["full"]), metrics(continued)
+    assert sorted(after) == list(range(STOP_AT + 1, STEPS + 1)), sorted(after)
+    for step in after:
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected"):
+            assert after[step].get(key) == full[step].get(key), (step, key)

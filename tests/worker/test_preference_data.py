@@ -74,13 +74,19 @@ def answer_of(ids: torch.Tensor, labels: torch.Tensor) -> list[int]:
 # ---------------------------------------------------------------- reading
 
 
-def test_string_pairs_are_bos_prompt_and_answer_eos(tmp_path, tokenizer):
+def test_string_pairs_are_tokenized_in_one_call_with_the_eos_text_as_trl(tmp_path, tokenizer):
+    """TRL 1.16's rule: the prompt with the tokenizer's own special tokens (this one adds no BOS), prompt + answer +
+    the EOS token's text in one call, the answer what follows the shared prefix (tests/worker/test_trl_parity.py
+    checks it against TRL's own code)."""
     path = jsonl(tmp_path / "p.jsonl", [{"prompt": "what is two plus two", "chosen": " four", "rejected": " 5"},
                                         {"prompt": "hello", "chosen": " world", "rejected": " fox"}])
     pairs = read_pairs(spec(path), tokenizer)
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    assert pairs[0] == Pair([bos, *enc(tokenizer, "what is two plus two")], [*enc(tokenizer, " four"), eos],
-                            [*enc(tokenizer, " 5"), eos], 1, None)
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer("what is two plus two")["input_ids"]
+    assert prompt[0] != tokenizer.bos_token_id  # no post-processor adds one here
+    assert pairs[0] == Pair(prompt, [*enc(tokenizer, " four"), eos], [*enc(tokenizer, " 5"), eos], 1, None)
+    whole = tokenizer("what is two plus two four" + tokenizer.eos_token)["input_ids"]
+    assert pairs[0].prompt_ids + pairs[0].chosen_ids == whole
     assert pairs[1].line == 2 and (pairs.read, pairs.truncated, pairs.dropped) == (2, 0, 0)
 
 
@@ -131,7 +137,7 @@ def test_implicit_prompt_is_the_shared_leading_messages(tmp_path, tokenizer):
                  "rejected": [msg("user", "c"), msg("assistant", "d")]},
                 {"chosen": shared, "rejected": shared + [msg("assistant", "fox")]}):
         jsonl(path, [rows[0], bad])
-        with pytest.raises(DataError, match=r"i\.jsonl:2: chosen and rejected share"):
+        with pytest.raises(DataError, match=r"i\.jsonl:2: .*chosen and rejected share"):
             read_pairs(spec(path, fields=fields), tokenizer)
 
 
@@ -169,7 +175,7 @@ def test_kto_answers_and_their_labels(tmp_path, tokenizer):
     data = spec(path, fields=KTO_FIELDS)
     answers = read_unpaired(data, tokenizer)
     assert [a.desirable for a in answers] == [True, False, True] and [a.line for a in answers] == [1, 2, 3]
-    assert answers[0].prompt_ids == [tokenizer.bos_token_id, *enc(tokenizer, "hello")]
+    assert answers[0].prompt_ids == tokenizer("hello")["input_ids"]
     assert answers[0].completion_ids == [*enc(tokenizer, " world"), tokenizer.eos_token_id]
     table = read_unpaired_table(data, tokenizer)
     assert table.desirable.tolist() == [True, False, True] and table.ids.shape == (3, 64)
@@ -213,7 +219,7 @@ def test_truncate_cuts_the_answers_end_and_keeps_the_prompt(tmp_path, tokenizer)
                                         {"prompt": "hello", "chosen": " world", "rejected": " fox"}])
     seq_len = 12
     pairs = read_pairs(spec(path, seq_len=seq_len), tokenizer)
-    prompt = [tokenizer.bos_token_id, *enc(tokenizer, "hello")]
+    prompt = tokenizer("hello")["input_ids"]
     assert pairs[0].prompt_ids == prompt
     assert pairs[0].chosen_ids == enc(tokenizer, long)[: seq_len - len(prompt)]  # its end (and eos) cut
     assert pairs[0].rejected_ids == [*enc(tokenizer, " fox"), tokenizer.eos_token_id]  # the short one whole
@@ -237,7 +243,7 @@ def test_drop_leaves_the_whole_pair_out(tmp_path, tokenizer):
 
 def test_prompt_without_room_for_an_answer_is_a_data_error(tmp_path, tokenizer):
     prompt = "the quick brown fox jumps"
-    tokens = 1 + len(enc(tokenizer, prompt))
+    tokens = len(tokenizer(prompt)["input_ids"])
     path = jsonl(tmp_path / "long.jsonl", [{"prompt": "hello", "chosen": " a", "rejected": " b"},
                                            {"prompt": prompt, "chosen": " a", "rejected": " b"}])
     with pytest.raises(DataError) as info:
@@ -319,7 +325,7 @@ def login_spec(tmp_path: Path, tok_dir: Path, method: str, seq_len: int, rows: l
 
 def test_validate_refuses_a_string_prompt_without_room_as_the_worker_does(tmp_path, tokenizer, tok_dir):
     prompt = "the quick brown fox jumps"
-    tokens = 1 + len(enc(tokenizer, prompt))
+    tokens = len(tokenizer(prompt)["input_ids"])  # the tokenizer's own special tokens, on both sides
     rows = [{"prompt": "hello", "chosen": " a", "rejected": " b"}, {"prompt": prompt, "chosen": " a", "rejected": " b"}]
     spec_, doc = login_spec(tmp_path, tok_dir, "dpo", tokens, rows)
     with pytest.raises(InputError) as info:

@@ -43,7 +43,7 @@ def assets(tmp_path_factory) -> dict:
 
 
 def make_run(root: Path, name: str, assets: dict, *, method: str = "dpo", options: dict | None = None,
-             lora: bool = False, steps: int = STEPS, more: dict | None = None) -> Path:
+             lora: bool = False, steps: int = STEPS, more: dict | None = None, resume_from: str | None = None) -> Path:
     spec = {
         "model": {"path": assets["model_path"], **({"lora": {"r": 4, "alpha": 8.0}} if lora else {})},
         "data": {"path": assets["pairs"], "seq_len": 16},
@@ -56,7 +56,7 @@ def make_run(root: Path, name: str, assets: dict, *, method: str = "dpo", option
     }
     for section, values in (more or {}).items():
         spec[section] = {**spec.get(section, {}), **values}
-    return write_run(root, name, spec)
+    return write_run(root, name, spec, resume_from=resume_from)
 
 
 def train(run_dir: Path, world: int = 2, **env: str) -> list[int]:
@@ -124,6 +124,49 @@ def test_a_stop_in_training_resumes_bitwise(runs):
     assert all((a[k] == b[k]).all() for k in a)
     # The restart read the reference cache: no second pass.
     assert [p["phase"] for p in events(runs["stopped"]) if p["event"] == "reference"] == ["start", "done"]
+
+
+def test_a_new_run_continues_a_stopped_dpo_run_from_its_step_folder_with_that_runs_reference(tmp_path, assets, runs):
+    """`submit --resume-from <step folder of another run>`: the new run has no cache of its own and its model is
+    trained already; it reads (and copies) the cache of the run that wrote the checkpoint, runs no pass, and
+    trains the uninterrupted run's steps after the stop bitwise."""
+    step_dir = runs["stopped"] / "checkpoints" / f"step-{STOP_AT:08d}"
+    continued = make_run(tmp_path, "continued", assets, resume_from=str(step_dir))
+    assert train(continued) == [0, 0]
+    resume = next(e for e in events(continued) if e["event"] == "resume")
+    assert resume["step"] == STOP_AT, resume
+    full, after = metrics(runs["full"]), metrics(continued)
+    assert sorted(after) == list(range(STOP_AT + 1, STEPS + 1)), sorted(after)
+    assert [after[s]["loss"] for s in after] == [full[s]["loss"] for s in after]
+    assert not [e for e in events(continued) if e["event"] == "reference"]  # no pass: the source run's cache
+    [copied] = (continued / "reference").glob("*/complete.json")
+    assert json.loads(copied.read_text())["copied_from"].startswith(str(runs["stopped"].resolve())), copied
+    a, b = committed_model_state(runs["full"]), committed_model_state(continued)
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_new_run_from_a_step_folder_without_its_run_computes_the_reference_from_the_starting_weights(
+        tmp_path, assets, runs):
+    """The checkpoint alone (its run's folder gone or elsewhere): the pass runs again on a fresh copy of model.path,
+    never on the trained weights the run resumes with, and the run trains the uninterrupted run's steps bitwise."""
+    alone = tmp_path / "moved-checkpoint" / f"step-{STOP_AT:08d}"
+    shutil.copytree(runs["stopped"] / "checkpoints" / f"step-{STOP_AT:08d}", alone)
+    continued = make_run(tmp_path, "continued", assets, resume_from=str(alone))
+    assert train(continued) == [0, 0]
+    assert next(e for e in events(continued) if e["event"] == "resume")["step"] == STOP_AT
+    passes = [e for e in events(continued) if e["event"] == "reference"]
+    assert [(p["phase"], p.get("weights")) for p in passes] == [("start", "model.path"), ("done", "model.path")]
+    full, after = metrics(runs["full"]), metrics(continued)
+    assert sorted(after) == list(range(STOP_AT + 1, STEPS + 1)), sorted(after)
+    assert [after[s]["loss"] for s in after] == [full[s]["loss"] for s in after]
+    # The cache it wrote is the first run's (computed at step 0 from the same weights), row for row, bitwise.
+    from fsdpjob.jobs.preference.reference import ReferenceCache
+
+    [own] = (continued / "reference").glob("*/complete.json")
+    first_run = runs["full"] / "reference" / own.parent.name
+    mine, first = (ReferenceCache(folder, 40, 2) for folder in (own.parent, first_run))
+    assert len(mine.load_written()) == len(first.load_written()) == 3
+    assert mine.logps.abs().sum() > 0 and (mine.logps == first.logps).all()
 
 
 def test_a_stop_inside_the_reference_pass_resumes_the_pass_and_ends_bitwise(runs):

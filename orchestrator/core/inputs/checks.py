@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 from fsdpjob.orchestrator.core.errors import InputError
 from fsdpjob.orchestrator.core.jobspec.families import SUPPORTED_MODEL_TYPES, logit_transform
 
-from .dataformats import check_data, check_not_all_dropped
+from .dataformats import RowError, SourceProblem, check_data, check_not_all_dropped, locate, source_records
 from .promptroom import check_prompt_room
+from .records import SCAN_LINES
 from .rewardfns import check_reward_functions
 
 if TYPE_CHECKING:
@@ -105,6 +106,26 @@ def _check_tokenizer(folder: Path, data: DataSpec, doc: YamlDoc | None) -> None:
         )
 
 
+def _check_conversation_pairs(data: DataSpec, folder: Path) -> None:
+    """Preference data given as conversations needs the model's chat template: the first such record of the first
+    SCAN_LINES of each source, at its FILE:LINE, when the tokenizer has none (the workers would stop there)."""
+    if _has_chat_template(folder):
+        return
+    for source in data.inputs():
+        if source.shape not in ("preference", "unpaired"):
+            continue
+        try:
+            records = source_records(locate(source), source, limit=SCAN_LINES)
+            for file, line, fields in records:
+                role = next((r for r in ("prompt", "chosen", "completion") if isinstance(fields.get(r), list)), None)
+                if role is not None:
+                    raise InputError(f"field {source.fields[role]!r}: the record is a conversation, and the "
+                                     f"tokenizer in {folder} has no chat template to render it; give strings or add "
+                                     "a chat template", file=str(file), line=line)
+        except (SourceProblem, RowError):
+            continue  # check_data reports these
+
+
 def _has_chat_template(folder: Path) -> bool:
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
@@ -164,6 +185,7 @@ def check_inputs(spec: JobSpec, doc: YamlDoc | None = None, *, config_only: bool
     if not config_only:
         attempt(check_data, spec.data, doc, getattr(spec.method_options, "margin_field", None))
         attempt(check_not_all_dropped, spec.data, folder, doc)
+        attempt(_check_conversation_pairs, spec.data, folder)
         attempt(check_prompt_room, spec.data, folder, getattr(spec.method_options, "max_new_tokens", None))
         attempt(check_reward_functions, spec, doc)  # grpo's: they load here, without torch
     if len(found) == 1:

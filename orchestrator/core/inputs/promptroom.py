@@ -4,7 +4,9 @@ its file and line, as the worker would refuse it (jobs/data/preference.py, jobs/
 allocation starts.
 
 String prompts are counted exactly: the model folder's tokenizer.json is read by the tokenizers package (no
-transformers here), which cannot render a chat template. A grpo conversation counts its messages' contents alone,
+transformers here), which cannot render a chat template. A preference prompt is counted with the tokenizer's own
+special tokens (its post-processor's, as the worker tokenizes it: TRL's rule); a grpo prompt with the bos the
+worker puts before it. A grpo conversation counts its messages' contents alone,
 a lower bound (the template adds its own tokens): one too long even so is refused here, the rest on the worker;
 a preference conversation's prompt is left to the worker. The first SCAN_LINES records of the training and eval
 data are read, as the other data checks read them.
@@ -79,12 +81,12 @@ def _check_generation_prompts(data: DataSpec, tokenizer: Any, bos: int, max_new_
                                                  at_least=chat), file=str(record.file), line=record.line)
 
 
-def _check_section(data: DataSpec, tokenizer: Any, bos: int) -> None:
+def _check_section(data: DataSpec, tokenizer: Any) -> None:
     for source in data.inputs():  # data.path's, or each source of a mixture
-        _check_source(source, data.seq_len, tokenizer, bos)
+        _check_source(source, data.seq_len, tokenizer)
 
 
-def _check_source(source: Any, seq_len: int, tokenizer: Any, bos: int) -> None:
+def _check_source(source: Any, seq_len: int, tokenizer: Any) -> None:
     try:
         located = locate(source)
         if located.format == "save_to_disk":  # as long_example_warnings: the worker reads those
@@ -93,10 +95,10 @@ def _check_source(source: Any, seq_len: int, tokenizer: Any, bos: int) -> None:
                    if isinstance(fields.get("prompt"), str)]
     except (SourceProblem, RowError):
         return  # check_data reports these
-    encoded = tokenizer.encode_batch([p for _, _, p in prompts], add_special_tokens=False) if prompts else []
+    encoded = tokenizer.encode_batch([p for _, _, p in prompts], add_special_tokens=True) if prompts else []
     for (file, line, _), e in zip(prompts, encoded):
-        if len(e.ids) + bos >= seq_len:
-            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids) + bos, seq_len),
+        if len(e.ids) >= seq_len:
+            raise InputError(prompt_room_problem(source.fields["prompt"], len(e.ids), seq_len),
                              file=str(file), line=line)
 
 
@@ -109,15 +111,14 @@ def check_prompt_room(data: DataSpec, model_folder: Path, max_new_tokens: int | 
     tokenizer = login_tokenizer(model_folder)
     if tokenizer is None:
         return
-    bos = _bos_count(model_folder, tokenizer)
     if data.shape == "prompts":
         if max_new_tokens is not None:  # None: not grpo (other methods refuse the shape)
-            _check_generation_prompts(data, tokenizer, bos, max_new_tokens)
+            _check_generation_prompts(data, tokenizer, _bos_count(model_folder, tokenizer), max_new_tokens)
         return
-    _check_section(data, tokenizer, bos)
+    _check_section(data, tokenizer)
     if data.eval_path is not None:
         try:
             evaluation = eval_data(data)
         except SourceProblem:
             return  # check_data reports it
-        _check_section(evaluation, tokenizer, bos)
+        _check_section(evaluation, tokenizer)

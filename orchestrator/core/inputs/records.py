@@ -102,7 +102,7 @@ def record_fields(obj: Any, data: FieldOptions, line: int) -> dict[str, Any]:
         if problem:
             raise RecordError(f"field {field!r}: {problem}", line)
         out[role] = value
-    if data.shape == "preference" and (problem := _pair_kinds(out)):
+    if data.shape == "preference" and (problem := _pair_kinds(out) or _conversation_problem(out, data.fields)):
         raise RecordError(problem, line)
     return out
 
@@ -124,6 +124,43 @@ def _pair_kinds(pair: dict[str, Any]) -> str | None:
     if "prompt" not in pair and not kinds.get("chosen"):
         return ("the pair has no prompt field and its answers are strings; set data.prompt_field (an implicit "
                 "prompt needs chosen and rejected as conversations)")
+    return None
+
+
+def implicit_prompt(answers: list[list[dict]]) -> tuple[list[dict], list[list[dict]]]:
+    """The messages every conversation starts with (the prompt) and what each has after them (its answer);
+    ValueError where they share no first message or one has nothing after the shared ones."""
+    n, shortest = 0, min(len(a) for a in answers)
+    while n < shortest and all(a[n] == answers[0][n] for a in answers):
+        n += 1
+    if n == 0:
+        raise ValueError("chosen and rejected share no first message: without data.prompt_field the prompt is the "
+                         "messages both conversations start with; give the pair its prompt's messages or set "
+                         "data.prompt_field")
+    if n == shortest:
+        raise ValueError(f"chosen and rejected share their first {n} messages and one has nothing after them: "
+                         "each needs at least one answer message after the shared prompt")
+    return answers[0][:n], [a[n:] for a in answers]
+
+
+def _conversation_problem(pair: dict[str, Any], fields: dict[str, str]) -> str | None:
+    """A conversation pair's prompt (its prompt field, or the messages both answers start with) and answers: each
+    answer is the assistant's (its first message role assistant; later ones assistant or tool), as the chat
+    template's generation prompt opens it; anything else the workers could not split from the prompt."""
+    answers = [pair[role] for role in _ANSWERS if isinstance(pair.get(role), list)]
+    if len(answers) != len(_ANSWERS):
+        return None
+    if "prompt" not in pair:
+        try:
+            _, answers = implicit_prompt(answers)
+        except ValueError as exc:
+            return f"fields {fields['chosen']!r} and {fields['rejected']!r}: {exc}"
+    for role, answer in zip(_ANSWERS, answers):
+        for i, message in enumerate(answer):
+            if message["role"] != "assistant" and (i == 0 or message["role"] != "tool"):
+                return (f"field {fields[role]!r}: the answer's message {i} has role {message['role']!r}; an answer "
+                        "is written by the assistant (role assistant, then assistant or tool): move the other "
+                        "turns into the prompt")
     return None
 
 

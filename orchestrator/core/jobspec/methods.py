@@ -49,6 +49,14 @@ class DpoSpec(Strict):
      "ranks, and kept in the run folder (no second model in memory while training). live: a frozen sharded copy "
      "of the model computes them at every step. With LoRA the reference is the base with the adapters off.")
 
+    @model_validator(mode="after")
+    def _smoothing_where_used(self) -> DpoSpec:
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise field_error("label_smoothing", f"loss_type {self.loss_type} has no label smoothing (cDPO is "
+                                                 "sigmoid's, robust DPO robust's): it would be ignored; drop "
+                                                 "label_smoothing or use loss_type sigmoid or robust")
+        return self
+
 
 class OrpoSpec(Strict):
     beta: Positive = 0.1
@@ -95,7 +103,7 @@ class RewardFunctionSpec(Strict):
 
     @property
     def name(self) -> str:
-        """The function's name (metrics: rewards/<name>)."""
+        """The function's name (metrics: rewards/<name>/mean and /std)."""
         return value_name(self.function)
 
 
@@ -193,7 +201,8 @@ class GrpoSpec(Strict):
     """Divide the advantages by the standard deviation of the rewards in the group, in the batch, or not at all."""
     steps_per_generation: Annotated[int, Field(strict=True, gt=0)] = 1
     ("Optimizer steps trained on one round of generations (later steps of a round clip against the policy that "
-     "generated them).")
+     "generated them). Not TRL's unit: TRL's steps_per_generation counts micro-steps (default: its "
+     "gradient_accumulation_steps, one optimizer step); TRL's N is N / grad_accum_steps here.")
     generator: GeneratorSpec = Field(default_factory=GeneratorSpec)
     """Where completions are generated."""
     tis_cap: Annotated[float, Field(strict=True, ge=1)] | None = 2.0
@@ -213,7 +222,7 @@ class GrpoSpec(Strict):
     def _distinct(self) -> GrpoSpec:
         names = [r.name for r in self.reward]
         if twice := sorted({n for n in names if names.count(n) > 1}):
-            raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}); "
+            raise field_error("reward", f"two reward functions are named {twice[0]} (metrics rewards/{twice[0]}/mean); "
                                         "give each a distinct name")
         return self
 
