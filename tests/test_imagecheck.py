@@ -50,12 +50,16 @@ def images(tmp_path_factory) -> dict[str, Path]:
     version = next(line for line in text.splitlines() if line.startswith("Version: "))
     meta.unlink()
     meta.write_text(text.replace(version, "Version: 2.6.0a0+df5bbc09d1"))  # NGC 24.12's torch
+    new_enough = variant("torch-2.8")  # meets the floor, lacks async save's stager (2.9)
+    [meta] = (new_enough / SITE).glob("torch-*.dist-info/METADATA")
+    meta.unlink()
+    meta.write_text(text.replace(version, "Version: 2.8.0a0+5228986c39"))  # NGC 25.06's torch
     other = variant("other-build")
     init = other / SITE / "fsdpjob/orchestrator/__init__.py"
     text = init.read_text()
     init.unlink()
     init.write_text(text + "# an older checkout\n")
-    return {"good": good, "lacking": lacking, "old-torch": old_torch, "other-build": other}
+    return {"good": good, "lacking": lacking, "old-torch": old_torch, "torch-2.8": new_enough, "other-build": other}
 
 
 @pytest.fixture
@@ -125,6 +129,43 @@ def test_submit_refuses_an_image_without_fsdpjob_before_the_queue_and_checks_a_g
     assert submit_gate(good, load_profile_file(profile), echo=said.append) is None
     assert said and said[0].startswith("checking the image once")
     assert submit_gate(good, load_profile_file(profile), echo=said.append) is None and len(said) == 1  # cached
+
+
+def test_validate_refuses_a_feature_the_checked_images_torch_lacks(images, profile, tmp_path):
+    """Issue 54 item 2: once check-image has run an image, its torch is known on this machine, and a feature that
+    needs a newer torch than the floor (async save's stager: 2.9) is refused at validate, not at set-up on the
+    nodes. Before the check nothing is known, and nothing is refused."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    spec = {"name": "img", "profile": str(profile), "resources": {"nodes": 1, "time_limit": "10:00"},
+            "model": {"path": str(model_folder(tmp_path / "model"))}, "data": {"path": str(data), "seq_len": 64},
+            "train": {"max_steps": 2}, "checkpoint": {"async_save": True},
+            "container": {"image": str(images["torch-2.8"])}}
+    path = write_spec(tmp_path / "job.yaml", spec)
+    assert fsdpjob("validate", str(path), cwd=tmp_path).returncode == 0
+    assert fsdpjob("check-image", str(images["torch-2.8"]), "--profile", str(profile), timeout_s=300).returncode == 0
+    done = fsdpjob("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"{path}:") and "checkpoint.async_save: needs torch >= 2.9 (DCP's DefaultStager), but the " \
+        f"workers' torch is 2.8.0a0+5228986c39 (image {images['torch-2.8']}, as fsdpjob check-image found it): set " \
+        "checkpoint.async_save: false" in line, line
+
+
+def test_the_features_above_the_floor_and_the_torch_they_need():
+    from specs import job_spec
+
+    from fsdpjob.orchestrator.core import workertorch
+
+    spec = job_spec({"name": "t", "model": {"path": "/m", "attn_implementation": "varlen"}, "data": {"path": "/d"},
+                     "fsdp": {"mixed_precision": "bf16"}, "checkpoint": {"async_save": True},
+                     "train": {"max_steps": 5}})
+    assert [loc for loc, _ in workertorch.torch_problems(spec, True, "2.8.1+cu128", "x")] == [
+        ("checkpoint", "async_save"), ("model", "attn_implementation")]
+    assert [loc for loc, _ in workertorch.torch_problems(spec, True, "2.9.0", "x")] == [
+        ("model", "attn_implementation")]
+    assert workertorch.torch_problems(spec, False, "2.9.0", "x") == []  # varlen on CPU: SDPA per example, any torch
+    assert workertorch.torch_problems(spec, True, "2.10.0a0+abc", "x") == []
 
 
 def test_pyxis_and_apptainer_probes_use_their_launch_words(tmp_path):

@@ -9,9 +9,7 @@ profile's partition. A passing answer is cached per image identity and host buil
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +22,7 @@ from fsdpjob.orchestrator.core.errors import FsdpjobError
 from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.jobspec.container import RUNTIME_ROWS, ContainerSpec, Mount, parse_mount
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
+from fsdpjob.orchestrator.core.workertorch import check_key, checks_dir, recorded
 
 from .containerline import container_launch
 
@@ -156,7 +155,7 @@ def plan_check(profile: ClusterProfile, *, image: str | None = None, runtime: st
     mounts = [parse_mount(m) for m in spec.mounts]  # a host venv mounted into the image (the other recipe)
     argv = probe_argv(spec, mounts, profile, worker_python)
     return ImageCheck(container=spec, python=worker_python, argv=tuple(argv),
-                      key=cache_key(spec, worker_python))
+                      key=check_key(spec, worker_python))
 
 
 def probe_argv(container: ContainerSpec, mounts: list[Mount], profile: ClusterProfile, python: str) -> list[str]:
@@ -189,30 +188,6 @@ def _no_empty_binds(words: tuple[str, ...]) -> list[str]:
     return out
 
 
-def cache_key(container: ContainerSpec, python: str) -> str:
-    """The image's identity (a file's or folder's size, mtime and inode; a registry URI as written), its runtime
-    and python, and the host's build: a rebuilt image or a new checkout checks again."""
-    ident = container.image or f"name:{container.name}"
-    if container.image and os.path.exists(container.image):
-        st = os.stat(container.image)
-        ident += f"|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    text = "|".join([str(container.runtime), ident, python, ",".join(container.mounts), build_id()])
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def cache_dir() -> Path:
-    """Beside the user's other caches: a check is the same for every run of this host build and image."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fsdpjob" / "image-checks"
-
-
-def cached(check: ImageCheck) -> dict | None:
-    path = cache_dir() / f"{check.key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def can_run_here(check: ImageCheck) -> bool:
     """Whether this host has the probe's first command (bwrap, apptainer; srun for pyxis)."""
     first = next(w for w in check.argv if w != "env" and "=" not in w)
@@ -241,13 +216,13 @@ def check_image(check: ImageCheck, *, use_cache: bool = True) -> tuple[dict, dic
     """(image facts, host facts, the refusal or None, whether the answer came from the cache). A passing
     answer is cached."""
     host = host_facts()
-    if use_cache and (facts := cached(check)) is not None:
+    if use_cache and (facts := recorded(check.key)) is not None:
         return facts, host, None, True
     facts = run_probe(check)
     refusal = problem(facts, host, floors())
     if refusal is None:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        write_atomic(cache_dir() / f"{check.key}.json", json.dumps(facts, sort_keys=True) + "\n", mode=0o644)
+        checks_dir().mkdir(parents=True, exist_ok=True)
+        write_atomic(checks_dir() / f"{check.key}.json", json.dumps(facts, sort_keys=True) + "\n", mode=0o644)
     return facts, host, refusal, False
 
 
@@ -272,7 +247,7 @@ def submit_gate(container: ContainerSpec, profile: ClusterProfile, *, echo) -> s
     from fsdpjob.orchestrator.core.errors import InputError
 
     planned = plan_check(profile, container=container)
-    if cached(planned) is not None:
+    if recorded(planned.key) is not None:
         return None
     where = planned.container.image or f"container {planned.container.name}"
     if RUNTIME_ROWS[planned.container.runtime].line == "launcher" and can_run_here(planned):

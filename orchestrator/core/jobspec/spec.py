@@ -282,6 +282,16 @@ class JobSpec(Strict):
                                                            "only on GPUs and errors at the first forward with fp32 "
                                                            "q/k/v; set fsdp.mixed_precision: bf16 or "
                                                            "attn_implementation: auto")
+        if self.model.attn_implementation == "varlen" and not (facts_of(self.train.method).packs
+                                                               and self.data.packing is True):
+            # The kernel takes each row's examples from the boundaries that boundary-aware packing records
+            # (positions restarting at 0); rows of pairs, answers or prompts, padded rows and naive packing give
+            # none it can use, and the first forward raises after the whole model load.
+            why = (f"train.method {self.train.method} does not pack its rows" if not facts_of(self.train.method).packs
+                   else f"data.packing is {self.data.packing!r}")
+            raise field_error("model.attn_implementation", f"varlen attention runs on boundary-aware packing only "
+                                                           f"(data.packing: true), and {why}; set attn_implementation: "
+                                                           "auto (it picks varlen where it applies) or sdpa")
         if self.fsdp.replicate_degree > 1 and self.fsdp.cpu_offload:
             # DeviceMesh's dimension groups may be NCCL-only (torch-version dependent): the offloaded CPU gradients'
             # clip-norm reduction would find no CPU backend. Untested on GPUs, so refused.
