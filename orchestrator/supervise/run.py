@@ -366,12 +366,13 @@ class Supervisor:
         return max(measured, heartbeat.FIRST_SETUP_BOUND_S) if launch == 0 else measured
 
     def _setup_bound(self) -> float:
-        """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
+        """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event); a first start's from
+        the plan's set-up work (the weights read, the data tokenized), at least the constant floor."""
         if self.recovery.setup_timeout_s != "auto":
             return float(self.recovery.setup_timeout_s)
         ready = [e for e in runlog.read_events(self.run_dir) if e.get("event") == runlog.READY]
         if not ready:
-            return heartbeat.FIRST_SETUP_BOUND_S
+            return heartbeat.first_setup_bound_s(self.planned.get("planned_setup_s"))
         return 3 * float(ready[-1].get("setup_s") or 0) + 60
 
 
