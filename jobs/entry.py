@@ -33,9 +33,7 @@ class TrainJob:
             _heartbeat_exited()
             raise
         except BaseException:  # a crash: run() aborted the process group; the exit joins no writer thread
-            from .dist import leave_without_joining_writers
-
-            leave_without_joining_writers()
+            workerenv.leave_without_joining_writers()
             raise
         _heartbeat_exited()
         return result
