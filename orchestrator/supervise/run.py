@@ -63,8 +63,10 @@ class Supervisor:
         spec = JobSpec.model_validate(meta.spec)
         self.recovery = spec.recovery
         self.planned = meta.worker_facts  # the plan's step and save times bound what nothing measured yet
-        # The workers' folder, as the spec's env hands it to them (not this process's environment).
-        self.memory_tier = memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
+        # The workers' folder, as the profile's env and the spec's over it hand it to them (not this process's
+        # environment, which a local run does not share with its workers).
+        workers_env = memtier.workers_env(meta.profile.get("env") or {}, spec.env)
+        self.memory_tier = memtier.job_base(spec.checkpoint.memory_interval_steps, workers_env)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
