@@ -108,7 +108,8 @@ class FitPlan:
         - signal: lead_s, needed_s
         - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it),
           planned_step_s, planned_save_s, loss ("standard" | "chunked": train.loss decided), separate_root (bool:
-          fsdp.separate_root decided); the workers follow these
+          fsdp.separate_root decided), planned_setup_s (a first start's weight read and tokenization: the supervisor's
+          first setup bound); the workers follow these
         - device_memory also has allocated_bytes and reserved_bytes (torch's max_memory_allocated / _reserved at the
           peak), reserved_other_bytes (with the other expandable_segments setting; null on CPU) and
           expandable_segments

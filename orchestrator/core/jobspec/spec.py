@@ -178,9 +178,11 @@ class RecoverySpec(Strict):
     stall_factor: Annotated[float, Field(strict=True, ge=2)] = 10.0
     """How many p95 step times (or previous save/eval times) without progress make a stall."""
     setup_timeout_s: Literal["auto"] | PositiveInt = "auto"
-    ("Bound on the setup (launch to first step); auto: 3x the previous attempt's setup + 60 s (900 s on a first "
-     "start), and until every rank has started, 3x the longest launch in this allocation + 60 s, at least 900 s on "
-     "an allocation's first launch (a container image may be imported on new nodes). A number bounds both.")
+    ("Bound on the setup (launch to first step); auto: 3x the previous attempt's setup + 60 s (on a first start "
+     "900 s + 3x the plan's set-up work: the weights read at the profile's storage bandwidth and the data "
+     "tokenized at a measured rate), and until every rank has started, 3x the longest launch in this allocation "
+     "+ 60 s, at least 900 s on an allocation's first launch (a container image may be imported on new nodes). "
+     "A number bounds both.")
 
 
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
