@@ -273,3 +273,4 @@ def close_distributed(*, abort: bool = False) -> None:
         except Exception:  # an abort that fails falls back to the ordinary destroy
             log.exception("aborting the NCCL process group failed; destroying it instead")
     dist.destroy_process_group()
+

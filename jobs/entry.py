@@ -32,6 +32,9 @@ class TrainJob:
         except SystemExit:  # every rank leaves together after a stop checkpoint (preemption.exit_after_stop)
             _heartbeat_exited()
             raise
+        except BaseException:  # a crash: run() aborted the process group; the exit joins no writer thread
+            workerenv.leave_without_joining_writers()
+            raise
         _heartbeat_exited()
         return result
 

@@ -195,8 +195,8 @@ def _train(launch: Launch, training: Training) -> None:
     """The loop: each step trains, logs, evaluates when due and lets the saver save or stop."""
     spec, env, report = launch.spec, launch.env, launch.report
     parts, state, saver = training.parts, training.parts.state, training.saver
-    report.begin_training(state.step, flops_per_token=_flops_per_token(spec, parts.model), device=env.device,
-                          world_size=env.world_size)
+    report.begin_training(state.step, flops_per_token=_flops_per_token(spec, parts.model, parts.table),
+                          device=env.device, world_size=env.world_size)
     gcpolicy.start()  # the collector runs between steps, not inside them
     while state.step < spec.train.max_steps:
         step_started = time.monotonic()
@@ -262,9 +262,12 @@ def _finish(launch: Launch, training: Training) -> dict:
     return {"rank": env.rank, "step": state.step, "status": "completed"}
 
 
-def _flops_per_token(spec: JobSpec, model: torch.nn.Module) -> float:
+def _flops_per_token(spec: JobSpec, model: torch.nn.Module, table: Any = None) -> float:
+    """MFU's FLOPs per real token; the attention term over the contexts the data's tokens attend over (a packed
+    table's examples), else the rows' seq_len (preference pairs, prompts)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # global sizes (DTensor numel)
-    return model_flops_per_token(model.config, seq_len=spec.data.seq_len,
+    context = table.attention_context() if hasattr(table, "attention_context") else spec.data.seq_len
+    return model_flops_per_token(model.config, seq_len=context,
                                  trained_params=trained if spec.model.lora else None)
 
 

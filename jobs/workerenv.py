@@ -4,7 +4,10 @@ supervisor's launch), read once: the one place the worker reads the scheduler's 
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,3 +103,24 @@ def _created_at() -> float | None:
         return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 2)
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def leave_without_joining_writers(code: int = 1) -> None:
+    """A crashing worker's exit, after its process group is aborted: at interpreter shutdown, skip the joins of
+    non-daemon writer threads (DCP's async writer pool, the memory tier's copier and committer), which would hold
+    the exit until an in-flight shard is written (minutes for a 70B shard) while srun waits to end the step.
+
+    The hook runs in threading's own shutdown callbacks, which run newest first and before any join (so before
+    concurrent.futures joins its workers), and after submitit has written the job's failure (the exception
+    reached it first). Only the worker's entry registers it: a process that merely calls run() keeps its exit."""
+
+    def leave() -> None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    threading._register_atexit(leave)

@@ -71,6 +71,36 @@ def test_the_memory_tiers_folder_outside_dev_is_mounted_written(monkeypatch):
     assert all(m.destination != "/local/tier" for m in needed_mounts(off.spec, "/runs/r1"))
 
 
+def test_a_tier_folder_the_profiles_env_moves_is_mounted_made_and_cleaned(tmp_path, monkeypatch):
+    """Issue 54, also found: the profile's env exports FSDPJOB_MEMORY_TIER_DIR to the workers as the spec's does;
+    the mount, the supervisor's per-node folder and its clean-up read the same folder (the spec's value wins)."""
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.core.runfolder.runmeta import RunMeta
+    from fsdpjob.orchestrator.supervise.run import Supervisor
+
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
+    text = (Path(__file__).resolve().parents[1] / "cluster_profiles/test-cluster-container.yaml").read_text()
+    profile = tmp_path / "tiered.yaml"
+    profile.write_text(text.replace("  FSDPJOB_FAKE_GPUS: \"1\"\n",
+                                    "  FSDPJOB_FAKE_GPUS: \"1\"\n  FSDPJOB_MEMORY_TIER_DIR: /local/tier\n"))
+    job = load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False, profile=str(profile),
+                   overrides=["checkpoint.memory_interval_steps=5"])
+    assert Mount(source="/local/tier", destination="/local/tier") in job.container.mounts("/runs/r1")
+    plan = build_plan(job, RunPaths(Path("/r")))
+    assert "--bind /local/tier /local/tier" in plan.command
+    spec_wins = load_job(str(VALID / "bubblewrap-container.yaml"), check_files=False, profile=str(profile),
+                         overrides=["checkpoint.memory_interval_steps=5", "env.FSDPJOB_MEMORY_TIER_DIR=/spec/tier"])
+    assert {m.destination for m in spec_wins.container.mounts("/runs/r1")} >= {"/spec/tier"}
+    assert "/local/tier" not in {m.destination for m in spec_wins.container.mounts("/runs/r1")}
+    # The supervisor (which makes the folder on every node and cleans it) reads the profile the run was sent with.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = JobSpec.model_validate({"name": "sup", "model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
+                                   "train": {"max_steps": 5}, "checkpoint": {"memory_interval_steps": 5}})
+    RunMeta.of(spec, profile=job.profile.model_dump(mode="json")).write(RunPaths(run_dir))
+    assert Supervisor(run_dir, ["true"], world_size=1, scheduler="local").memory_tier == "/local/tier"
+
+
 def test_the_jobs_variables_win_over_the_images_on_pyxis_and_apptainer(monkeypatch):
     """Issue 36 item 4 (C3): pyxis keeps an image's value for a name unless --container-env names it, and an
     Apptainer image's %environment runs last unless APPTAINERENV_NAME is set: every variable the batch script

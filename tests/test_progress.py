@@ -106,3 +106,21 @@ def test_eval_lines_give_the_eval_loss_and_leave_the_training_values_alone(tmp_p
     assert (prog.eval_loss, prog.eval_step) == (2.75, 2)
     write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 3.0, "time": 11}])
     assert read_progress(tmp_path).eval_loss is None  # no evaluation (yet): null in status --json
+
+
+def test_a_crash_between_logged_steps_reports_the_step_it_reached(tmp_path):
+    """Issue 54, also found: a run that fails before its first logged step (log_every above the steps it trained)
+    shows the step its failure event carries, not none (`FAILED at step None/3`, then "before its first step"
+    for a run that had trained)."""
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "time": 1}, {"event": "ready", "step": 0, "time": 2},
+        {"event": "failed", "step": 2, "error": "RuntimeError: boom", "time": 9},
+    ])
+    prog = read_progress(tmp_path)
+    assert (prog.step, prog.failure) == (2, "RuntimeError: boom")
+    write_lines(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 4.0, "time": 5}])
+    assert read_progress(tmp_path).step == 2  # a logged step before it does not hide it
+    write_lines(tmp_path / "events.jsonl", [{"event": "start", "time": 1},
+                                            {"event": "failed", "step": None, "error": "OSError", "time": 3}])
+    (tmp_path / "metrics.jsonl").unlink()
+    assert read_progress(tmp_path).step is None  # a failure in the set-up has none

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdpjob.orchestrator.core.runfolder import heartbeat
+from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
 from fsdpjob.orchestrator.supervise.blame import blame_crash
 from fsdpjob.orchestrator.supervise.policy import BLAME_FORGOTTEN_AFTER_STEPS, Fault, restart_in_allocation
@@ -457,3 +457,20 @@ def test_crash_blame_on_a_recorded_run() -> None:
     out = restart_in_allocation([hang, Fault("crash", 1, 15, ("n1",), trained=12), crash], before_fault, max_restarts=3,
                  ever_trained=True, can_exclude=True, nodes=2, min_nodes=2, requeue_refuses=refuses)
     assert out.restart and "could not exclude" in out.why, out
+
+
+def test_a_first_starts_setup_bound_follows_the_planned_work(tmp_path) -> None:
+    """Issue 54 item 3: a first start (no ready event yet) is bounded by the plan's set-up work (the weights read,
+    the data tokenized: worker fact planned_setup_s) on top of the constant floor; a later start by the last
+    attempt's measured setup."""
+    from fsdpjob.orchestrator.supervise.run import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.recovery = SimpleNamespace(setup_timeout_s="auto")
+    sup.run_dir = tmp_path
+    sup.planned = {"planned_setup_s": 2000.0}  # 2 M examples at the planned tokenization rate
+    assert sup._setup_bound() == heartbeat.FIRST_SETUP_BOUND_S + 3 * 2000
+    sup.planned = {}  # a run folder planned before the fact existed
+    assert sup._setup_bound() == heartbeat.FIRST_SETUP_BOUND_S
+    runlog.append(tmp_path, runlog.READY, setup_s=50.0, step=0)
+    assert sup._setup_bound() == 3 * 50 + 60

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import re
 import time
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdpjob.orchestrator.core.workertorch import ASYNC_SAVE, release
 
 from .io import fast_io
 from .state import ModelOptimState
@@ -68,14 +69,11 @@ class StagingGate:
         self._handles = []
 
 
-ASYNC_SAVE_TORCH = (2, 9)  # DefaultStager, StagingOptions and AsyncSaveResponse
-
-
 def check_async_save_torch(version: str) -> None:
-    """Fail at set-up, not at the first save, where this torch has no DefaultStager (torch < 2.9)."""
-    release = tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:2])
-    if release < ASYNC_SAVE_TORCH:
-        need = ".".join(map(str, ASYNC_SAVE_TORCH))
+    """Fail at set-up, not at the first save, where this torch has no DefaultStager (torch < 2.9; validate refuses
+    it already where it knows the workers' torch: core/workertorch.py)."""
+    if release(version) < ASYNC_SAVE.release:
+        need = ".".join(map(str, ASYNC_SAVE.release))
         raise RuntimeError(f"checkpoint.async_save needs torch >= {need} (DCP's DefaultStager); this worker has torch "
                            f"{version}: install torch >= {need} or set checkpoint.async_save: false")
 

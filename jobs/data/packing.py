@@ -39,6 +39,23 @@ class SequenceTable:
             return self.lengths
         return torch.full((len(self),), self.input_ids.shape[1], dtype=torch.long)
 
+    def attention_context(self) -> float:
+        """The mean context a real token attends over, weighted as causal attention's work is: sum(L^2) / sum(L)
+        over the sequences attention sees whole (each packed example with boundary-aware packing, each row's
+        non-pad part otherwise). The MFU's attention term counts this, not seq_len: short packed examples do
+        far less attention work than a full row."""
+        lengths = self.row_lengths()
+        if self.position_ids is not None:
+            real = torch.arange(self.input_ids.shape[1]) < lengths[:, None]
+            pos = self.position_ids
+            # An example ends where the next position restarts at 0, or at the row's last real position.
+            after = torch.cat([pos[:, 1:], torch.zeros_like(pos[:, :1])], dim=1)
+            last = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1).logical_not()
+            ends = real & ((after == 0) | last)
+            lengths = pos[ends] + 1
+        total = float(lengths.sum())
+        return float((lengths.double() ** 2).sum()) / total if total else 0.0
+
     @property
     def efficiency(self) -> float:
         """Packing efficiency: real tokens over row tokens."""

@@ -28,6 +28,7 @@ from fsdpjob.orchestrator.core.inputs.dataformats import (
 from fsdpjob.orchestrator.core.inputs.records import RecordError, record_fields
 from fsdpjob.orchestrator.core.jobspec.dataspec import DataSource
 from fsdpjob.orchestrator.core.jobspec.spec import DataSpec
+from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 from .examples import DataError, Example, examples_from_records
 from .packing import SequenceTable, build_sequences
@@ -92,11 +93,20 @@ def load_records(source: DataSource) -> Records:
     return records
 
 
+TOKENIZE_CHUNK = 10_000  # examples per batch call to the tokenizer
+
+
 def read_source(source: DataSource, tokenizer: Any) -> list[Example]:
     """Tokenized examples of one source, in file and row order."""
     records = load_records(source)
+    items, out = records.items, []
     try:
-        return examples_from_records(records.items, source, tokenizer, source.path)
+        # In chunks (each example's tokens do not depend on the others'): the heartbeat carries the count, so a
+        # long tokenization shows it moves.
+        for start in range(0, len(items), TOKENIZE_CHUNK):
+            out += examples_from_records(items[start:start + TOKENIZE_CHUNK], source, tokenizer, source.path)
+            heartbeat.report(examples_tokenized=len(out), examples=len(items))
+        return out
     except DataError as exc:  # it names a record's key: say its file and line
         if exc.line is None:
             raise

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
-from fsdpjob.orchestrator.core.runfolder import runlog
+from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
 
 from ..data.cache import load_or_build
@@ -28,9 +29,16 @@ def read_sft_data(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_data = time.time()
 
+    # Tokenized once per job: rank 0 builds, the ranks that share the run folder read its table (data/cache.py).
+    agree = dist.barrier if env.world_size > 1 and dist.is_initialized() else None
+
+    def wait() -> None:
+        heartbeat.report(waiting_for="rank 0's tokenized data")
+        time.sleep(0.5)
+
     def packed(data, cache_dir: Path) -> tuple[SequenceTable, bool]:
         return load_or_build(data, spec.model.path, pad_id, cache_dir, is_main=env.is_main,
-                             build=lambda: build_table(data, tokenizer, pad_id))
+                             build=lambda: build_table(data, tokenizer, pad_id), agree=agree, wait=wait)
 
     table, cached = packed(spec.data, paths.cache_dir)
     eval_table, train_rows, extra = None, None, {}

@@ -142,3 +142,34 @@ def init(model_dir: Path | None, profile: str, out: Path, data: Path | None, met
     click.echo(f"wrote {out}; check it with: fsdpjob validate {written.quoted_out}")
     for todo in written.todo:
         click.echo(f"then: {todo}", err=True)
+
+
+@command("check-image")
+@click.argument("image", required=False)
+@profile_option(what="Cluster profile whose container runtime runs the image (and whose container it checks "
+                     "when IMAGE is left out).")
+@click.option("--runtime", help="The container runtime (default: the profile's).")
+@click.option("--python", "python", help="The image's python that runs the workers (default: the profile's "
+                                         "container.python).")
+@click.option("--no-cache", is_flag=True, help="Run the image even when it passed before.")
+def check_image(image: str | None, profile: str | None, runtime: str | None, python: str | None,
+                no_cache: bool) -> None:
+    """Run IMAGE's python once and compare its fsdpjob build, torch, CUDA and transformers with this host's.
+
+    A launcher runtime (bubblewrap, apptainer) runs here; pyxis runs one task in the profile's partition. A
+    passing image is remembered (per image file and this checkout), so submit does not run it again."""
+    from fsdpjob.orchestrator.slurm.imagecheck import check_image as run_check
+    from fsdpjob.orchestrator.slurm.imagecheck import plan_check, table
+
+    if profile is None:
+        raise click.UsageError("give --profile: its container runtime runs the image")
+    _, prof = _profile(profile)
+    planned = plan_check(prof, image=image, runtime=runtime, python=python)
+    facts, host, refusal, from_cache = run_check(planned, use_cache=not no_cache)
+    what = planned.container.image or f"container {planned.container.name}"
+    click.echo(f"image {what} ({planned.container.runtime}, {planned.python})"
+               + (": passed before (cached)" if from_cache else ""))
+    click.echo(table(facts, host))
+    if refusal:
+        raise InputError(refusal, file=what)
+    click.echo("OK: the image runs this host's fsdpjob; submit will not check it again")

@@ -34,6 +34,7 @@ COMMANDS = {
     "init": ("firstjob", "init"),
     "quickstart": ("firstjob", "quickstart"),
     "completion": ("completion", "completion"),
+    "check-image": ("firstjob", "check_image"),
     "dev-cluster": ("fsdpjob.orchestrator.devcluster.cli", "dev_cluster"),
 }
 
@@ -43,7 +44,7 @@ SECTIONS = (
     ("Start a job", ("init", "quickstart", "validate", "plan", "show", "render", "submit", "sweep")),
     ("Watch it", ("status", "list", "logs", "wait", "report")),
     ("Manage runs", ("cancel", "export", "prune")),
-    ("Set up and look up", ("profiles", "schema", "completion", "dev-cluster")),
+    ("Set up and look up", ("profiles", "check-image", "schema", "completion", "dev-cluster")),
 )
 
 

@@ -44,11 +44,14 @@ from .options import (
     is_flag=True,
     help="With --dry-run: skip checks of the model folder and data file (the plan still reads config.json).",
 )
+@click.option("--no-image-check", is_flag=True,
+              help="Skip the container preflight (fsdpjob check-image), which runs once per image otherwise.")
 @AFTER_OPT
 @SHAPES_OPT
 @JSON_OPT
 def submit(
-    spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, after, shapes, as_json
+    spec, profile, sets, dry_run, wait, force, resume_from, run_dir, no_file_checks, no_image_check, after, shapes,
+    as_json
 ) -> None:
     """Validate, plan, and submit a job (Slurm through submitit, or local processes with --profile local)."""
     from fsdpjob.orchestrator.core.errors import InputError
@@ -79,7 +82,7 @@ def submit(
             raise no
         return
     record = submit_checked(job, fit, spec, force=force, run_dir=run_dir, resume_from=resume_from,
-                            dependency=dependency, as_json=as_json)
+                            dependency=dependency, as_json=as_json, no_image_check=no_image_check)
     if wait:
         follow(record)
 
@@ -102,7 +105,8 @@ def print_dry_run(job, fit, run_dir: Path | None, *, spec: str, profile, sets, s
     click.echo(request.text, nl=False)
 
 
-def submit_checked(job, fit, spec: str, *, force: bool, run_dir, resume_from, dependency, as_json: bool):
+def submit_checked(job, fit, spec: str, *, force: bool, run_dir, resume_from, dependency, as_json: bool,
+                   no_image_check: bool = False):
     """Submit unless the plan refuses (the plan printed when it does not fit); say what was submitted."""
     from fsdpjob.orchestrator import submit as submission
     from fsdpjob.orchestrator.views.plan import format_plan
@@ -113,6 +117,11 @@ def submit_checked(job, fit, spec: str, *, force: bool, run_dir, resume_from, de
         raise no
     for warning in fit.warnings:
         click.echo(f"warning: {warning}", err=True)
+    if job.container is not None and not no_image_check:
+        from fsdpjob.orchestrator.slurm.imagecheck import submit_gate
+
+        if note := submit_gate(job.container.container, job.profile, echo=lambda line: click.echo(line, err=True)):
+            click.echo(f"warning: {note}", err=True)
     record = submission.submit(job, run_dir=run_dir, resume_from=resume_from, worker_facts=fit.worker_facts(),
                                extra={"after": dependency.to_json()} if dependency else None).record
     if as_json:

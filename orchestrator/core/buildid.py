@@ -39,5 +39,6 @@ def host_mismatch(host: str | None) -> str | None:
     if not host or host == build_id():
         return None
     return (f"the workers run {build_id()} but the batch side runs {host}: the image's fsdpjob and submitit must "
-            "be the host's (rebuild it from this checkout, e.g. `pip install <checkout>` in a derived image, or mount "
-            "the host's venv and set container.python to it; docs/containers.md)")
+            "be the host's (rebuild the derived image with this checkout's wheel, `pip install --no-deps`, or mount "
+            "the host's venv and set container.python to it; docs/containers.md; fsdpjob check-image IMAGE checks "
+            "an image before the queue)")

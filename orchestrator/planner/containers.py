@@ -46,7 +46,8 @@ def container_plan(spec: JobSpec, profile: ClusterProfile) -> ContainerPlan | No
     if container is None:
         return None
     return ContainerPlan(container=container, checkpoint_dir=spec.checkpoint.dir, inputs=tuple(input_folders(spec)),
-                         memory_tier=memory_tier_dir(spec), user=tuple(parse_mount(m) for m in container.mounts))
+                         memory_tier=memory_tier_dir(spec, profile),
+                         user=tuple(parse_mount(m) for m in container.mounts))
 
 
 def container_of(spec: JobSpec, profile: ClusterProfile) -> ContainerSpec | None:
@@ -70,14 +71,16 @@ def _folder(path: str) -> str:
     return posixpath.dirname(posixpath.normpath(path)) or "/"
 
 
-def needed_mounts(spec: JobSpec, run_dir: str) -> list[Mount]:
+def needed_mounts(spec: JobSpec, run_dir: str, profile: ClusterProfile | None = None) -> list[Mount]:
     """The automatic mounts alone (what a user's mount must not hide)."""
-    return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec), memory_tier_dir(spec))
+    return auto_mounts(run_dir, spec.checkpoint.dir, input_folders(spec), memory_tier_dir(spec, profile))
 
 
-def memory_tier_dir(spec: JobSpec) -> str | None:
-    """The memory tier's node-local folder, where the job uses the tier (the spec's env may move it)."""
-    return memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
+def memory_tier_dir(spec: JobSpec, profile: ClusterProfile | None = None) -> str | None:
+    """The memory tier's node-local folder, where the job uses the tier: the workers' environment decides it, the
+    profile's env with the spec's over it (as the batch script exports them), so either may move it."""
+    return memtier.job_base(spec.checkpoint.memory_interval_steps,
+                            memtier.workers_env(profile.env if profile is not None else {}, spec.env))
 
 
 def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -> list[tuple[tuple, str]]:
@@ -118,7 +121,7 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
                         "has no NVIDIA hook or CDI devices, no user namespace for rootless containers and no "
                         "/etc/hosts or resolv.conf; use pyxis or apptainer on GPU nodes (oci runs CPU workers)"))
     user = [parse_mount(m) for m in container.mounts]
-    needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"))
+    needed = needed_mounts(spec, posixpath.join(runs_root, "RUN"), profile)
     for mount, hidden in shadowing(user, needed):
         what = "the run folders" if hidden.destination.startswith(runs_root) else hidden.destination
         out.append((at("mounts"),

@@ -38,7 +38,7 @@ from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory,
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
 from .savers import decide_savers, expandable_segments, saver_fixes
-from .timing import Timing, plan_timing
+from .timing import Timing, plan_timing, setup_work_s
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class FitPlan:
     interval: IntervalAdvice | None = None  # with the profile's expected_interruptions_per_day
     refusal: str | None = None  # a spec setting the plan's own figures contradict (submit refuses it)
     generator: GeneratorPlan | None = None  # grpo's generation server (generator.py); None: in-process or not grpo
+    setup_s: float = 0.0  # a first start's weight read and tokenization (timing.setup_work_s)
 
     @property
     def fits(self) -> bool:
@@ -85,7 +86,7 @@ class FitPlan:
         and the planned step and save times, which bound the first step and save before any is measured."""
         return {"defer_grad_sync": self.setup.defer_grad_sync, "planned_step_s": self.timing.step_s,
                 "planned_save_s": self.timing.save_s, "loss": "chunked" if self.setup.chunked_loss else "standard",
-                "separate_root": self.setup.separate_root}
+                "separate_root": self.setup.separate_root, "planned_setup_s": self.setup_s}
 
     def to_json(self) -> dict[str, Any]:
         """Stable keys; sizes in bytes, times in seconds, null where unknown.
@@ -107,7 +108,8 @@ class FitPlan:
         - signal: lead_s, needed_s
         - step_plan: defer_grad_sync (micro-batches before the last skip the reduce-scatter; the worker follows it),
           planned_step_s, planned_save_s, loss ("standard" | "chunked": train.loss decided), separate_root (bool:
-          fsdp.separate_root decided); the workers follow these
+          fsdp.separate_root decided), planned_setup_s (a first start's weight read and tokenization: the supervisor's
+          first setup bound); the workers follow these
         - device_memory also has allocated_bytes and reserved_bytes (torch's max_memory_allocated / _reserved at the
           peak), reserved_other_bytes (with the other expandable_segments setting; null on CPU) and
           expandable_segments
@@ -331,7 +333,7 @@ def make_plan(job: Resolved) -> FitPlan:
     refusal = offload_broadcast_conflict(shape, params, u, spec.env) or (gen.refusal if gen else None)
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),
-                   interval=_interval(job, timing), refusal=refusal)
+                   interval=_interval(job, timing), refusal=refusal, setup_s=setup_work_s(spec, profile))
 
 
 # Rank 0's send rate over gloo (TCP), assumed (a 10-25 GbE-class path; gloo's broadcast sends the whole tensor

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,8 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         found.append(SpecError.at(doc, ("model", "lora", "target_modules"), problem))
     if files and (problem := _modules_to_save_problem(spec)):  # reads the weights' names
         found.append(SpecError.at(doc, ("model", "lora", "modules_to_save"), problem))
+    if environment:
+        found += [SpecError.at(doc, loc, message) for loc, message in _torch_problems(spec, profile)]
     checks = [*([lambda: check_environment(spec, profile, doc)] if environment else []),
               *([lambda: check_inputs(spec, doc, config_only=config_only)] if files else [])]
     for check in checks:
@@ -119,6 +122,30 @@ def check_files_and_environment(spec: JobSpec, profile: ClusterProfile, doc: Yam
         raise found[0]
     if found:
         raise SpecErrors(found)
+
+
+def _torch_problems(spec: JobSpec, profile: ClusterProfile) -> list[tuple[tuple, str]]:
+    """Features the workers' torch lacks, where it is known: the image's as `fsdpjob check-image` recorded it, or
+    this venv's when the workers run it (no container, no other python)."""
+    from fsdpjob.orchestrator.core import workertorch
+
+    from .containers import container_of
+
+    gpus = bool(spec.resources.gpus_per_node if spec.resources.gpus_per_node is not None else profile.gpus_per_node)
+    if not workertorch.needs(spec, gpus):
+        return []
+    container = container_of(spec, profile)
+    if container is None:
+        version = workertorch.host_torch() if profile.python in (None, sys.executable) else None
+        source = "this venv's, which the workers run"
+    else:
+        if container.runtime is None and len(profile.container_runtimes) == 1:
+            container = container.model_copy(update={"runtime": profile.container_runtimes[0]})
+        python = container.python or profile.python or sys.executable
+        record = workertorch.recorded(workertorch.check_key(container, python)) or {}
+        version = record.get("torch")
+        source = f"image {container.image or container.name}, as fsdpjob check-image found it"
+    return workertorch.torch_problems(spec, gpus, version, source) if version else []
 
 
 def _image_problem(spec: JobSpec, profile: ClusterProfile) -> tuple[tuple, str] | None:

@@ -63,8 +63,10 @@ class Supervisor:
         spec = JobSpec.model_validate(meta.spec)
         self.recovery = spec.recovery
         self.planned = meta.worker_facts  # the plan's step and save times bound what nothing measured yet
-        # The workers' folder, as the spec's env hands it to them (not this process's environment).
-        self.memory_tier = memtier.job_base(spec.checkpoint.memory_interval_steps, spec.env)
+        # The workers' folder, as the profile's env and the spec's over it hand it to them (not this process's
+        # environment, which a local run does not share with its workers).
+        workers_env = memtier.workers_env(meta.profile.get("env") or {}, spec.env)
+        self.memory_tier = memtier.job_base(spec.checkpoint.memory_interval_steps, workers_env)
         self.max_requeues = spec.preemption.max_requeues
         # Slurm's node count of this allocation; the step may shrink to min_nodes when a node is lost.
         self.allocation = allocation_for(scheduler)
@@ -366,12 +368,13 @@ class Supervisor:
         return max(measured, heartbeat.FIRST_SETUP_BOUND_S) if launch == 0 else measured
 
     def _setup_bound(self) -> float:
-        """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event)."""
+        """recovery.setup_timeout_s, or from the previous attempt's setup (its ready event); a first start's from
+        the plan's set-up work (the weights read, the data tokenized), at least the constant floor."""
         if self.recovery.setup_timeout_s != "auto":
             return float(self.recovery.setup_timeout_s)
         ready = [e for e in runlog.read_events(self.run_dir) if e.get("event") == runlog.READY]
         if not ready:
-            return heartbeat.FIRST_SETUP_BOUND_S
+            return heartbeat.first_setup_bound_s(self.planned.get("planned_setup_s"))
         return 3 * float(ready[-1].get("setup_s") or 0) + 60
 
 

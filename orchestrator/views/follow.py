@@ -63,7 +63,7 @@ def wait_for(record: JobRecord, poll_s: float = 1.0) -> int:
     report = report_for(record)
     click.echo(
         f"{record.run_id}: {report.phase} "
-        + (f"at step {report.step}/{record.max_steps}" if report.step is not None else "before its first step")
+        + (f"at step {report.step}/{record.max_steps}" if report.step else "before its first step")
         + (f", loss {report.loss:.4f}" if report.loss is not None else "")
         + (f" ({report.failure_reason})" if report.failure_reason else ""),
         err=report.phase != "COMPLETED",

@@ -76,12 +76,12 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
     if not attempts.later_starts(events):
         metrics = []
     # Steps lost: work done in an attempt beyond the step the next attempt resumed from (time-ordered).
-    reached = 0
+    reached, failed_step = 0, None
     for ev in runlog.merge(events, metrics):
         kind = ev.get("event")
         if kind == runlog.START:
             prog.starts += 1
-            prog.done, prog.failure = False, None
+            prog.done, prog.failure, failed_step = False, None, None
         elif kind in (runlog.RESUME, runlog.READY):
             if kind == runlog.RESUME:
                 prog.last_resume = {"tier": ev.get("tier", "durable"), "step": ev.get("step")}
@@ -93,6 +93,7 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             prog.step = ev.get("step", prog.step)
         elif kind == runlog.FAILED:
             prog.failure = ev.get("reason") or ev.get("error")
+            failed_step = ev.get("step") if isinstance(ev.get("step"), int) else None
         elif kind == runlog.STOP:
             prog.last_stop = ev
         elif kind == runlog.DATA:
@@ -106,6 +107,8 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
         ):
             # Failure events carry the step a crash reached: older metrics may be past the tail read.
             reached = max(reached, ev["step"])
+    if prog.failure is not None and failed_step is not None:
+        prog.step = failed_step  # the step the last attempt's crash reached, logged or not (log_every)
     steps = committed_steps(checkpoints_dir or checkpoint_root(run_dir))  # honours checkpoint.dir
     prog.last_checkpoint_step = steps[-1][0] if steps else None
     return prog

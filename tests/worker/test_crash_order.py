@@ -52,3 +52,39 @@ def test_a_crash_aborts_the_process_group_before_the_tiers_and_trackers_close(mo
     else:
         assert train.run("/nonexistent") == {"status": "completed"}
         assert calls == ["tiers.close(crashed=False)", "report.close", "close_distributed(False)"]
+
+
+_CRASHING_WORKER = """
+import concurrent.futures, sys, threading, time
+from pathlib import Path
+marker = Path(sys.argv[1])
+started = threading.Event()
+
+def write():  # a slow writer with a shard in flight (DCP's async writer is a ThreadPoolExecutor's thread)
+    started.set()
+    time.sleep(float(sys.argv[3]))
+    marker.write_text("written")
+
+concurrent.futures.ThreadPoolExecutor(1).submit(write)
+started.wait()
+from fsdpjob.jobs.entry import TrainJob
+if sys.argv[4] == "entry":
+    TrainJob(sys.argv[2])()  # a run folder without its files: run() fails at once, a crash like any other
+raise RuntimeError("crashed outside the worker's entry")
+"""
+
+
+@pytest.mark.parametrize("through, sleep_s, joined", [("entry", 600, False), ("plain", 3, True)])
+def test_a_crashing_worker_exits_without_joining_its_writer_threads(tmp_path, through, sleep_s, joined):
+    """Issue 54, also found: after the abort, the worker's exit skips the interpreter's join of non-daemon writer
+    threads (a 600 s writer here: the process would outlive the test's bound). Outside the worker's entry the
+    ordinary exit stays: the writer is joined and finishes its file."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "written"
+    done = subprocess.run([sys.executable, "-c", _CRASHING_WORKER, str(marker), str(tmp_path / "no-run"),
+                           str(sleep_s), through], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" in done.stderr  # the crash is still reported before the exit
+    assert marker.exists() is joined

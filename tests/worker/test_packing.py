@@ -336,3 +336,24 @@ def test_a_checkpoint_from_before_the_record_resumes_as_naive(tmp_path):
     with pytest.raises(Exception, match=r"packed its data as naive .*Set data.packing back to naive"):
         ckpt.load(tmp_path / step_dir_name(3), {"data": DictState(boundary, optional=BatchStream.ADDED)})
     ckpt.close()
+
+
+def test_the_mfu_attention_term_counts_the_packed_examples_own_lengths(tmp_path):
+    """Issue 54, also found: causal attention over a packed example of length L costs L^2, not L x seq_len; the MFU
+    counts the tokens' mean context sum(L^2) / sum(L) over what attention sees whole (each example with boundary
+    packing, each row's real part unpacked, the whole row with naive packing)."""
+    from transformers import LlamaConfig
+
+    from fsdpjob.jobs.report.metrics import model_flops_per_token
+
+    exs = [Example(list(range(3, 3 + n)), list(range(3, 3 + n)), i + 1) for i, n in enumerate((8, 5, 3, 20))]
+    packed = build_sequences(exs, 32, True, pad_id=0)
+    assert packed.attention_context() == pytest.approx((64 + 25 + 9 + 400) / 36)
+    unpacked = build_sequences(exs, 32, False, pad_id=0)  # one example per row, padded
+    assert unpacked.attention_context() == pytest.approx((64 + 25 + 9 + 400) / 36)
+    naive = build_sequences(exs * 4, 32, "naive", pad_id=0)  # rows attend across examples: the row is the context
+    assert 24 < naive.attention_context() <= 32
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    short, full = (model_flops_per_token(config, seq_len=s) for s in (packed.attention_context(), 32))
+    assert short < full and full - short == pytest.approx(2 * 3 * 2 * 32 * (32 - 498 / 36))  # 3 x forward's term

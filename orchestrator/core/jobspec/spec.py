@@ -178,9 +178,11 @@ class RecoverySpec(Strict):
     stall_factor: Annotated[float, Field(strict=True, ge=2)] = 10.0
     """How many p95 step times (or previous save/eval times) without progress make a stall."""
     setup_timeout_s: Literal["auto"] | PositiveInt = "auto"
-    ("Bound on the setup (launch to first step); auto: 3x the previous attempt's setup + 60 s (900 s on a first "
-     "start), and until every rank has started, 3x the longest launch in this allocation + 60 s, at least 900 s on "
-     "an allocation's first launch (a container image may be imported on new nodes). A number bounds both.")
+    ("Bound on the setup (launch to first step); auto: 3x the previous attempt's setup + 60 s (on a first start "
+     "900 s + 3x the plan's set-up work: the weights read at the profile's storage bandwidth and the data "
+     "tokenized at a measured rate), and until every rank has started, 3x the longest launch in this allocation "
+     "+ 60 s, at least 900 s on an allocation's first launch (a container image may be imported on new nodes). "
+     "A number bounds both.")
 
 
 # Fields added after specs were already hashed (see JobSpec.spec_hash).
@@ -282,6 +284,16 @@ class JobSpec(Strict):
                                                            "only on GPUs and errors at the first forward with fp32 "
                                                            "q/k/v; set fsdp.mixed_precision: bf16 or "
                                                            "attn_implementation: auto")
+        if self.model.attn_implementation == "varlen" and not (facts_of(self.train.method).packs
+                                                               and self.data.packing is True):
+            # The kernel takes each row's examples from the boundaries that boundary-aware packing records
+            # (positions restarting at 0); rows of pairs, answers or prompts, padded rows and naive packing give
+            # none it can use, and the first forward raises after the whole model load.
+            why = (f"train.method {self.train.method} does not pack its rows" if not facts_of(self.train.method).packs
+                   else f"data.packing is {self.data.packing!r}")
+            raise field_error("model.attn_implementation", f"varlen attention runs on boundary-aware packing only "
+                                                           f"(data.packing: true), and {why}; set attn_implementation: "
+                                                           "auto (it picks varlen where it applies) or sdpa")
         if self.fsdp.replicate_degree > 1 and self.fsdp.cpu_offload:
             # DeviceMesh's dimension groups may be NCCL-only (torch-version dependent): the offloaded CPU gradients'
             # clip-norm reduction would find no CPU backend. Untested on GPUs, so refused.

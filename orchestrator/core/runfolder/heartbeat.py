@@ -37,6 +37,13 @@ PHASES = SETUP_PHASES + LOOP_PHASES
 FIRST_SETUP_BOUND_S = 900.0  # a first start has no earlier setup to compare with (recovery.setup_timeout_s auto)
 
 
+def first_setup_bound_s(planned_work_s: float | None) -> float:
+    """A first start's setup bound: 3 x the plan's set-up work (planner/timing.setup_work_s: the weights read, the
+    data tokenized) + the floor, which holds the imports, the process groups and the model build. A data set
+    whose tokenization outlasts the floor is not killed as a hang."""
+    return FIRST_SETUP_BOUND_S + 3 * float(planned_work_s or 0.0)
+
+
 def export_wait_s(setup_timeout_s: int | str, stall_floor_s: int) -> int:
     """How long the other ranks wait on gloo for rank 0's export (jobs/train.py): the export phase's own bound,
     not fsdp.collective_timeout_s. The supervisor bounds a first export like any first long phase, by
@@ -67,6 +74,9 @@ class Beat:
     # The longest save and eval this rank has finished in this launch, in seconds. The rank measures them
     # itself: a save shorter than the heartbeat interval is never seen in progress by the supervisor.
     longest: dict[str, float] = field(default_factory=dict)
+    # What the phase has done so far, where it says (data: the examples tokenized, or whose table it waits for):
+    # the heartbeat shows a long set-up moving.
+    progress: dict = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> Beat:
@@ -96,6 +106,7 @@ class Heartbeat:
         self.enabled, self.rank, self.launch, self.interval_s = enabled, rank, launch, interval_s
         self.step, self.phase, self.phase_since = 0, IMPORTS, time.time()
         self.longest: dict[str, float] = {}
+        self.progress: dict = {}
         self._path = heartbeat_dir(run_dir or ".") / f"rank-{rank}.json"
         # Slurm's node name (what --exclude takes; dev-cluster nodes share one machine), and the machine.
         self._host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
@@ -111,7 +122,11 @@ class Heartbeat:
         now = time.time()
         if self.phase in LONG_PHASES:
             self._finished_long(now)
-        self.phase, self.phase_since = phase, now
+        self.phase, self.phase_since, self.progress = phase, now, {}
+
+    def report(self, **progress) -> None:
+        """The phase's progress so far (a new dict: the heartbeat thread may be serializing the old one)."""
+        self.progress = dict(progress)
 
     def at_step(self, step: int, phase: str = STEP) -> None:
         """A few stores: this runs on every training step."""
@@ -144,7 +159,7 @@ class Heartbeat:
     def _write(self) -> None:
         record = {"rank": self.rank, "host": self._host, "machine": self._machine, "pid": os.getpid(),
                   "launch": self.launch, "step": self.step, "phase": self.phase, "phase_since": self.phase_since,
-                  "time": time.time(), "longest": self.longest}
+                  "time": time.time(), "longest": self.longest, "progress": self.progress}
         # Per thread: the main thread's last write (exited) may overlap the heartbeat thread's.
         tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record), encoding="utf-8")
@@ -169,6 +184,10 @@ def current() -> Heartbeat:
 
 def enter(phase: str) -> None:
     _current.enter(phase)
+
+
+def report(**progress) -> None:
+    _current.report(**progress)
 
 
 def at_step(step: int, phase: str = STEP) -> None:

@@ -39,6 +39,12 @@ def base_for(environ: Mapping[str, str] | None = None) -> str:
     return envvars.get(BASE_VAR, DEFAULT_BASE, environ=environ)
 
 
+def workers_env(profile_env: Mapping[str, str], spec_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables the batch script exports for the workers from the profile's env and the spec's (which wins):
+    either may move the tier, and the mounts, the folders made on each node and the clean-up all read it here."""
+    return {**profile_env, **spec_env}
+
+
 def job_base(memory_interval_steps: int | str | None, environ: Mapping[str, str]) -> str | None:
     """A job's tier folder (``base_for`` its workers' environment), None where the job does not use the tier."""
     return base_for(environ) if memory_interval_steps else None
