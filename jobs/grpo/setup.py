@@ -17,12 +17,10 @@ from ..data.pairtable import pad_id_of
 from ..dist import DistEnv
 from ..preference.reference import as_reference
 from ..preference.setup import frozen_copy
-from .generate import completion_logps, generate
+from .generate import completion_logps, eos_ids, generate
 from .losses import group_advantages
-from .remote import RemoteGeneration
 from .rewards import RewardFunctions
 from .rounds import GrpoRounds
-from .sampling import eos_ids
 from .step import GrpoStepValues, grpo_step
 from .vllmgen import VllmGeneration
 
@@ -51,7 +49,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     rewards = RewardFunctions.load(options.reward)
     rewards.check_fields(table.field_names)  # a field only later records have: before the first generation
-    # Where a completion ends, as the server's (sampling.eos_ids): the generation config lists a chat model's
+    # Where a completion ends, as vLLM's (generate.eos_ids): the generation config lists a chat model's
     # end-of-turn token (read from the folder: the worker builds the model from its config alone).
     eos = set(eos_ids(_generation_config(spec.model.path), model.config, tokenizer))
     pad = pad_id_of(tokenizer)
@@ -71,9 +69,8 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
     before_round = None
-    if options.generator.backend in ("server", "vllm"):  # the supervisor's server generates; the policy goes to it
-        kind = VllmGeneration if options.generator.backend == "vllm" else RemoteGeneration
-        remote = kind(spec, model, env, run_dir, pad, control)
+    if options.generator.backend == "vllm":  # the supervisor's server generates; the policy goes to it
+        remote = VllmGeneration(spec, model, env, run_dir, pad, control)
         gen, before_round = remote.generate, remote.before_round
 
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):

