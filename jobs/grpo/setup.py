@@ -68,10 +68,10 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
         return generate(model, prompt_ids, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
-    before_round = None
+    before_round, round_group = None, control
     if options.generator.backend == "vllm":  # the supervisor's server generates; the policy goes to it
         remote = VllmGeneration(spec, model, env, run_dir, pad, control)
-        gen, before_round = remote.generate, remote.before_round
+        gen, before_round, round_group = remote.generate, remote.before_round, remote.wait_group
 
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):
         texts = [tokenizer.decode(ids[:int(m.sum())].tolist(), skip_special_tokens=True)
@@ -91,7 +91,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             advantages=lambda r: group_advantages(r, options.num_generations, options.scale_rewards),
             # One step per round: the ratio is 1 and its gradient the policy's own (TRL: logps.detach()).
             old_logps=old_logps if options.steps_per_generation > 1 else None,
-            control=control, step_of=lambda: parts.state.step, before_round=before_round)
+            control=round_group, step_of=lambda: parts.state.step, before_round=before_round)
 
     reference_of = _reference(spec, parts, env, logps_of)
 

@@ -14,8 +14,10 @@ each completion (truncated importance sampling, step.py).
 A server that gives no answer within grpo.generator.deadline_s (frozen, killed) is reported lost
 (core/genserver/handover.py); the rank waits for the supervisor's replacement, which serves the policy rank 0 last
 loaded, and asks again with the same seeds: the round in flight is regenerated, bit for bit, and no rank leaves the
-training step. The other ranks never notice unless their own requests fail; a rank that finished its requests waits
-in the round's gather (fsdp.collective_timeout_s bounds that wait: a replacement must fit in it).
+training step. The other ranks never notice unless their own requests fail: a rank that finished its requests waits
+in the round's gather, the others in the barrier after rank 0's weight load. Those two collectives run on a gloo
+group of their own (``wait_group``) whose timeout covers a detection and a replacement (a vLLM start takes minutes:
+more than fsdp.collective_timeout_s may allow); the supervisor bounds the replacement and ends the step if it fails.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fsdpjob.orchestrator.core.genserver import handover
 from fsdpjob.orchestrator.core.genserver.client import ServerUnresponsive, publish_weights
 from fsdpjob.orchestrator.core.genserver.vllm import LORA_NAME, SEED_LIMIT, VllmClient, group_seeds, publish_full
 
-from ..dist import DistEnv, host_barrier
+from ..dist import DistEnv, export_group, host_barrier
 from ..model.lora import is_adapter_key, lora_config
 
 T = TypeVar("T")
@@ -68,6 +70,9 @@ class VllmGeneration:
         served = handover.read_address(run_dir)
         self.start = served.start if served is not None and served.address == address else 0
         self.serving = 0  # the policy version the server serves: its own weights at start (LoRA's B is 0: the base)
+        # The waits that may outlast a server's replacement (module docstring); every rank builds it (a collective).
+        wait_s = int(REPLACEMENT_BOUND_S + 3 * self.deadline_s)
+        self.wait_group = export_group(wait_s) if env.world_size > 1 and dist.is_initialized() else control
 
     def before_round(self, start_step: int) -> None:
         """The policy of step ``start_step`` on the server (every rank: the gather is a collective)."""
@@ -87,7 +92,7 @@ class VllmGeneration:
                 path = publish_full(state, self.folder, start_step)
                 self._served(lambda: self.client.reload_weights(path))
             handover.write_serving(self.run_dir, handover.Policy(start_step, str(path), self.lora is not None))
-        host_barrier(self.control)
+        host_barrier(self.wait_group)
         if self.lora is not None:
             self.client.served = LORA_NAME  # every rank's client asks for the adapter from now on
         self.serving = start_step

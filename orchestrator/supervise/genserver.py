@@ -53,6 +53,7 @@ class GenerationServer:
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.starts = 0
+        self.replaced = 0  # replacements in this launch (run.py resets it at each launch)
         self.ready_bound_s = 0.0  # the last start's bound (wait_ready)
 
     def start(self, env: dict[str, str]) -> None:
@@ -87,14 +88,14 @@ class GenerationServer:
         models = vllm.VllmClient(f"http://{address}", 5, self.model_path).models()
         return address if models else None
 
-    def wait_ready(self, bound_s: float) -> str:
+    def wait_ready(self, bound_s: float, stopped=lambda: False) -> str:
         """The server's address once it answers /v1/models; ServerDown after ``bound_s`` or when its step ended.
         Its start is a launch like the workers' (importing torch on a busy node, a container image imported again
         after a requeue) and gets their bound (run.py's _launch_bound), not grpo.generator.deadline_s, which
         bounds a served request's silence."""
         self.ready_bound_s = bound_s
         started = time.monotonic()
-        while time.monotonic() - started < bound_s:
+        while time.monotonic() - started < bound_s and not stopped():
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerDown(f"the generation server's step ended with exit code {self.proc.returncode} before "
                                  f"it was ready; see {server_dir(self.run_dir)}")
@@ -105,6 +106,8 @@ class GenerationServer:
             except (OSError, ValueError, IndexError, KeyError, TypeError, GenerationServerError):
                 pass  # not answering yet, or a half-written ready file: ask again
             time.sleep(POLL_S)
+        if stopped():
+            raise ServerDown("the supervisor was signalled while the generation server started")
         raise ServerDown(f"the generation server was not ready within {bound_s:.0f} s (the launch bound: "
                          "3 x the longest launch in this allocation + 60 s, or recovery.setup_timeout_s)")
 
@@ -123,11 +126,16 @@ class GenerationServer:
             return f"rank {rank}: {why}"
         return None
 
-    def replace(self, env: dict[str, str], bound_s: float) -> int | None:
+    def replace(self, env: dict[str, str], bound_s: float, most: int, stopped=lambda: False) -> int | None:
         """A new server in this one's place, serving the ranks' policy (load_policy's version), its address handed
-        to the ranks only then (a rank must never generate on the starting weights by mistake); ServerDown."""
+        to the ranks only then (a rank must never generate on the starting weights by mistake); ServerDown, also
+        past ``most`` replacements in this launch (a server that keeps dying is a fault of the run)."""
+        if self.replaced >= most:
+            raise ServerDown(f"the generation server was lost {self.replaced + 1} times in this launch "
+                             f"(recovery.max_restarts {most})")
+        self.replaced += 1
         self.start(env)
-        self.wait_ready(bound_s)
+        self.wait_ready(bound_s, stopped)  # a scancel meanwhile ends the wait: the step then ends as signalled
         try:
             version = self.load_policy(bound_s)
         except GenerationServerError as exc:

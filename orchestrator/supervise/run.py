@@ -245,6 +245,7 @@ class Supervisor:
         fault), its address for the workers."""
         handover.clear(self.run_dir)
         self.server.start(env)
+        self.server.replaced = 0
         address = self.server.wait_ready(self._launch_bound(launch))
         handover.write_address(self.run_dir, address, self.server.starts)
         runlog.append(self.run_dir, runlog.SERVER, phase="ready", address=address, nodes=list(self.server_nodes),
@@ -257,7 +258,8 @@ class Supervisor:
         detected = time.time()
         print(f"fsdpjob supervisor: generation server lost ({why}); replacing it", file=sys.stderr, flush=True)
         try:
-            version = self.server.replace(self._server_env, self._launch_bound(launch))
+            version = self.server.replace(self._server_env, self._launch_bound(launch), self.recovery.max_restarts,
+                                          lambda: bool(self.signalled))
         except ServerDown as exc:
             return self._server_down(exc)
         runlog.append(self.run_dir, runlog.SERVER, phase="replaced", address=self.server.address,

@@ -177,3 +177,30 @@ def test_the_client_imports_without_torch():
             "fsdpjob.orchestrator.core.genserver.vllm, fsdpjob.orchestrator.supervise.genserver; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_supervisor_finds_a_server_lost_by_its_exit_or_a_ranks_report_and_caps_replacements(tmp_path):
+    """GenerationServer.lost: None while the server's step runs and no rank reported it; a rank's report of this
+    start (never an earlier one's), or the step's end, names why. A server that keeps getting lost is a fault."""
+    import signal
+
+    from fsdpjob.orchestrator.core.genserver import handover
+    from fsdpjob.orchestrator.supervise.genserver import GenerationServer, ServerDown
+
+    server = GenerationServer(tmp_path, model_path="/m", dtype="float32", step_for=lambda argv: argv,
+                              python=sys.executable, host="127.0.0.1", vllm_options={})
+    assert server.lost() is None  # never started
+    server.proc, server.starts = subprocess.Popen(["sleep", "60"], start_new_session=True), 2
+    try:
+        handover.report_lost(tmp_path, 1, 0, "an earlier server's")
+        assert server.lost() is None
+        handover.report_lost(tmp_path, 2, 1, "generation server http://127.0.0.1:1 did not answer /v1/completions")
+        assert server.lost() == "rank 1: generation server http://127.0.0.1:1 did not answer /v1/completions"
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(30)
+        assert server.lost() == "the generation server's step ended with exit code -9"
+        server.replaced = 3
+        with pytest.raises(ServerDown, match=r"lost 4 times in this launch \(recovery.max_restarts 3\)"):
+            server.replace({}, 1.0, 3)
+    finally:
+        server.proc.kill()
