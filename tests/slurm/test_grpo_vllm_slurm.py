@@ -102,7 +102,9 @@ def _server_processes(run: dict) -> list[int]:
             return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return []
-    [api] = [int(p) for p in found if b"--port" in (a := argv(int(p))) and a[a.index(b"--port") + 1] == port]
+    # The python, not the srun whose command line names the same server.
+    [api] = [int(p) for p in found if (a := argv(int(p)))[1:3] == [b"-m", b"vllm.entrypoints.openai.api_server"]
+             and a[a.index(b"--port") + 1] == port]
     out, todo = [], [api]
     while todo:
         pid = todo.pop()
