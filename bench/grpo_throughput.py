@@ -57,7 +57,7 @@ OLD_SERVER = "home-made server (retired, recorded): 264 tokens/s on the --big mo
 
 
 def spec(case: str, model: Path, prompts: Path, rewards: Path, args: argparse.Namespace) -> dict:
-    out = {"name": case, "model": {"path": str(model)}, "data": {"path": str(prompts), "seq_len": 96},
+    out = {"name": case, "model": {"path": str(model)}, "data": {"path": str(prompts), "seq_len": 128},
            "train": {"max_steps": args.steps, "lr": 1e-4, "lr_schedule": "constant", "log_every": 1,
                      "method": "grpo", "micro_batch_size": 4, "grad_accum_steps": 2},
            "fsdp": {"mixed_precision": "fp32"}, "checkpoint": {"interval_minutes": 0, "interval_steps": 0},
@@ -123,7 +123,8 @@ def write_inputs(root: Path, big: bool) -> tuple[Path, Path, Path]:
 
         model = Path(make_quickstart(root / "quickstart")["model_path"])
     prompts, rewards = root / "prompts.jsonl", root / "rewards.py"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(line.split()[:10])}) + "\n"
+    words = 10 if big else 4  # the quickstart's tokenizer spends ~7 tokens a word; 96 tokens are left for a prompt
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(line.split()[:words])}) + "\n"
                                for line in random_text(400, seed=3)))
     rewards.write_text(REWARDS)
     return model, prompts, rewards
