@@ -240,8 +240,9 @@ def control_group(env: DistEnv) -> dist.ProcessGroup | None:
 
 def export_group(timeout_s: int) -> dist.ProcessGroup:
     """A gloo group whose collectives wait ``timeout_s``: the ranks' wait for rank 0's export
-    (heartbeat.export_wait_s). The default group's gloo half (CPU runs, CPU offload) and the control group are
-    bounded by fsdp.collective_timeout_s, which a large export can outlast. Every rank must call this."""
+    (heartbeat.export_wait_s), or for a replaced generation server (grpo/vllmgen.py). The default group's gloo half
+    (CPU runs, CPU offload) and the control group are bounded by fsdp.collective_timeout_s, which a large export or
+    a vLLM start can outlast. Every rank must call this."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 

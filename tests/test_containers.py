@@ -303,3 +303,19 @@ def test_oci_on_gpu_nodes_and_an_apptainer_registry_image_are_refused_at_validat
     code, _, err = run_cli("validate", str(VALID / "apptainer-container.yaml"), "--no-file-checks",
                            "--set", "container.image=docker://nvcr.io/nvidia/pytorch:24.12-py3")
     assert code == 2 and "convert it once" in err and "apptainer pull" in err, err
+
+
+def test_a_vllm_server_in_a_container_run_needs_its_own_python_on_the_nodes(tmp_path):
+    """The supervisor starts vLLM as a step of its own outside the workers' container (supervise/genserver.py): its
+    default python (the supervisor's, on the host) has no vLLM, so a container run must name one."""
+    spec = tmp_path / "grpo.yaml"
+    spec.write_text("name: grpo-ct\nprofile: h100\nresources: {nodes: 2}\nmodel: {path: /models/llama}\n"
+                    "data: {path: /data/sets/prompts.jsonl, seq_len: 1024}\n"
+                    "train: {method: grpo, max_steps: 10, micro_batch_size: 8}\n"
+                    "container: {runtime: pyxis, image: 'nvcr.io#nvidia/pytorch:24.12-py3'}\n"
+                    "grpo:\n  reward: [rewards.py:digits]\n  generator: {backend: vllm, nodes: 1}\n")
+    done = fsdpjob("validate", str(spec), "--no-file-checks")
+    assert done.returncode == 2 and done.stderr.startswith(f"{spec}:10: grpo.generator.python: the vLLM server runs "
+                                                           "outside the workers' container"), done.stderr
+    done = fsdpjob("validate", str(spec), "--no-file-checks", "--set", "grpo.generator.python=/opt/vllm/bin/python")
+    assert done.returncode == 0, done.stderr

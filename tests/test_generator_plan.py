@@ -104,14 +104,15 @@ def test_tp_1_for_70b_on_one_80_gb_gpu_is_refused_with_the_fix(tmp_path: Path) -
     assert g["refusal"] is None and g["servers"] == 1 and g["tokens_held"] >= 2048
 
 
-def test_a_max_model_len_below_seq_len_and_the_home_made_server_at_70b_are_refused(tmp_path: Path) -> None:
+def test_a_max_model_len_below_seq_len_and_the_retired_home_made_server_are_refused(tmp_path: Path) -> None:
     spec = _grpo_70b(tmp_path, max_model_len=1024)
     code, out, _ = run_cli("plan", str(spec), "--json")
     assert code == 2 and "max_model_len 1024 is shorter" in json.loads(out)["refusal"]
-    code, out, _ = run_cli("plan", str(spec), "--json", "--set", "grpo.generator.backend=server")
-    plan = json.loads(out)
-    assert code == 2 and "whole model on one GPU" in plan["refusal"] and "backend=vllm" in plan["refusal"]
-    assert plan["topology"]["world_size"] == 16 and plan["generator"]["round_s"] is None
+    # backend server (the home-made transformers server) is refused at validate, in one line naming the field
+    code, out, err = run_cli("validate", str(spec), "--set", "grpo.generator.backend=server")
+    lines = [line for line in (out + err).splitlines() if "backend" in line]
+    assert code == 2 and len(lines) == 1, out + err
+    assert "grpo.generator.backend" in lines[0] and "retired; use vllm (or inprocess" in lines[0], lines
 
 
 def test_vllm_layouts_the_nodes_cannot_hold_are_refused_at_validate(tmp_path: Path) -> None:

@@ -339,3 +339,30 @@ def test_grpo_splits_productive_time_into_generation_and_training_of_kept_steps_
     assert rep.productive_split["generation"] == pytest.approx(5 * 4.0 * 2)
     assert sum(rep.productive_split.values()) == pytest.approx(rep.productive_unit_s)
     assert goodput(record(1000), CRASH_ROWS, CRASH_EVENTS, CRASH_METRICS).productive_split is None  # not grpo
+
+
+def test_grpo_shows_its_generator_own_time_weight_sync_and_server_replacements_of_kept_steps():
+    """Issue 52 item 6: the trainers' time on the generator is split into its own lines: waiting on generation, the
+    weight sync before each round, and the lost vLLM servers replaced while they waited (the supervisor's `server`
+    events of phase replaced, each with the logged step after it). A replacement in a step a later start redid
+    (attempt 0's step 40) is lost work, not a generator line."""
+    from fsdpjob.orchestrator.views.report.run import RunReport, format_report
+
+    metrics = [dict(m, generation_s=4.0, scoring_s=0.5, weight_sync_s=0.25) for m in CRASH_METRICS]
+    events = sorted([*CRASH_EVENTS,
+                     ev("server", 1066, phase="replaced", start=2, took_s=3.0, reason="killed"),  # before step 40: lost
+                     ev("server", 1230, phase="replaced", start=3, took_s=2.0, reason="frozen"),  # before step 40: kept
+                     ev("server", 1240, phase="replaced", start=4, took_s=9.0, reason="frozen")],  # over its step's 4.5
+                    key=lambda e: e["time"])
+    rep = goodput(record(1000), CRASH_ROWS, events, metrics)
+    assert_adds_up(rep)
+    # Kept: steps 10, 20 of attempt 0 and 30, 40, 50 of attempt 1, each 4.5 s (0.25 of it the sync) on 2 GPUs.
+    split = rep.productive_split
+    assert list(split) == ["generation", "weight sync", "generator restarts", "training"]
+    assert split["weight sync"] == pytest.approx(5 * 0.25 * 2)
+    assert split["generator restarts"] == pytest.approx((2.0 + 4.25) * 2)  # the second capped at its step's wait
+    assert split["generation"] == pytest.approx((5 * 4.5 - 5 * 0.25 - 6.25) * 2)
+    assert sum(split.values()) == pytest.approx(rep.productive_unit_s)
+    text = format_report(RunReport(rep, "COMPLETED", None, None))
+    assert re.search(r"\n    weight sync\s+2\.5 GPU-s .* of productive", text), text
+    assert re.search(r"\n    generator restarts\s+12\.5 GPU-s .* of productive", text), text

@@ -6,9 +6,12 @@ from a folder each round (/pause, /collective_rpc reload_weights, /resume), or l
 - straight: the reward rises, every group's completions are distinct, the server reloads the policy at each round.
 - interrupted: every rank exits after step 4 (a checkpoint at step 3 sits in the middle of the round of steps 2-3);
   the supervisor restarts the ranks and a new vLLM server in the run, the resume trains the rest of the saved round
-  and regenerates the next ones on the new server; then the vLLM server is killed (SIGKILL to its process group)
-  after step 6: the ranks' next request fails, the supervisor restarts both again, the round is regenerated from its
-  seeds, and the run ends with the straight run's weights, bit for bit.
+  and regenerates the next ones on the new server. That server is killed (SIGKILL to its process group) as soon as
+  it is ready: the supervisor replaces it while the training step goes on (generator-only recovery). The replacement
+  is frozen (SIGSTOP) as soon as it is ready: the ranks' next request gets no answer within grpo.generator.deadline_s,
+  they report it lost and wait, the supervisor replaces it (loading the policy the ranks last loaded), the ranks
+  regenerate the round in flight from its seeds. The training step is never restarted for the server, and the run
+  ends with the straight run's weights, bit for bit.
 - LoRA: the adapters only, loaded in place each round (/v1/load_lora_adapter); the same checks but the reward's.
 A vLLM start is 30-95 s on a quiet 2-core machine (3-4 min while other work runs): each run starts one per launch.
 """
@@ -103,27 +106,46 @@ def _vllm_group(run: dict) -> int:
     return leaders[0]
 
 
-def test_vllm_full_weights_straight_then_interrupted_and_server_killed_end_bitwise(root: Path) -> None:
+def _servers(run: dict) -> list[dict]:
+    return [e for e in _events(run) if e["event"] == "server"]
+
+
+def test_vllm_full_weights_straight_then_interrupted_then_server_killed_and_frozen_end_bitwise(root: Path) -> None:
     straight = _submit(root, "straight", wait=True)
     _check_straight(root, straight, reloads_with="/collective_rpc")
 
-    run = _submit(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'", "env.FSDPJOB_MIN_STEP_S='2'", wait=False)
-    wait_for(lambda: len([e for e in _events(run) if e["event"] == "server"]) >= 2 and
-             (status_json(run["run_id"], cwd=root)["step"] or 0) >= 6, 900, interval_s=1.0,
-             what="step 6 after the restart")
-    os.killpg(_vllm_group(run), signal.SIGKILL)
+    # The deadline only bounds the frozen server's wait here (the straight run's 300 s would make the test slow);
+    # it changes no bit. Steps of at least 4 s leave rounds to generate after both faults.
+    run = _submit(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'", "env.FSDPJOB_MIN_STEP_S='4'",
+                  "grpo.generator.deadline_s=90", wait=False)
+    wait_for(lambda: len(_servers(run)) >= 2, 900, interval_s=0.5, what="the second launch's server")
+    os.killpg(_vllm_group(run), signal.SIGKILL)  # killed: its process ends, the supervisor sees it
+    wait_for(lambda: len(_servers(run)) >= 3, 900, interval_s=0.5, what="the killed server's replacement")
+    frozen_at = status_json(run["run_id"], cwd=root)["step"] or 0
+    group = _vllm_group(run)
+    os.killpg(group, signal.SIGSTOP)  # frozen: only the ranks' deadline can tell
     report = wait_for(lambda: (r := status_json(run["run_id"], cwd=root))["phase"] in ("COMPLETED", "FAILED") and r,
-                      900, interval_s=2.0, what="the interrupted run to end")
+                      1200, interval_s=2.0, what="the interrupted run to end")
     assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report
+    assert frozen_at < 8, frozen_at  # a round was left to generate on the frozen server
     events = _events(run)
     faults = [e for e in events if e["event"] == "fault"]
-    assert len(faults) == 2 and all(f["restart"] for f in faults), faults
-    failed = [e for e in events if e["event"] == "failed" and "error" in e]
-    assert any("generation server" in e["error"] for e in failed), failed  # the killed server, named
-    assert [e["start"] for e in events if e["event"] == "server"] == [1, 2, 3]
-    resumed_where_saved(events, 2)  # each new launch from a saved step, not from step 0 (the same bits either way)
+    assert len(faults) == 1 and faults[0]["restart"], faults  # the exit at step 4 only: never the server's
+    servers = _servers(run)
+    assert [(e["phase"], e["start"]) for e in servers] == [("ready", 1), ("ready", 2), ("replaced", 3),
+                                                           ("replaced", 4)], servers
+    killed, frozen = servers[2:]
+    assert "step ended with exit code" in killed["reason"], killed
+    assert "did not answer" in frozen["reason"] and "deadline 90 s" in frozen["reason"], frozen
+    # The ranks' newest policy loaded on it: a round's (4 or 6), or none where the freeze caught the first reload
+    # of this launch (rank 0 then loads it again on the replacement).
+    assert frozen["version"] in (None, 4, 6), frozen
+    resumed_where_saved(events, 1)  # the relaunch after step 4 from a saved step, not from step 0 (same bits)
     a, b = committed_model_state(straight["run_dir"]), committed_model_state(run["run_dir"])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    # The frozen server was stopped by the supervisor (SIGCONT, then SIGINT): nothing of it is left.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group, 0)
 
 
 def test_vllm_lora_adapters_loaded_in_place_each_round(root: Path) -> None:

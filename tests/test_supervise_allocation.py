@@ -40,6 +40,29 @@ def test_a_step_after_lost_nodes_runs_srun_on_the_nodes_left_and_a_local_step_as
     assert LocalAllocation.step_command(None, step, ("n2",), 3, 4) == step
 
 
+def test_the_vllm_server_step_asks_for_its_gpus_on_its_own_nodes(monkeypatch):
+    """grpo's vLLM server as a side step: on the allocation's last nodes, one task each, with the generator's GPUs
+    per node asked for (a step gets none on sites whose steps do not inherit the job's GRES); none on CPU."""
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+    from fsdpjob.orchestrator.supervise.allocation import SlurmAllocation
+    from fsdpjob.orchestrator.supervise.genserver import server_gpus
+
+    monkeypatch.setattr(SlurmAllocation, "_node_names", staticmethod(lambda excluded=(): ["n1", "n2", "n3"]))
+    alloc = SlurmAllocation.__new__(SlurmAllocation)
+    line, nodes = alloc.side_step(["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"], 1, 8)
+    assert nodes == ("n3",) and line == [
+        "srun", "--nodelist=n3", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--gpus-per-node=8",
+        "--kill-on-bad-exit=1", "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--gpus-per-node" not in " ".join(alloc.side_step(["python"], 2, 0)[0])
+    base = {"name": "g", "profile": "local", "model": {"path": "/m"}, "data": {"path": "p.jsonl"},
+            "train": {"method": "grpo", "micro_batch_size": 8, "max_steps": 2}, "grpo": {"reward": ["r.py:f"]}}
+    job = JobSpec.model_validate({**base, "resources": {"gpus_per_node": 8},
+                                  "grpo": {"reward": ["r.py:f"], "generator": {"backend": "vllm", "gpus_per_node": 4}}})
+    assert server_gpus(job) == 4
+    assert server_gpus(JobSpec.model_validate({**base, "resources": {"gpus_per_node": 8}})) == 8
+    assert server_gpus(JobSpec.model_validate(base)) == 0
+
+
 def test_a_probe_that_answers_late_loses_the_node_only_when_slurm_says_so(tmp_path, monkeypatch):
     # After a crash each node runs `srun --overlap ... true`. On a loaded node or controller the answer can come
     # after the probe's bound: that alone is no death (the node would be left out or the job requeued without

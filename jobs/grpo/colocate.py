@@ -154,7 +154,7 @@ class ColocatedGeneration:
         self.serving = start_step
 
     def generate(self, prompt_ids: list[list[int]], generator: torch.Generator) -> SampledCompletions:
-        return generate_groups(self.engine, self.options, prompt_ids, generator, self.pad_id)
+        return generate_groups(self.engine.generate, self.options, prompt_ids, generator, self.pad_id)
 
     def after_round(self) -> None:
         self.engine.sleep()

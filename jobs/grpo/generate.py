@@ -30,6 +30,16 @@ from torch import nn
 STOP_CHECK_EVERY = 16  # tokens between the all-reduces that let every rank stop once all completions have ended
 
 
+def eos_ids(*sources: object) -> frozenset[int]:
+    """The ids that end a completion: every source's eos_token_id (one id or a list; a tokenizer, a model config,
+    a generation config, whose list names a chat model's end-of-turn token; None is skipped)."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else list(value or []))
+    return frozenset(ids)
+
+
 class Completions(NamedTuple):
     completion_ids: torch.Tensor  # [N, max_new_tokens] long; pad_id after the EOS token
     lengths: torch.Tensor  # [N] long: tokens up to and including EOS (max_new_tokens when truncated)

@@ -18,12 +18,10 @@ from ..dist import DistEnv
 from ..preference.reference import as_reference
 from ..preference.setup import frozen_copy
 from .colocate import ColocatedGeneration
-from .generate import completion_logps, generate
+from .generate import completion_logps, eos_ids, generate
 from .losses import group_advantages
-from .remote import RemoteGeneration
 from .rewards import RewardFunctions
 from .rounds import GrpoRounds
-from .sampling import eos_ids
 from .step import GrpoStepValues, grpo_step
 from .vllmgen import VllmGeneration
 
@@ -52,7 +50,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
     tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
     rewards = RewardFunctions.load(options.reward)
     rewards.check_fields(table.field_names)  # a field only later records have: before the first generation
-    # Where a completion ends, as the server's (sampling.eos_ids): the generation config lists a chat model's
+    # Where a completion ends, as vLLM's (generate.eos_ids): the generation config lists a chat model's
     # end-of-turn token (read from the folder: the worker builds the model from its config alone).
     eos = set(eos_ids(_generation_config(spec.model.path), model.config, tokenizer))
     pad = pad_id_of(tokenizer)
@@ -72,13 +70,13 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
                         top_p=options.top_p, generator=generator, eos_token_ids=eos, pad_id=pad, device=env.device)
 
     before_round = after_round = None
+    round_group = control
     if options.generator.colocated:  # this rank's own vLLM engine generates; the policy goes to it in memory
         engine = ColocatedGeneration(spec, model, env, run_dir, pad, control)
         gen, before_round, after_round = engine.generate, engine.before_round, engine.after_round
-    elif options.generator.server:  # the supervisor's server generates; the policy goes to it
-        kind = VllmGeneration if options.generator.backend == "vllm" else RemoteGeneration
-        remote = kind(spec, model, env, run_dir, pad, control)
-        gen, before_round = remote.generate, remote.before_round
+    elif options.generator.server:  # the supervisor's vLLM server generates; the policy goes to it
+        remote = VllmGeneration(spec, model, env, run_dir, pad, control)
+        gen, before_round, round_group = remote.generate, remote.before_round, remote.wait_group
 
     def score(rows: list[int], completion_ids: torch.Tensor, mask: torch.Tensor):
         texts = [tokenizer.decode(ids[:int(m.sum())].tolist(), skip_special_tokens=True)
@@ -98,7 +96,7 @@ def grpo_training(spec: JobSpec, parts, env: DistEnv, control: dist.ProcessGroup
             advantages=lambda r: group_advantages(r, options.num_generations, options.scale_rewards),
             # One step per round: the ratio is 1 and its gradient the policy's own (TRL: logps.detach()).
             old_logps=old_logps if options.steps_per_generation > 1 else None,
-            control=control, step_of=lambda: parts.state.step, before_round=before_round, after_round=after_round,
+            control=round_group, step_of=lambda: parts.state.step, before_round=before_round, after_round=after_round,
             end_ids=frozenset(eos | {pad}), scale_rewards=options.scale_rewards)
 
     reference_of = _reference(spec, parts, env, logps_of)

@@ -95,11 +95,15 @@ def container_problems(spec: JobSpec, profile: ClusterProfile, runs_root: str) -
         return (*where, field) if spec.container is not None else where
 
     out: list[tuple[tuple, str]] = []
-    if spec.grpo is not None and spec.grpo.generator.backend == "server":
-        # The supervisor starts the server with its own python, outside any container (supervise/genserver.py).
-        out.append((("grpo", "generator", "backend"), "the generation server does not run in a container in this "
-                                                      "version; use generator backend inprocess in a container, or "
-                                                      "run without one"))
+    generator = spec.grpo.generator if spec.grpo is not None else None
+    if generator is not None and generator.backend == "vllm" and generator.python is None:
+        # The supervisor starts the vLLM server as a step of its own outside the workers' container (no container
+        # flags on it: supervise/genserver.py), from generator.python; its default, the supervisor's own python on
+        # the host, has no vLLM, and the image's vLLM is not what runs.
+        out.append((("grpo", "generator", "python"), "the vLLM server runs outside the workers' container, from "
+                                                     "grpo.generator.python: set it to an interpreter on the nodes "
+                                                     "whose environment has vLLM (.ci/vllm-env builds one), or use "
+                                                     "backend inprocess"))
     if not profile.kind.containers:
         out.append((where, f"profile {profile.name!r} is a {profile.scheduler} profile: containers run on Slurm only "
                            "(drop the container section, or use a Slurm profile)"))

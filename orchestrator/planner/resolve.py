@@ -128,12 +128,6 @@ def problems(spec: JobSpec, profile: ClusterProfile,
         # The supervisor runs srun and scontrol in the batch script after the job's env is exported.
         out.append((("env", "PATH"), "an empty PATH hides srun and scontrol from the job's supervisor; drop "
                                      "env.PATH, or extend it: $PATH:/my/bin"))
-    generator = spec.grpo.generator if spec.grpo is not None else None
-    if profile.kind.side_step_takes_nodes and generator is not None and generator.backend == "server" \
-            and generator.nodes >= eff.nodes:
-        # On the local profile the server is a process beside the workers; on Slurm it takes nodes of its own.
-        out.append((("grpo", "generator", "nodes"), f"the generation server's {generator.nodes} node(s) leave none of "
-                                                    f"the job's {eff.nodes} to train; raise resources.nodes"))
     out += generator_problems(spec, profile, eff.nodes, eff.gpus_per_node, eff.tasks_per_node)
     out += _size_problems(spec, profile, eff, partition_size)
     out += container_problems(spec, profile, str(runs_root()))

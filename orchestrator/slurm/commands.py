@@ -274,11 +274,13 @@ def srun_on_nodes_left(command: list[str], excluded: tuple[str, ...], nodes: int
             f"--ntasks-per-node={tasks_per_node}", *command[1:]]
 
 
-def srun_on_nodes(argv: list[str], nodes: tuple[str, ...]) -> list[str]:
+def srun_on_nodes(argv: list[str], nodes: tuple[str, ...], gpus_per_node: int = 0) -> list[str]:
     """A step of its own on ``nodes``, one task each (grpo's generation server beside the training step, which
-    leaves these nodes out)."""
+    leaves these nodes out), with ``gpus_per_node`` GPUs of each node asked for: a step gets none unless it asks,
+    on sites whose steps do not inherit the job's GRES (vLLM then finds no GPU)."""
+    gpus = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
     return ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1", "--kill-on-bad-exit=1", *argv]
+            "--ntasks-per-node=1", *gpus, "--kill-on-bad-exit=1", *argv]
 
 
 def on_node(job_id: str, node: str, argv: list[str], timeout: float = 30, gpus_per_node: str | None = None) -> str:

@@ -183,11 +183,11 @@ class SlurmAllocation:
         """The step's command; after nodes were lost, srun on the ones left."""
         return slurm_cli.srun_on_nodes_left(command, excluded, nodes, tasks_per_node)
 
-    def side_step(self, argv: list[str], count: int) -> tuple[list[str], tuple[str, ...]]:
-        """``argv`` as a step of its own on the allocation's last ``count`` nodes, and those nodes (the training
-        step leaves them out)."""
+    def side_step(self, argv: list[str], count: int, gpus_per_node: int = 0) -> tuple[list[str], tuple[str, ...]]:
+        """``argv`` as a step of its own on the allocation's last ``count`` nodes, asking for ``gpus_per_node`` GPUs
+        of each, and those nodes (the training step leaves them out)."""
         nodes = tuple(self._node_names()[-count:])
-        return slurm_cli.srun_on_nodes(argv, nodes), nodes
+        return slurm_cli.srun_on_nodes(argv, nodes, gpus_per_node), nodes
 
     def kill_step(self, proc: subprocess.Popen, signal_group: Callable[[int], None]) -> None:
         """srun aborts its step on a second SIGINT within a second (SIGKILL to every task, frozen ones included)."""
@@ -239,7 +239,7 @@ class LocalAllocation:
         """One machine: no node is ever left out."""
         return command
 
-    def side_step(self, argv: list[str], count: int) -> tuple[list[str], tuple[str, ...]]:
+    def side_step(self, argv: list[str], count: int, gpus_per_node: int = 0) -> tuple[list[str], tuple[str, ...]]:
         """One machine: a process beside the workers, no node left out."""
         return argv, ()
 

@@ -1,10 +1,14 @@
-"""grpo's generation server (``grpo.generator: {backend: server|vllm, nodes: N}``) as the supervisor runs it: its own
+"""grpo's vLLM generation server (``grpo.generator: {backend: vllm, nodes: N}``) as the supervisor runs it: its own
 step of the job on the allocation's last N nodes (on the local profile a process on this machine), started before
-each launch of the training step and ready (this package's server: its ready file written, ``GET /health``
-answered; vLLM: ``GET /v1/models`` answered on the port given to it) before the training step starts; the
-training step runs on the other nodes. A server that does not come up within its deadline fails the launch like a
-hang; one that stops answering later makes the workers' requests time out (core/genserver/client.py), the step
-crashes and the supervisor restarts both, inside the allocation.
+each launch of the training step and ready (``GET /v1/models`` answered on the port given to it) before the
+training step starts; the training step runs on the other nodes. A server that does not come up within its bound
+fails the launch like a hang.
+
+Generator-only recovery: a server whose process ended (killed, its node lost), or that a rank reported lost (no
+answer within grpo.generator.deadline_s: frozen, hung), is replaced while the training step goes on: the ranks wait
+(core/genserver/handover.py), a new server starts on the same nodes, loads the policy the ranks last published, and
+its address is handed over; the ranks regenerate the requests in flight from their seeds. The training step is
+restarted only when the replacement fails.
 
 Why the supervisor and not the workers: the server must outlive a crashed training step (or be restarted beside it)
 and must never be waited on without a bound; the supervisor already owns both (the launch loop, the stall bounds).
@@ -21,16 +25,10 @@ from pathlib import Path
 
 # All torch-free (the batch side never imports torch): the workers' clients and the servers' command lines.
 from fsdpjob.orchestrator.core import rendezvous
-from fsdpjob.orchestrator.core.genserver import vllm
-from fsdpjob.orchestrator.core.genserver.client import GenerationClient, GenerationServerError
-from fsdpjob.orchestrator.core.genserver.servecmd import server_argv
+from fsdpjob.orchestrator.core.genserver import handover, vllm
+from fsdpjob.orchestrator.core.genserver.client import GenerationServerError, ServerRefused
 
 POLL_S = 0.5
-# The server's torch CPU threads, pinned (CPU completions are bitwise only at a fixed count). One: on CPU the server
-# shares its cores with the ranks (local profile) or other work, and a second intra-op thread bought nothing at the
-# sizes CPU serves but burned what its waits spun: beside two CPU burners, the local GRPO server test took 95.1
-# CPU-s with 2 threads and 73.5 with 1, same bits (tests/cpuprofile.py). A GPU server's threads only feed CUDA.
-SERVER_THREADS = 1
 
 
 class ServerDown(RuntimeError):
@@ -47,32 +45,22 @@ class GenerationServer:
     it (SIGTERM, then SIGKILL)."""
 
     def __init__(self, run_dir: Path, *, model_path: str, dtype: str, step_for, python: str, host: str,
-                 vllm_options: dict | None = None):
+                 vllm_options: dict):
         self.run_dir, self.model_path, self.dtype = run_dir, model_path, dtype
         self.step_for, self.python = step_for, python
-        # backend vllm: vllm_argv's keywords (seed, cpu, lora_rank, ...); None: this package's server
-        self.vllm_options = vllm_options
+        self.vllm_options = vllm_options  # vllm_argv's keywords (seed, cpu, lora_rank, ...)
         self.host = host  # where the workers reach it: its node's name or address (the server listens on all)
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.starts = 0
+        self.replaced = 0  # replacements in this launch (run.py resets it at each launch)
         self.ready_bound_s = 0.0  # the last start's bound (wait_ready)
-
-    @property
-    def ready_file(self) -> Path:
-        return server_dir(self.run_dir) / "ready"
 
     def start(self, env: dict[str, str]) -> None:
         self.stop()
         folder = server_dir(self.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        self.ready_file.unlink(missing_ok=True)
-        if self.vllm_options is not None:
-            argv, env = self._vllm(env)
-        else:
-            # Threads pinned: CPU completions repeat bitwise only at the same thread count (a restarted server too).
-            argv = server_argv(self.model_path, host="0.0.0.0", port=0, dtype=self.dtype,
-                               ready_file=self.ready_file, threads=SERVER_THREADS, python=self.python)
+        argv, env = self._vllm(env)
         log = open(folder / f"server-{self.starts}.log", "ab")
         self.proc = subprocess.Popen(self.step_for(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -80,8 +68,7 @@ class GenerationServer:
         print(f"fsdpjob supervisor: generation server started (log {log.name})", file=sys.stderr, flush=True)
 
     def _vllm(self, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        """vLLM's command and environment; its port drawn here (it writes no ready file) and kept in the ready
-        file's place, which wait_ready reads alike."""
+        """vLLM's command and environment; its port drawn here (it writes no ready file)."""
         port = rendezvous.pick_port()
         options = self.vllm_options
         argv = vllm.vllm_argv(self.model_path, python=self.python, host="0.0.0.0", port=port, dtype=self.dtype,
@@ -97,25 +84,18 @@ class GenerationServer:
 
     def _answering(self) -> str | None:
         """The address once the server answers, else None."""
-        if self.vllm_options is not None:
-            address = f"{self.host}:{self._vllm_port}"
-            models = vllm.VllmClient(f"http://{address}", 5, self.model_path).models()
-            return address if models else None
-        if not self.ready_file.exists():
-            return None
-        port = self.ready_file.read_text().strip().rsplit(":", 1)[1]  # host:port, renamed into place
-        address = f"{self.host}:{int(port)}"
-        GenerationClient(f"http://{address}", deadline_s=5).health()  # the workers' client, no proxy
-        return address
+        address = f"{self.host}:{self._vllm_port}"
+        models = vllm.VllmClient(f"http://{address}", 5, self.model_path).models()
+        return address if models else None
 
-    def wait_ready(self, bound_s: float) -> str:
-        """The server's address once it answers /health; ServerDown after ``bound_s`` or when its step ended.
+    def wait_ready(self, bound_s: float, stopped=lambda: False) -> str:
+        """The server's address once it answers /v1/models; ServerDown after ``bound_s`` or when its step ended.
         Its start is a launch like the workers' (importing torch on a busy node, a container image imported again
         after a requeue) and gets their bound (run.py's _launch_bound), not grpo.generator.deadline_s, which
         bounds a served request's silence."""
         self.ready_bound_s = bound_s
         started = time.monotonic()
-        while time.monotonic() - started < bound_s:
+        while time.monotonic() - started < bound_s and not stopped():
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerDown(f"the generation server's step ended with exit code {self.proc.returncode} before "
                                  f"it was ready; see {server_dir(self.run_dir)}")
@@ -126,18 +106,64 @@ class GenerationServer:
             except (OSError, ValueError, IndexError, KeyError, TypeError, GenerationServerError):
                 pass  # not answering yet, or a half-written ready file: ask again
             time.sleep(POLL_S)
+        if stopped():
+            raise ServerDown("the supervisor was signalled while the generation server started")
         raise ServerDown(f"the generation server was not ready within {bound_s:.0f} s (the launch bound: "
                          "3 x the longest launch in this allocation + 60 s, or recovery.setup_timeout_s)")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def lost(self) -> str | None:
+        """Why this server must be replaced now (its process ended, or a rank had no answer from it within the
+        deadline: handover.py), or None."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            return f"the generation server's step ended with exit code {self.proc.returncode}"
+        if reports := handover.lost_reports(self.run_dir, self.starts):
+            rank, why = min(reports.items())
+            return f"rank {rank}: {why}"
+        return None
+
+    def replace(self, env: dict[str, str], bound_s: float, most: int, stopped=lambda: False) -> int | None:
+        """A new server in this one's place, serving the ranks' policy (load_policy's version), its address handed
+        to the ranks only then (a rank must never generate on the starting weights by mistake); ServerDown, also
+        past ``most`` replacements in this launch (a server that keeps dying is a fault of the run)."""
+        if self.replaced >= most:
+            raise ServerDown(f"the generation server was lost {self.replaced + 1} times in this launch "
+                             f"(recovery.max_restarts {most})")
+        self.replaced += 1
+        self.start(env)
+        self.wait_ready(bound_s, stopped)  # a scancel meanwhile ends the wait: the step then ends as signalled
+        try:
+            version = self.load_policy(bound_s)
+        except GenerationServerError as exc:
+            raise ServerDown(f"the new generation server did not load the ranks' policy: {exc}") from None
+        handover.write_address(self.run_dir, self.address, self.starts)
+        return version
+
+    def load_policy(self, deadline_s: float) -> int | None:
+        """Have a new server load the policy the ranks last had its predecessor load (handover.serving.json); its
+        version, or None where the ranks had loaded none (the starting weights, which the server has)."""
+        policy = handover.read_serving(self.run_dir)
+        if policy is None or not Path(policy.path).exists():
+            return None  # nothing loaded yet, or a load the ranks will make again (a newer version replaced it)
+        client = vllm.VllmClient(f"http://{self.address}", deadline_s, self.model_path)
+        try:
+            client.load_lora(policy.path) if policy.lora else client.reload_weights(policy.path)
+        except ServerRefused:
+            if Path(policy.path).exists():
+                raise
+            return None  # rank 0 published a newer version meanwhile (the older one removed): it loads that one
+        return policy.version
+
     def stop(self) -> None:
         if self.proc is None:
             return
         # SIGCONT first: a stopped (SIGSTOPped, frozen) server handles nothing until continued. SIGINT stops the
-        # server (it ignores SIGTERM, which Slurm sends every step of a preempted job); the second, within a second,
-        # makes srun end its step on Slurm; then SIGKILL.
+        # server (it ignores SIGTERM, shield/: Slurm sends it to every step of a preempted job); the second, within
+        # a second, makes srun end its step on Slurm; then SIGKILL.
         for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGINT, 0.3), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0)):
             if self.proc.poll() is not None:
                 break
@@ -153,11 +179,16 @@ class GenerationServer:
         self.proc, self.address = None, None
 
 
+def server_gpus(spec) -> int:
+    """GPUs of each generator node the server uses: the generator's gpus_per_node, else the job's (0: CPU)."""
+    generator = spec.grpo.generator
+    return generator.gpus_per_node if generator.gpus_per_node is not None else (spec.resources.gpus_per_node or 0)
+
+
 def vllm_options(spec) -> dict:
     """vllm_argv's keywords from the spec: CPU unless the generator's nodes have GPUs, the run's seed, LoRA's rank."""
-    generator, lora = spec.grpo.generator, spec.model.lora
-    gpus = generator.gpus_per_node if generator.gpus_per_node is not None else (spec.resources.gpus_per_node or 0)
-    return {"seed": spec.train.seed, "cpu": gpus == 0, "lora_rank": None if lora is None else lora.r,
+    lora, generator = spec.model.lora, spec.grpo.generator
+    return {"seed": spec.train.seed, "cpu": server_gpus(spec) == 0, "lora_rank": None if lora is None else lora.r,
             "tensor_parallel_size": generator.tensor_parallel_size,
             "gpu_memory_utilization": generator.gpu_memory_utilization,
             "max_model_len": generator.max_model_len or spec.data.seq_len}

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fsdpjob.orchestrator.core import buildid, envvars, rendezvous, slurmenv
+from fsdpjob.orchestrator.core.genserver import handover
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import committed_steps
@@ -39,7 +40,7 @@ from fsdpjob.orchestrator.core.runfolder.taskexit import read_task_exits
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
-from .genserver import GenerationServer, ServerDown, vllm_options
+from .genserver import GenerationServer, ServerDown, server_gpus, vllm_options
 from .policy import Fault, restart_in_allocation
 from .stall import Bounds, Verdict, Watch
 
@@ -84,7 +85,7 @@ class Supervisor:
         self.server, self.server_nodes = self._generation_server(spec)
 
     def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
-        """grpo with generator backend server or vllm (server mode): the server's step on the allocation's last nodes
+        """grpo with generator backend vllm (server mode): the server's step on the allocation's last nodes
         (genserver.py). vLLM colocated in the ranks starts none."""
         generator = spec.grpo.generator if spec.grpo is not None else None
         if generator is None or not generator.server:
@@ -92,7 +93,7 @@ class Supervisor:
         nodes: list[tuple[str, ...]] = []
 
         def step_for(argv: list[str]) -> list[str]:
-            line, used = self.allocation.side_step(argv, generator.nodes)
+            line, used = self.allocation.side_step(argv, generator.nodes, server_gpus(spec))
             nodes[:] = [used]
             return line
         step_for(["true"])  # which nodes: known before the first launch (the training step leaves them out)
@@ -100,7 +101,7 @@ class Supervisor:
         host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
         server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
                                   step_for=step_for, python=generator.python or sys.executable, host=host,
-                                  vllm_options=vllm_options(spec) if generator.backend == "vllm" else None)
+                                  vllm_options=vllm_options(spec))
         return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class Supervisor:
                # Drawn for each launch, free on this node (rank 0's unless it was excluded): core/rendezvous.py.
                rendezvous.MASTER_PORT_VAR: str(rendezvous.pick_port())}
         if self.server is not None:  # grpo's generation server, up and answering before the workers start
+            self._server_env = env
             try:
                 env["FSDPJOB_GENERATION_SERVER"] = self._start_server(env, launch)
             except ServerDown as exc:
@@ -214,6 +216,11 @@ class Supervisor:
                     except subprocess.TimeoutExpired:
                         pass
                 return self._end_step(CRASH_GRACE_S) or 1, None
+            if self.server is not None and (why := self.server.lost()) is not None:
+                if (down := self._replace_server(why, launch)) is not None:
+                    return self._end_step(), down
+                watch.excuse(time.time())  # the ranks waited on the generator: no stall of theirs
+                continue
             verdict = watch.observe(beats, time.time())
             if verdict is not None and self.proc.poll() is None:
                 self._stall(verdict, beats, launch)
@@ -239,11 +246,29 @@ class Supervisor:
     def _start_server(self, env: dict[str, str], launch: int) -> str:
         """A new generation server for every launch (a restart after a fault never reuses one that may be the
         fault), its address for the workers."""
+        handover.clear(self.run_dir)
         self.server.start(env)
+        self.server.replaced = 0
         address = self.server.wait_ready(self._launch_bound(launch))
+        handover.write_address(self.run_dir, address, self.server.starts)
         runlog.append(self.run_dir, runlog.SERVER, phase="ready", address=address, nodes=list(self.server_nodes),
                       start=self.server.starts)
         return address
+
+    def _replace_server(self, why: str, launch: int) -> Verdict | None:
+        """Generator-only recovery (genserver.py): a new server in place of a lost one while the training step
+        waits; a Verdict (the step ends, a fault) if that fails."""
+        detected = time.time()
+        print(f"fsdpjob supervisor: generation server lost ({why}); replacing it", file=sys.stderr, flush=True)
+        try:
+            version = self.server.replace(self._server_env, self._launch_bound(launch), self.recovery.max_restarts,
+                                          lambda: bool(self.signalled))
+        except ServerDown as exc:
+            return self._server_down(exc)
+        runlog.append(self.run_dir, runlog.SERVER, phase="replaced", address=self.server.address,
+                      nodes=list(self.server_nodes), start=self.server.starts, reason=why, version=version,
+                      detected_at=detected, took_s=round(time.time() - detected, 1))
+        return None
 
     def _server_down(self, exc: ServerDown) -> Verdict:
         self.server.stop()

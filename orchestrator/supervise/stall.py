@@ -111,6 +111,11 @@ class Watch:
             return None
         return blame(beats, now, waited, f"no rank advanced for {waited:.0f} s (bound {bound:.0f} s)", ages)
 
+    def excuse(self, now: float) -> None:
+        """The ranks waited on something not theirs until ``now`` (a generation server replaced): no progress
+        is owed for that time."""
+        self._last_change = now
+
     def ages(self, now: float) -> dict[int, float]:
         """Seconds since each rank's heartbeat last changed, on this clock (a node's clock may be off)."""
         return {rank: now - seen for rank, (_, seen) in self._beat_seen.items()}

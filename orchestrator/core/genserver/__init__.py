@@ -1,2 +1,3 @@
-"""grpo's generation servers as the trainers and the supervisor talk to them, torch-free: the deadline-bound client
-and weight publishing (client.py), the command lines (servecmd.py), and vLLM's protocol (vllm.py)."""
+"""grpo's vLLM generation server as the trainers and the supervisor talk to it, torch-free: the deadline-bound client
+and weight publishing (client.py), vLLM's command line and protocol (vllm.py), and what the supervisor and the ranks
+hand each other when a server is replaced (handover.py)."""

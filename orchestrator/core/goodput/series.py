@@ -1,5 +1,5 @@
 """The measured figures beside goodput's accounting (goodput/account.py): the median step time, the curves the
-report's picture draws, and grpo's split of productive time into generation and training."""
+report's picture draws, and grpo's split of productive time into its generator's lines and training."""
 
 from __future__ import annotations
 
@@ -38,17 +38,38 @@ def series(metrics: list[dict]) -> dict[str, list]:
 
 
 
-def generation_share(metrics: list[dict], kept: list[tuple[float, float, int | None]]) -> float:
-    """Wall seconds of grpo's generation and scoring in kept steps: the logged steps' ``generation_s`` and
-    ``scoring_s`` (each the seconds since the previous logged step), counted where a start's step was kept
-    (``kept``: each start's (begin, end, kept_until step)). 0 for every other method."""
-    total = 0.0
+def generator_time(metrics: list[dict], events: list[dict], kept: list[tuple[float, float, int | None]]
+                   ) -> dict[str, float]:
+    """grpo's generator, in wall seconds of kept steps (``kept``: each start's (begin, end, kept_until step); the
+    logged steps' seconds are each since the previous logged step; ``metrics`` in time order). {} for every other
+    method:
+
+    - ``generation``: the trainers waiting on their completions and scoring them (``generation_s`` and
+      ``scoring_s``), less the two below;
+    - ``weight sync``: publishing and loading the policy before each round (``weight_sync_s``);
+    - ``generator restarts``: lost servers replaced while the trainers waited (``server`` events of phase
+      ``replaced``: from the detection to the new server's handover, ``took_s``), each counted with the logged step
+      after it (the one whose generation waited on it) where that step is kept; at most that step's generation (a
+      server killed while the ranks trained cost them less than its replacement took).
+    """
+    replaced = sorted((e["time"], float(e.get("took_s") or 0.0)) for e in events
+                      if e.get("event") == runlog.SERVER and e.get("phase") == "replaced")
+    waited = sync = restarts = 0.0
+    at = 0  # the next replacement not yet given to a logged step
     for m in metrics:
         step, t = m.get("step"), m.get("time")
         parts = [m.get(k) for k in ("generation_s", "scoring_s")]
         if not any(isinstance(p, (int, float)) for p in parts) or not isinstance(step, int):
             continue
-        seconds = sum(p for p in parts if isinstance(p, (int, float)))
-        if any(begin <= t <= end and until is not None and step <= until for begin, end, until in kept):
-            total += float(seconds)
-    return total
+        before = at
+        while at < len(replaced) and replaced[at][0] <= t:
+            at += 1
+        if not any(begin <= t <= end and until is not None and step <= until for begin, end, until in kept):
+            continue
+        seconds = float(sum(p for p in parts if isinstance(p, (int, float))))
+        synced = min(float(m.get("weight_sync_s") or 0.0), seconds)
+        waited, sync = waited + seconds, sync + synced
+        restarts += min(sum(took for _, took in replaced[before:at]), seconds - synced)
+    if not waited:
+        return {}
+    return {"generation": waited - sync - restarts, "weight sync": sync, "generator restarts": restarts}

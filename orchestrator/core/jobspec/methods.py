@@ -112,23 +112,21 @@ def value_name(function: str) -> str:
 
 
 class GeneratorSpec(Strict):
-    backend: Literal["inprocess", "server", "vllm"] = "inprocess"
+    backend: Literal["inprocess", "vllm"] = "inprocess"
     ("inprocess: the training ranks generate with the policy they train, in lockstep (no gather of the whole model on "
-     "one rank). vllm: vLLM's OpenAI server runs as its own step of the same Slurm job on `nodes` of its nodes, from "
-     "`python` (an environment with vLLM: .ci/vllm-env builds one), and serves each new policy before the next "
-     "generation (full weights reloaded from a folder, or LoRA adapters loaded in place). server: this package's "
-     "small transformers server the same way (slow: one completion at a time; kept for tests).")
+     "one rank; for small models). vllm: vLLM's OpenAI server runs as its own step of the same Slurm job on `nodes` of "
+     "its nodes, from `python` (an environment with vLLM: .ci/vllm-env builds one), and serves each new policy "
+     "before the next generation (full weights reloaded from a folder, or LoRA adapters loaded in place).")
     nodes: Annotated[int, Field(strict=True, gt=0)] = 1
-    """Nodes of the allocation that run the generation server (backend: server or vllm); the others train."""
+    """Nodes of the allocation that run the generation server (backend: vllm); the others train."""
     deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
-    ("Bound on a silence of the server (backend: server): a generation request or weight load during which the "
-     "server decodes no token, or that it never answers, fails this long after the server was last heard from, a "
-     "fault the supervisor blames and restarts, never an endless wait. A long round on a busy server is not a "
-     "silence: it writes a keep-alive while it decodes. vLLM writes none: with backend vllm it bounds each request "
-     "whole.")
+    ("Bound on each request to the server (backend: vllm; vLLM sends nothing before its answer, so it bounds the "
+     "whole request: give it the longest round's time): a request or weight load not answered within it makes the "
+     "rank report the server lost; the supervisor replaces the server while the training step waits, and the rank "
+     "asks again (generator-only recovery), never an endless wait.")
     python: str | None = None
-    ("The interpreter that runs the server (backend: vllm: one whose environment has vLLM; server: default this "
-     "package's own); with mode colocate, the interpreter the training workers run (vLLM and fsdpjob).")
+    ("The interpreter that runs the vLLM server: one whose environment has vLLM (default: this package's own); "
+     "with mode colocate, the interpreter the training workers run (vLLM and fsdpjob).")
     tensor_parallel_size: Annotated[int, Field(strict=True, gt=0)] = 1
     """vLLM's tensor-parallel degree on GPUs (within a node)."""
     gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.9
@@ -171,8 +169,16 @@ class GeneratorSpec(Strict):
 
     @property
     def server(self) -> bool:
-        """A generation server runs as a step of its own (backend server, or vllm in server mode)."""
-        return self.backend != "inprocess" and not self.colocated
+        """A generation server runs as a step of its own (vllm in server mode)."""
+        return self.backend == "vllm" and not self.colocated
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _retired(cls, value: Any) -> Any:
+        if value == "server":  # the home-made transformers server, one completion at a time: retired (issue 52)
+            raise ValueError("backend server (the home-made transformers server) was retired; use vllm (or "
+                             "inprocess for small models)")
+        return value
 
 
 class GrpoSpec(Strict):

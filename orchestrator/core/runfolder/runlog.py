@@ -37,7 +37,9 @@ FAULT = "fault"
 # checkpoint.memory_interval_steps auto chose its interval: steps, stall_s, step_s, mtbi_s, at_step
 MEMORY_TIER = "memory_tier"
 EXPORT = "export"  # the final Hugging Face export was written: path
-SERVER = "server"  # grpo's generation server (supervisor): phase ready, address, nodes, start (its count)
+# grpo's generation server (supervisor): phase ready (a launch's) or replaced (a lost one, the step going on: reason,
+# version loaded, detected_at, took_s), address, nodes, start (its count in the allocation)
+SERVER = "server"
 DONE = "done"  # training finished: step, loss
 
 EVENTS = (START, DATA, RESUME, REFERENCE, READY, CHECKPOINT, STAGED, STOP, FAULT, GPU_WAIT, REQUEUE, FAILED, CANCEL,
