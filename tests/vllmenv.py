@@ -1,9 +1,11 @@
 """The vLLM environment of the tests that run grpo on vLLM for real (never a stand-in): the python that
 ``.ci/vllm-env`` built (``$FSDPJOB_VLLM_PYTHON``, which .ci/run exports, or found by ``.ci/vllm-env --find``: the
-same cache path, keyed by the pins). Without one those tests skip, or fail under ``FSDPJOB_REQUIRE_VLLM=1`` (CI).
-.ci/run builds it while the first tests run: ``$FSDPJOB_VLLM_BUILD_STATUS`` names the file its exit status is
+same cache path, keyed by what it installs). Without one those tests skip, or fail under ``FSDPJOB_REQUIRE_VLLM=1``
+(CI). .ci/run builds it while the first tests run: ``$FSDPJOB_VLLM_BUILD_STATUS`` names the file its exit status is
 written to when the build ends, which these tests wait for (conftest.py runs them after the slow tests that don't).
-The Inductor cache beside it is kept across runs (TORCHINDUCTOR_CACHE_DIR: the first logprobs request compiles)."""
+The Inductor cache beside it is kept across runs (TORCHINDUCTOR_CACHE_DIR: the first logprobs request compiles).
+Also: the PYTHONPATH that makes this checkout importable in it (colocate's workers run it), and the tiny GRPO job
+both vLLM tests run."""
 
 from __future__ import annotations
 

@@ -232,10 +232,10 @@ def _plan_colocate(spec: JobSpec, profile: ClusterProfile, node_gpus: int, s: Mo
         kv = budget - weights - runtime
     else:
         budget, runtime = None, CPU_COLOCATE_BYTES
-        kv = _cpu_memory(s, p, spec, profile, True)[2]
+        kv = _cpu_memory(s, p, spec, profile)[2]
     completions = ranks * spec.train.micro_batch_size * spec.train.grad_accum_steps * spec.grpo.steps_per_generation
     seq, generated = spec.data.seq_len, completions * spec.grpo.max_new_tokens
-    round_s, rate_note = _round_s(profile, p, generated, ranks, True)
+    round_s, rate_note = _round_s(profile, p, generated, ranks)
     lora = spec.model.lora is not None
     count = trainable(s, p, spec.model.lora).trained if lora else p.total
     sync_bytes = count * dtype
