@@ -78,7 +78,7 @@ class FitPlan:
 
     @property
     def trainable(self) -> Trainable:
-        return trainable(self.model, self.params, self.setup.lora)
+        return trainable(self.model, self.params, self.setup.lora, self.setup.quantize)
 
     def worker_facts(self) -> dict:
         """What the batch side takes from the plan (spec.json "worker_facts"): decisions that depend on memory,
@@ -192,6 +192,7 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
+        quantize=spec.model.quantize,
         async_save=spec.checkpoint.async_save,
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
         onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),

@@ -60,7 +60,7 @@ from typing import Literal
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.units import GiB, count_text
 
-from .lora import trainable
+from .lora import held_bytes, trainable
 from .modelshape import ModelShape, ParamCount
 from .moments import CPU_BF16_KERNEL_BYTES, Item, Moment, step_moments
 from .setup import REDUCE_BYTES, Setup
@@ -224,8 +224,9 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     """At load, each rank reads its own shards of safetensors weights (else rank 0 reads the checkpoint in its file
     dtype and broadcasts it tensor by tensor: _load_read_bytes); the shards live in host memory only on CPU workers
     or with CPU offload (on GPUs they are materialized on the device)."""
-    tr = trainable(s, p, u.lora)
-    shard_bytes = math.ceil(tr.weights / u.shard_degree) * u.model_bytes
+    tr = trainable(s, p, u.lora, u.quantize)
+    shard_bytes = held_bytes(math.ceil(tr.weights / u.shard_degree), math.ceil(tr.quantized / u.shard_degree),
+                             u.model_bytes)
     process_per_rank = CUDA_PROCESS_BYTES if u.on_gpu else CPU_RUNTIME_BYTES
     process = u.tasks_per_node * process_per_rank
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)
