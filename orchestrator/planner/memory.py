@@ -40,7 +40,10 @@ allocated and the reserved peak, and the reserved one with the other setting).
 With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as sharded weights only: gradients,
 AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
 gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
-adapted layer keeps r values per token (plus its dropped input with dropout).
+adapted layer keeps r values per token (plus its dropped input with dropout). With model.quantize nf4 (QLoRA) the
+frozen decoder linears are held at lora.NF4_BYTES a weight, sharded and gathered, and the backward of a layer adds the
+dequantization of the largest of them (lora.dequant_bytes); Answer.AI's published QLoRA peaks and a CPU run:
+bench/RESULTS.md.
 Host RAM per node while training on GPUs: each worker process (CUDA libraries, CUDA_PROCESS_BYTES), the
 offloaded state with fsdp.cpu_offload, and with checkpoint.async_save the stager's pinned copy of the rank's
 params + both AdamW moments, which it keeps between saves.
