@@ -83,3 +83,27 @@ def test_the_plan_holds_the_base_in_4_bits_and_its_dequantization(tmp_path: Path
     assert "4-bit dequantization" in items and "4-bit dequantization" not in {
         i.name for m in lora.device.moments for i in m.items}
     assert qlora.device.peak < lora.device.peak - 4 * GiB
+
+
+def test_a_world_size_the_4_bit_weights_cannot_be_cut_into_is_refused_by_the_plan(tmp_path: Path) -> None:
+    from fsdpjob.orchestrator.core.jobspec.profiles import load_profile
+    from fsdpjob.orchestrator.core.savers import nf4_scaler_block, nf4_shard_problem
+    from fsdpjob.orchestrator.planner.fit import make_plan
+    from fsdpjob.orchestrator.planner.resolve import resolve
+
+    assert nf4_scaler_block(4096 * 4096) == 256 and nf4_scaler_block(32 * 64) == 4  # small: 8 groups of 4 scales
+    assert nf4_shard_problem(4096, 4096, 8) is None and "6 shards" in nf4_shard_problem(4096, 4096, 6)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    profile = load_profile("h100").model_copy(update={"max_nodes": None, "env": {}})
+
+    def plan(gpus: int):
+        spec = JobSpec.model_validate({
+            "name": "q", "model": {"path": str(tmp_path), "dtype": "bfloat16", "lora": {}, "quantize": "nf4"},
+            "data": {"path": "/d.jsonl", "seq_len": 2048}, "train": {"max_steps": 10},
+            "resources": {"nodes": 1, "gpus_per_node": gpus}})
+        return make_plan(resolve(spec, profile))
+
+    assert plan(8).refusal is None
+    refused = plan(6)
+    assert refused.verdict == "REFUSED" and refused.refusal.startswith("model.quantize nf4: q_proj: a 4096 x 4096 "
+                                                                       "weight cannot be cut into 6 shards"), refused

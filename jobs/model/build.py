@@ -305,7 +305,7 @@ def load_model(
     adapters = attach_lora(model, lora, draw_initial=env.is_main) if lora is not None else None
     layers = find_decoder_layers(model)
     # QLoRA (spec model.quantize): the frozen base in 4 bits, before sharding, so FSDP2 shards the 4-bit codes.
-    quantized = quantize_on_meta(model, layers, mesh.size()) if quantize is not None else {}
+    quantized, unsharded = _quantized(model, layers, quantize, mesh.size())
     apply_fsdp(
         model,
         mesh=mesh,
@@ -317,6 +317,7 @@ def load_model(
         cpu_offload=cpu_offload,
         compile_layers=compile_layers,
         separate_root=separate_root,
+        ignored_params=unsharded,
     )
     _materialize(model, env.device, cpu_offload)
     if not read_weights:
@@ -334,6 +335,17 @@ def load_model(
     _load_from_rank0(model, path, env, expected, tie_groups, adapters, quantized, dtype)
     log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
     return model
+
+
+def _quantized(model: nn.Module, layers: nn.ModuleList, quantize: str | None,
+               world: int) -> tuple[dict[str, str], set[nn.Parameter] | None]:
+    """The 4-bit weights (quantize.quantize_on_meta's keys) and those FSDP2 must leave alone: all of them on one rank,
+    where torch's FSDP2 (2.13) copies a subclass's first all-gather input only (NF4 has three) and there is nothing
+    to shard anyway."""
+    if quantize is None:
+        return {}, None
+    quantized = quantize_on_meta(model, layers, world)
+    return quantized, {p for n, p in model.named_parameters() if n in quantized} if world == 1 else None
 
 
 def _load_from_rank0(model: nn.Module, path: Path, env: DistEnv, expected: set[str], tie_groups: list[list[str]],

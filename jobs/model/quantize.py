@@ -11,6 +11,8 @@ the adapters and fused 3-D expert tensors (transformers' MoE experts, which NF4 
 Quantization happens on the full tensor, then the codes are cut into the rank's rows (as torchtune does): the
 double quantization keeps one mean of the scales per tensor, which a shard quantized alone would get wrong. So the
 4-bit base is the same on every world size, and every rank reads each full weight once, one tensor at a time.
+On one rank the 4-bit weights stay plain parameters outside FSDP2 (jobs/model/build.py): torch 2.13's single-rank
+path copies only the first of the three tensors NF4 gathers.
 """
 
 from __future__ import annotations
@@ -22,27 +24,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdpjob.orchestrator.core.savers import NF4_BLOCK, nf4_scaler_block, nf4_shard_problem
+
 from .lora import base_name
 
 log = logging.getLogger("fsdpjob.jobs.model")
 
-BLOCK = 64  # weights per 4-bit block, one scale each (the QLoRA paper's, and torchao's default)
-SCALER_BLOCK = 256  # block scales per double-quantization group (the paper's and torchao's default)
-MIN_GROUPS = 8  # scale groups come in multiples of this (a shard holds whole groups)
 CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
 _NF4_TENSORS = ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean", "nf4")
-
-
-def scaler_block_size(numel: int) -> int:
-    """The double-quantization group of a tensor of ``numel`` weights: 256 scales, or the largest power of two
-    below that divides its block count into a multiple of MIN_GROUPS groups (so that it shards over 1, 2, 4 and 8
-    ranks, and over more where the count allows). It depends on the shape only, never on the world size, so the
-    4-bit base is the same on any number of ranks."""
-    blocks = numel // BLOCK
-    size = SCALER_BLOCK
-    while size > 1 and (blocks % size or (blocks // size) % MIN_GROUPS):
-        size //= 2
-    return size
+# The layout rules the plan checks too (core/savers.py): blocks of 64, scale groups by the weight's shape.
+BLOCK, scaler_block_size = NF4_BLOCK, nf4_scaler_block
 
 
 def to_nf4(tensor: torch.Tensor, block_size: int, scaler_block: int):
@@ -72,16 +63,11 @@ def quantize_on_meta(model: nn.Module, layers: nn.ModuleList, world_size: int) -
     keys: dict[str, str] = {}
     for name, linear in frozen_linears(layers).items():
         weight = linear.weight
-        rows, numel = weight.shape[0], weight.numel()
-        groups = numel // BLOCK // scaler_block_size(numel) if numel % BLOCK == 0 else 0
-        if numel % BLOCK or rows % world_size or groups % world_size:
-            raise ValueError(
-                f"model.quantize nf4: {layer_prefix}.{name}.weight {tuple(weight.shape)} cannot be cut into "
-                f"{world_size} shards of whole 4-bit blocks (its size must be a multiple of {BLOCK}, its rows and "
-                f"its {groups} scale groups of {world_size}); use a world size that divides them or drop "
-                "model.quantize"
-            )
-        quantized = to_nf4(weight.detach(), BLOCK, scaler_block_size(numel))
+        problem = nf4_shard_problem(weight.shape[0], weight.shape[1], world_size)
+        if problem:
+            raise ValueError(f"model.quantize nf4: {layer_prefix}.{name}.weight: {problem}; use a world size that "
+                             "divides them or drop model.quantize")
+        quantized = to_nf4(weight.detach(), BLOCK, scaler_block_size(weight.numel()))
         linear.weight = nn.Parameter(quantized, requires_grad=False)
         key = f"{layer_prefix}.{name}.weight".replace(CHECKPOINT_WRAPPER, "")
         keys[key] = base_name(key)
@@ -111,11 +97,11 @@ def load_quantized(model: nn.Module, path: str | Path, keys: dict[str, str], dty
         with safe_open(str(file), framework="pt") as f:
             for stored in [s for s in f.keys() if s in wanted]:
                 param = params[wanted.pop(stored)]
-                local = param._local_tensor
+                sharded = isinstance(param, DTensor)  # else one rank's plain parameter (build.py)
+                local = param._local_tensor if sharded else param
                 full = f.get_tensor(stored).to(dtype)
                 quantized = to_nf4(full, local.block_size, local.scaler_block_size)
-                world = param.device_mesh.size()
-                rank = param.device_mesh.get_local_rank()
+                world, rank = (param.device_mesh.size(), param.device_mesh.get_local_rank()) if sharded else (1, 0)
                 shard = torch.chunk(quantized, world, dim=0)[rank]
                 # Set, not copy_: materializing (to_empty) allocates the codes and scales but leaves the per-tensor
                 # scale mean and the NF4 code table on the meta device, where copy_ would write nothing.

@@ -33,7 +33,7 @@ from fsdpjob.orchestrator.core.units import GiB
 
 from .generator import GeneratorPlan, plan_generator, takes_nodes
 from .interval import IntervalAdvice, advise, current_interval
-from .lora import Trainable, trainable
+from .lora import Trainable, quantize_problem, trainable
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
@@ -328,7 +328,9 @@ def make_plan(job: Resolved) -> FitPlan:
     # A plan that fits too tightly gets fixes as one that does not fit; each fix leaves that room on a GPU.
     fixes = () if plan.fits and not tight(dev) else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env,
                                                                   spec.train.method, room=HEADROOM))
-    refusal = offload_broadcast_conflict(shape, params, u, spec.env) or (gen.refusal if gen else None)
+    refusal = (offload_broadcast_conflict(shape, params, u, spec.env)
+               or (quantize_problem(shape, u.shard_degree) if u.quantize and u.lora else None)
+               or (gen.refusal if gen else None))
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),
                    interval=_interval(job, timing), refusal=refusal)

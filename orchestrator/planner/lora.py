@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fsdpjob.orchestrator.core.jobspec.families import FAMILIES, Family, lora_targets
+from fsdpjob.orchestrator.core.savers import nf4_shard_problem
 
 from .modelshape import ModelShape, ParamCount
 
@@ -157,16 +158,29 @@ def lora_training(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
     )
 
 
-def quantized_linears(s: ModelShape) -> list[int]:
-    """The sizes of the linear weights one decoder block holds in 4 bits with model.quantize nf4: every linear
-    layer all-linear finds (the frozen base layers under the adapters and the frozen linears beside them), but a
-    mixture of experts' MLP: transformers keeps its experts in fused 3-D tensors (and its router in its own
+def quantized_shapes(s: ModelShape) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of each linear weight one decoder block holds in 4 bits with model.quantize nf4: every
+    linear layer all-linear finds (the frozen base layers under the adapters and the frozen linears beside them), but
+    a mixture of experts' MLP: transformers keeps its experts in fused 3-D tensors (and its router in its own
     module), which stay in model.dtype; a shared expert's linears are left out of the count as well."""
     shapes = _linear_shapes(s)
     mlp = {"gate_proj", "up_proj", "down_proj", "gate", "c_fc", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h",
            "gate_up_proj"}
     names = [n for n in _family_linears(s) if not (s.experts > 1 and n in mlp)]
-    return [fan_in * fan_out for n in names for fan_in, fan_out in shapes.get(n, [])]
+    return [(n, fan_out, fan_in) for n in names for fan_in, fan_out in shapes.get(n, [])]
+
+
+def quantized_linears(s: ModelShape) -> list[int]:
+    return [rows * columns for _, rows, columns in quantized_shapes(s)]
+
+
+def quantize_problem(s: ModelShape, shards: int) -> str | None:
+    """Why the 4-bit weights cannot be sharded over ``shards`` ranks (core/savers.nf4_shard_problem), or None."""
+    for name, rows, columns in quantized_shapes(s):
+        if problem := nf4_shard_problem(rows, columns, shards):
+            return (f"model.quantize nf4: {name}: {problem}; FSDP2 cannot pad 4-bit shards: run on a number of "
+                    "ranks that divides them or drop model.quantize")
+    return None
 
 
 def trainable(s: ModelShape, p: ParamCount, lora: Any, quantize: str | None = None) -> Trainable:

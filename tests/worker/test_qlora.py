@@ -44,8 +44,8 @@ def make_run(root: Path, name: str, assets: dict, *, export_final: bool = False)
     })
 
 
-def train(run_dir: Path, **env: str) -> list[int]:
-    return run_ranks(train_worker, 2, run_dir=str(run_dir), env=env)
+def train(run_dir: Path, world: int = 2, **env: str) -> list[int]:
+    return run_ranks(train_worker, world, run_dir=str(run_dir), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,21 @@ def test_stop_and_resume_gives_bitwise_the_uninterrupted_adapters(runs):
     assert all(full[s] == same[s] for s in range(1, STEPS + 1)), (full, same)
     a, b = committed_model_state(runs["full"]), committed_model_state(runs["stopped"])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_stop_on_2_ranks_resumes_on_1_within_fp32_tolerance(runs, assets, tmp_path):
+    """The 4-bit base is the same on any world size (quantized whole, then cut): the adapters resume on 1 rank
+    (global batch 4: 1 x 2 x 2 ranks, then 1 x 4 x 1) to the uninterrupted run's losses and adapters."""
+    import torch
+
+    moved = make_run(tmp_path, "moved", assets)
+    assert train(moved, FSDPJOB_STOP_AT_STEP=str(STOP_AT)) == [0, 0]
+    assert train(moved, world=1) == [0]
+    full, other = logged_losses(runs["full"]), logged_losses(moved)
+    for step in range(STOP_AT + 1, STEPS + 1):
+        assert other[step] == pytest.approx(full[step], rel=1e-5), (step, other[step], full[step])
+    a, b = committed_model_state(runs["full"]), committed_model_state(moved)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
 def _quantized_logits(rank: int, world_size: int, run_dir: str, input_ids) -> object:
