@@ -17,6 +17,7 @@ tracks live tensors, and each step maps and faults its memory afresh (the step t
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py --quick    # the three cases of tests/worker/test_plan_accuracy.py
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py --frozen   # also measure with the mmap threshold frozen
     OMP_NUM_THREADS=1 python bench/plan_accuracy.py --moe      # the mixture-of-experts cases only
+    OMP_NUM_THREADS=1 python bench/plan_accuracy.py --qlora    # the QLoRA case only (a 4-bit base, issue 56)
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Case:
     reshard: bool = True
     experts: int = 0  # a Mixtral of this many experts (intermediate: each expert's), routed top_k; 0: Llama
     top_k: int = 2
+    qlora: bool = False  # LoRA r 8 on every linear layer of a 4-bit (model.quantize nf4) base
 
     @property
     def label(self) -> str:
@@ -70,6 +72,7 @@ class Case:
             "eager": self.attn == "eager",
             "no-reshard": not self.reshard,
             f"moe{self.experts}x{self.top_k}": self.experts > 0,
+            "qlora": self.qlora,
         }
         return " ".join([self.size, f"w{self.world}", self.mp, *(name for name, on in flags.items() if on)])
 
@@ -104,6 +107,10 @@ MOE = [
     replace(Case("S", **SIZES["S"]), experts=8),
     replace(Case("S", **SIZES["S"]), experts=8, ac=True),
 ]
+
+# QLoRA (issue 56): the M model's frozen decoder linears in 4 bits, LoRA r 8 on each.
+QLORA = [replace(Case("M", **SIZES["M"]), qlora=True)]
+QLORA_SPEC = {"lora": {"r": 8, "alpha": 16.0}, "quantize": "nf4"}
 
 QUICK = [
     Case("S", **SIZES["S"]),
@@ -151,7 +158,7 @@ def plan_for(case: Case, model_dir: Path):
             "name": "accuracy",
             "resources": {"tasks_per_node": case.world},
             "model": {"path": str(model_dir), "dtype": case.dtype, "activation_checkpointing": case.ac,
-                      "attn_implementation": case.attn},
+                      "attn_implementation": case.attn, **(QLORA_SPEC if case.qlora else {})},
             "data": {"path": "unused.jsonl", "seq_len": case.seq_len},
             "train": {"max_steps": 2, "micro_batch_size": case.micro_batch, "grad_accum_steps": case.grad_accum},
             "fsdp": {"mixed_precision": case.mp, "reshard_after_forward": case.reshard},
@@ -182,11 +189,13 @@ def _load(model_dir: str, case: Case, env, mesh):
     import torch
 
     from fsdpjob.jobs.model import FULL, NONE, load_model
+    from fsdpjob.orchestrator.core.jobspec.modelspec import LoraSpec
 
+    qlora = {"lora": LoraSpec(**QLORA_SPEC["lora"]), "quantize": QLORA_SPEC["quantize"]} if case.qlora else {}
     return load_model(
         model_dir, env=env, mesh=mesh, dtype=getattr(torch, case.dtype), attn_implementation=case.attn,
         mixed_precision=case.mp, reshard_after_forward=case.reshard,
-        activation_checkpointing=FULL if case.ac else NONE, cpu_offload=False,
+        activation_checkpointing=FULL if case.ac else NONE, cpu_offload=False, **qlora,
     )
 
 
@@ -195,11 +204,12 @@ def _train(model, case: Case, env, steps: int) -> float:
     import torch
 
     from fsdpjob.jobs.data import MicroBatch, count_tokens
+    from fsdpjob.jobs.model.lora import trainable_parameters
     from fsdpjob.jobs.step import train_step
 
     model.train()
     # as jobs/train.py
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(env.rank)
     for _ in range(steps):
         start = time.perf_counter()
@@ -279,11 +289,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the three test cases")
     ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts cases")
+    ap.add_argument("--qlora", action="store_true", help="only the QLoRA case")
     ap.add_argument("--frozen", action="store_true", help="also measure with glibc's mmap threshold frozen at 128 KiB")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="measure each case N times with the default allocator: its peak varies from run to run")
     args = ap.parse_args()
-    cases = QUICK if args.quick else MOE if args.moe else grid() + MOE
+    cases = QUICK if args.quick else MOE if args.moe else QLORA if args.qlora else grid() + MOE + QLORA
     stock = f" {'frozen':>11} {'error':>7} {'s/step':>6}" if args.frozen else ""
     header = f"{'case':<26} {'predicted':>9} {'measured':>11} {'error':>15} {'s/step':>6}{stock}"
     print(f"{header}   load, rank 0: predicted / measured (MiB)")

@@ -13,6 +13,12 @@ Sources (read from the public repositories):
 - Answer.AI: fsdp_qlora's benchmarks_03_2024.md (Llama-2 7B LoRA r 64 on q/k/v/gate/up/down, dropout 0.1, bf16,
   FSDP over 2 RTX 3090s, full AC, batch 1-6; "Peak Memory" is the reserved peak, the note below the second table
   gives two allocated peaks; FSDP1 without expandable segments).
+  Its QLoRA rows (issue 56): the same script with --train_type qlora (bitsandbytes NF4 with double quantization,
+  blocks of 64 and 256 as torchao's, bf16 storage; every linear layer of the decoder blocks in 4 bits), Llama-2 7B
+  at context 512 and 2048 and batch 4 and 10, and Llama-2 70B on the same 2 x 3090 with CPU offload (batch 2,
+  context 2048; "Peak Memory" again the reserved peak). Its QLoRA DDP row (a 4-bit replica per GPU) is left out:
+  quantize nf4 shards on a 1-D mesh only. The worker dequantizes with torchao's ops, bitsandbytes
+  with one CUDA kernel: the plan's dequantization transient is the worker's.
 - ms-swift (mixture of experts, issue 56):
   modelscope/ms-swift:examples/pytorch/llm/scripts/qwen1half_moe_a2_7b_chat/lora/sft.sh
   ("Experimental environment: A100 / 42GB GPU memory": Qwen1.5-MoE-A2.7B-Chat, LoRA r 8 on ALL linear layers, which
@@ -23,7 +29,7 @@ Sources (read from the public repositories):
   figure less the CUDA context is close to it). The Mixtral run split the layers over the two GPUs with
   device_map (naive model parallelism), which the worker does not do: planned as FSDP2 over 2 and reported apart.
   No published FSDP2 MoE fine-tuning memory figure was found in the notes (field-survey-4.md lists none).
-Cases the worker cannot express (float8, optimizer-in-backward, QLoRA) are left out of the sources' rows here.
+Cases the worker cannot express (float8, optimizer-in-backward) are left out of the sources' rows here.
 
     python bench/plan_vs_published.py            # the table and the error summary (bench/RESULTS.md)
 """
@@ -52,6 +58,9 @@ LLAMA32_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, 
 LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
              "tie_word_embeddings": False, "torch_dtype": "float16"}
+LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "tie_word_embeddings": False, "torch_dtype": "float16"}
 # Qwen/Qwen1.5-MoE-A2.7B and mistralai/Mixtral-8x7B-v0.1 config.json values
 QWEN15_MOE = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 151936,
               "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
@@ -71,6 +80,7 @@ ANSWER = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md"
 ANSWER_LORA = {"lora": {"r": 64, "alpha": 16.0, "dropout": 0.1,
                         "target_modules": ["k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj"]},
                "activation_checkpointing": "full", "dtype": "bfloat16"}
+ANSWER_QLORA = {**ANSWER_LORA, "quantize": "nf4"}
 TITAN_SAC = {"activation_checkpointing": "selective", "selective_ac": "op", "dtype": "float32"}
 TUNE_BASE = {"dtype": "bfloat16"}
 
@@ -90,6 +100,7 @@ class Case:
     loss: str = "standard"
     separate_root: bool = False
     env: dict = field(default_factory=dict)
+    offload: bool = False  # fsdp.cpu_offload
     replicate: int = 1  # fsdp.replicate_degree (Answer.AI's "DDP": FSDP1's NO_SHARD, a whole copy per GPU)
     not_expressible: str = ""  # why the worker cannot run this configuration (left out of the summary)
 
@@ -124,6 +135,12 @@ def cases() -> list[Case]:
         Case(ANSWER, "LoRA, batch 6", LLAMA2_7B, 2, "RTX-3090", 2048, 6, ANSWER_LORA, 21.35, "reserved"),
         Case(ANSWER, "LoRA, DDP, batch 4", LLAMA2_7B, 2, "RTX-3090", 2048, 4, ANSWER_LORA, 22.04, "reserved",
              replicate=2),
+        Case(ANSWER, "QLoRA, context 512", LLAMA2_7B, 2, "RTX-3090", 512, 1, ANSWER_QLORA, 4.98, "reserved"),
+        Case(ANSWER, "QLoRA, context 2048", LLAMA2_7B, 2, "RTX-3090", 2048, 1, ANSWER_QLORA, 5.21, "reserved"),
+        Case(ANSWER, "QLoRA, batch 4", LLAMA2_7B, 2, "RTX-3090", 2048, 4, ANSWER_QLORA, 11.22, "reserved"),
+        Case(ANSWER, "QLoRA, batch 10", LLAMA2_7B, 2, "RTX-3090", 2048, 10, ANSWER_QLORA, 20.97, "reserved"),
+        Case(ANSWER, "QLoRA 70B, CPU offload, batch 2", LLAMA2_70B, 2, "RTX-3090", 2048, 2, ANSWER_QLORA, 14.92,
+             "reserved", offload=True),
         Case(SWIFT, "qwen1half_moe_a2_7b_chat/lora (MoE)", QWEN15_MOE, 1, "A100-SXM4-80GB", 1024, 1,
              {"dtype": "bfloat16", "activation_checkpointing": "full",
               "lora": {**SWIFT_LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -145,7 +162,7 @@ def planned_gib(case: Case, folder: Path) -> float:
         "name": "published", "model": {"path": str(model), **case.model},
         "data": {"path": "train.jsonl", "seq_len": case.seq_len},
         "train": {"max_steps": 100, "micro_batch_size": case.micro_batch, "loss": case.loss},
-        "fsdp": {"separate_root": case.separate_root, "replicate_degree": case.replicate},
+        "fsdp": {"separate_root": case.separate_root, "replicate_degree": case.replicate, "cpu_offload": case.offload},
         "resources": {"nodes": nodes, "gpus_per_node": per_node},
         "env": case.env,
     })
@@ -156,7 +173,7 @@ def planned_gib(case: Case, folder: Path) -> float:
 
 
 def main() -> int:
-    rows, errors, others, moe = [], [], [], []
+    rows, errors, others, moe, qlora = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases():
             plan = planned_gib(case, Path(tmp))
@@ -164,6 +181,8 @@ def main() -> int:
             (others if case.not_expressible else errors).append(error)
             if "(MoE)" in case.where:
                 moe.append(error)
+            if "quantize" in case.model and not case.not_expressible:
+                qlora.append(error)
             model = case.model
             ac = model.get("activation_checkpointing", "none")
             ac = f"{ac} {model['selective_ac']}" if ac == "selective" else ac
@@ -179,11 +198,14 @@ def main() -> int:
     print("\n" + summary(errors, others))
     print(f"MoE rows ({len(moe)}, the model-parallel one included): median |error| "
           f"{statistics.median(abs(e) for e in moe):.1%}, worst {max(moe, key=abs):+.1%}")
+    print(f"QLoRA rows ({len(qlora)} expressible): median |error| {statistics.median(abs(e) for e in qlora):.1%}, "
+          f"worst {max(qlora, key=abs):+.1%}")
     return 0
 
 
 def lora_rank(model: dict) -> str:
-    return f", LoRA r {model['lora']['r']}" if "lora" in model else ""
+    four_bit = f" on a {model['quantize']} base" if model.get("quantize") else ""
+    return f", LoRA r {model['lora']['r']}{four_bit}" if "lora" in model else ""
 
 
 def summary(errors: list[float], others: list[float]) -> str:

@@ -89,6 +89,7 @@ def build(spec: JobSpec, paths: RunPaths, env: DistEnv, report: Reporter, mesh: 
         cpu_offload=spec.fsdp.cpu_offload, separate_root=separate_root,
         compile_layers=spec.model.compile,
         lora=spec.model.lora,
+        quantize=spec.model.quantize,
         read_weights=read_weights,
         packed=packing_mode(spec.data.packing) == "boundary",
         **method_row(spec.train.method).head(spec),

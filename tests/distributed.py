@@ -187,3 +187,53 @@ def exit_codes(fn: Callable, world_size: int, timeout: float = 300, **kwargs: An
             p.kill()
             p.join()
     return [p.exitcode for p in procs]
+
+
+def trained_logits(rank: int, world_size: int, run_dir: str, input_ids, check: Callable | None = None) -> object:
+    """One rank of the trained LoRA model's logits (for run_ranks): built as the worker builds it (a 4-bit base
+    with model.quantize), its newest committed adapters loaded; ``check(model)`` must hold before the forward."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from fsdpjob.jobs.checkpoint import CheckpointManager
+    from fsdpjob.jobs.checkpoint.state import ModelOptimState
+    from fsdpjob.jobs.dist import close_distributed, init_distributed
+    from fsdpjob.jobs.model import NONE, load_model
+    from fsdpjob.jobs.model.lora import trainable_parameters
+    from fsdpjob.jobs.model.parallelize import build_mesh
+    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
+
+    spec = JobSpec.model_validate(json.loads((Path(run_dir) / "spec.json").read_text())["spec"])
+    env = init_distributed(120)
+    try:
+        model = load_model(spec.model.path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32,
+                           attn_implementation="sdpa", mixed_precision="fp32", reshard_after_forward=True,
+                           activation_checkpointing=NONE, cpu_offload=False, lora=spec.model.lora,
+                           quantize=spec.model.quantize)
+        assert check is None or check(model), "the model built for the logits is not the one trained"
+        optimizer = torch.optim.AdamW(trainable_parameters(model))
+        root = Path(run_dir) / "checkpoints"
+        ckpt = CheckpointManager(root, rank=rank, world_size=world_size, keep_last=2, async_save=False, sidecar={})
+        ckpt.load(root / (root / "latest").read_text().strip(),
+                  {"model": ModelOptimState(model, optimizer, trainable_only=True)})
+        ckpt.close()
+        model.eval()
+        with torch.no_grad():
+            return model(input_ids=input_ids).logits.numpy()  # by value: a tensor would be shared memory
+    finally:
+        close_distributed()
+
+
+def uninterrupted_and_resumed(make: Callable[[str], Any], train: Callable[..., list[int]],
+                              stop_at: int) -> dict[str, Any]:
+    """Two runs of one spec (``make(name)`` writes a run folder): "full" trained through, "stopped" stopped at step
+    ``stop_at`` (FSDPJOB_STOP_AT_STEP) and resumed by a second launch; ``train(run_dir, **env)`` returns the exit
+    codes by rank, all 0."""
+    full = make("full")
+    assert set(train(full)) == {0}
+    stopped = make("stopped")
+    assert set(train(stopped, FSDPJOB_STOP_AT_STEP=str(stop_at))) == {0}
+    assert set(train(stopped)) == {0}
+    return {"full": full, "stopped": stopped}

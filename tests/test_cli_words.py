@@ -31,7 +31,7 @@ def validate(tmp_path: Path, text: str | bytes, *args: str) -> tuple[int, str]:
          "spec.yaml:9: checkpoint.memory_interval_steps: expected 'auto' or a number greater than or equal to 0 "
          "(got -1)"),
         (BASE.replace("  path: /m\n", "  path: /m\n  lora:\n    target_modules: all-linaer\n"),
-         "spec.yaml:5: model.lora.target_modules: expected 'all-linear' or a list (got 'all-linaer'); "
+         "spec.yaml:5: model.lora.target_modules: expected 'auto', 'all-linear' or a list (got 'all-linaer'); "
          "did you mean 'all-linear'?"),
     ],
     ids=["packing", "memory-interval", "memory-interval-negative", "target-modules"],

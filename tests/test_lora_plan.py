@@ -61,8 +61,13 @@ def test_lora_counts_in_the_hash_and_fingerprint_only_when_set(tmp_path):
     assert "model.lora" not in spec.model_fingerprint()
     lora = JobSpec.model_validate({**spec.model_dump(mode="json"), "model": {"path": "/m", "lora": {"r": 8}}})
     assert lora.spec_hash() != spec.spec_hash()
+    # The spec's fingerprint says auto; the checkpoint's (jobs/model/lora.checkpoint_fingerprint) resolves it by the
+    # family: all-linear on this dense model, as checkpoints recorded before auto became the default.
     assert lora.model_fingerprint()["model.lora"] == {"r": 8, "alpha": 32.0, "dropout": 0.0,
-                                                       "target_modules": "all-linear", "modules_to_save": []}
+                                                       "target_modules": "auto", "modules_to_save": []}
+    written = JobSpec.model_validate({**spec.model_dump(mode="json"),
+                                      "model": {"path": "/m", "lora": {"r": 8, "target_modules": "all-linear"}}})
+    assert written.spec_hash() == lora.spec_hash()  # auto hashes as the all-linear it was before
 
 
 # --- planner -------------------------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ def test_seed_70b_with_lora_fits_on_one_node_and_checkpoints_the_adapters_only(t
     assert out["params"]["trainable"] == adapters and out["params"]["added"] == adapters
     assert full.to_json()["params"]["trainable"] == 68_976_648_192 and full.to_json()["params"]["added"] == 0
     text = format_plan(lora)
-    assert "LoRA: r=16 on all-linear: 207 M params train" in text and "(adapters + AdamW)" in text
+    assert "LoRA: r=16 on all-linear (auto): 207 M params train" in text and "(adapters + AdamW)" in text
 
 
 def test_lora_on_four_gpus_and_a_bf16_base_on_two(tmp_path):

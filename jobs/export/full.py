@@ -42,11 +42,12 @@ def export_hf(
     (jobs/export/lora.py).
     """
     step_dir, model_dir, out_dir = Path(step_dir), Path(model_dir), Path(out_dir)
-    lora = Sidecar.read(step_dir).run.lora
+    run = Sidecar.read(step_dir).run
+    lora = run.lora
     if merge and lora is None:
         raise ExportError(f"{step_dir}: --merge applies to LoRA checkpoints and this one holds every weight; "
                           "export it without --merge")
-    write = _write_folder if lora is None else lora_writer(lora, merge)
+    write = _write_folder if lora is None else lora_writer(lora, merge, run.quantize)
     if dtype not in DTYPES:
         raise ExportError(f"unknown export dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]

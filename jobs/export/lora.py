@@ -4,6 +4,10 @@ the base model with the adapters merged in, as a Hugging Face folder like a full
 Both read only the trainable entries of the DCP checkpoint (adapters and modules_to_save). The merge streams
 the base model's safetensors one output shard at a time and adds each adapter's delta as peft computes it
 (``get_delta_weight``: Linear, GPT-2's Conv1D, Embedding), so no full copy of the model is ever in memory.
+
+A QLoRA checkpoint (model.quantize nf4) trained its adapters against the 4-bit base: its merge starts from each
+quantized weight as training saw it (quantized and dequantized again, in model.dtype), so the merged model gives
+the trained model's outputs; the adapter folder applies to the base as it is (load the base in 4 bits for that).
 """
 
 from __future__ import annotations
@@ -36,15 +40,16 @@ _PEFT_PREFIX = "base_model.model."  # where PeftModelForCausalLM keeps the base 
 _SAVED = f".modules_to_save.{ADAPTER}."
 
 
-def lora_writer(lora: dict[str, Any], merge: bool) -> Callable[..., int]:
-    """The folder writer export_hf calls for a LoRA checkpoint (``lora``: the spec's model.lora, from its sidecar)."""
+def lora_writer(lora: dict[str, Any], merge: bool, quantize: tuple[str, str] | None = None) -> Callable[..., int]:
+    """The folder writer export_hf calls for a LoRA checkpoint (``lora``: the spec's model.lora, from its sidecar;
+    ``quantize``: a QLoRA base's quantization and dtype, which the merge reproduces)."""
     try:
         import peft  # noqa: F401
     except ImportError:
         raise ExportError("this is a LoRA checkpoint: its export needs the peft package (pip install "
                           "'fsdpjob[lora]')") from None
     spec = LoraSpec.model_validate(lora)
-    return partial(_write_merged if merge else _write_adapter, spec)
+    return partial(_write_merged, spec, quantize) if merge else partial(_write_adapter, spec)
 
 
 def _trained(step_dir: Path, model_dir: Path) -> dict[str, torch.Tensor]:
@@ -100,15 +105,22 @@ def _base_files(model_dir: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _lora_layers(lora: Any, model_dir: Path, trained: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
+def _lora_layers(lora: Any, model_dir: Path, trained: dict[str, torch.Tensor]) -> tuple[dict[str, nn.Module], set[str]]:
     """The base model built on the meta device with the adapters injected, their trained values put in: each
-    adapted module by the name of the base weight it changes."""
+    adapted module by the name of the base weight it changes; and the base names of the weights a QLoRA run
+    holds in 4 bits (jobs/model/quantize.py)."""
     from peft.tuners.lora import LoraLayer
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..model.build import find_decoder_layers
+    from ..model.quantize import frozen_linears
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     attach_lora(model, lora, draw_initial=False)
+    decoder = find_decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is decoder)
+    frozen = {base_name(f"{prefix}.{name}.weight") for name in frozen_linears(decoder)}
     layers: dict[str, nn.Module] = {}
     for prefix, layer in model.named_modules():
         if isinstance(layer, LoraLayer):
@@ -116,13 +128,14 @@ def _lora_layers(lora: Any, model_dir: Path, trained: dict[str, torch.Tensor]) -
                 if not name.startswith("base_layer."):
                     swap_parameter(layer, name, nn.Parameter(trained[f"{prefix}.{name}"], requires_grad=False))
             layers[base_name(f"{prefix}.base_layer.weight")] = layer
-    return layers
+    return layers, frozen
 
 
-def _write_merged(lora: Any, step_dir: Path, model_dir: Path, out: Path, target: torch.dtype,
-                  max_shard_bytes: int) -> int:
+def _write_merged(lora: Any, quantize: tuple[str, str] | None, step_dir: Path, model_dir: Path, out: Path,
+                  target: torch.dtype, max_shard_bytes: int) -> int:
     trained = _trained(step_dir, model_dir)
-    layers = _lora_layers(lora, model_dir, trained)
+    layers, frozen = _lora_layers(lora, model_dir, trained)
+    as_trained = _as_trained(quantize, frozen)
     saved = {base_name(k): t for k, t in trained.items() if _SAVED in k}  # trained in full: replace the base's
     files = _base_files(model_dir)
     unknown = sorted(set(layers) - set(files)) + sorted(set(saved) - set(files))
@@ -144,7 +157,7 @@ def _write_merged(lora: Any, step_dir: Path, model_dir: Path, out: Path, target:
                 out_tensors[name] = saved[name]
                 continue
             with safe_open(str(files[name]), framework="pt") as f:
-                tensor = f.get_tensor(name)
+                tensor = as_trained(name, f.get_tensor(name))
             if name in layers:
                 tensor = tensor.float() + layers[name].get_delta_weight(ADAPTER).float()  # cast on write
             out_tensors[name] = tensor
@@ -154,6 +167,23 @@ def _write_merged(lora: Any, step_dir: Path, model_dir: Path, out: Path, target:
     copy_side_files(model_dir, out)
     log.info("export: merged the adapters of %d modules into %s", len(layers), out)
     return count
+
+
+def _as_trained(quantize: tuple[str, str] | None, frozen: set[str]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A base weight as the adapters were trained against it: a QLoRA run's 4-bit weights quantized from
+    model.dtype and dequantized again (the same codes and scales as on the workers); the others as stored."""
+    if quantize is None:
+        return lambda name, tensor: tensor
+    from ..model.quantize import BLOCK, scaler_block_size, to_nf4
+
+    dtype = getattr(torch, quantize[1])
+
+    def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in frozen:
+            return tensor
+        return to_nf4(tensor.to(dtype), BLOCK, scaler_block_size(tensor.numel())).get_original_weight()
+
+    return convert
 
 
 def _sizes(files: dict[str, Path], names: list[str], target: torch.dtype) -> dict[str, int]:

@@ -21,6 +21,7 @@ from . import varlen
 from .checkpointing import Checkpointing
 from .lora import attach_lora
 from .parallelize import apply_fsdp
+from .quantize import load_quantized, quantize_on_meta
 from .scorehead import classifier_on_meta, load_classifier
 from .weightload import load_sharded
 
@@ -274,6 +275,7 @@ def load_model(
     head: str = "lm",
     pad_token_id: int | None = None,
     separate_root: bool = False,
+    quantize: str | None = None,
 ) -> nn.Module:
     """The model at ``path``, FSDP2-sharded over ``mesh``, weights in ``dtype``; with ``read_weights`` False
     uninitialized (the caller loads a checkpoint that holds every weight).
@@ -284,7 +286,8 @@ def load_model(
     ``head="score"``: the reward model instead, the backbone with a scalar head whose rows are scored at their
     last token that is not ``pad_token_id`` (jobs/model/scorehead.py). ``activation_checkpointing``: what the
     decoder blocks recompute (jobs/model/checkpointing.py); ``separate_root``: the embedding and the output head
-    as FSDP units of their own (parallelize.root_units).
+    as FSDP units of their own (parallelize.root_units). ``quantize="nf4"`` (with ``lora``): the frozen linear
+    weights of the decoder blocks in 4 bits (jobs/model/quantize.py), each rank quantizing its own shards.
     """
     from transformers import AutoConfig
 
@@ -300,10 +303,13 @@ def load_model(
     expected, tie_groups = set(model.state_dict().keys()), _tie_groups(model)
     # LoRA (spec model.lora): adapters injected before sharding, so FSDP2 wraps base and adapters together.
     adapters = attach_lora(model, lora, draw_initial=env.is_main) if lora is not None else None
+    layers = find_decoder_layers(model)
+    # QLoRA (spec model.quantize): the frozen base in 4 bits, before sharding, so FSDP2 shards the 4-bit codes.
+    quantized, unsharded = _quantized(model, layers, quantize, mesh.size())
     apply_fsdp(
         model,
         mesh=mesh,
-        layers=find_decoder_layers(model),
+        layers=layers,
         param_dtype=_MIXED_PRECISION[mixed_precision],
         reduce_dtype=reduce_dtype,  # fsdp.reduce_dtype: the gradients' reduce-scatter
         reshard_after_forward=reshard_after_forward,
@@ -311,6 +317,7 @@ def load_model(
         cpu_offload=cpu_offload,
         compile_layers=compile_layers,
         separate_root=separate_root,
+        ignored_params=unsharded,
     )
     _materialize(model, env.device, cpu_offload)
     if not read_weights:
@@ -325,10 +332,31 @@ def load_model(
     if adapters is None and load_sharded(model, path, expected, tie_groups):
         log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
         return model
+    _load_from_rank0(model, path, env, expected, tie_groups, adapters, quantized, dtype)
+    log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
+    return model
+
+
+def _quantized(model: nn.Module, layers: nn.ModuleList, quantize: str | None,
+               world: int) -> tuple[dict[str, str], set[nn.Parameter] | None]:
+    """The 4-bit weights (quantize.quantize_on_meta's keys) and those FSDP2 must leave alone: all of them on one rank,
+    where torch's FSDP2 (2.13) copies a subclass's first all-gather input only (NF4 has three) and there is nothing
+    to shard anyway."""
+    if quantize is None:
+        return {}, None
+    quantized = quantize_on_meta(model, layers, world)
+    return quantized, {p for n, p in model.named_parameters() if n in quantized} if world == 1 else None
+
+
+def _load_from_rank0(model: nn.Module, path: Path, env: DistEnv, expected: set[str], tie_groups: list[list[str]],
+                     adapters: Any, quantized: dict[str, str], dtype: torch.dtype) -> None:
+    """Rank 0 reads the weights and each tensor is broadcast into the shards; with LoRA the adapters' first values
+    join them, and the 4-bit weights (model.quantize) are quantized from the files on every rank instead."""
     full = _read_on_rank0(env, path, expected, tie_groups)
     if adapters is not None:
         full = adapters.full_state_dict(full)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    log.info("loaded %s (%s) into FSDP2 shards on rank %d", path, type(model).__name__, env.rank)
-    return model
+    if quantized:
+        load_quantized(model, path, quantized, dtype)
+        full = {k: v for k, v in full.items() if k not in quantized}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=not quantized))

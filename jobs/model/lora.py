@@ -11,6 +11,7 @@ the injected model, and export writes peft's own folder layout (jobs/export/lora
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fsdpjob.orchestrator.core.jobspec.families import lora_targets
 
 ADAPTER = "default"  # peft's adapter name; checkpoint keys carry it (q_proj.lora_A.default.weight)
 # The wrappers peft puts between a module and its weights; without them a key is the base model's own name.
@@ -36,14 +39,15 @@ def is_adapter_key(key: str) -> bool:
     return any(f".{part}.{ADAPTER}" in key for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"))
 
 
-def lora_config(lora: Any, target_modules: Any = None):
-    """peft's LoraConfig for the spec's ``model.lora`` (``target_modules``: resolved names instead, for export)."""
+def lora_config(lora: Any, target_modules: Any = None, model_type: str = ""):
+    """peft's LoraConfig for the spec's ``model.lora`` (``target_modules``: resolved names instead, for export;
+    ``model_type``: the family that resolves target_modules auto, core/jobspec/families.py)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=target_modules or (lora.target_modules if isinstance(lora.target_modules, str)
-                                          else list(lora.target_modules)),
+        target_modules=target_modules or lora_targets(model_type, lora.target_modules if isinstance(
+            lora.target_modules, str) else list(lora.target_modules)),
         modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM",
     )
 
@@ -76,7 +80,7 @@ def attach_lora(model: nn.Module, lora: Any, *, draw_initial: bool) -> Adapters:
         with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for the user
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # GPT-2's Conv1D: peft copes
-            get_peft_model(model, lora_config(lora))
+            get_peft_model(model, lora_config(lora, model_type=model.config.model_type))
     except ValueError as exc:  # peft names the targets it did not find
         raise ValueError(
             f"model.lora.target_modules: {exc}. Name modules of {type(model).__name__} (e.g. q_proj, v_proj) "
@@ -168,4 +172,9 @@ def checkpoint_fingerprint(spec: Any) -> dict[str, Any]:
     fingerprint = spec.model_fingerprint()
     if spec.model.lora is not None:
         fingerprint["model.path contents"] = base_fingerprint(spec.model.path)
+        # target_modules auto as the family resolves it: all-linear on a dense model, as checkpoints written before
+        # auto recorded it, and the modules export must adapt again (it reads model.lora back from here)
+        model_type = json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type", "")
+        lora = fingerprint["model.lora"]
+        fingerprint["model.lora"] = {**lora, "target_modules": lora_targets(model_type, lora["target_modules"])}
     return fingerprint

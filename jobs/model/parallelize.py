@@ -43,6 +43,7 @@ def apply_fsdp(
     cpu_offload: bool,
     compile_layers: bool | str = False,
     separate_root: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard ``model`` in place: each of ``layers`` is its own FSDP unit, the root holds the rest.
 
@@ -50,7 +51,8 @@ def apply_fsdp(
     compiles each block with inductor; a string names another dynamo backend (the CPU tests' "aot_eager": the same
     tracing and autograd graphs without inductor's minutes of C++ compilation on a small machine).
     ``separate_root``: the input embedding, and the final norm with the output head, as FSDP units of their own
-    (root_units; spec fsdp.separate_root).
+    (root_units; spec fsdp.separate_root). ``ignored_params``: parameters FSDP2 leaves as they are (the 4-bit
+    weights on one rank: jobs/model/quantize.py).
     """
     wrap_blocks(layers, activation_checkpointing)
     if compile_layers:
@@ -76,7 +78,8 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned memory needs an accelerator; on a CPU-only host it raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard_after_forward,
+                   ignored_params=ignored_params or None)
     for layer in layers:
         fully_shard(layer, **options)
     for unit, reshard in root_units(model) if separate_root else ():

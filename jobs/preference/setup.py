@@ -126,7 +126,8 @@ def _run_pass(spec, model, table, env, cache, report, lora, stop_agreed, hand_of
 
 def _model_key(spec: JobSpec) -> str:
     """What makes the reference: the model the run starts from (with LoRA, the base), its dtype and precision."""
-    return f"{spec.model.path}:{spec.model.dtype}:{spec.fsdp.mixed_precision}:{'lora' if spec.model.lora else 'full'}"
+    base = f"{'lora' if spec.model.lora else 'full'}{':' + spec.model.quantize if spec.model.quantize else ''}"
+    return f"{spec.model.path}:{spec.model.dtype}:{spec.fsdp.mixed_precision}:{base}"
 
 
 def frozen_copy(spec: JobSpec, env: DistEnv, mesh, separate_root: bool) -> torch.nn.Module:

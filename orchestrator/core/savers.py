@@ -17,6 +17,10 @@ them, so the plan's terms and the worker's behaviour cannot drift apart.
   kernel's output (and logsumexp) and every other matmul's output, counted from the layer's first (q, k, v, o,
   gate, up, down: q, v, gate and down are kept; k, o and up recomputed; a plain MLP's up is kept, its down
   recomputed) and recomputes the rest (norms, RoPE, the activation function and products, residual adds).
+- ``nf4_scaler_block`` and ``nf4_shard_problem``: model.quantize: nf4 (QLoRA) cuts each 4-bit weight into blocks of
+  ``NF4_BLOCK`` weights with a scale each, the scales double-quantized in groups; FSDP2 shards the codes by whole
+  rows and cannot pad them, so a shard must hold whole rows and whole scale groups. The worker
+  (jobs/model/quantize.py) quantizes by these rules; the plan refuses a world size they do not divide.
 """
 
 from __future__ import annotations
@@ -29,3 +33,30 @@ SELECTIVE_OP_KEEPS = ("q_proj", "v_proj", "attention", "gate_proj", "down_proj")
 def checkpointed_layers(layers: int, every: int) -> tuple[int, ...]:
     """The indices (from 0) of the decoder layers model.selective_ac: ``every`` checkpoints in full."""
     return tuple(i for i in range(layers) if (i + 1) % every == 0)
+
+
+NF4_BLOCK = 64  # weights per 4-bit block, one scale each (the QLoRA paper's, and torchao's default)
+NF4_SCALER_BLOCK = 256  # block scales per double-quantization group (the paper's and torchao's default)
+NF4_MIN_GROUPS = 8  # scale groups come in multiples of this (a shard holds whole groups)
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """The double-quantization group of a weight of ``numel`` elements: 256 scales, or the largest power of two
+    below that divides its block count into a multiple of NF4_MIN_GROUPS groups (so that it shards over 1, 2, 4
+    and 8 ranks, and over more where the count allows). It depends on the shape only, never on the world size, so
+    the 4-bit base is the same on any number of ranks."""
+    blocks = numel // NF4_BLOCK
+    size = NF4_SCALER_BLOCK
+    while size > 1 and (blocks % size or (blocks // size) % NF4_MIN_GROUPS):
+        size //= 2
+    return size
+
+
+def nf4_shard_problem(rows: int, columns: int, shards: int) -> str | None:
+    """Why a rows x columns weight cannot be held in 4 bits over ``shards`` FSDP2 shards, or None."""
+    numel = rows * columns
+    groups = numel // NF4_BLOCK // nf4_scaler_block(numel) if numel % NF4_BLOCK == 0 else 0
+    if numel % NF4_BLOCK == 0 and rows % shards == 0 and groups % shards == 0:
+        return None
+    return (f"a {rows} x {columns} weight cannot be cut into {shards} shards of whole 4-bit blocks (its size must "
+            f"be a multiple of {NF4_BLOCK}, its rows and its {groups} scale groups of {shards})")

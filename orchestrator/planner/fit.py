@@ -33,7 +33,7 @@ from fsdpjob.orchestrator.core.units import GiB
 
 from .generator import GeneratorPlan, plan_generator, takes_nodes
 from .interval import IntervalAdvice, advise, current_interval
-from .lora import Trainable, trainable
+from .lora import Trainable, quantize_problem, trainable
 from .memory import DTYPE_BYTES, DeviceMemory, HostMemory, Setup, device_memory, host_memory
 from .modelshape import ModelShape, ParamCount, count_params, read_model_shape
 from .resolve import Effective, Resolved
@@ -79,7 +79,7 @@ class FitPlan:
 
     @property
     def trainable(self) -> Trainable:
-        return trainable(self.model, self.params, self.setup.lora)
+        return trainable(self.model, self.params, self.setup.lora, self.setup.quantize)
 
     def worker_facts(self) -> dict:
         """What the batch side takes from the plan (spec.json "worker_facts"): decisions that depend on memory,
@@ -194,6 +194,7 @@ def _setup(spec: JobSpec, eff: Effective, shape: ModelShape, profile: ClusterPro
         cpu_offload=spec.fsdp.cpu_offload and on_gpu,  # on CPU workers everything already lives on the host
         reshard=spec.fsdp.reshard_after_forward,
         lora=spec.model.lora,
+        quantize=spec.model.quantize,
         async_save=spec.checkpoint.async_save,
         memory_tier=bool(spec.checkpoint.memory_interval_steps),
         onednn_bf16=not on_gpu and hostcpu.onednn_bf16(),
@@ -330,7 +331,9 @@ def make_plan(job: Resolved) -> FitPlan:
     # A plan that fits too tightly gets fixes as one that does not fit; each fix leaves that room on a GPU.
     fixes = () if plan.fits and not tight(dev) else tuple(_fixes(shape, params, u, profile, dev.peak, spec.env,
                                                                   spec.train.method, room=HEADROOM))
-    refusal = offload_broadcast_conflict(shape, params, u, spec.env) or (gen.refusal if gen else None)
+    refusal = (offload_broadcast_conflict(shape, params, u, spec.env)
+               or (quantize_problem(shape, u.shard_degree) if u.quantize and u.lora else None)
+               or (gen.refusal if gen else None))
     warnings = [*_warnings(plan, spec, profile, fixes), *([job.size_unknown] if job.size_unknown else [])]
     return replace(plan, fixes=fixes, warnings=tuple(warnings),
                    interval=_interval(job, timing), refusal=refusal, setup_s=setup_work_s(spec, profile))

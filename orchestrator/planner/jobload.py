@@ -169,7 +169,7 @@ def _image_problem(spec: JobSpec, profile: ClusterProfile) -> tuple[tuple, str] 
 
 def _lora_target_problem(spec: JobSpec) -> str | None:
     """LoRA target names the model (its config.json) does not have; a folder that cannot be read is check_inputs'."""
-    if spec.model.lora is None or spec.model.lora.target_modules == "all-linear":
+    if spec.model.lora is None or spec.model.lora.target_modules in ("auto", "all-linear"):
         return None
     from .lora import target_problem
     from .modelshape import read_model_shape

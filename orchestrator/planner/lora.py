@@ -9,14 +9,23 @@ output head). Names the table does not know are counted as hidden x hidden, with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
-from fsdpjob.orchestrator.core.jobspec.families import FAMILIES, Family
+from fsdpjob.orchestrator.core.jobspec.families import FAMILIES, Family, lora_targets
+from fsdpjob.orchestrator.core.savers import nf4_shard_problem
 
 from .modelshape import ModelShape, ParamCount
 
 _EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
+# model.quantize nf4 (jobs/model/quantize.py): per weight 4 bits of code, an int8 scale per block of 64 and an fp32
+# factor per group of 256 scales (torchao's NF4 with the QLoRA paper's double quantization).
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+# torchao dequantizes a 4-bit weight in plain torch ops, all alive until it returns: two int64 index tensors of
+# half the weight each (8 B a weight), then the looked-up values, their scaled copies and the stacked result in
+# model.dtype (3 m bytes a weight); the linear then casts to the compute dtype where that differs.
+DEQUANT_INDEX_BYTES, DEQUANT_COPIES = 8, 3
 _HEADS = ("lm_head", "embed_out")
 
 
@@ -33,6 +42,9 @@ class Trainable:
     head_trained: bool  # lm_head gets a gradient (held unsharded until the root's reduce-scatter)
     lora: Any = None  # the spec's model.lora; None for full fine-tuning
     note: str | None = None  # why the adapter count is an estimate (a plan warning)
+    quantized: int = 0  # model.quantize nf4: weights held in 4 bits (the frozen linears of the decoder blocks)
+    layer_quantized: int = 0  # of them, per decoder layer
+    largest_quantized: int = 0  # the largest 4-bit linear weight (its dequantized copy is the transient)
 
     @property
     def is_lora(self) -> bool:
@@ -80,8 +92,8 @@ def _family(s: ModelShape) -> Family:
 def _adapted(s: ModelShape, lora: Any) -> tuple[list[str], list[tuple[int, int]], list[str]]:
     """The target names, the (in, out) of each adapted linear layer in one decoder block, the unknown names."""
     shapes = _linear_shapes(s)
-    names = _family_linears(s) if lora.target_modules == "all-linear" else [n.rpartition(".")[2]
-                                                                            for n in lora.target_modules]
+    targets = lora_targets(s.model_type, lora.target_modules)
+    names = _family_linears(s) if targets == "all-linear" else [n.rpartition(".")[2] for n in targets]
     unknown = sorted({n for n in names if n not in shapes and n not in _EMBEDDINGS and n not in _HEADS})
     per_layer = [shape for n in names for shape in shapes.get(n, [])] + [(s.hidden, s.hidden)] * len(unknown)
     return names, per_layer, unknown
@@ -97,7 +109,7 @@ def target_problem(s: ModelShape, lora: Any) -> str | None:
     """Why model.lora.target_modules names modules this family does not have (peft would refuse them on the workers,
     after the queue), or None. A dotted name is judged by its last part, as peft matches it; a family the table
     does not know is not judged."""
-    if lora is None or lora.target_modules == "all-linear" or s.model_type not in FAMILIES:
+    if lora is None or lora.target_modules in ("auto", "all-linear") or s.model_type not in FAMILIES:
         return None
     valid = [*_family_linears(s), *(["shared_expert_gate"] if s.shared_expert else []),
              *_ROOT_NAMES.get(s.model_type, ("embed_tokens", "lm_head"))]
@@ -127,7 +139,7 @@ def lora_training(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
     head = bool(saved & set(_HEADS))
     copies = s.vocab * s.hidden * (bool(saved & set(_EMBEDDINGS)) + head)
     notes = []
-    if s.experts > 1:
+    if s.experts > 1 and any(n in ("gate_proj", "up_proj", "down_proj", "gate") for n in names):
         notes.append(f"model_type {s.model_type!r} (mixture of experts): the adapter count is estimated (peft "
                      "adapts fused expert weights its own way)")
     if unknown:
@@ -146,5 +158,46 @@ def lora_training(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
     )
 
 
-def trainable(s: ModelShape, p: ParamCount, lora: Any) -> Trainable:
-    return full_training(s, p) if lora is None else lora_training(s, p, lora)
+def quantized_shapes(s: ModelShape) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of each linear weight one decoder block holds in 4 bits with model.quantize nf4: every
+    linear layer all-linear finds (the frozen base layers under the adapters and the frozen linears beside them), but
+    a mixture of experts' MLP: transformers keeps its experts in fused 3-D tensors (and its router in its own
+    module), which stay in model.dtype; a shared expert's linears are left out of the count as well."""
+    shapes = _linear_shapes(s)
+    mlp = {"gate_proj", "up_proj", "down_proj", "gate", "c_fc", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h",
+           "gate_up_proj"}
+    names = [n for n in _family_linears(s) if not (s.experts > 1 and n in mlp)]
+    return [(n, fan_out, fan_in) for n in names for fan_in, fan_out in shapes.get(n, [])]
+
+
+def quantized_linears(s: ModelShape) -> list[int]:
+    return [rows * columns for _, rows, columns in quantized_shapes(s)]
+
+
+def quantize_problem(s: ModelShape, shards: int) -> str | None:
+    """Why the 4-bit weights cannot be sharded over ``shards`` ranks (core/savers.nf4_shard_problem), or None."""
+    for name, rows, columns in quantized_shapes(s):
+        if problem := nf4_shard_problem(rows, columns, shards):
+            return (f"model.quantize nf4: {name}: {problem}; FSDP2 cannot pad 4-bit shards: run on a number of "
+                    "ranks that divides them or drop model.quantize")
+    return None
+
+
+def trainable(s: ModelShape, p: ParamCount, lora: Any, quantize: str | None = None) -> Trainable:
+    counts = full_training(s, p) if lora is None else lora_training(s, p, lora)
+    if quantize is None or lora is None:
+        return counts
+    sizes = quantized_linears(s)
+    return replace(counts, quantized=s.layers * sum(sizes), layer_quantized=sum(sizes),
+                   largest_quantized=max(sizes, default=0))
+
+
+def held_bytes(count: int, quantized: int, dtype_bytes: int) -> int:
+    """Bytes of ``count`` weights of which ``quantized`` are in 4 bits, the rest in ``dtype_bytes``."""
+    return (count - quantized) * dtype_bytes + math.ceil(quantized * NF4_BYTES)
+
+
+def dequant_bytes(tr: Trainable, model_bytes: int, compute_bytes: int) -> int:
+    """The transient of dequantizing the largest 4-bit weight (see DEQUANT_INDEX_BYTES)."""
+    per_weight = DEQUANT_INDEX_BYTES + DEQUANT_COPIES * model_bytes + compute_bytes * (compute_bytes != model_bytes)
+    return tr.largest_quantized * per_weight

@@ -40,7 +40,10 @@ allocated and the reserved peak, and the reserved one with the other setting).
 With LoRA (model.lora; lora.py counts the adapters) the frozen base is held as sharded weights only: gradients,
 AdamW state, the reduce-scatter input and the checkpoint are those of the adapters (and modules_to_save), the
 gathered layers and root also hold the adapters, the lm_head gradient exists only when lm_head trains, and each
-adapted layer keeps r values per token (plus its dropped input with dropout).
+adapted layer keeps r values per token (plus its dropped input with dropout). With model.quantize nf4 (QLoRA) the
+frozen decoder linears are held at lora.NF4_BYTES a weight, sharded and gathered, and the backward of a layer adds the
+dequantization of the largest of them (lora.dequant_bytes); Answer.AI's published QLoRA peaks and a CPU run:
+bench/RESULTS.md.
 Host RAM per node while training on GPUs: each worker process (CUDA libraries, CUDA_PROCESS_BYTES), the
 offloaded state with fsdp.cpu_offload, and with checkpoint.async_save the stager's pinned copy of the rank's
 params + both AdamW moments, which it keeps between saves.
@@ -60,7 +63,7 @@ from typing import Literal
 from fsdpjob.orchestrator.core.jobspec.profiles import ClusterProfile
 from fsdpjob.orchestrator.core.units import GiB, count_text
 
-from .lora import trainable
+from .lora import held_bytes, trainable
 from .modelshape import ModelShape, ParamCount
 from .moments import CPU_BF16_KERNEL_BYTES, Item, Moment, step_moments
 from .setup import REDUCE_BYTES, Setup
@@ -224,8 +227,9 @@ def host_memory(s: ModelShape, p: ParamCount, u: Setup, profile: ClusterProfile,
     """At load, each rank reads its own shards of safetensors weights (else rank 0 reads the checkpoint in its file
     dtype and broadcasts it tensor by tensor: _load_read_bytes); the shards live in host memory only on CPU workers
     or with CPU offload (on GPUs they are materialized on the device)."""
-    tr = trainable(s, p, u.lora)
-    shard_bytes = math.ceil(tr.weights / u.shard_degree) * u.model_bytes
+    tr = trainable(s, p, u.lora, u.quantize)
+    shard_bytes = held_bytes(math.ceil(tr.weights / u.shard_degree), math.ceil(tr.quantized / u.shard_degree),
+                             u.model_bytes)
     process_per_rank = CUDA_PROCESS_BYTES if u.on_gpu else CPU_RUNTIME_BYTES
     process = u.tasks_per_node * process_per_rank
     host_shards = u.tasks_per_node * shard_bytes * (not u.on_gpu or u.cpu_offload)

@@ -19,7 +19,7 @@ from fsdpjob.orchestrator.core.savers import LOSS_CHUNK_TOKENS
 from fsdpjob.orchestrator.core.units import count_text, params_text, size_text, unit_for
 
 from .activations import all_kept, kept, layer_activations, layer_mode, recomputed
-from .lora import trainable
+from .lora import NF4_BYTES, dequant_bytes, held_bytes, trainable
 from .modelshape import ModelShape, ParamCount
 from .setup import Setup
 
@@ -60,9 +60,10 @@ def _state(tr, u: Setup) -> list[Item]:
     m, w, on_device = u.model_bytes, u.shard_degree, not u.cpu_offload
     shard, trained_shard = math.ceil(tr.weights / w), math.ceil(tr.trained / w)
     frozen = f", {params_text(tr.trained)} of them train (LoRA)" if tr.is_lora else ""
+    four_bit = f", {params_text(tr.quantized)} of them in 4 bits ({NF4_BYTES:.3f} B)" if tr.quantized else ""
     return [
-        Item("parameters", on_device * shard * m,
-             f"{params_text(tr.weights)} params x {m} B / {count_text(w, 'shard')}{frozen}"),
+        Item("parameters", on_device * held_bytes(shard, math.ceil(tr.quantized / w), m),
+             f"{params_text(tr.weights)} params x {m} B / {count_text(w, 'shard')}{frozen}{four_bit}"),
         Item("AdamW state", on_device * 2 * trained_shard * u.moment_bytes,
              f"exp_avg + exp_avg_sq, {u.moment_bytes} B each"),
         Item("reference model (live)", on_device * shard * m * u.reference_copy,
@@ -73,7 +74,7 @@ def _state(tr, u: Setup) -> list[Item]:
 def step_moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], list[Moment]]:
     """The sharded state on the device (params, AdamW) and what each moment of a step adds, per rank."""
     m, c, r, w = u.model_bytes, u.compute_bytes, u.reduce_bytes, u.shard_degree
-    tr = trainable(s, p, u.lora)
+    tr = trainable(s, p, u.lora, u.quantize)
     on_device = not u.cpu_offload
     trained_shard = math.ceil(tr.trained / w)
     grads = Item("gradients", on_device * trained_shard * m, f"sharded, {m} B")
@@ -84,7 +85,8 @@ def step_moments(s: ModelShape, p: ParamCount, u: Setup) -> tuple[list[Item], li
     # The first layer's own shard of gradients comes only from its reduce-scatter, after its backward.
     other_grads = replace(grads, bytes=on_device * (trained_shard - math.ceil(tr.layer_trained / w)) * m,
                           note=f"sharded, {m} B, every layer's but the first")
-    gathered = Item("layers kept gathered", s.layers * tr.layer_weights * c * (not u.reshard),
+    gathered = Item("layers kept gathered",
+                    s.layers * held_bytes(tr.layer_weights, tr.layer_quantized, c) * (not u.reshard),
                     "fsdp.reshard_after_forward: false")
     kernels = Item("bf16 kernel buffers", CPU_BF16_KERNEL_BYTES * (not u.on_gpu and c == 2 and u.onednn_bf16),
                    "oneDNN (measured)", kept=True)
@@ -121,7 +123,7 @@ def _generation(s: ModelShape, tr, u: Setup, kernels: Item) -> Moment:
     return Moment("generation (grpo)", (
         Item("KV cache", cache, f"{rows} rows x {u.seq_len} positions x {s.layers} layers, keys and values"),
         Item("root gathered", tr.root_weights * c, "embedding + final norm + lm_head, compute dtype"),
-        Item("layer gathered", tr.layer_weights * c, "one decoder layer at a time"),
+        Item("layer gathered", held_bytes(tr.layer_weights, tr.layer_quantized, c), "one decoder layer at a time"),
         Item("sampling logits", rows * s.vocab * 4 * 2, "the last position's, fp32, and the sampling's copy"),
         kernels))
 
@@ -192,11 +194,12 @@ def _saved_activations(s: ModelShape, u: Setup) -> Item:
 def _layer_transients(s: ModelShape, p: ParamCount, u: Setup, index: int) -> list[Item]:
     """The decoder layer ``index`` in backward: gathered params (+ prefetched next), its gradients and working
     set, with what it recomputes."""
-    tr = trainable(s, p, u.lora)
+    tr = trainable(s, p, u.lora, u.quantize)
     c, layer, layer_grads = u.compute_bytes, tr.layer_weights, tr.layer_trained
+    held = held_bytes(layer, tr.layer_quantized, c)  # a 4-bit layer is gathered as its codes and scales
     if u.reshard:
         prefetch = u.shard_degree > 1  # world size 1 copies the shard in place of an all-gather
-        gathered = Item("layer gathered", (2 if prefetch else 1) * c * layer + c * layer_grads,
+        gathered = Item("layer gathered", (2 if prefetch else 1) * held + c * layer_grads,
                         "params + unsharded grads" + (" + prefetched next layer" if prefetch else ""))
     else:
         gathered = Item("layer gradients", c * layer_grads, "unsharded, before the reduce-scatter")
@@ -208,4 +211,6 @@ def _layer_transients(s: ModelShape, p: ParamCount, u: Setup, index: int) -> lis
              f"previous layer's {_DTYPE_NAMES[u.reduce_bytes]} reduce-scatter input"),
         Item("layer working set", working + recompute,
              "activation gradients" + (" + recomputed layer" if recompute else "")),
+        *([Item("4-bit dequantization", dequant_bytes(tr, u.model_bytes, c),
+                "the largest 4-bit weight dequantized, with torchao's temporaries")] if tr.quantized else []),
     ]

@@ -29,6 +29,7 @@ class Setup:
     # fp32 gradients instead (less communication, more memory); make_plan turns it on where it fits.
     defer_grad_sync: bool = False
     lora: Any = None  # the spec's model.lora: only the adapters train (lora.py counts them); None: every weight
+    quantize: str | None = None  # model.quantize: the frozen base's decoder linears in 4 bits (lora.NF4_BYTES)
     async_save: bool = False  # checkpoint.async_save: DCP's stager keeps a host copy of the saved state
     memory_tier: bool = False  # checkpoint.memory_interval_steps: snapshots in node-local shared memory
     packed: bool = False  # boundary-aware packing: with sdpa, transformers builds a dense block-diagonal mask

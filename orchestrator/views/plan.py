@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fsdpjob.orchestrator.core.jobspec.families import lora_targets
 from fsdpjob.orchestrator.core.units import GB, count_text, params_text, size_text, unit_for
 from fsdpjob.orchestrator.planner.fit import FitPlan
 from fsdpjob.orchestrator.planner.generator import generator_lines
@@ -77,7 +78,9 @@ def _lora_lines(plan: FitPlan) -> list[str]:
     tr, lora = plan.trainable, plan.setup.lora
     if lora is None:
         return []
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    resolved = lora_targets(plan.model.model_type, lora.target_modules)
+    targets = resolved if isinstance(resolved, str) else ", ".join(resolved)
+    targets = f"{targets} (auto)" if lora.target_modules == "auto" else targets
     saved = f" + modules_to_save {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
     return [f"LoRA: r={lora.r} on {targets}{saved}: {params_text(tr.trained)} params train "
             f"({tr.trained / plan.params.total:.2%} of the base), the base is frozen (weights only, not saved)"]

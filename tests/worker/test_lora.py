@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from distributed import committed_model_state, logged_losses, run_ranks, train_worker, write_run
+from distributed import committed_model_state, logged_losses, run_ranks, train_worker, trained_logits, write_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -109,36 +109,6 @@ def test_resume_on_one_rank_matches_within_fp32_tolerance(runs):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
-def _trained_logits(rank: int, world_size: int, run_dir: str, input_ids) -> object:
-    """The trained model's logits: built as the worker builds it, the committed adapters loaded into it."""
-    import torch
-
-    from fsdpjob.jobs.checkpoint import CheckpointManager
-    from fsdpjob.jobs.checkpoint.state import ModelOptimState
-    from fsdpjob.jobs.dist import close_distributed, init_distributed
-    from fsdpjob.jobs.model import NONE, load_model
-    from fsdpjob.jobs.model.lora import trainable_parameters
-    from fsdpjob.jobs.model.parallelize import build_mesh
-    from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
-
-    spec = JobSpec.model_validate(json.loads((Path(run_dir) / "spec.json").read_text())["spec"])
-    env = init_distributed(120)
-    try:
-        model = load_model(spec.model.path, env=env, mesh=build_mesh(env, 1), dtype=torch.float32,
-                           attn_implementation="sdpa", mixed_precision="fp32", reshard_after_forward=True,
-                           activation_checkpointing=NONE, cpu_offload=False, lora=spec.model.lora)
-        optimizer = torch.optim.AdamW(trainable_parameters(model))
-        ckpt = CheckpointManager(Path(run_dir) / "checkpoints", rank=rank, world_size=world_size, keep_last=2,
-                                 async_save=False, sidecar={})
-        ckpt.load(latest_step_dir(Path(run_dir)), {"model": ModelOptimState(model, optimizer, trainable_only=True)})
-        ckpt.close()
-        model.eval()
-        with torch.no_grad():
-            return model(input_ids=input_ids).logits.numpy()  # by value: a tensor would be shared memory
-    finally:
-        close_distributed()
-
-
 def test_export_loads_with_peft_and_merged_gives_the_trained_logits(runs, assets, tmp_path):
     import torch
     from peft import PeftModel
@@ -148,7 +118,7 @@ def test_export_loads_with_peft_and_merged_gives_the_trained_logits(runs, assets
 
     vocab = json.loads((Path(assets["model_path"]) / "config.json").read_text())["vocab_size"]
     input_ids = torch.randint(3, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
-    trained = torch.from_numpy(run_ranks(_trained_logits, 1, run_dir=str(runs["two"]), input_ids=input_ids)[0])
+    trained = torch.from_numpy(run_ranks(trained_logits, 1, run_dir=str(runs["two"]), input_ids=input_ids)[0])
     export_from_path(runs["two"], tmp_path / "adapter", "fp32")
     export_from_path(runs["two"], tmp_path / "merged", "fp32", merge=True)
     for folder in (tmp_path / "adapter", runs["two"] / "export"):  # fsdpjob export; checkpoint.export_final

@@ -50,9 +50,17 @@ class Family:
     # gated, the MoE router when there are experts); c_proj_in_attention: gpt2's c_proj is in both halves
     lora_linears: tuple[str, ...] | None = None
     c_proj_in_attention: bool = False
+    # -- LoRA's default targets (model.lora.target_modules: auto): all-linear on dense families; on mixtures of
+    # experts the attention's linear layers only (the router and the experts stay frozen unless named: adapting
+    # the router moves the routing, and the experts are most of the weights)
+    lora_attention: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     # -- attention: False where transformers has no SDPA path for the family (gemma2's logit soft-capping):
     # the spec's default sdpa then runs eager (see attention_for)
     sdpa: bool = True
+
+    def lora_targets(self) -> str | tuple[str, ...]:
+        """What model.lora.target_modules: auto adapts in this family (see lora_attention)."""
+        return self.lora_attention if self.moe else "all-linear"
 
 
 _FUSED_QKV = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
@@ -75,7 +83,9 @@ FAMILIES: dict[str, Family] = {
                       lora_linears=("q_proj", "k_proj", "v_proj", "o_proj")),
     "deepseek_v3": Family(shared_expert=True, exact_from_config=False, moe=True,
                           lora_linears=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                        "o_proj", "gate_proj", "up_proj", "down_proj")),
+                                        "o_proj", "gate_proj", "up_proj", "down_proj"),
+                          lora_attention=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                          "o_proj")),
     "gemma": Family(tied=True, omitted_head_dim=256),
     "gemma2": Family(tied=True, norms=4, omitted_head_dim=256, sdpa=False),
     "gemma3_text": Family(tied=True, norms=4, qk_norm="head", omitted_head_dim=256),
@@ -112,6 +122,16 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+def lora_targets(model_type: str, target_modules: str | list[str]) -> str | list[str]:
+    """model.lora.target_modules as peft takes it: auto resolved by the family (all-linear for a family the table
+    does not know), anything else as written."""
+    if target_modules != "auto":
+        return target_modules
+    family = FAMILIES.get(model_type) or Family()
+    targets = family.lora_targets()
+    return targets if isinstance(targets, str) else list(targets)
+
+
 def windowed(config: Mapping) -> bool:
     """Whether a config.json's attention is more than causal within each example: a sliding window in use, logit
     soft-capping or ALiBi. Varlen attention (jobs/model/varlen.py) implements none of them."""

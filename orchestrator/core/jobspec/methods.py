@@ -259,6 +259,7 @@ class MethodFacts:
     # frozen copy of the starting model while grpo.beta > 0), its LoRA form, its export
     reference: Literal["section", "beta"] | None = None
     lora: bool = True  # False: trained in full (a new head with no LoRA form)
+    quantize: str | None = None  # why model.quantize (a 4-bit base) is refused with it; None: allowed
     export: Literal["causal_lm", "classifier"] = "causal_lm"
     # -- the step
     loss_reads_logits: bool = True  # its loss reads the logits itself: SFT's chunked cross-entropy does not apply
@@ -305,7 +306,8 @@ METHODS: dict[str, MethodFacts] = {
                        phases=("reference",)),
     "reward": MethodFacts(RewardSpec, data_shape="preference", fields=_PAIR_FIELDS, lora=False, export="classifier"),
     "grpo": MethodFacts(GrpoSpec, section_required=True, data_shape="prompts", fields={"prompt_field": "prompt"},
-                        reference="beta", generates=True, phases=("generation",)),
+                        reference="beta", generates=True, phases=("generation",),
+                        quantize="its generation engines load the policy's weights, which have no 4-bit form there"),
 }
 
 
@@ -376,10 +378,15 @@ def check_grpo(grpo: GrpoSpec | None, train: Any, data: Any) -> None:
                                                  f"data.seq_len {data.seq_len}; raise seq_len or lower max_new_tokens")
 
 
-def check_method_model(method: str, lora: Any) -> None:
-    """A reward model is trained in full: its new head and the export as a sequence classifier have no LoRA form."""
-    if not facts_of(method).lora and lora is not None:
+def check_method_model(method: str, lora: Any, quantize: str | None = None) -> None:
+    """A reward model is trained in full: its new head and the export as a sequence classifier have no LoRA form;
+    a 4-bit base only where the method's row allows it."""
+    facts = facts_of(method)
+    if not facts.lora and lora is not None:
         raise field_error("model.lora", f"a {method} model is trained in full in this version; drop model.lora")
+    if quantize is not None and facts.quantize is not None:
+        raise field_error("model.quantize", f"{method} with a 4-bit base is not supported in this version "
+                                            f"({facts.quantize}); drop model.quantize")
 
 
 def check_method_data(method: str, data: Any) -> None:

@@ -31,9 +31,11 @@ class LoraSpec(Strict):
     """Adapter scaling: the adapters' output is multiplied by alpha / r."""
     dropout: Annotated[float, Field(strict=True, ge=0, lt=1)] = 0.0
     """Dropout on the adapters' input (0: off)."""
-    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
-    ("Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path), or "
-     "all-linear: every linear layer but the output head.")
+    target_modules: Literal["auto", "all-linear"] | Annotated[list[str], Field(min_length=1)] = "auto"
+    ("Modules that get adapters: module names (the last part, e.g. q_proj and v_proj, or a dotted path); "
+     "all-linear: every linear layer but the output head; auto: all-linear, except on mixture-of-experts families "
+     "(mixtral, qwen3_moe, olmoe, gpt_oss, deepseek_v3 ...) the attention's linear layers only: the router and the "
+     "experts stay frozen unless you write all-linear or name them.")
     modules_to_save: list[str] = []
     ("Modules trained in full next to the adapters, e.g. embed_tokens and lm_head for added tokens; checkpointed and "
      "exported with them.")
@@ -69,6 +71,11 @@ class ModelSpec(Strict):
     on GPUs it fuses the blocks' elementwise work. Measure it on your model before relying on it."""
     lora: LoraSpec | None = None
     """Train LoRA adapters (peft) on the frozen base model instead of every weight; none: full fine-tuning."""
+    quantize: Literal["nf4"] | None = None
+    ("QLoRA: hold the frozen base's linear weights of the decoder blocks in 4 bits (torchao's NF4 with "
+     "double-quantized block scales, sharded by FSDP2 and dequantized one layer at a time), the adapters in "
+     "model.dtype. Needs model.lora and the torchao package on the workers (pip install 'fsdpjob[quantize]'); "
+     "none: the base in model.dtype.")
 
     _path = field_validator("path")(path_value)
 
@@ -76,6 +83,16 @@ class ModelSpec(Strict):
     @classmethod
     def _ac_aliases(cls, value: Any) -> Any:
         return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _quantize_with_lora(self) -> ModelSpec:
+        if self.quantize is not None and self.lora is None:
+            raise field_error("quantize", f"quantize {self.quantize} holds a frozen base in 4 bits for LoRA "
+                                          "adapters (QLoRA); add model.lora or drop model.quantize")
+        if self.quantize is not None and self.compile:
+            raise field_error("compile", "compile with quantize nf4 is not supported in this version (untested: "
+                                         "the 4-bit weights are a tensor subclass); set compile: false")
+        return self
 
     @model_validator(mode="after")
     def _selective_alone(self) -> ModelSpec:

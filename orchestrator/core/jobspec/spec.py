@@ -189,7 +189,8 @@ class RecoverySpec(Strict):
 _ADDED_FIELDS = {"data": ("eval_path", "eval_fraction", "format", "split", "sources", "eval_split", "long_examples",
                           "chosen_field", "rejected_field", "label_field"),
                  "train": ("eval_every", "eval_batches", "method", "loss", "optimizer_state_dtype"),
-                 "checkpoint": ("keep_best", "memory_interval_steps"), "model": ("lora", "compile", "selective_ac"),
+                 "checkpoint": ("keep_best", "memory_interval_steps"),
+                 "model": ("lora", "compile", "selective_ac", "quantize"),
                  "resources": ("min_nodes",), "fsdp": ("reduce_dtype", "separate_root")}
 _ADDED_SECTIONS = ("recovery", "logging")  # whole sections added later: count only when not all defaults
 # Defaults that changed name: a spec that leaves the field alone hashes as it did under the old default's value.
@@ -263,7 +264,7 @@ class JobSpec(Strict):
     def _method_section(self) -> JobSpec:
         check_method_sections(self.train.method, self._method_sections())
         check_method_data(self.train.method, self.data)
-        check_method_model(self.train.method, self.model.lora)
+        check_method_model(self.train.method, self.model.lora, self.model.quantize)
         check_grpo(self.grpo, self.train, self.data)
         return self
 
@@ -299,6 +300,10 @@ class JobSpec(Strict):
             # clip-norm reduction would find no CPU backend. Untested on GPUs, so refused.
             raise field_error("fsdp.cpu_offload", "CPU offload with HSDP (replicate_degree > 1) is not supported: "
                                                   "set replicate_degree: 1 or cpu_offload: false")
+        if self.fsdp.replicate_degree > 1 and self.model.quantize is not None:
+            # torchao's NF4 all-gather reads the group of a 1-D mesh; HSDP's mesh has two dimensions.
+            raise field_error("model.quantize", "quantize nf4 shards on a 1-D mesh only: set fsdp.replicate_degree: "
+                                                "1 or drop model.quantize")
         return self
 
     @field_validator("env")
@@ -342,6 +347,9 @@ class JobSpec(Strict):
                 dumped[section][key] = before
         for (section, key), renames in _RENAMED_VALUES.items():
             dumped[section][key] = renames.get(dumped[section][key], dumped[section][key])
+        if self.model.lora is not None and self.model.lora.target_modules == "auto":
+            # auto became the default (issue 56): it is all-linear on every family LoRA trained before it
+            dumped["model"]["lora"]["target_modules"] = "all-linear"
         for section in _ADDED_SECTIONS:
             if getattr(self, section) == type(self).model_fields[section].default_factory():
                 del dumped[section]
@@ -361,6 +369,8 @@ class JobSpec(Strict):
             "data.seq_len": self.data.seq_len,
             # Adapters of another shape or scale cannot continue; absent without LoRA, as before it existed.
             **({"model.lora": self.model.lora.model_dump(mode="json")} if self.model.lora else {}),
+            # A 4-bit base is another model for the adapters; absent without it, as before it existed.
+            **({"model.quantize": self.model.quantize} if self.model.quantize else {}),
         }
 
 

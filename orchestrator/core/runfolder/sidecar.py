@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 # model folder's content hash (jobs/model/lora.py checkpoint_fingerprint).
 LORA_FINGERPRINT = "model.lora"
 BASE_CONTENTS_FINGERPRINT = "model.path contents"
+QUANTIZE_FINGERPRINT, DTYPE_FINGERPRINT = "model.quantize", "model.dtype"  # a QLoRA base: its 4-bit form, its dtype
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,13 @@ class RunFacts:
     def lora(self) -> dict[str, Any] | None:
         """The spec's model.lora the checkpoint was trained with; None for a checkpoint of every weight."""
         return (self.fingerprint or {}).get(LORA_FINGERPRINT)
+
+    @property
+    def quantize(self) -> tuple[str, str] | None:
+        """A QLoRA checkpoint's base quantization and the dtype it was quantized from; None otherwise."""
+        facts = self.fingerprint or {}
+        kind = facts.get(QUANTIZE_FINGERPRINT)
+        return (kind, facts.get(DTYPE_FINGERPRINT, "float32")) if kind else None
 
     @property
     def base_contents(self) -> str | None:
