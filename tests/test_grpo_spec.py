@@ -230,8 +230,8 @@ def _colocate(tmp_path, generator: str) -> Path:
 
 def test_colocate_options_a_server_has_are_refused_each_with_its_fix(tmp_path):
     for generator, line in (
-            ("{backend: server, mode: colocate}", "grpo.generator.mode: colocate is a mode of vLLM's engine, not of "
-                                                  "backend server; set backend: vllm, or drop mode"),
+            ("{backend: inprocess, mode: colocate}", "grpo.generator.mode: colocate is a mode of vLLM's engine, not "
+                                                     "of backend inprocess; set backend: vllm, or drop mode"),
             ("{backend: vllm, mode: colocate, tensor_parallel_size: 2}",
              "grpo.generator.tensor_parallel_size: a colocated engine runs on its training rank's own device: "
              "tensor_parallel_size must be 1; use mode: server for a model that needs tensor parallelism"),
