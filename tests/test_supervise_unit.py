@@ -10,7 +10,15 @@ from types import SimpleNamespace
 import pytest
 
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
-from fsdpjob.orchestrator.core.runfolder.heartbeat import NEXT_BATCH, SAVE, STEP, Beat, Heartbeat, read_beats
+from fsdpjob.orchestrator.core.runfolder.heartbeat import (
+    GENERATION,
+    NEXT_BATCH,
+    SAVE,
+    STEP,
+    Beat,
+    Heartbeat,
+    read_beats,
+)
 from fsdpjob.orchestrator.supervise.blame import blame_crash
 from fsdpjob.orchestrator.supervise.policy import BLAME_FORGOTTEN_AFTER_STEPS, Fault, restart_in_allocation
 from fsdpjob.orchestrator.supervise.stacks import top_frame
@@ -168,6 +176,24 @@ def test_a_save_too_short_to_be_seen_still_bounds_the_next_one() -> None:
     assert watch.bound() == 20  # 4 x the floor, over 10 x 0.3 s
     verdict = watch.observe(stuck(t + 21), t + 21)
     assert verdict is not None and verdict.kind == "hang" and "'save'" in verdict.reason, verdict
+
+
+def test_a_round_on_a_vllm_server_is_given_the_servers_request_deadline() -> None:
+    """A round took 2 s; the next waits on a frozen server, which the ranks report lost only after its request
+    deadline (600 s by default). Without a server the round is bounded at max(10 x 2 s, 4 x floor); with one, not
+    before the deadline and its margin (generation_wait_s): else the frozen server would be taken for the ranks'
+    hang and the whole launch restarted instead of the server alone."""
+    after = {GENERATION: 2.0}
+    for wait, bound in ((0.0, 120.0), (660.0, 660.0)):
+        watch = Watch(world_size=2, started=90.0, bounds=Bounds(60, 30, 10, generation_wait_s=wait))
+        t = trained(watch, 10, every=0.5)
+        stuck = lambda now, t=t: [beat(0, 11, GENERATION, t=now, since=t, longest=after),  # noqa: E731
+                                  beat(1, 11, GENERATION, t=now, since=t, longest=after)]
+        assert watch.observe(stuck(t + 1), t + 1) is None
+        assert watch.bound() == bound
+        assert watch.observe(stuck(t + bound - 1), t + bound - 1) is None
+        verdict = watch.observe(stuck(t + bound + 1), t + bound + 1)
+        assert verdict is not None and verdict.kind == "hang" and "'generation'" in verdict.reason, verdict
 
 
 def test_heartbeat_reports_the_longest_save_it_finished(tmp_path) -> None:

@@ -55,6 +55,7 @@ CRASH_GRACE_S = 1.0
 # before the dead one's; srun's own teardown SIGKILLs the others, shells included, after the dead one's record.
 SELF_END_S = 3.0
 KILL_WAIT_S = 15.0
+SERVER_LOST_MARGIN_S = 60.0  # after a request deadline: the rank's report, the supervisor's next look, a busy machine
 
 
 class Supervisor:
@@ -83,6 +84,8 @@ class Supervisor:
         self._launch_took: list[float] = []  # per launch in this allocation: seconds until every rank reported
         self._gather = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-facts")
         self.server, self.server_nodes = self._generation_server(spec)
+        # A round on the server may wait out its request deadline before a rank reports it lost (stall.py).
+        self.generation_wait_s = (spec.grpo.generator.deadline_s + SERVER_LOST_MARGIN_S) if self.server else 0.0
 
     def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
         """grpo with generator backend vllm (server mode): the server's step on the allocation's last nodes
@@ -191,7 +194,8 @@ class Supervisor:
         world = (self.nodes - len(self.excluded) - len(self.server_nodes)) * self.tasks_per_node
         watch = Watch(world, started, Bounds(self._setup_bound(), self.recovery.stall_floor_s,
                                              self.recovery.stall_factor, self.planned.get("planned_step_s"),
-                                             self.planned.get("planned_save_s"), self._launch_bound(launch)))
+                                             self.planned.get("planned_save_s"), self._launch_bound(launch),
+                                             self.generation_wait_s))
         try:
             return self._watch(watch, launch)
         finally:

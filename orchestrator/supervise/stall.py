@@ -13,6 +13,10 @@ What counts as progress: any rank's (step, phase) changing. What bounds a wait:
   factor x the planned step if longer (nothing measured bounds it yet);
 - a save or an eval: max(factor x the longest earlier one of that kind, 4 x floor); the first: the setup bound,
   or factor x the planned save if longer.
+  A generation round on a vLLM server is also bounded below by ``generation_wait_s`` (the server's request
+  deadline and a margin): a rank waits that long on a frozen server before it reports it lost, and the supervisor
+  then replaces the server alone (run.py; the wait is excused). A shorter bound would take the frozen server for
+  the ranks' hang and restart the whole launch.
   "Earlier" counts what the ranks report in their heartbeats (``Beat.longest``) as well as what the watch saw:
   a save of under a second usually falls between two heartbeats, and without the ranks' own figure a stuck
   second save would wait out the setup bound (minutes) instead of ten times the first.
@@ -27,7 +31,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, LONG_PHASES, PHASES, SETUP_PHASES, Beat
+from fsdpjob.orchestrator.core.runfolder.heartbeat import (
+    EXITED,
+    GENERATION,
+    HEARTBEAT_S,
+    LONG_PHASES,
+    PHASES,
+    SETUP_PHASES,
+    Beat,
+)
 
 FROZEN_AFTER_S = 3 * HEARTBEAT_S + 2  # a heartbeat older than this: the process is not running
 RECENT_STEPS = 50  # step times kept for the p95
@@ -55,6 +67,8 @@ class Bounds:
     # measured by the supervisor (None: the setup bound). A container image imported again after a requeue onto
     # new nodes takes minutes before any rank starts; that is not a hang (issue 36 item 3).
     launch_s: float | None = None
+    # grpo with a vLLM server: the least a generation round is given (0: no server). See the module docstring.
+    generation_wait_s: float = 0.0
 
     def launch_bound(self) -> float:
         return max(self.setup_s, self.launch_s or 0.0)
@@ -125,9 +139,10 @@ class Watch:
         b = self.bounds
         long = {phase for rank, (phase, _) in self._in_long.items() if rank not in self._stale}
         if long:
-            if not all(p in self._long_phases for p in long):
-                return b.first(b.planned_save_s, 4 * b.floor_s)  # a first save or eval: nothing measured yet
-            return max(b.factor * max(self._long_phases[p] for p in long), 4 * b.floor_s)
+            server_wait = b.generation_wait_s if GENERATION in long else 0.0
+            if not all(p in self._long_phases for p in long):  # a first save or eval: nothing measured yet
+                return max(b.first(b.planned_save_s, 4 * b.floor_s), server_wait)
+            return max(b.factor * max(self._long_phases[p] for p in long), 4 * b.floor_s, server_wait)
         if not self._step_times:
             return b.first(b.planned_step_s, b.floor_s)  # the first step warms up (allocations, compilation)
         return max(b.factor * _p95(self._step_times), b.floor_s)
