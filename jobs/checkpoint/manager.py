@@ -39,16 +39,19 @@ from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
     LATEST,
     MARKER,
+    METADATA,
+    SIDECAR,
     committed_steps,
     step_dir_name,
     uncommitted_steps,
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
 
+from .checksum import commit_sums, content_damage, drop_rank_sums, recorded_sums
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
 from .state import DictState, ModelOptimState, RNGState
-from .verify import CheckpointError, newest_valid_step, select_checkpoint
+from .verify import CheckpointError, newest_valid_steps, select_checkpoint
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -138,6 +141,7 @@ class CheckpointManager:
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
         self._last_step: int | None = None
+        self.passed_over: list[str] = []  # the newer steps the last find_resume skipped, and why
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for _, step_dir in uncommitted_steps(self.root):
@@ -236,7 +240,12 @@ class CheckpointManager:
         seconds = time.monotonic() - started
         sidecar = replace(facts, wall_time=time.time(), save_seconds=round(seconds, 3))
         sidecar.write(step_dir)
-        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar.wall_time}) + "\n")
+        # The ranks' sums of their shards (taken while writing) and of the small files written here, in the
+        # record that commits the step: a resume checks them before it loads (checksum.py).
+        sums = commit_sums(step_dir, [METADATA, SIDECAR])
+        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar.wall_time,
+                                                     "checksums": sums}) + "\n")
+        drop_rank_sums(step_dir)
         write_atomic(self.root / LATEST, step_dir.name + "\n")
         self._committed_steps.add(step)
         size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
@@ -266,8 +275,32 @@ class CheckpointManager:
         return self.run.to_json()
 
     def find_resume(self, fingerprint: dict[str, Any] | None) -> Path | None:
-        """Newest committed step that verifies (older ones when newer are damaged); None on a fresh run."""
-        return self._decide(lambda: newest_valid_step(self.root, fingerprint))
+        """Newest committed step that verifies, its bytes included (older ones when newer are damaged); None on a
+        fresh run. ``passed_over`` then says which newer steps were skipped and why."""
+        corrupt: dict[Path, str] = {}
+        while True:
+            found, self.passed_over = self._decide(lambda: newest_valid_steps(self.root, fingerprint, corrupt))
+            if found is None:
+                return None
+            reason = self._content_damage(found)
+            if reason is None:
+                return found
+            if self.rank == 0:
+                log.warning("checkpoint %s is corrupted: %s; falling back to the previous committed step", found,
+                            reason)
+            corrupt[found] = reason
+
+    def _content_damage(self, step_dir: Path) -> str | None:
+        """Why a committed step's bytes differ from those written (its files' checksums), or None; each rank reads
+        its share of the files (collective)."""
+        sums = recorded_sums(step_dir) or {}
+        names = sorted(sums)[self.rank::self.world_size]
+        mine = content_damage(step_dir, sums, names)
+        reasons: list[str | None] = [mine]
+        if self._pg is not None:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, mine, group=self._pg)
+        return next((r for r in reasons if r is not None), None)
 
     def resume_from(self, path: Path, fingerprint: dict[str, Any] | None = None) -> Path:
         """Verified step folder from an explicit step folder, checkpoint root or run folder."""
