@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 from .checkpoint.manager import WriterFactory
 from .workerenv import WorkerEnv
@@ -154,6 +155,9 @@ class TestHooks:
     def maybe_freeze(self, step: int, rank: int) -> None:
         if self.stop_step == step and self.stop_rank == rank:
             log.warning("fault injection: rank %d freezing itself (SIGSTOP) after step %d", rank, step)
+            # The last beat says exactly where it froze (phase and step), not the thread's sample up to 1 s before:
+            # the tests assert both (issue 55).
+            heartbeat.beat_now()
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
