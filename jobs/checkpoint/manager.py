@@ -48,6 +48,7 @@ from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
 from fsdpjob.orchestrator.core.runfolder.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
 
 from .checksum import commit_sums, content_damage, drop_rank_sums, recorded_sums
+from .diskfull import disk_full, is_disk_full
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
 from .state import DictState, ModelOptimState, RNGState
@@ -66,6 +67,10 @@ def single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _unreadable_sidecar(step_dir: Path, exc: Exception) -> None:
@@ -169,14 +174,15 @@ class CheckpointManager:
         facts = self._save_facts(step, state, reason, eval_loss)
         started = time.monotonic()
         if not self.async_save:
-            with single_process_dcp():
-                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            try:
+                with single_process_dcp():
+                    dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException, raised on every rank
+                self._stop_if_disk_full(step, exc)
+                raise
             self._last_step = step
             # dcp.save returns only after the coordinator gathered every rank's write results.
-            if self.rank == 0:
-                self._commit(step, facts, started)
-                self.purge()
-            self._barrier()
+            self._decide(lambda: self._commit_and_purge(step, facts, started))
             return True
         future, self._gate = start_async_save(
             state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
@@ -216,17 +222,37 @@ class CheckpointManager:
             future.result()
         except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException
             self._last_step = None
+            self._stop_if_disk_full(step, exc)
             raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
         finally:
             if self._gate is not None:
                 self._gate.release()  # the copy is over (the write waited for it)
-        if self.rank == 0:
-            self._commit_if_done(future, step, facts, started)
-            self.purge()
-        self._barrier()
+        self._decide(lambda: self._commit_and_purge(step, facts, started, future))
 
     def _save_facts(self, step: int, state: dict[str, Any], reason: str, eval_loss: float | None) -> Sidecar:
         return save_facts(step, state, reason=reason, eval_loss=eval_loss, world_size=self.world_size, run=self.run)
+
+    def _stop_if_disk_full(self, step: int, exc: BaseException) -> None:
+        """A save every rank saw fail (DCP gathers the ranks' failures): where the disk is full, rank 0 removes the
+        half-written step and every rank raises DiskFull (collective)."""
+        if is_disk_full(exc):
+            self._last_step = None
+            self._decide(lambda: _raise(disk_full(self.root, self.root / step_dir_name(step), step)))
+
+    def _commit_and_purge(self, step: int, facts: Sidecar, started: float, future: Future | None = None) -> None:
+        """Rank 0, inside _decide: commit the written step (unless the async save's callback did) and purge; a full
+        disk at the commit (the sidecar, the record) is every rank's DiskFull."""
+        try:
+            if future is None:
+                self._commit(step, facts, started)
+            else:
+                self._commit_if_done(future, step, facts, started)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self._last_step = None
+            raise disk_full(self.root, self.root / step_dir_name(step), step) from exc
+        self.purge()
 
     def _commit_if_done(self, future: Future, step: int, facts: Sidecar, started: float) -> None:
         if future.cancelled() or future.exception() is not None:
