@@ -124,7 +124,10 @@ def test_a_second_crash_while_the_restart_loads_is_recovered_too(assets: Path, r
     run = _submit(assets, "crash-in-load", "env.FSDPJOB_FAULT_LOAD_EXIT_LAUNCH='1'",
                   "env.FSDPJOB_FAULT_LOAD_EXIT_RANK='1'", wait=False)
     def launch_0_at_step_8() -> bool:
-        beat = json.loads((Path(run["run_dir"]) / "heartbeat" / "rank-1.json").read_text())
+        try:
+            beat = json.loads((Path(run["run_dir"]) / "heartbeat" / "rank-1.json").read_text())
+        except (OSError, ValueError):  # not written yet
+            return False
         return beat["launch"] == 0 and beat["step"] >= 8
 
     # Launch 0 must be the one that trains to step 8: the hook names launch 1 as the restart of this kill.
