@@ -19,6 +19,9 @@
   while the others go on into the save.
 - ``FSDPJOB_FAULT_EXIT_STEP=<n>``: after training step n (and its memory-tier snapshot's start), every rank
   leaves with os._exit(70): a crash of the whole world with no handler, no save and no clean-up run.
+- ``FSDPJOB_FAULT_LOAD_EXIT_LAUNCH=<n>``: in launch n (a restart), rank ``FSDPJOB_FAULT_LOAD_EXIT_RANK`` (default
+  0) leaves with os._exit(70) in the middle of its resume's checkpoint load (``in_resume``): a second fault while
+  the workers recover from a first.
 - ``FSDPJOB_MIN_STEP_S=<s>``: in the job's first allocation (Slurm's restart count 0), every rank makes each
   training step last at least this long (it sleeps out the rest): a time-limit test's run then cannot finish
   inside its first allocation on any machine, and the next allocation, unpaced, trains the rest at the
@@ -27,8 +30,8 @@
   requeued allocation then lands mid-run however fast the machine trains.
 - ``FSDPJOB_SKIP_FINAL_SAVE=1``: no checkpoint at the end of training (bench/gpu.py: a 13 GB write per case
   that is not what it measures).
-The fault hooks act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the supervisor's restart
-then runs clean, as after a real transient fault.
+The fault hooks but the load exit act only on the first launch of an allocation (FSDPJOB_LAUNCH 0): the
+supervisor's restart then runs clean, as after a real transient fault.
 
 The training loop calls them at two points of a step (``StepHooks.before_step``, ``StepHooks.after_step``); the
 saver reads the stop-at-step request where it agrees on a stop, the exit between its two tiers and the skipped
@@ -37,6 +40,7 @@ final save.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core import envvars
+from fsdpjob.orchestrator.core.runfolder import heartbeat
 
 from .checkpoint.manager import WriterFactory
 from .workerenv import WorkerEnv
@@ -88,6 +93,8 @@ class TestHooks:
     min_step_s: float = 0.0
     min_chunk_s: float = 0.0
     exit_step: int | None = None
+    load_exit_launch: int | None = None
+    load_exit_rank: int = 0
 
     def after_reference_chunk(self, index: int, stop, is_main: bool) -> None:
         """After chunk ``index`` of the reference pass is written: the stop request and the pacing hooks."""
@@ -116,6 +123,9 @@ class TestHooks:
                         if worker.restart_count < (_int_or_none("FSDPJOB_MIN_STEP_S_ALLOCATIONS") or 1) else 0.0),
             min_chunk_s=_number("FSDPJOB_MIN_CHUNK_S") if worker.restart_count == 0 else 0.0,
             exit_step=_int_or_none("FSDPJOB_FAULT_EXIT_STEP") if faults else None,
+            # A fault of a restart, by its launch number: the others fire on launch 0 only.
+            load_exit_launch=_int_or_none("FSDPJOB_FAULT_LOAD_EXIT_LAUNCH"),
+            load_exit_rank=_int_or_none("FSDPJOB_FAULT_LOAD_EXIT_RANK") or 0,
         )
 
     def at(self, *, rank: int, world_size: int, run_dir: Path, train_rows: torch.Tensor | None) -> StepHooks:
@@ -151,9 +161,30 @@ class TestHooks:
             logging.shutdown()
             os._exit(70)
 
+    def in_resume(self, source: Any, *, launch: int, rank: int) -> Any:
+        """``source`` (a ResumeSource, or None) whose loads make this rank exit at once in the middle of the resume,
+        after the first load (the counters, read through DCP) and before the second (the whole state), where the
+        load-exit hook names this launch and rank: a second fault while a restart recovers."""
+        if source is None or self.load_exit_launch != launch or self.load_exit_rank != rank:
+            return source
+        loads = []
+
+        def load(state: dict[str, Any]) -> Any:
+            if loads:
+                log.warning("fault injection: rank %d exiting (os._exit) in launch %d's checkpoint load", rank, launch)
+                logging.shutdown()
+                os._exit(70)
+            loads.append(state)
+            return source.load(state)
+
+        return dataclasses.replace(source, load=load)
+
     def maybe_freeze(self, step: int, rank: int) -> None:
         if self.stop_step == step and self.stop_rank == rank:
             log.warning("fault injection: rank %d freezing itself (SIGSTOP) after step %d", rank, step)
+            # The last beat says exactly where it froze (phase and step), not the thread's sample up to 1 s before:
+            # the tests assert both (issue 55).
+            heartbeat.beat_now()
             os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -153,7 +153,8 @@ def resume(parts: TrainParts, spec: JobSpec, env: DistEnv, source: ResumeSource 
         source.load(app_state)
         report.event(runlog.RESUME, step=state.step, checkpoint=source.where, tier=source.tier,
                      world_size=env.world_size, grad_accum_steps=grad_accum,
-                     load_s=round(time.monotonic() - started, 3))
+                     load_s=round(time.monotonic() - started, 3),
+                     **({"passed_over": list(source.passed_over)} if source.passed_over else {}))
     return stream, app_state
 
 

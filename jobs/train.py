@@ -158,7 +158,8 @@ def _set_up(launch: Launch) -> Training:
     tiers.memory = open_memory_tier(spec.checkpoint, tiers.durable, job_id=worker.job_id,
                                     restart=worker.restart_count, run_dir=paths.run_dir,
                                     interruptions_per_day=launch.meta.profile.get("expected_interruptions_per_day"))
-    source = find_resume_source(tiers, launch.meta.resume_from)
+    source = launch.hooks.in_resume(find_resume_source(tiers, launch.meta.resume_from), launch=worker.launch,
+                                    rank=env.rank)
     parts = build(spec, paths, env, report, mesh,
                   # A full fine-tune's checkpoint holds every weight: a resume reads no base weights (at 70B,
                   # minutes of every restart); LoRA's holds the adapters only.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from multiprocessing import forkserver
@@ -13,9 +12,12 @@ from typing import Any
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range: the product's own draw (core/rendezvous.pick_port). A port
+    the kernel hands out for a bind to port 0 lies in that range, where any outgoing connection on the host may take
+    it between this check and rank 0's bind (the EADDRINUSE window the product left, f8737cb)."""
+    from fsdpjob.orchestrator.core.rendezvous import pick_port
+
+    return pick_port()
 
 
 # The ranks fork from one server process that has imported torch and the worker once (per pytest process): a

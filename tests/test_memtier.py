@@ -5,6 +5,7 @@ that are never chosen (another job's, a missing or short part, no metadata)."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import MARKER, SIDECAR, step_dir_name
@@ -14,6 +15,7 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
     TierKey,
     buddies,
     choose_step,
+    drop_corrupt,
     marker_text,
     newest_committed,
     part_name,
@@ -26,17 +28,19 @@ KEY = TierKey(job="42", restart=0, spec_hash="abc")
 
 
 def _write_step(folder: Path, step: int, ranks: list[int], *, world: int = 4, key: TierKey = KEY,
-                committed: bool = True, metadata: bool = True) -> Path:
-    """A node folder's step as the worker leaves it: shard files, parts, metadata and sidecar, marker."""
+                committed: bool = True, metadata: bool = True, parts: dict[int, list[int]] | None = None) -> Path:
+    """A node folder's step as the worker leaves it: shard files, parts, metadata and sidecar, marker. ``parts``:
+    which rank's part lists which shards (its own, the replicas it received); by default each shard its own rank's."""
     step_dir = folder / step_dir_name(step)
     step_dir.mkdir(parents=True)
     files = {}
     for rank in ranks:
         (step_dir / shard_name(rank)).write_bytes(bytes(100 + rank))
         files[shard_name(rank)] = 100 + rank
-    for rank in ranks:
+    for rank, shards in (parts or {rank: [rank] for rank in ranks}).items():
         record = {"step": step, "job": key.job, "restart": key.restart, "spec_hash": key.spec_hash, "rank": rank,
-                  "files": {shard_name(rank): files[shard_name(rank)]}}
+                  "files": {shard_name(r): files[shard_name(r)] for r in shards},
+                  "crc32": {shard_name(r): zlib.crc32(bytes(100 + r)) for r in shards}}
         (step_dir / part_name(rank)).write_text(json.dumps(record))
     if metadata:
         (step_dir / METADATA).write_bytes(b"m")
@@ -140,3 +144,35 @@ def test_spec_takes_auto_or_a_count_for_the_memory_interval():
     for bad in ("often", -1, 2.5):
         with pytest.raises(ValidationError):
             CheckpointSpec(memory_interval_steps=bad)
+
+
+def test_a_file_that_fails_its_checksum_is_dropped_on_its_node_and_a_step_without_a_good_copy_is_skipped(tmp_path):
+    """Each rank checks the files its own part lists (verify_rank); a corrupt one is dropped for every rank of that
+    node. Shard 1 corrupted on n1 only: n2's replica still makes step 10 whole. Corrupted on both: step 10 is
+    skipped (no good copy left) and the older step 5 is taken."""
+    n1, n2 = tmp_path / "n1", tmp_path / "n2"
+    hosts = ["n1", "n1", "n2", "n2"]
+    for step in (5, 10):  # each rank's part: its own shard and the replica it keeps (its buddy's)
+        _write_step(n1, step, [0, 1, 2, 3], parts={0: [0, 2], 1: [1, 3]})
+        _write_step(n2, step, [2, 3, 0, 1], parts={2: [2, 0], 3: [3, 1]})
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[7] ^= 1
+        path.write_bytes(bytes(data))
+
+    def scan() -> list[list[Holding]]:
+        return [scan_node(tmp_path / host, KEY, verify_rank=rank) for rank, host in enumerate(hosts)]
+
+    flip(n1 / step_dir_name(10) / shard_name(1))
+    found, corrupt = drop_corrupt(scan(), hosts)
+    assert corrupt == [f"step 10: {shard_name(1)} on n1 fails its checksum (crc32 "
+                       f"{zlib.crc32(bytes(7) + bytes([1]) + bytes(93)):08x}, {zlib.crc32(bytes(101)):08x} written)"]
+    assert all(shard_name(1) not in h.files for rank in (0, 1) for h in found[rank] if h.step == 10)
+    choice, _ = choose_step(found)
+    assert choice is not None and choice.step == 10 and choice.holders[shard_name(1)] == [2, 3]
+    flip(n2 / step_dir_name(10) / shard_name(1))
+    found, corrupt = drop_corrupt(scan(), hosts)
+    assert len(corrupt) == 2
+    choice, skipped = choose_step(found)
+    assert choice is not None and choice.step == 5 and skipped == [f"step 10: no surviving node holds {shard_name(1)}"]

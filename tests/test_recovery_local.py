@@ -114,3 +114,34 @@ def test_rank_killed(assets: Path, reference: dict) -> None:
     wait_for(lambda: _step(assets, run) >= 8, 200, interval_s=0.5, what="step 8")
     os.kill(_rank_pid(run["run_dir"], 1), signal.SIGKILL)
     _check_recovered(assets, run, reference, "crash")
+
+
+def test_a_second_crash_while_the_restart_loads_is_recovered_too(assets: Path, reference: dict) -> None:
+    """Issue 55: a fault during recovery. Rank 1 is SIGKILLed in launch 0; in launch 1 (the restart) rank 1 exits in
+    the middle of its resume's checkpoint load (FSDPJOB_FAULT_LOAD_EXIT_LAUNCH: after the counters' load, before
+    the state's). Launch 2 resumes from the same committed step, and the run ends COMPLETED in the same local run
+    with the uninterrupted run's bits."""
+    run = _submit(assets, "crash-in-load", "env.FSDPJOB_FAULT_LOAD_EXIT_LAUNCH='1'",
+                  "env.FSDPJOB_FAULT_LOAD_EXIT_RANK='1'", wait=False)
+    def launch_0_at_step_8() -> bool:
+        try:
+            beat = json.loads((Path(run["run_dir"]) / "heartbeat" / "rank-1.json").read_text())
+        except (OSError, ValueError):  # not written yet
+            return False
+        return beat["launch"] == 0 and beat["step"] >= 8
+
+    # Launch 0 must be the one that trains to step 8: the hook names launch 1 as the restart of this kill.
+    wait_for(launch_0_at_step_8, 200, interval_s=0.5, what="launch 0 at step 8")
+    os.kill(_rank_pid(run["run_dir"], 1), signal.SIGKILL)
+    report = _wait_done(assets, run)
+    assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report
+    final = committed_model_state(run["run_dir"])
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
+    events = _events(run["run_dir"])
+    first, second = [e for e in events if e["event"] == "fault"]
+    assert first["kind"] == second["kind"] == "crash" and first["restart"] and second["restart"], (first, second)
+    assert second["launch"] == 1 and second["step"] == first["step"], second  # nothing new committed in between
+    starts = [e for e in events if e["event"] == "start"]
+    assert [e["launch"] for e in starts] == [0, 1, 2] and len({e["job_id"] for e in starts}) == 1, starts
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [first["step"]], resumes  # launch 1 never finished its load

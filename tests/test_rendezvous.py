@@ -38,3 +38,15 @@ def test_two_launches_of_the_same_job_id_draw_apart():
     assert rendezvous.port_for_job("3", 1) == rendezvous.port_for_job("3", 1)
     draws = {rendezvous.pick_port() for _ in range(20)}
     assert len(draws) > 1
+
+
+def test_the_tests_free_port_is_below_the_ephemeral_range():
+    """tests/distributed.free_port bound port 0, which draws from the ephemeral range (reliability review, issue 55):
+    its port could be taken by any outgoing connection before the ranks bound it."""
+    from pathlib import Path
+
+    from distributed import free_port
+
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(20)]
+    assert all(rendezvous.PORT_RANGE[0] <= p <= rendezvous.PORT_RANGE[1] < low for p in ports), (ports, low)

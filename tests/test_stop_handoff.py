@@ -235,3 +235,50 @@ def test_a_local_stop_after_fsdpjob_cancel_is_a_cancel_and_restarts_nothing(tmp_
     # 144 asks submitit's local controller for a restart; 0 after a cancel: nothing comes back, nothing failed.
     assert leave.value.code == (0 if cancelled else preemption.LOCAL_REQUEUE_EXIT_CODE)
     assert runlog.first(events(tmp_path), runlog.FAILED) is None and endings == [runlog.STOP]
+
+
+# A SIGTERM that is neither a preemption nor a time limit (issue 55): srun's teardown of the step after a task's
+# shell ended. On the dev cluster the ranks saved a stop the supervisor read as a time limit and requeued the job
+# (~2 min in Slurm's hold). The controller's SIGTERMs reach the batch step too; srun's teardown does not.
+RUNNING = {"JobState": "RUNNING", "PreemptTime": "None", "Restarts": "0"}
+
+
+@pytest.mark.parametrize("info, signum, supervisor_signalled, kind", [
+    (RUNNING, 15, False, "teardown"),  # the ranks' SIGTERM came from srun: only the step got it
+    (RUNNING, 15, True, "time_limit"),  # the batch step got one too: Slurm's (the time limit's end, scancel)
+    (RUNNING, 12, False, "time_limit"),  # the time limit's warning is the profile's signal, never SIGTERM
+    ({**RUNNING, "JobState": "COMPLETING"}, 15, False, "time_limit"),  # the job is ending: not a restart here
+    ({**RUNNING, "PreemptTime": "2026-12-03T06:00:00"}, 15, False, "preemption"),
+    ({**RUNNING, "Restarts": "1"}, 15, False, "requeue"),
+])
+def test_a_sigterm_only_the_step_got_is_a_teardown(info, signum, supervisor_signalled, kind):
+    assert stop.classify(info, 0, signum=signum, supervisor_signalled=supervisor_signalled) == kind
+
+
+def test_a_teardown_on_a_recorded_pending_job_is_no_teardown():
+    info = slurm_cli.parse_scontrol((RECORDED / "scontrol-show-job-pending.txt").read_text())
+    assert stop.classify(info, 2, signum=15, supervisor_signalled=False) == "time_limit"
+
+
+def _teardown(tmp_path, monkeypatch, restart_here):
+    asked = []
+    monkeypatch.setattr(slurm_cli, "scontrol_job", lambda job_id: RUNNING)
+    monkeypatch.setattr(slurm_cli, "requeue_unless_cancelled", lambda job_id: asked.append(job_id))
+    term = StopHandoff(launch=0, step=12, signal=15, save_s=1.0, signal_to_commit_s=2.0, committed_at=100.0)
+    settled = stop.settle("7", restart_count=0, capped=None, signum=15, supervisor_signalled=False,
+                          restart_here=restart_here)
+    return stopfinish.finish_stop(tmp_path, term, settled), events(tmp_path), asked
+
+
+def test_a_teardown_stop_restarts_the_workers_here_without_a_requeue(tmp_path, monkeypatch):
+    rc, evs, asked = _teardown(tmp_path, monkeypatch, "restarting the workers in this allocation (restart 1 of 3)")
+    assert rc is None and asked == []  # None: the supervisor's loop starts the next launch
+    [ev] = evs
+    assert (ev["reason"], ev["requeued"], ev["restarted"]) == ("teardown", False, True)
+    assert "srun's teardown" in ev["detail"] and "restart 1 of 3" in ev["detail"]
+
+
+def test_a_teardown_past_the_restart_budget_requeues_as_before(tmp_path, monkeypatch):
+    rc, evs, asked = _teardown(tmp_path, monkeypatch, None)
+    assert rc == 0 and asked == ["7"]
+    assert [(e["reason"], e["requeued"], "restarted" in e) for e in evs] == [("teardown", True, False)]

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fsdpjob.orchestrator.core.runfolder.heartbeat import Beat
 from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME, TaskExit, read_task_exits, task_shell
 from fsdpjob.orchestrator.supervise.blame import blame_crash, is_peer_error, srun_task_exit
@@ -100,3 +102,32 @@ def test_task_exits_written_after_the_supervisors_signal_are_the_teardowns() -> 
     # gloo's transport errors are about its connections: a peer's socket gone mid-message fails an enforce.
     assert is_peer_error("RuntimeError: [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] "
                          "op.preamble.length <= op.nbytes. 8773256 vs 4")
+
+
+@pytest.mark.parametrize("error", [
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms for recv "
+    "operation to complete",
+    "DistBackendError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, "
+    "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.",
+    "DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined.",
+    "DistNetworkError: Connection reset by peer",
+])
+def test_a_collectives_or_the_stores_timeout_is_a_peers_casualty(error: str) -> None:
+    assert is_peer_error(error)
+
+
+@pytest.mark.parametrize("error", [
+    "ReadTimeout: HTTPConnectionPool(host='reward', port=8000): Read timed out. (read timeout=10)",
+    "TimeoutError: timed out",
+    "TimeoutError: reading /data/shard-00003.parquet timed out after 120 s",
+    "RuntimeError: reward function call timed out",
+])
+def test_a_ranks_own_timeout_is_no_peers_casualty(error: str) -> None:
+    """A data read or a reward call that timed out is the rank's own failure: "timed out" alone used to make it a
+    casualty, and the blame then passed over the one rank that failed first (issue 55)."""
+    assert not is_peer_error(error)
+    beats = [_beat(r, 100.0) for r in range(2)]
+    events = [{"event": "failed", "rank": 1, "error": error},
+              {"event": "failed", "rank": 0, "error": "DistNetworkError: Connection closed by peer"}]
+    found = blame_crash(beats, events)
+    assert found.ranks == (1,) and found.casualties == (0,), found

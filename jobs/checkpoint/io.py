@@ -34,6 +34,8 @@ from torch.utils.serialization import config as serialization_config
 
 from fsdpjob.orchestrator.core import envvars
 
+from .checksum import SummedFile, write_rank_sums
+
 # Start write-back after this many new bytes: large enough for the disk to get long sequential runs, small
 # enough that little is left for the fsync.
 WRITEBACK_BYTES = 32 << 20
@@ -67,8 +69,8 @@ def _without_crc32() -> Iterator[None]:
                 serialization_config.save.compute_crc32 = _crc_before
 
 
-class _WritebackFile(io.FileIO):
-    """A file that starts the kernel's write-back of what it wrote every WRITEBACK_BYTES.
+class _WritebackFile(SummedFile):
+    """A file that starts the kernel's write-back of what it wrote every WRITEBACK_BYTES (and sums it, SummedFile).
 
     posix_fadvise(DONTNEED) starts asynchronous write-back of the dirty pages in its range and drops the clean
     ones: each call covers the new bytes and the window before them, written back by then, so a checkpoint does
@@ -89,29 +91,41 @@ class _WritebackFile(io.FileIO):
         return written
 
 
-class _WritebackFileSystem(FileSystem):
+class _SummingFileSystem(FileSystem):
+    """DCP's file system whose written files are summed on their way to the disk (checksum.py); ``sums``: file name
+    -> (size, crc32) of each file written whole. ``writeback``: with early write-back (_WritebackFile)."""
+
+    def __init__(self, writeback: bool) -> None:
+        super().__init__()
+        self.writeback = writeback
+        self.sums: dict[str, tuple[int, int]] = {}
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with io.BufferedWriter(_WritebackFile(path, "w")) as stream:
+        raw = (_WritebackFile if self.writeback else SummedFile)(path, "w")
+        with io.BufferedWriter(raw) as stream:
             yield stream
+        self.sums[Path(path).name] = (raw.size, raw.crc)  # only once written whole (no exception above)
 
 
 class CheckpointWriter(FileSystemWriter):
-    """FileSystemWriter (fsync on, one file per rank) without torch.save's unused CRC32, with early write-back.
+    """FileSystemWriter (fsync on, one file per rank) without torch.save's unused CRC32, with early write-back, and
+    with a CRC32 of each file taken while it is written, which the rank records beside its shard before it reports
+    the write (checksum.py; rank 0 folds the ranks' records into the commit record).
 
     One writer thread per rank (DCP's default): a second one splits the rank's shard into two files and, measured
     on 2 cores, costs more CPU time than it saves in wall time.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fast: bool | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, rank: int = 0, fast: bool | None = None) -> None:
         super().__init__(path)
         self.fast = fast_io() if fast is None else fast
-        if self.fast and hasattr(os, "posix_fadvise"):
-            self.fs = _WritebackFileSystem()
+        self.rank = rank
+        self.fs = _SummingFileSystem(writeback=self.fast and hasattr(os, "posix_fadvise"))
         # An async save writes from DCP's thread, which starts on GPU 0: bind it to this rank's device.
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
@@ -119,14 +133,19 @@ class CheckpointWriter(FileSystemWriter):
         if self._device is not None:
             torch.cuda.set_device(self._device)
         if not self.fast:
-            return super().write_data(plan, planner)
-        with _without_crc32():
-            return super().write_data(plan, planner)
+            written = super().write_data(plan, planner)
+        else:
+            with _without_crc32():
+                written = super().write_data(plan, planner)
+        written.wait()  # FileSystemWriter writes before it returns; a failed write raises here, before any sum
+        shards = {name: summed for name, summed in self.fs.sums.items() if not name.endswith(".tmp")}
+        write_rank_sums(Path(self.path), self.rank, shards)
+        return written
 
 
 def plain_writer(step_dir: Path, *, rank: int, step: int) -> CheckpointWriter:
     """The production storage writer of one rank's save (the CheckpointManager's default)."""
-    return CheckpointWriter(str(step_dir))
+    return CheckpointWriter(str(step_dir), rank=rank)
 
 
 def pread_into(fd: int, target: torch.Tensor, offset: int) -> None:

@@ -39,16 +39,20 @@ from fsdpjob.orchestrator.core.fileio import write_atomic
 from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
     LATEST,
     MARKER,
+    METADATA,
+    SIDECAR,
     committed_steps,
     step_dir_name,
     uncommitted_steps,
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import FIELD_KEYS, FORMAT_VERSION, RunFacts, Sidecar, best_step
 
+from .checksum import commit_sums, content_damage, drop_rank_sums, recorded_sums
+from .diskfull import disk_full, is_disk_full
 from .io import CheckpointReader, plain_writer
 from .staging import StagingGate, stage_in_background, start_async_save
 from .state import DictState, ModelOptimState, RNGState
-from .verify import CheckpointError, newest_valid_step, select_checkpoint
+from .verify import CheckpointError, newest_valid_steps, select_checkpoint
 
 log = logging.getLogger("fsdpjob.checkpoint")
 
@@ -63,6 +67,10 @@ def single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _unreadable_sidecar(step_dir: Path, exc: Exception) -> None:
@@ -138,6 +146,7 @@ class CheckpointManager:
         self._commit_lock = threading.Lock()
         self._committed_steps: set[int] = set()
         self._last_step: int | None = None
+        self.passed_over: list[str] = []  # the newer steps the last find_resume skipped, and why
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for _, step_dir in uncommitted_steps(self.root):
@@ -165,14 +174,15 @@ class CheckpointManager:
         facts = self._save_facts(step, state, reason, eval_loss)
         started = time.monotonic()
         if not self.async_save:
-            with single_process_dcp():
-                dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            try:
+                with single_process_dcp():
+                    dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+            except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException, raised on every rank
+                self._stop_if_disk_full(step, exc)
+                raise
             self._last_step = step
             # dcp.save returns only after the coordinator gathered every rank's write results.
-            if self.rank == 0:
-                self._commit(step, facts, started)
-                self.purge()
-            self._barrier()
+            self._decide(lambda: self._commit_and_purge(step, facts, started))
             return True
         future, self._gate = start_async_save(
             state, storage_writer=writer, async_stager=self._stager, process_group=self._pg, no_dist=self._pg is None
@@ -212,17 +222,37 @@ class CheckpointManager:
             future.result()
         except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException
             self._last_step = None
+            self._stop_if_disk_full(step, exc)
             raise RuntimeError(f"checkpoint step {step} failed in the background: {exc}") from exc
         finally:
             if self._gate is not None:
                 self._gate.release()  # the copy is over (the write waited for it)
-        if self.rank == 0:
-            self._commit_if_done(future, step, facts, started)
-            self.purge()
-        self._barrier()
+        self._decide(lambda: self._commit_and_purge(step, facts, started, future))
 
     def _save_facts(self, step: int, state: dict[str, Any], reason: str, eval_loss: float | None) -> Sidecar:
         return save_facts(step, state, reason=reason, eval_loss=eval_loss, world_size=self.world_size, run=self.run)
+
+    def _stop_if_disk_full(self, step: int, exc: BaseException) -> None:
+        """A save every rank saw fail (DCP gathers the ranks' failures): where the disk is full, rank 0 removes the
+        half-written step and every rank raises DiskFull (collective)."""
+        if is_disk_full(exc):
+            self._last_step = None
+            self._decide(lambda: _raise(disk_full(self.root, self.root / step_dir_name(step), step)))
+
+    def _commit_and_purge(self, step: int, facts: Sidecar, started: float, future: Future | None = None) -> None:
+        """Rank 0, inside _decide: commit the written step (unless the async save's callback did) and purge; a full
+        disk at the commit (the sidecar, the record) is every rank's DiskFull."""
+        try:
+            if future is None:
+                self._commit(step, facts, started)
+            else:
+                self._commit_if_done(future, step, facts, started)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self._last_step = None
+            raise disk_full(self.root, self.root / step_dir_name(step), step) from exc
+        self.purge()
 
     def _commit_if_done(self, future: Future, step: int, facts: Sidecar, started: float) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -236,7 +266,12 @@ class CheckpointManager:
         seconds = time.monotonic() - started
         sidecar = replace(facts, wall_time=time.time(), save_seconds=round(seconds, 3))
         sidecar.write(step_dir)
-        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar.wall_time}) + "\n")
+        # The ranks' sums of their shards (taken while writing) and of the small files written here, in the
+        # record that commits the step: a resume checks them before it loads (checksum.py).
+        sums = commit_sums(step_dir, [METADATA, SIDECAR])
+        write_atomic(step_dir / MARKER, json.dumps({"step": step, "wall_time": sidecar.wall_time,
+                                                     "checksums": sums}) + "\n")
+        drop_rank_sums(step_dir)
         write_atomic(self.root / LATEST, step_dir.name + "\n")
         self._committed_steps.add(step)
         size = sum(f.stat().st_size for f in step_dir.iterdir() if f.is_file())
@@ -266,8 +301,32 @@ class CheckpointManager:
         return self.run.to_json()
 
     def find_resume(self, fingerprint: dict[str, Any] | None) -> Path | None:
-        """Newest committed step that verifies (older ones when newer are damaged); None on a fresh run."""
-        return self._decide(lambda: newest_valid_step(self.root, fingerprint))
+        """Newest committed step that verifies, its bytes included (older ones when newer are damaged); None on a
+        fresh run. ``passed_over`` then says which newer steps were skipped and why."""
+        corrupt: dict[Path, str] = {}
+        while True:
+            found, self.passed_over = self._decide(lambda: newest_valid_steps(self.root, fingerprint, corrupt))
+            if found is None:
+                return None
+            reason = self._content_damage(found)
+            if reason is None:
+                return found
+            if self.rank == 0:
+                log.warning("checkpoint %s is corrupted: %s; falling back to the previous committed step", found,
+                            reason)
+            corrupt[found] = reason
+
+    def _content_damage(self, step_dir: Path) -> str | None:
+        """Why a committed step's bytes differ from those written (its files' checksums), or None; each rank reads
+        its share of the files (collective)."""
+        sums = recorded_sums(step_dir) or {}
+        names = sorted(sums)[self.rank::self.world_size]
+        mine = content_damage(step_dir, sums, names)
+        reasons: list[str | None] = [mine]
+        if self._pg is not None:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, mine, group=self._pg)
+        return next((r for r in reasons if r is not None), None)
 
     def resume_from(self, path: Path, fingerprint: dict[str, Any] | None = None) -> Path:
         """Verified step folder from an explicit step folder, checkpoint root or run folder."""

@@ -61,6 +61,7 @@ class ResumeSource:
     step: int
     load: Callable[[dict[str, Any]], Sidecar]  # (state dict) -> its sidecar; collective
     where: str  # for the resume event
+    passed_over: tuple[str, ...] = ()  # newer steps not resumed from, and why (damaged, corrupted): for the event
 
 
 def find_resume_source(tiers: Tiers, resume_from: str | None) -> ResumeSource | None:
@@ -70,12 +71,13 @@ def find_resume_source(tiers: Tiers, resume_from: str | None) -> ResumeSource | 
     durable = find_resume(ckpt, resume_from)
     durable_step = ckpt.step_of(durable) if durable is not None else None
     choice = tier.find() if tier is not None else None
+    passed_over = tuple((tier.passed_over if tier is not None else []) + ckpt.passed_over)
     if choice is not None and (durable_step is None or choice.step >= durable_step):
         return ResumeSource("memory", choice.step, lambda state: tier.load(ckpt, choice, state),
-                            f"{tier.folder.parent}/<node>/{step_dir_name(choice.step)}")
+                            f"{tier.folder.parent}/<node>/{step_dir_name(choice.step)}", passed_over)
     if durable is None:
         return None
-    return ResumeSource("durable", durable_step, lambda state: ckpt.load(durable, state), str(durable))
+    return ResumeSource("durable", durable_step, lambda state: ckpt.load(durable, state), str(durable), passed_over)
 
 
 def find_resume(ckpt: CheckpointManager, resume_from: str | None) -> Path | None:

@@ -22,6 +22,8 @@ from fsdpjob.orchestrator.core.runfolder.ckptlayout import (
 from fsdpjob.orchestrator.core.runfolder.runmeta import checkpoint_root
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
 
+from .checksum import content_damage, recorded_sums, size_damage
+
 log = logging.getLogger("fsdpjob.checkpoint")
 
 _FRESH_HINT = "to start fresh instead, use a new run name or --set checkpoint.dir=<empty folder>"
@@ -61,7 +63,16 @@ def damage(step_dir: Path) -> str | None:
         actual = shard.stat().st_size
         if actual < size:
             return f"shard {name} is truncated ({actual} bytes, expected at least {size})"
-    return None
+    sums = recorded_sums(step_dir)
+    return size_damage(step_dir, sums) if sums is not None else None
+
+
+def all_damage(step_dir: Path) -> str | None:
+    """damage(), and whether every summed file still has the bytes that were written (reads the whole step)."""
+    reason = damage(step_dir)
+    if reason is None and (sums := recorded_sums(step_dir)) is not None:
+        reason = content_damage(step_dir, sums, sorted(sums))
+    return reason
 
 
 def fingerprint_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
@@ -84,22 +95,40 @@ def check_fingerprint(step_dir: Path, fingerprint: dict[str, Any] | None) -> Non
         )
 
 
-def newest_valid_step(root: Path, fingerprint: dict[str, Any] | None = None) -> Path | None:
-    """Newest committed step under root that verifies; damaged ones are skipped with a warning.
+def newest_valid_steps(root: Path, fingerprint: dict[str, Any] | None = None,
+                       corrupt: dict[Path, str] | None = None) -> tuple[Path | None, list[str]]:
+    """Newest committed step under root that passes damage() and is not in ``corrupt`` (step folder -> why its bytes
+    are known bad), and why each newer one was passed over; damaged ones are skipped with a warning.
 
     None when nothing was ever committed. When every committed step is damaged this raises rather
     than silently starting over.
     """
+    corrupt = corrupt or {}
     damaged = []
     for _, step_dir in reversed(committed_steps(root)):
-        reason = damage(step_dir)
+        reason = corrupt.get(step_dir)
+        if reason is None and (reason := damage(step_dir)) is not None:
+            log.warning("checkpoint %s is damaged: %s; falling back to the previous committed step", step_dir, reason)
         if reason is None:
             check_fingerprint(step_dir, fingerprint)
-            return step_dir
-        log.warning("checkpoint %s is damaged: %s; falling back to the previous committed step", step_dir, reason)
+            return step_dir, damaged
         damaged.append(f"{step_dir.name}: {reason}")
     if damaged:
         raise CheckpointError(f"{root}: every committed checkpoint is damaged ({'; '.join(damaged)}); {_FRESH_HINT}")
+    return None, []
+
+
+def newest_valid_step(root: Path, fingerprint: dict[str, Any] | None = None) -> Path | None:
+    """Newest committed step under root whose files, their bytes included, verify (one process reads them all: export
+    and an explicit --resume-from; the manager's resume shares the reading among the ranks)."""
+    corrupt: dict[Path, str] = {}
+    while (found := newest_valid_steps(root, fingerprint, corrupt)[0]) is not None:
+        sums = recorded_sums(found)
+        reason = content_damage(found, sums, sorted(sums)) if sums is not None else None
+        if reason is None:
+            return found
+        log.warning("checkpoint %s is corrupted: %s; falling back to the previous committed step", found, reason)
+        corrupt[found] = reason
     return None
 
 
@@ -110,7 +139,7 @@ def select_checkpoint(path: Path, fingerprint: dict[str, Any] | None = None) -> 
         raise CheckpointError(f"{path}: no such checkpoint folder")
     is_step = parse_step(path.name) is not None or (path / ".metadata").exists() or (path / MARKER).exists()
     if is_step:
-        reason = damage(path)
+        reason = all_damage(path)
         if reason is not None:
             raise CheckpointError(f"{path}: cannot resume from this checkpoint: {reason}")
         check_fingerprint(path, fingerprint)

@@ -56,6 +56,9 @@ VARIABLES: dict[str, str] = {
     "FSDPJOB_FAULT_STOP_STEP": "after training step n, before that step's save, one rank sends itself SIGSTOP",
     "FSDPJOB_FAULT_STOP_RANK": "the rank that freezes itself (default 0)",
     "FSDPJOB_FAULT_EXIT_STEP": "after training step n, every rank exits at once (os._exit, no save, no clean-up)",
+    "FSDPJOB_FAULT_LOAD_EXIT_LAUNCH": "in this launch (a restart: a second fault during recovery), one rank exits "
+                                      "(os._exit) in the middle of its resume's checkpoint load",
+    "FSDPJOB_FAULT_LOAD_EXIT_RANK": "the rank that exits in the load (default 0)",
     "FSDPJOB_MIN_STEP_S": "in the job's first allocation, every rank makes each training step last at least this "
                           "long (a machine-independent step rate for time-limit tests)",
     "FSDPJOB_MIN_STEP_S_ALLOCATIONS": "FSDPJOB_MIN_STEP_S paces the first k allocations (default 1)",

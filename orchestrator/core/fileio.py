@@ -33,6 +33,24 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         os.close(dir_fd)
 
 
+CRC_READ_CHUNK = 8 << 20  # bytes per read when summing a file: large reads, a bounded buffer
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """(size, CRC32) of a file as it is now (the checkpoint checksums: jobs/checkpoint/checksum.py, the memory
+    tier's parts)."""
+    import zlib
+
+    crc = size = 0
+    buffer = bytearray(CRC_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as stream:
+        while n := stream.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
 class Tail:
     """New complete lines of a growing text file (a line still being written waits for its newline)."""
 

@@ -170,13 +170,16 @@ class SlurmAllocation:
                 pass  # the worker then says that the node does not resolve
         return {"FSDPJOB_NODE_ADDRS": slurmenv.format_node_addrs(addrs)} if addrs else {}
 
-    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
+    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int, *, signalled: bool = True,
+                    restart_here: str | None = None) -> int | None:
         """The workers committed a stop checkpoint: what it was and the requeue (slurm/stop.py), the record
-        (stopfinish.py)."""
+        (stopfinish.py). ``signalled``: the supervisor got a signal too; ``restart_here``: why it may start the
+        workers again here. None: a teardown's stop, to restart here."""
         restarts = slurmenv.restart_count()
         streak = attempts.unhealthy_streak(runlog.timeline(run_dir), restarts, ending_in_failure=False)
         settled = slurm_stop.settle(self.job_id or "", restart_count=restarts,
-                                    capped=attempts.cap_reached(streak, max_requeues))
+                                    capped=attempts.cap_reached(streak, max_requeues), signum=handoff.signal,
+                                    supervisor_signalled=signalled, restart_here=restart_here)
         return stopfinish.finish_stop(run_dir, handoff, settled)
 
     def step_command(self, command: list[str], excluded: tuple[str, ...], nodes: int, tasks_per_node: int) -> list[str]:
@@ -229,7 +232,8 @@ class LocalAllocation:
     def worker_env(self) -> dict[str, str]:
         return {}
 
-    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int) -> int:
+    def finish_stop(self, run_dir: Path, handoff: StopHandoff, max_requeues: int, *, signalled: bool = True,
+                    restart_here: str | None = None) -> int | None:
         """Local workers record their stops themselves (jobs/preemption.py): a hand-off here has nobody to requeue."""
         stophandoff.record_stop(run_dir, handoff, reason="signal", outcome=NOT_REQUEUED,
                                 detail="no scheduler to requeue the run")

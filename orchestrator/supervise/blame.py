@@ -48,9 +48,13 @@ from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, B
 from fsdpjob.orchestrator.core.runfolder.taskexit import TaskExit
 
 # What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
+# Timeouts only as the collectives and the store word them: "timed out" alone is also a rank's own error (a data
+# read, a reward function's HTTP call), and such a rank is the cause, not a casualty (issue 55).
 PEER_ERRORS = re.compile(
     r"connection (reset|closed|refused) by peer|broken pipe|remote process exited|ncclremoteerror|remote error"
-    r"|communicator was aborted|pair closure|recv(value|vector)? failed|timed out|timeout|distnetworkerror"
+    r"|communicator was aborted|pair closure|recv(value|vector)? failed|distnetworkerror"
+    r"|timed out waiting \d+ ?ms for (recv|send)|collective operation timeout|watchdog caught|worknccl\("
+    r"|diststoreerror|waiting for clients|socket timeout"
     # gloo's transport reports only on its connections (a peer's socket gone mid-message: an enforce failure).
     r"|gloo/transport/",
     re.IGNORECASE,

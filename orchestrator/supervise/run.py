@@ -133,8 +133,17 @@ class Supervisor:
             rc, verdict = self._launch(launch, started)
             if (handoff := stophandoff.take(self.run_dir, launch)) is not None:
                 # The workers committed a stop checkpoint and left (preemption, time limit, a requeue or a
-                # cancel): this side asks Slurm which, and requeues; whatever rc srun's teardown gave.
-                return self.allocation.finish_stop(self.run_dir, handoff, self.max_requeues)
+                # cancel): this side asks Slurm which, and requeues; whatever rc srun's teardown gave. A SIGTERM
+                # of srun's teardown (slurm/stop.py: teardown) restarts the workers here instead, within the budget.
+                ended = self.allocation.finish_stop(self.run_dir, handoff, self.max_requeues,
+                                                    signalled=bool(self.signalled),
+                                                    restart_here=self._teardown_restart(handoff.step))
+                if ended is not None:
+                    return ended
+                self.faults.append(Fault("teardown", launch, handoff.step, ()))
+                launch += 1
+                self._wait_gpus_free(launch)
+                continue
             if self.signalled or (rc == 0 and verdict is None):
                 return rc
             if self._finished_since(started):
@@ -325,6 +334,14 @@ class Supervisor:
             self.proc.send_signal(signum)
 
     # -- after a fault ---------------------------------------------------------------------------
+    def _teardown_restart(self, step: int) -> str | None:
+        """Why a stop on srun's teardown may restart the workers here (it then counts as a fault of the restart
+        budget, recovery.max_restarts), or None where the budget is spent (the job is requeued as before)."""
+        if len(self.faults) >= self.recovery.max_restarts:
+            return None
+        return (f"restarting the workers in this allocation from the stop checkpoint of step {step} "
+                f"(restart {len(self.faults) + 1} of {self.recovery.max_restarts})")
+
     def _finished_since(self, started: float) -> bool:
         return runlog.first(runlog.since(runlog.timeline(self.run_dir), started), runlog.DONE) is not None
 

@@ -205,7 +205,7 @@ def _reference(cluster: ClusterInfo, make_spec, tmp_path_factory, name: str, **o
     spec = make_spec(name, train__max_steps=60, **overrides)
     ref = submit(spec)
     assert wait_phase(ref["run_id"], {"COMPLETED", "FAILED"}, timeout=300)["phase"] == "COMPLETED"
-    return {"spec": spec, "weights": final_weights(ref["run_dir"])}
+    return {"spec": spec, "weights": final_weights(ref["run_dir"]), "run_dir": ref["run_dir"]}
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ A tier spoiled after a crash (parts missing, a stale job id) is never chosen: th
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 
@@ -29,8 +30,11 @@ def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_
                  "--set", f"checkpoint.memory_interval_steps={EVERY}", "--set", "recovery.stall_floor_s=5",
                  "--set", "recovery.setup_timeout_s=600", "--set", f"env.FSDPJOB_MEMORY_TIER_DIR='{shm}'",
                  *in_container)
-    step = random.Random().randint(12, 40)
-    rank = random.Random().choice([0, 1])
+    # Seeded, and the seed printed, so that a failure can be replayed (FSDPJOB_TIER_KILL_SEED=<seed>).
+    seed = int(os.environ.get("FSDPJOB_TIER_KILL_SEED", str(random.SystemRandom().randrange(10**6))))
+    rng = random.Random(seed)
+    step, rank = rng.randint(12, 40), rng.choice([0, 1])
+    print(f"memory tier kill: seed {seed}: rank {rank} at step {step}")
     _kill_at(run, launch=0, step=step, rank=rank)
     done = _finished(run)
     [fault] = _one_allocation(run, launches=2)
@@ -38,7 +42,7 @@ def test_killed_rank_resumes_from_the_memory_tier(slurm_cluster, reference, tmp_
     [resume] = [e for e in _events(run["run_dir"]) if e["event"] == "resume"]
     assert resume["tier"] == "memory" and resume["step"] % EVERY == 0 and resume["step"] >= step - EVERY, resume
     # status's steps lost: the furthest step trained before the crash, less the step the restart resumed from.
-    assert done["steps_lost"] <= EVERY, (done["steps_lost"], resume, step)
+    assert done["steps_lost"] <= EVERY, (done["steps_lost"], resume, step, seed)
     assert done["recovery"]["last_resume"] == {"tier": "memory", "step": resume["step"]}, done["recovery"]
     assert not checkpoints_between(run["run_dir"], 1, 59), "a durable interval save happened"
     assert_same_weights(reference, run["run_dir"])

@@ -145,9 +145,10 @@ def test_hang_before_a_save_then_crashes_on_either_node_stay_in_the_allocation(s
     assert done["recovery"]["restarts"] == 3 and done["recovery"]["last_fault"]["kind"] == "crash", done["recovery"]
     hang, other_node, same_node = _one_allocation(run, launches=4)
     assert hang["kind"] == "hang" and hang["ranks"] == [3] and hang["hosts"] == ["n2"], hang
-    # The frozen rank's last heartbeat names whatever phase its 1 s sample caught (a step, or the batch fetch
-    # before it: seen in CI); what matters is that the frozen-process rule fired, not the save's bound.
-    assert " frozen in '" in hang["reason"] and hang["detected_after_s"] <= 5 + 10, hang
+    # The frozen-process rule fired, not the save's bound; the hook beats once before it freezes (jobs/hooks.py), so
+    # the reason names the exact phase and step (the heartbeat's step: 9 steps done when step 10's training began).
+    assert "rank 3 on n2 frozen in 'training step' at step 9 (" in hang["reason"], hang
+    assert hang["detected_after_s"] <= 5 + 10, hang
     # Rank 1 alone is blamed: its task's shell recorded its end before srun tore anyone down (taskexit.py).
     assert other_node["kind"] == "crash" and other_node["ranks"] == [1] and other_node["hosts"] == ["n1"], \
         json.dumps(other_node)
@@ -204,4 +205,33 @@ def test_a_crash_past_the_restart_budget_is_requeued_by_the_failure_policy_and_r
     [cut] = rep["interruptions"]
     assert (cut["kind"] == "crash"
             and cut["recovered"] == f"requeued by the failure policy, resumed from step {resume['step']}"), cut
+    assert_same_weights(reference, run["run_dir"])
+
+
+def _task_shell(worker_pid: int) -> int:
+    """The pid of the Slurm task's shell (core/runfolder/taskexit.py) that runs the worker ``worker_pid``."""
+    from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME
+
+    ppid = int(next(line.split()[1] for line in Path(f"/proc/{worker_pid}/status").read_text().splitlines()
+                    if line.startswith("PPid:")))
+    assert SHELL_NAME in Path(f"/proc/{ppid}/cmdline").read_bytes().decode(errors="replace"), ppid
+    return ppid
+
+
+def test_a_sigterm_from_sruns_teardown_restarts_in_the_allocation(slurm_cluster, reference):
+    """Issue 55: rank 1's task shell SIGKILLed mid-run; srun tears the step down with SIGTERM to every task; the
+    ranks save a stop checkpoint and hand it over. No signal reached the batch step, so the supervisor reads it as
+    srun's teardown (not a time limit: no requeue, no ~2 min in Slurm's hold) and restarts the workers in the
+    allocation; the run ends COMPLETED with the uninterrupted run's weights."""
+    run = submit(reference["spec"], *FAST)
+    wait_for(lambda: (status(run["run_id"])["step"] or 0) >= 8, timeout_s=240, interval_s=1.0, what="step 8")
+    beat = json.loads(Path(run["run_dir"], "heartbeat", "rank-1.json").read_text())
+    os.kill(_task_shell(beat["pid"]), signal.SIGKILL)
+    _finished(run)
+    events = _events(run["run_dir"])
+    [stop] = [e for e in events if e["event"] == "stop"]
+    assert (stop["reason"], stop["requeued"], stop.get("restarted")) == ("teardown", False, True), stop
+    starts = [e for e in events if e["event"] == "start"]
+    assert [(e["job_id"], e["restart"], e["launch"]) for e in starts] == [(run["job_id"], 0, 0), (run["job_id"], 0, 1)]
+    assert not [e for e in events if e["event"] == "requeue"], events
     assert_same_weights(reference, run["run_dir"])

@@ -103,11 +103,13 @@ def test_lost_node_without_spare_in_the_allocation_requeues_onto_other_nodes(slu
         resume, fault)
 
 
+SHRINK_MAX_DIFF = 2e-6  # about 3 x the 6.2e-7 measured at 51acd79
+
+
 def test_one_node_of_four_lost_goes_on_with_three_from_the_memory_tiers_replicas(slurm_cluster4, make_spec, tmp_path):
     """The shrink, then its final weights against an uninterrupted run of the same global batch of 12 samples a
     step, on one node and one rank (12 micro-batches accumulated: the cheapest reference; the data order is the
     same for every world size): equal within fp32 reduction tolerance (4, then 3 ranks sum in another order)."""
-    import torch
 
     every = 4
     reference = submit(_spec(make_spec, "shrink-reference", nodes=1, min_nodes=1, grad_accum=12))
@@ -142,5 +144,8 @@ def test_one_node_of_four_lost_goes_on_with_three_from_the_memory_tiers_replicas
     assert final["recovery"]["excluded_nodes"] == [victim], final["recovery"]
     assert final["recovery"]["last_resume"] == {"tier": "memory", "step": resume["step"]}, final["recovery"]
     a, b = final_weights(reference["run_dir"]), final_weights(run["run_dir"])
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), {
-        k: float((a[k] - b[k]).abs().max()) for k in a}
+    assert a.keys() == b.keys()
+    # Near the difference measured (bench/RESULTS.md: max 6.2e-7 over the 39 tensors; 4 then 3 ranks sum in other
+    # orders than one), not fp32's generic 1e-3: a wrong scale of the accumulated gradient must not pass.
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= SHRINK_MAX_DIFF, {k: float((a[k] - b[k]).abs().max()) for k in a}

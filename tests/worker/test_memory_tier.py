@@ -52,9 +52,10 @@ def runs(tmp_path_factory, assets) -> dict:
     assert codes == [70, 70], codes
     assert not (crashed / "checkpoints" / "latest").exists()  # nothing durable: only the tier can resume it
     [job] = [p for p in shm.iterdir()]
-    saved = {"tier": root / "tier-copy", "run": root / "crashed-copy"}
+    saved = {"tier": root / "tier-copy", "run": root / "crashed-copy", "run_again": root / "crashed-copy-2"}
     shutil.copytree(job, saved["tier"], symlinks=True)
     shutil.copytree(crashed, saved["run"])
+    shutil.copytree(crashed, saved["run_again"])
     assert run_ranks(node_worker, 2, run_dir=str(crashed), env=env, nodes=NODES) == [0, 0]
     after_same = {"events": _events(crashed, "resume"), "weights": committed_model_state(crashed),
                   "losses": logged_losses(crashed), "tier_left": job.exists()}
@@ -66,7 +67,7 @@ def runs(tmp_path_factory, assets) -> dict:
     assert run_ranks(node_worker, 1, run_dir=str(crashed), env=env, nodes=["n1"]) == [0]
     return {"full": full, "same": after_same, "on1": {"events": _events(crashed, "resume"),
                                                        "losses": logged_losses(crashed)},
-            "tier": saved["tier"], "shm": shm, "job": job.name}
+            "tier": saved["tier"], "shm": shm, "job": job.name, "crashed": crashed, "crashed_copy": saved["run_again"]}
 
 
 def test_crash_resumes_from_the_memory_tier_bitwise(runs):
@@ -85,6 +86,29 @@ def test_lost_node_reshards_from_the_replica(runs):
     full, other = logged_losses(runs["full"]), runs["on1"]["losses"]
     for step in range(resume["step"] + 1, STEPS + 1):  # reduction order differs: close, not bitwise
         assert abs(other[step] - full[step]) <= 1e-5 * abs(full[step]), (step, other[step], full[step])
+
+
+def test_a_corrupted_snapshot_file_is_never_loaded_and_its_replica_resumes_the_run_bitwise(runs):
+    """A flipped byte in n2's own shard of the tier's newest step (its size unchanged): its checksum fails at the
+    resume's scan, the file is passed over (said in the resume event), and rank 1 reads its shard from the replica on
+    n1 instead; the run ends with the uninterrupted run's bits. Same run folder as the crash (the tier's key)."""
+    crashed, job = runs["crashed"], runs["shm"] / runs["job"]
+    shutil.rmtree(crashed)
+    shutil.copytree(runs["crashed_copy"], crashed)
+    shutil.rmtree(job, ignore_errors=True)
+    shutil.copytree(runs["tier"], job, symlinks=True)
+    [step_dir] = [p for p in (job / "n2").glob("step-*") if (p / "COMMITTED").is_file()]
+    shard = step_dir / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    env = {"FSDPJOB_MEMORY_TIER_DIR": str(runs["shm"])}
+    assert run_ranks(node_worker, 2, run_dir=str(crashed), env=env, nodes=NODES) == [0, 0]
+    [resume] = _events(crashed, "resume")
+    assert resume["tier"] == "memory" and resume["checkpoint"].endswith(step_dir.name), resume
+    assert any("__1_0.distcp on n2 fails its checksum" in why for why in resume["passed_over"]), resume
+    a, b = committed_model_state(runs["full"]), committed_model_state(crashed)
+    assert all((a[k] == b[k]).all() for k in a)
 
 
 def test_full_shared_memory_turns_the_tier_off_and_the_run_ends_as_without_it(runs, tmp_path, assets):

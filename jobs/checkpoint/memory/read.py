@@ -22,6 +22,7 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
     REPLICA_CHUNK_BYTES,
     TierChoice,
     choose_step,
+    drop_corrupt,
     scan_node,
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import Sidecar
@@ -35,14 +36,17 @@ log = logging.getLogger("fsdpjob.checkpoint")
 Fetch = Callable[[Path, dict[str, list[tuple[int, int]]]], None]
 
 
-def find(node: TierNode) -> TierChoice | None:
-    """The newest step the nodes of this launch hold in full (same answer on every rank), if any."""
-    found = node.gather(scan_node(node.folder, node.key) if node.enabled else [])
+def find(node: TierNode) -> tuple[TierChoice | None, list[str]]:
+    """The newest step the nodes of this launch hold in full, their files' bytes checked against their sums (same
+    answer on every rank), if any; and why newer steps or files were passed over."""
+    found = node.gather(scan_node(node.folder, node.key, verify_rank=node.rank) if node.enabled else [])
+    found, corrupt = drop_corrupt(found, node.hosts)
     choice, skipped = choose_step(found)
+    skipped = [f"{why}: not loaded" for why in corrupt] + skipped
     if node.rank == 0:
         for why in skipped:
             log.warning("memory tier: not resuming from %s", why)
-    return choice
+    return choice, skipped
 
 
 def load(node: TierNode, ckpt: CheckpointManager, choice: TierChoice, state: dict[str, Any]) -> Sidecar:

@@ -47,6 +47,7 @@ class MemoryTier:
         self.writer = SnapshotWriter(self.node, run)
         self.schedule = MemorySchedule(interval_steps, mtbi_s=mtbi_s(interruptions_per_day, len(set(self.node.hosts))),
                                        rank=rank, slowest=self._slowest)
+        self.passed_over: list[str] = []  # why find() passed newer steps or files over (corrupted, incomplete)
         self._remove_leftovers()
         self.node.agree_enabled()
 
@@ -87,8 +88,10 @@ class MemoryTier:
     # -- resume ----------------------------------------------------------------------------------
 
     def find(self) -> TierChoice | None:
-        """The newest step the nodes of this launch hold in full (same answer on every rank), if any."""
-        return read.find(self.node)
+        """The newest step the nodes of this launch hold in full (same answer on every rank), if any; why newer
+        steps were passed over goes to ``passed_over``."""
+        choice, self.passed_over = read.find(self.node)
+        return choice
 
     def load(self, ckpt: CheckpointManager, choice: TierChoice, state: dict[str, Any]) -> Sidecar:
         """Load ``state`` from the tier's step ``choice.step`` through the durable manager's load."""

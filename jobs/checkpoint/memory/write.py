@@ -13,6 +13,7 @@ import json
 import logging
 import pickle
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from fsdpjob.orchestrator.core.runfolder.memtier import (
     marker_text,
     part_name,
     remove_step,
+    shard_name,
 )
 from fsdpjob.orchestrator.core.runfolder.sidecar import RunFacts, Sidecar
 
@@ -43,8 +45,11 @@ log = logging.getLogger("fsdpjob.checkpoint")
 REPLAY, PLAN, OFF = 2, 1, 0  # what the ranks agree a snapshot does: the launch's plan, a new plan, nothing
 
 
-def _part_text(step: int, key: TierKey, rank: int, files: dict[str, int]) -> str:
-    return json.dumps({"step": step, **asdict(key), "rank": rank, "files": files}) + "\n"
+def _part_text(step: int, key: TierKey, rank: int, files: dict[str, int], sums: dict[str, int]) -> str:
+    """A rank's part: the files it wrote on its node, their sizes and (``crc32``) the sums their writer took of
+    them, which a resume checks before it reads them (memtier.holding_of)."""
+    crc32 = {name: sums[name] for name in files if name in sums}
+    return json.dumps({"step": step, **asdict(key), "rank": rank, "files": files, "crc32": crc32}) + "\n"
 
 
 class SnapshotWriter:
@@ -131,14 +136,14 @@ class SnapshotWriter:
             log.warning("memory tier on %s: snapshot of step %d failed (%s: %s)", node.node, step,
                         type(exc).__name__, exc)
         try:
-            ok, files = self._write_shared(step, step_dir, facts, started, filled)
+            ok, files, sums = self._write_shared(step, step_dir, facts, started, filled)
             files.update(replicate(node, step_dir, filled.data if ok and filled is not None else None))
         finally:
             if filled is not None:
                 filled.data = None  # unmapped: the pages are the file's (an older step's go with its folder)
         try:
             if ok:
-                write_atomic(step_dir / part_name(node.rank), _part_text(step, node.key, node.rank, files))
+                write_atomic(step_dir / part_name(node.rank), _part_text(step, node.key, node.rank, files, sums))
         except OSError as exc:
             ok = node.failed(f"step {step}: cannot record this rank's part ({exc})")
         if not node.all(ok):
@@ -161,22 +166,27 @@ class SnapshotWriter:
         log.info("memory tier: step %d committed on %s (%.2f s)", step, node.node, time.monotonic() - started)
 
     def _write_shared(self, step: int, step_dir: Path, facts: Sidecar, started: float,
-                      filled: Filled | None) -> tuple[bool, dict[str, int]]:
-        """Every rank's pickled entries' places and rank 0's sidecar to every rank (collective), the ``.metadata``
-        and sidecar onto every node; whether every rank's copy went well and this rank's own file's size."""
+                      filled: Filled | None) -> tuple[bool, dict[str, int], dict[str, int]]:
+        """Every rank's pickled entries' places, the CRC32 of its file and rank 0's sidecar to every rank
+        (collective), the ``.metadata`` and sidecar onto every node; whether every rank's copy went well, this
+        rank's own file's size, and every rank's file's sum (a replica's part records its source's)."""
         node = self.node
         sidecar = None
         if node.rank == 0:
             sidecar = replace(facts, wall_time=time.time(), save_seconds=round(time.monotonic() - started, 3))
-        everyone = node.gather((None if filled is None else filled.blobs, sidecar))
-        if filled is None or any(blobs is None for blobs, _ in everyone):
-            return False, {}
+        # Summed here, in the commit's thread, from the pages just filled: the copy (which the loop may wait for)
+        # is over, and zlib releases the GIL.
+        crc = None if filled is None or filled.data is None else zlib.crc32(filled.data.numpy())
+        everyone = node.gather((None if filled is None else filled.blobs, sidecar, crc))
+        if filled is None or any(blobs is None for blobs, _, _ in everyone):
+            return False, {}, {}
         assert self._layout is not None
+        sums = {shard_name(rank): crc for rank, (_, _, crc) in enumerate(everyone) if crc is not None}
         try:
             if node.first_on_node:
-                metadata = metadata_with(self._layout, [blobs for blobs, _ in everyone])
+                metadata = metadata_with(self._layout, [blobs for blobs, _, _ in everyone])
                 write_to_shm(step_dir / METADATA, pickle.dumps(metadata))
                 everyone[0][1].write(step_dir)
         except OSError as exc:
-            return node.failed(f"step {step}: {exc}"), {}
-        return True, {self._layout.name: filled.data.numel()}
+            return node.failed(f"step {step}: {exc}"), {}, {}
+        return True, {self._layout.name: filled.data.numel()}, sums

@@ -17,6 +17,7 @@ from .runmeta import checkpoint_root  # the rule lives with spec.json, under thi
 
 MARKER = "COMMITTED"
 SIDECAR = "fsdpjob.json"
+METADATA = ".metadata"  # DCP's
 LATEST = "latest"
 _STEP_RE = re.compile(r"step-(\d+)")
 

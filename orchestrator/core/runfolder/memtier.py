@@ -19,11 +19,12 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .. import envvars
-from .ckptlayout import MARKER, SIDECAR, step_dirs
+from ..fileio import file_crc32
+from .ckptlayout import MARKER, METADATA, SIDECAR, step_dirs
 
 DEFAULT_BASE = "/dev/shm/fsdpjob"
 BASE_VAR = "FSDPJOB_MEMORY_TIER_DIR"  # a node-local folder other than /dev/shm/fsdpjob (a profile's env)
@@ -48,7 +49,6 @@ def workers_env(profile_env: Mapping[str, str], spec_env: Mapping[str, str]) -> 
 def job_base(memory_interval_steps: int | str | None, environ: Mapping[str, str]) -> str | None:
     """A job's tier folder (``base_for`` its workers' environment), None where the job does not use the tier."""
     return base_for(environ) if memory_interval_steps else None
-METADATA = ".metadata"
 
 
 def shard_name(rank: int) -> str:
@@ -86,6 +86,7 @@ class Holding:
     world_size: int
     files: dict[str, int] = field(default_factory=dict)
     metadata: bool = False
+    corrupt: dict[str, str] = field(default_factory=dict)  # files whose bytes fail their part's checksum: why
 
 
 def marker_text(step: int, key: TierKey, world_size: int, hosts: list[str]) -> str:
@@ -104,8 +105,23 @@ def _same_key(record: dict, key: TierKey) -> bool:
     return (record.get("job"), record.get("restart"), record.get("spec_hash")) == (key.job, key.restart, key.spec_hash)
 
 
-def holding_of(step: int, step_dir: Path, key: TierKey) -> tuple[Holding | None, str | None]:
-    """This folder's offer for ``step``, or None and why not (uncommitted, another job's, damaged parts)."""
+def _crc_damage(path: Path, crc: object) -> str | None:
+    """Why the tier file ``path`` no longer has the bytes its part summed (``crc``, None: an older part without
+    sums), or None."""
+    if not isinstance(crc, int):
+        return None
+    try:
+        _, actual = file_crc32(path)
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    return None if actual == crc else f"fails its checksum (crc32 {actual:08x}, {crc:08x} written)"
+
+
+def holding_of(step: int, step_dir: Path, key: TierKey,
+               verify_rank: int | None = None) -> tuple[Holding | None, str | None]:
+    """This folder's offer for ``step``, or None and why not (uncommitted, another job's, damaged parts).
+    ``verify_rank``: the files rank ``verify_rank`` wrote here (its part) are read and checked against their sums;
+    one that fails is left out of the offer and named in ``corrupt``."""
     marker = _read_json(step_dir / MARKER)
     if marker is None:
         return None, "not committed"
@@ -115,23 +131,30 @@ def holding_of(step: int, step_dir: Path, key: TierKey) -> tuple[Holding | None,
     if not isinstance(world, int) or world < 1:
         return None, "its marker records no world size"
     files: dict[str, int] = {}
+    corrupt: dict[str, str] = {}
     for part in sorted(step_dir.glob("part-*.json")):
         record = _read_json(part)
         if record is None or not _same_key(record, key) or record.get("step") != step:
             continue
+        sums = record.get("crc32") or {}
         for name, size in (record.get("files") or {}).items():
             path = step_dir / name
-            if path.is_file() and path.stat().st_size == size:
-                files[name] = size
+            if not (path.is_file() and path.stat().st_size == size):
+                continue
+            if record.get("rank") == verify_rank and (why := _crc_damage(path, sums.get(name))) is not None:
+                corrupt[name] = why
+                continue
+            files[name] = size
     metadata = (step_dir / METADATA).is_file() and (step_dir / SIDECAR).is_file()
-    return Holding(step, world, files, metadata), None
+    return Holding(step, world, files, metadata, corrupt), None
 
 
-def scan_node(folder: Path, key: TierKey) -> list[Holding]:
-    """Every committed step of this job in a node folder, with the complete files it holds (oldest first)."""
+def scan_node(folder: Path, key: TierKey, verify_rank: int | None = None) -> list[Holding]:
+    """Every committed step of this job in a node folder, with the complete files it holds (oldest first); the files
+    ``verify_rank`` wrote are checked against their sums (each rank of a node checks its own: in parallel, once)."""
     found = []
     for step, step_dir in step_dirs(folder):
-        holding, _ = holding_of(step, step_dir, key)
+        holding, _ = holding_of(step, step_dir, key, verify_rank)
         if holding is not None:
             found.append(holding)
     return found
@@ -145,6 +168,21 @@ class TierChoice:
     world_size: int  # the world that wrote it
     holders: dict[str, list[int]]  # file name -> ranks (of this world) whose node holds it
     metadata_holders: list[int]
+
+
+def drop_corrupt(found: list[list[Holding]], hosts: list[str]) -> tuple[list[list[Holding]], list[str]]:
+    """``found`` (``found[rank]``: what rank ``rank`` scanned on its node ``hosts[rank]``) without the files a rank of
+    the same node found corrupt (every rank of a node lists the node's files; only their writer checks them), and a
+    line for each of those files."""
+    bad: dict[tuple[str, int], dict[str, str]] = {}
+    for rank, holdings in enumerate(found):
+        for h in holdings:
+            bad.setdefault((hosts[rank], h.step), {}).update(h.corrupt)
+    lines = [f"step {step}: {name} on {host} {why}" for (host, step), files in sorted(bad.items())
+             for name, why in sorted(files.items())]
+    kept = [[replace(h, files={n: size for n, size in h.files.items() if n not in bad.get((hosts[rank], h.step), {})})
+             for h in holdings] for rank, holdings in enumerate(found)]
+    return kept, lines
 
 
 def choose_step(found: list[list[Holding]]) -> tuple[TierChoice | None, list[str]]:

@@ -19,14 +19,15 @@ from ..fileio import write_atomic
 from . import runlog
 from .paths import RunPaths
 
-# How a stop ends (the supervisor's, or a local rank 0's, decision).
-REQUEUED, CANCELLED, NOT_REQUEUED = "requeued", "cancelled", "not_requeued"
+# How a stop ends (the supervisor's, or a local rank 0's, decision); RESTARTED: the supervisor starts the workers
+# again in this allocation (a SIGTERM that was neither a preemption nor a time limit: slurm/stop.py).
+REQUEUED, CANCELLED, NOT_REQUEUED, RESTARTED = "requeued", "cancelled", "not_requeued", "restarted"
 
 
 class Settled(NamedTuple):
     """How the scheduler's end settled a stop (slurm/stop.py): what it was, how it ended (above), and why."""
 
-    reason: str  # preemption, time_limit, requeue or signal
+    reason: str  # preemption, time_limit, requeue, teardown or signal
     outcome: str
     detail: str
 
@@ -62,6 +63,8 @@ def take(run_dir: Path, launch: int) -> StopHandoff | None:
 def record_stop(run_dir: Path, handoff: StopHandoff, *, reason: str, outcome: str, detail: str,
                 **fields: object) -> None:
     """The run log's ``stop`` event (and ``failed`` when the job is not requeued): what status and report read."""
+    if outcome == RESTARTED:
+        fields["restarted"] = True
     runlog.append(run_dir, runlog.STOP, reason=reason, signal=handoff.signal, step=handoff.step,
                   requeued=outcome == REQUEUED, detail=detail, save_s=round(handoff.save_s, 3),
                   signal_to_commit_s=round(handoff.signal_to_commit_s, 3), **fields)

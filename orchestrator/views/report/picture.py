@@ -13,7 +13,7 @@ TIME_UNITS = (("s", 1.0, 120.0), ("min", 60.0, 2 * 3600.0), ("h", 3600.0, float(
 # How each kind of stop reads in the legend; the run's events said which it was (core/goodput/account.py).
 STOP_LABELS = {"preemption": "preempted", "time_limit": "time limit", "requeue": "requeued", "cancel": "cancelled",
                "signal": "signalled", "crash": "crash", "hang": "hang", "node_fail": "node failure",
-               "unknown": "unknown stop"}
+               "teardown": "srun teardown", "unknown": "unknown stop"}
 _SLACK_S = 1.0  # as core/goodput/account.py: an event may carry a time just before its allocation's start
 
 

@@ -18,7 +18,7 @@ from fsdpjob.orchestrator.views.status import build_report
 
 LIVE_PHASES = ("PENDING", "RUNNING", "REQUEUED")
 # Stops that come with a warning: the workers save first, so they lose no work whatever the interval.
-SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal")
+SIGNALLED = ("preemption", "time_limit", "requeue", "cancel", "signal", "teardown")
 LABELS = {"launch": "launch of the workers", "startup": "start-up", "reference": "reference pass",
           "productive": "productive",
           "checkpoint": "checkpoint saves", "lost": "lost work", "hang": "hang", "teardown": "stop and teardown",
