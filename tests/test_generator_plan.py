@@ -122,6 +122,8 @@ def test_vllm_layouts_the_nodes_cannot_hold_are_refused_at_validate(tmp_path: Pa
             ({"tensor_parallel_size": 3}, {"nodes": 2}, "does not divide the 8 GPUs"),
             ({"gpus_per_node": 16}, {"nodes": 2}, "16 GPUs per generator node"),
             ({"nodes": 2}, {"nodes": 2}, "leave none of the job's 2 to train"),
+            # one server, on one node: servers across nodes are refused, not started and left unused
+            ({"nodes": 2}, {"nodes": 4}, "servers across nodes are not built yet: set grpo.generator.nodes to 1"),
             # 24 ranks divide by 3, the 16 that train do not
             ({"nodes": 1}, {"nodes": 3}, "trainers' world = 2 node.s. beside the generation server x 8 tasks = 16")):
         spec = plan_spec(folder, data={"seq_len": 2048, "packing": False}, resources=resources,

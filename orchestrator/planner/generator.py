@@ -161,6 +161,10 @@ def generator_problems(spec: JobSpec, profile: ClusterProfile, nodes: int, node_
     if trainers <= 0:
         out.append(((*where, "nodes"), f"the vLLM server's {generator.nodes} node(s) leave none of the job's "
                                        f"{nodes} to train; raise resources.nodes"))
+    elif generator.nodes > 1 and profile.kind.side_step_takes_nodes:
+        out.append(((*where, "nodes"), f"{generator.nodes} generator nodes: one vLLM server runs, on one node (its "
+                                       "GPUs as data-parallel engines of tensor_parallel_size each); servers across "
+                                       "nodes are not built yet: set grpo.generator.nodes to 1"))
     elif trainers > 0 and trainers < nodes and (trainers * tasks) % spec.fsdp.replicate_degree:
         out.append((("fsdp", "replicate_degree"), f"the trainers' world = {trainers} node(s) beside the generation "
                                                   f"server x {tasks} tasks = {trainers * tasks}, not divisible by "

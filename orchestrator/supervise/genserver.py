@@ -186,9 +186,12 @@ def server_gpus(spec) -> int:
 
 
 def vllm_options(spec) -> dict:
-    """vllm_argv's keywords from the spec: CPU unless the generator's nodes have GPUs, the run's seed, LoRA's rank."""
-    lora, generator = spec.model.lora, spec.grpo.generator
-    return {"seed": spec.train.seed, "cpu": server_gpus(spec) == 0, "lora_rank": None if lora is None else lora.r,
+    """vllm_argv's keywords from the spec: CPU unless the generator's nodes have GPUs, the run's seed, LoRA's rank,
+    the parallel layout on the node's GPUs."""
+    lora, generator, gpus = spec.model.lora, spec.grpo.generator, server_gpus(spec)
+    return {"seed": spec.train.seed, "cpu": gpus == 0, "lora_rank": None if lora is None else lora.r,
             "tensor_parallel_size": generator.tensor_parallel_size,
+            # The node's GPUs as engines of tensor_parallel_size each (the plan counts gpus // tp servers).
+            "data_parallel_size": max(gpus // generator.tensor_parallel_size, 1),
             "gpu_memory_utilization": generator.gpu_memory_utilization,
             "max_model_len": generator.max_model_len or spec.data.seq_len}

@@ -145,6 +145,10 @@ def test_vllm_command_is_rendered_for_cpu_gpu_and_lora():
         "--dtype", "bfloat16", "--seed", "0", "--logprobs-mode", "processed_logprobs", "--tensor-parallel-size",
         "8", "--gpu-memory-utilization", "0.8", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
     assert vllm_env(cpu=False, lora=True) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # A node's 8 GPUs at TP 2: four engines behind the one server (the plan's 4 servers).
+    assert vllm_argv("/models/qwen", python="/venv/bin/python", host="0.0.0.0", port=8000, dtype="bfloat16",
+                     seed=0, cpu=False, tensor_parallel_size=2, data_parallel_size=4)[-4:] == [
+        "--gpu-memory-utilization", "0.9", "--data-parallel-size", "4"]
     assert vllm_lora_load("/run/weights/v00000003") == (
         "/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "/run/weights/v00000003", "load_inplace": True})
     # vLLM samples choice j of a request from seed + j: prompts' seeds n apart share no stream.

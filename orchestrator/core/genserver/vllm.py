@@ -65,8 +65,11 @@ def vllm_env(*, cpu: bool, lora: bool) -> dict[str, str]:
 
 def vllm_argv(model: str | Path, *, python: str, host: str, port: int, dtype: str, seed: int, cpu: bool,
               lora_rank: int | None = None, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-              max_model_len: int | None = None) -> list[str]:
-    """vLLM's OpenAI server for GRPO. ``lora_rank``: adapters (at most that rank) loadable at run time."""
+              max_model_len: int | None = None, data_parallel_size: int = 1) -> list[str]:
+    """vLLM's OpenAI server for GRPO. ``lora_rank``: adapters (at most that rank) loadable at run time.
+    ``data_parallel_size``: engines behind the one server, each on ``tensor_parallel_size`` of its node's GPUs; the
+    server spreads the requests over them, and its utility calls (reload_weights through /collective_rpc, a LoRA
+    load) reach every engine (vLLM's DP client: call_utility_all_async)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host,
             "--port", str(port), "--dtype", dtype, "--seed", str(seed),
             # The sampled tokens' log-probabilities after temperature and top-p, as the trainer computes them.
@@ -78,6 +81,8 @@ def vllm_argv(model: str | Path, *, python: str, host: str, port: int, dtype: st
     else:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size),
                  "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if data_parallel_size > 1:
+            argv += ["--data-parallel-size", str(data_parallel_size)]
     if lora_rank is not None:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
     return argv

@@ -118,7 +118,8 @@ class GeneratorSpec(Strict):
      "its nodes, from `python` (an environment with vLLM: .ci/vllm-env builds one), and serves each new policy "
      "before the next generation (full weights reloaded from a folder, or LoRA adapters loaded in place).")
     nodes: Annotated[int, Field(strict=True, gt=0)] = 1
-    """Nodes of the allocation that run the generation server (backend: vllm); the others train."""
+    ("Nodes of the allocation that run the generation server (backend: vllm); the others train. One server runs, on "
+     "one node (its GPUs as data-parallel engines of tensor_parallel_size each): more is refused for now.")
     deadline_s: Annotated[int, Field(strict=True, gt=0)] = 600
     ("Bound on each request to the server (backend: vllm; vLLM sends nothing before its answer, so it bounds the "
      "whole request: give it the longest round's time): a request or weight load not answered within it makes the "
