@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 # All torch-free (the batch side never imports torch): the workers' clients and the servers' command lines.
-from fsdpjob.orchestrator.core import rendezvous
+from fsdpjob.orchestrator.core import envvars, rendezvous, slurmenv
 from fsdpjob.orchestrator.core.genserver import handover, vllm
 from fsdpjob.orchestrator.core.genserver.client import GenerationServerError, ServerRefused
 
@@ -195,3 +195,24 @@ def vllm_options(spec) -> dict:
             "data_parallel_size": max(gpus // generator.tensor_parallel_size, 1),
             "gpu_memory_utilization": generator.gpu_memory_utilization,
             "max_model_len": generator.max_model_len or spec.data.seq_len}
+
+
+def generation_server(spec, run_dir: Path, allocation, worker_env: dict[str, str]
+                      ) -> tuple[GenerationServer | None, tuple[str, ...]]:
+    """grpo with generator backend vllm (server mode): the server's step on the allocation's last nodes, and those
+    nodes (the training step leaves them out). vLLM colocated in the ranks starts none."""
+    generator = spec.grpo.generator if spec.grpo is not None else None
+    if generator is None or not generator.server:
+        return None, ()
+    nodes: list[tuple[str, ...]] = []
+
+    def step_for(argv: list[str]) -> list[str]:
+        line, used = allocation.side_step(argv, generator.nodes, server_gpus(spec))
+        nodes[:] = [used]
+        return line
+    step_for(["true"])  # which nodes: known before the first launch
+    addrs = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=worker_env))
+    host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
+    server = GenerationServer(run_dir, model_path=spec.model.path, dtype=spec.model.dtype, step_for=step_for,
+                              python=generator.python or sys.executable, host=host, vllm_options=vllm_options(spec))
+    return server, nodes[0]

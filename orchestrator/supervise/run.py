@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from fsdpjob.orchestrator.core import buildid, envvars, rendezvous, slurmenv
+from fsdpjob.orchestrator.core import buildid, rendezvous
 from fsdpjob.orchestrator.core.genserver import handover
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import attempts, heartbeat, memtier, runlog, stophandoff
@@ -40,7 +40,7 @@ from fsdpjob.orchestrator.core.runfolder.taskexit import read_task_exits
 from . import notifier, stacks
 from .allocation import NodeFacts, allocation_for
 from .blame import blame_crash, srun_task_exit
-from .genserver import GenerationServer, ServerDown, server_gpus, vllm_options
+from .genserver import ServerDown, generation_server
 from .policy import Fault, restart_in_allocation
 from .stall import Bounds, Verdict, Watch
 
@@ -83,29 +83,9 @@ class Supervisor:
         self.faults: list[Fault] = []
         self._launch_took: list[float] = []  # per launch in this allocation: seconds until every rank reported
         self._gather = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-facts")
-        self.server, self.server_nodes = self._generation_server(spec)
+        self.server, self.server_nodes = generation_server(spec, self.run_dir, self.allocation, self.worker_env)
         # A round on the server may wait out its request deadline before a rank reports it lost (stall.py).
         self.generation_wait_s = (spec.grpo.generator.deadline_s + SERVER_LOST_MARGIN_S) if self.server else 0.0
-
-    def _generation_server(self, spec: JobSpec) -> tuple[GenerationServer | None, tuple[str, ...]]:
-        """grpo with generator backend vllm (server mode): the server's step on the allocation's last nodes
-        (genserver.py). vLLM colocated in the ranks starts none."""
-        generator = spec.grpo.generator if spec.grpo is not None else None
-        if generator is None or not generator.server:
-            return None, ()
-        nodes: list[tuple[str, ...]] = []
-
-        def step_for(argv: list[str]) -> list[str]:
-            line, used = self.allocation.side_step(argv, generator.nodes, server_gpus(spec))
-            nodes[:] = [used]
-            return line
-        step_for(["true"])  # which nodes: known before the first launch (the training step leaves them out)
-        addrs = slurmenv.node_addrs(envvars.get("FSDPJOB_NODE_ADDRS", environ=self.worker_env))
-        host = addrs.get(nodes[0][0], nodes[0][0]) if nodes[0] else "127.0.0.1"
-        server = GenerationServer(self.run_dir, model_path=spec.model.path, dtype=spec.model.dtype,
-                                  step_for=step_for, python=generator.python or sys.executable, host=host,
-                                  vllm_options=vllm_options(spec))
-        return server, nodes[0]
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
