@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpjob.orchestrator.core import buildid, envvars
+from fsdpjob.orchestrator.core.errors import is_peer_error
 from fsdpjob.orchestrator.core.jobspec.spec import JobSpec
 from fsdpjob.orchestrator.core.runfolder import heartbeat, runlog
 from fsdpjob.orchestrator.core.runfolder.paths import RunPaths
@@ -307,10 +308,10 @@ def _retryable(exc: BaseException, method: str) -> bool:
         return False
     if isinstance(exc, (dist.DistError, *method_row(method).retryable())):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "nccl", "gloo")
-    )
+    # A peer's casualty (core/errors.PEER_ERRORS: timeouts only as the collectives and the store word them), or the
+    # communication libraries' own errors; a rank's own "timed out" (a data read, a reward call) is the job's.
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (is_peer_error(text) or any(s in text.lower() for s in ("nccl", "gloo")))
 
 
 def _setup_logging(rank: str) -> None:

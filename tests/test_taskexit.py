@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from fsdpjob.orchestrator.core.errors import is_peer_error
 from fsdpjob.orchestrator.core.runfolder.heartbeat import Beat
 from fsdpjob.orchestrator.core.runfolder.taskexit import SHELL_NAME, TaskExit, read_task_exits, task_shell
-from fsdpjob.orchestrator.supervise.blame import blame_crash, is_peer_error, srun_task_exit
+from fsdpjob.orchestrator.supervise.blame import blame_crash, srun_task_exit
 
 RESET = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer."
 

@@ -1,4 +1,5 @@
-"""User-facing error types. Only the CLI formats them; everything else raises them."""
+"""User-facing error types (only the CLI formats them; everything else raises them), and the words of a rank's
+error that say a peer died under it (the supervisor's blame and the worker's retry rule read the same)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,22 @@ class AmbiguousRun(FsdpjobError):
         more = f" and {len(run_ids) - self.SHOWN} more" if len(run_ids) > self.SHOWN else ""
         shown = ", ".join(run_ids[: self.SHOWN]) + more
         super().__init__(f"RUN: {ref!r} is the {what} of {len(run_ids)} runs ({shown}); give one whole run id")
+
+
+# What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
+# Timeouts only as the collectives and the store word them: "timed out" alone is also a rank's own error (a data
+# read, a reward function's HTTP call), and such a rank is the cause, not a casualty (issue 55).
+PEER_ERRORS = re.compile(
+    r"connection (reset|closed|refused) by peer|broken pipe|remote process exited|ncclremoteerror|remote error"
+    r"|communicator was aborted|pair closure|recv(value|vector)? failed|distnetworkerror"
+    r"|timed out waiting \d+ ?ms for (recv|send)|collective operation timeout|watchdog caught|worknccl\("
+    r"|diststoreerror|waiting for clients|socket timeout"
+    # gloo's transport reports only on its connections (a peer's socket gone mid-message: an enforce failure).
+    r"|gloo/transport/",
+    re.IGNORECASE,
+)
+
+
+def is_peer_error(error: str) -> bool:
+    """The error a rank raised says a peer died under it (the supervisor's blame; the worker's retry rule)."""
+    return bool(PEER_ERRORS.search(error or ""))

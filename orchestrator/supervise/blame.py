@@ -43,22 +43,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from fsdpjob.orchestrator.core.errors import is_peer_error
 from fsdpjob.orchestrator.core.runfolder import runlog
 from fsdpjob.orchestrator.core.runfolder.heartbeat import EXITED, HEARTBEAT_S, Beat
 from fsdpjob.orchestrator.core.runfolder.taskexit import TaskExit
 
-# What a rank raises when a peer died under it (gloo, NCCL, the TCP store, a collective that then timed out).
-# Timeouts only as the collectives and the store word them: "timed out" alone is also a rank's own error (a data
-# read, a reward function's HTTP call), and such a rank is the cause, not a casualty (issue 55).
-PEER_ERRORS = re.compile(
-    r"connection (reset|closed|refused) by peer|broken pipe|remote process exited|ncclremoteerror|remote error"
-    r"|communicator was aborted|pair closure|recv(value|vector)? failed|distnetworkerror"
-    r"|timed out waiting \d+ ?ms for (recv|send)|collective operation timeout|watchdog caught|worknccl\("
-    r"|diststoreerror|waiting for clients|socket timeout"
-    # gloo's transport reports only on its connections (a peer's socket gone mid-message: an enforce failure).
-    r"|gloo/transport/",
-    re.IGNORECASE,
-)
 STOPPED_FIRST_S = 2 * HEARTBEAT_S  # a heartbeat this much older than the newest one stopped before the others
 SRUN_TASK_EXIT = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
 
@@ -82,10 +71,6 @@ class CrashBlame:
     hosts: tuple[str, ...]  # their nodes
     casualties: tuple[int, ...]  # ranks that failed because a peer did
     exits: dict[int, str]  # per rank, what the supervisor concluded (for the fault event)
-
-
-def is_peer_error(error: str) -> bool:
-    return bool(PEER_ERRORS.search(error or ""))
 
 
 def blame_crash(beats: list[Beat], events: list[dict], gone: tuple[int, ...] = (),

@@ -24,9 +24,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fsdpjob.orchestrator.core.errors import is_peer_error
 from fsdpjob.orchestrator.core.runfolder import attempts, runlog
-
-from .blame import is_peer_error
 
 
 @dataclass(frozen=True)
