@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpjob.orchestrator.core.genserver.client import publish_weights
-from fsdpjob.orchestrator.core.genserver.vllm import Completion
+from fsdpjob.orchestrator.core.genserver.vllm import Completion, inductor_cache
 
 from ..dist import DistEnv, host_barrier
 from ..model.lora import is_adapter_key, lora_config
@@ -175,6 +176,10 @@ def _engine_environment(env: DistEnv, *, cpu: bool) -> None:
         # The CPU platform; its KV cache in whole GiB (1 unless the job's env says: the server's, vllm.vllm_env).
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The Inductor cache kept beside a vLLM environment .ci/vllm-env built, as the server gets it
+    # (supervise/genserver.py): vLLM's first logprobs request compiles a kernel (~18 s cold here, ~2-4 s cached).
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and (cache := inductor_cache(sys.executable)):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
 
 
 @contextlib.contextmanager
