@@ -49,6 +49,19 @@ def test_a_pair_without_its_chosen_field_is_refused_at_its_line(tmp_path, method
                                  "'prompt', 'rejected'")
 
 
+def test_a_pairs_file_with_a_bom_is_read_on_the_login_node_and_the_worker(tmp_path):
+    from fsdpjob.jobs.data.sources import load_records
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
+
+    spec_file = job(tmp_path, "dpo")
+    data = jsonl(tmp_path / "data.jsonl", [PAIR, PAIR | {"chosen": "two"}])
+    data.write_bytes(b"\xef\xbb\xbf" + data.read_bytes())  # as Windows editors and Excel save UTF-8
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    spec, _ = load_spec(spec_file)
+    records = load_records(spec.data.inputs()[0])
+    assert [fields for _, fields in records.items] == [PAIR, PAIR | {"chosen": "two"}]
+
+
 def test_kto_with_one_label_is_refused(tmp_path):
     job(tmp_path, "kto")
     # The whole file is read: a second kind of label past the lines the other checks read still counts.

@@ -83,6 +83,16 @@ def test_a_missing_reward_file_is_refused_at_its_line(tmp_path):
                                  "exist; give path/to/file.py:function, relative to the spec file")
 
 
+def test_a_reward_path_that_is_a_folder_is_refused_as_a_folder(tmp_path):
+    job(tmp_path)
+    (tmp_path / "rewards.py").unlink()
+    (tmp_path / "rewards.py").mkdir()
+    (tmp_path / "rewards.py" / "exact.py").write_text(GOOD_REWARDS)
+    assert refused(tmp_path) == (f"job.yaml:16: grpo.reward.0: {tmp_path / 'rewards.py'}:exact: is a folder (it "
+                                 "holds exact.py), not a .py file; give path/to/file.py:function, the file that "
+                                 "defines the function")
+
+
 def test_a_function_that_does_not_take_a_field_is_refused_naming_the_field(tmp_path):
     job(tmp_path, GOOD_REWARDS.replace("answer, **kwargs", "answer"), rows=[{"prompt": "1+1?", "answer": "2",
                                                                               "level": 1}])

@@ -77,6 +77,11 @@ def _refusing(roots: tuple[str, ...]) -> Iterator[_Refuse]:
 
 
 def _exec_file(path: Path) -> Any:
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.py"))[:5]
+        held = f" (it holds {', '.join(inside)})" if inside else ""
+        raise RewardLoadError(f"is a folder{held}, not a .py file; give path/to/file.py:function, the file that "
+                              "defines the function")
     if not path.is_file():
         raise RewardLoadError("the file does not exist; give path/to/file.py:function, relative to the spec file")
     # A name of its own per file: two reward files called rewards.py do not replace each other in sys.modules.
