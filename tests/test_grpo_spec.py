@@ -102,6 +102,19 @@ def test_a_function_that_does_not_take_a_field_is_refused_naming_the_field(tmp_p
         "level or **kwargs")
 
 
+def test_a_field_that_cannot_be_a_parameter_name_is_read_from_kwargs(tmp_path):
+    rows = [{"prompt": "1+1?", "answer": "2", "final-answer": "2"}]
+    job(tmp_path, GOOD_REWARDS.replace("answer, **kwargs", "answer"), rows=rows)
+    assert refused(tmp_path) == (
+        f"job.yaml:16: grpo.reward.0: {tmp_path / 'rewards.py'}:exact: does not take the records' field "
+        "'final-answer' (called as fn(prompts=..., completions=..., answer=..., final-answer=...), TRL's "
+        "convention), which cannot be a parameter's name: take **kwargs and read kwargs['final-answer'] (or rename "
+        "the field)")
+    job(tmp_path, GOOD_REWARDS.replace("zip(completions, answer)", "zip(completions, kwargs['final-answer'])"),
+        rows=rows)
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+
+
 def test_a_function_that_needs_another_argument_is_refused(tmp_path):
     job(tmp_path, GOOD_REWARDS.replace("def short(completions, **kwargs)",
                                        "def short(prompts, completions, answer, target)"))

@@ -17,6 +17,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import keyword
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -163,6 +164,9 @@ def signature_problem(fn: Callable[..., Any], fields: Sequence[str]) -> str | No
     for name in given:
         if name not in named and not takes_any:
             what = f"the records' field {name!r}" if name in fields else f"the keyword {name!r}"
+            if not name.isidentifier() or keyword.iskeyword(name):  # f(**{"final-answer": ...}) only
+                return (f"does not take {what} ({call}, TRL's convention), which cannot be a parameter's name: "
+                        f"take **kwargs and read kwargs[{name!r}] (or rename the field)")
             return (f"does not take {what} ({call}, TRL's convention); add a parameter {name} or **kwargs")
     for p in params:
         if p.default is _P.empty and p.kind is not _P.VAR_POSITIONAL and p.kind is not _P.VAR_KEYWORD and (
