@@ -49,6 +49,19 @@ def test_a_pair_without_its_chosen_field_is_refused_at_its_line(tmp_path, method
                                  "'prompt', 'rejected'")
 
 
+def test_a_pairs_file_with_a_bom_is_read_on_the_login_node_and_the_worker(tmp_path):
+    from fsdpjob.jobs.data.sources import load_records
+    from fsdpjob.orchestrator.core.jobspec.spec import load_spec
+
+    spec_file = job(tmp_path, "dpo")
+    data = jsonl(tmp_path / "data.jsonl", [PAIR, PAIR | {"chosen": "two"}])
+    data.write_bytes(b"\xef\xbb\xbf" + data.read_bytes())  # as Windows editors and Excel save UTF-8
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
+    spec, _ = load_spec(spec_file)
+    records = load_records(spec.data.inputs()[0])
+    assert [fields for _, fields in records.items] == [PAIR, PAIR | {"chosen": "two"}]
+
+
 def test_kto_with_one_label_is_refused(tmp_path):
     job(tmp_path, "kto")
     # The whole file is read: a second kind of label past the lines the other checks read still counts.
@@ -175,3 +188,21 @@ def test_label_smoothing_with_a_loss_that_ignores_it_is_refused(tmp_path, loss_t
     assert refused(tmp_path) == (f"job.yaml:14: dpo.label_smoothing: loss_type {loss_type} has no label smoothing "
                                  "(cDPO is sigmoid's, robust DPO robust's): it would be ignored; drop label_smoothing "
                                  "or use loss_type sigmoid or robust")
+
+
+SFT_TERM = ("TRL's sft loss beside a DPO loss is fsdpjob's dpo.rpo_alpha, the weight of the SFT term on the chosen "
+            "answers")
+
+
+@pytest.mark.parametrize("loss_type, words", [
+    ("[sigmoid, sft]", f"one loss_type: {SFT_TERM}; set loss_type: sigmoid and rpo_alpha: the sft loss's weight "
+                       "(TRL's loss_weights [1, alpha]; 1.0 without loss_weights)"),
+    ("[sigmoid, hinge]", f"one loss_type, not a list: fsdpjob combines no losses ({SFT_TERM}); give one of sigmoid, "
+                         "ipo, hinge, robust, sigmoid_norm"),
+    ("sft", f"sft is no DPO loss: {SFT_TERM}; alone it is train.method: sft"),
+])
+def test_trls_loss_lists_and_its_sft_loss_point_at_rpo_alpha(tmp_path, loss_type, words):
+    spec = job(tmp_path, "dpo")
+    spec.write_text(spec.read_text() + f"dpo:\n  loss_type: {loss_type}\n")
+    jsonl(tmp_path / "data.jsonl", [PAIR])
+    assert refused(tmp_path) == f"job.yaml:13: dpo.loss_type: {words}"

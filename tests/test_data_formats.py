@@ -87,6 +87,14 @@ def test_column_and_path_problems_point_at_the_spec_line(tmp_path, data_yaml, lo
     assert words.replace("{dir}", str(tmp_path)) in err.message, err.message
 
 
+def test_format_parquet_on_a_jsonl_file_names_the_file_and_what_it_looks_like(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
+    err = error(tmp_path, "  path: d.jsonl\n  format: parquet\n")
+    assert (err.loc, err.line) == ("data.path", 5), err
+    assert f"{tmp_path}/d.jsonl is not a parquet file, though format is parquet: it looks like JSONL" in err.message
+    assert "set format: jsonl" in err.message
+
+
 def test_empty_table_and_empty_folder(tmp_path):
     parquet(tmp_path / "empty.parquet", [], schema=pa.schema([("text", pa.string())]))
     err = error(tmp_path, "  path: empty.parquet\n")

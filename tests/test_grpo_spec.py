@@ -83,6 +83,16 @@ def test_a_missing_reward_file_is_refused_at_its_line(tmp_path):
                                  "exist; give path/to/file.py:function, relative to the spec file")
 
 
+def test_a_reward_path_that_is_a_folder_is_refused_as_a_folder(tmp_path):
+    job(tmp_path)
+    (tmp_path / "rewards.py").unlink()
+    (tmp_path / "rewards.py").mkdir()
+    (tmp_path / "rewards.py" / "exact.py").write_text(GOOD_REWARDS)
+    assert refused(tmp_path) == (f"job.yaml:16: grpo.reward.0: {tmp_path / 'rewards.py'}:exact: is a folder (it "
+                                 "holds exact.py), not a .py file; give path/to/file.py:function, the file that "
+                                 "defines the function")
+
+
 def test_a_function_that_does_not_take_a_field_is_refused_naming_the_field(tmp_path):
     job(tmp_path, GOOD_REWARDS.replace("answer, **kwargs", "answer"), rows=[{"prompt": "1+1?", "answer": "2",
                                                                               "level": 1}])
@@ -90,6 +100,19 @@ def test_a_function_that_does_not_take_a_field_is_refused_naming_the_field(tmp_p
         f"job.yaml:16: grpo.reward.0: {tmp_path / 'rewards.py'}:exact: does not take the records' field 'level' "
         "(called as fn(prompts=..., completions=..., answer=..., level=...), TRL's convention); add a parameter "
         "level or **kwargs")
+
+
+def test_a_field_that_cannot_be_a_parameter_name_is_read_from_kwargs(tmp_path):
+    rows = [{"prompt": "1+1?", "answer": "2", "final-answer": "2"}]
+    job(tmp_path, GOOD_REWARDS.replace("answer, **kwargs", "answer"), rows=rows)
+    assert refused(tmp_path) == (
+        f"job.yaml:16: grpo.reward.0: {tmp_path / 'rewards.py'}:exact: does not take the records' field "
+        "'final-answer' (called as fn(prompts=..., completions=..., answer=..., final-answer=...), TRL's "
+        "convention), which cannot be a parameter's name: take **kwargs and read kwargs['final-answer'] (or rename "
+        "the field)")
+    job(tmp_path, GOOD_REWARDS.replace("zip(completions, answer)", "zip(completions, kwargs['final-answer'])"),
+        rows=rows)
+    assert fsdpjob("validate", "job.yaml", cwd=tmp_path).returncode == 0
 
 
 def test_a_function_that_needs_another_argument_is_refused(tmp_path):

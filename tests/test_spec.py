@@ -322,6 +322,23 @@ def test_secret_env_is_redacted_and_outside_the_hash(tmp_path):
     assert changed.spec_hash() != spec.spec_hash()
 
 
+def test_dtype_fields_take_both_spellings_and_hash_as_their_own(tmp_path):
+    own = "model:\n  path: /m\n  dtype: {m}\nfsdp:\n  mixed_precision: {p}\n  reduce_dtype: {r}\n"
+    base = BASE.replace("model:\n  path: /m\n", "").replace("train:\n  max_steps: 10\n",
+                                                             "train:\n  max_steps: 10\n  optimizer_state_dtype: {o}\n")
+    canonical = dict(m="bfloat16", p="fp32", r="bfloat16", o="float32")
+    spec, _ = load_spec(write(tmp_path, own.format(**canonical) + base.format(**canonical)))
+    other = dict(m="bf16", p="float32", r="bf16", o="fp32")  # each field in the other fields' words
+    swapped, _ = load_spec(write(tmp_path, own.format(**other) + base.format(**other), "b.yaml"))
+    assert (swapped.model.dtype, swapped.fsdp.mixed_precision, swapped.fsdp.reduce_dtype,
+            swapped.train.optimizer_state_dtype) == ("bfloat16", "fp32", "bfloat16", "float32")
+    assert swapped.spec_hash() == spec.spec_hash()
+    overridden, _ = load_spec(write(tmp_path, BASE, "c.yaml"), ["fsdp.mixed_precision=bfloat16", "model.dtype=fp32"])
+    assert (overridden.fsdp.mixed_precision, overridden.model.dtype) == ("bf16", "float32")
+    errors = errors_of(write(tmp_path, BASE + "fsdp:\n  mixed_precision: fp16\n", "d.yaml"))
+    assert [e.loc for e in errors] == ["fsdp.mixed_precision"]
+
+
 def test_spec_is_frozen(tmp_path):
     spec, _ = load_spec(write(tmp_path, BASE))
     with pytest.raises(Exception):  # noqa: B017 - pydantic raises its ValidationError for a frozen model

@@ -187,11 +187,28 @@ def _type_problem(pa: Any, role: str, t: Any, shape: str) -> str | None:
     return None if _stringlike(pa, t) else f"is {t}, not a string column"
 
 
+def _looks_like(file: Path) -> str:
+    """What a file's first bytes say it is, for the line that refuses it as parquet."""
+    with open(file, "rb") as f:
+        head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+    if head[:1] in (b"{", b"["):
+        return "it looks like JSONL (it starts with a JSON value); set format: jsonl, or auto"
+    return "it does not start with parquet's PAR1 bytes either; check the file, or set format"
+
+
+def _parquet_file(pa: Any, file: Path) -> Any:
+    """``pyarrow.parquet.ParquetFile`` of ``file``; a file that is not parquet is a SourceProblem, not ArrowInvalid."""
+    try:
+        return pa.parquet.ParquetFile(file)
+    except pa.ArrowInvalid:
+        raise SourceProblem(f"{file} is not a parquet file, though format is parquet: {_looks_like(file)}") from None
+
+
 def schema(located: Located) -> Any:
     """The Arrow schema of a table source (every file's, which must agree on the columns used)."""
     pa = _pyarrow()
     if located.format == "parquet":
-        return pa.parquet.read_schema(located.files[0])
+        return _parquet_file(pa, located.files[0]).schema_arrow
     with pa.memory_map(str(located.files[0])) as f:
         return pa.ipc.open_stream(f).schema
 
@@ -201,7 +218,7 @@ def check_columns(located: Located, source: DataSource) -> tuple[str, str] | Non
     pa = _pyarrow()
     files = located.files if located.format == "parquet" else located.files[:1]  # save_to_disk: one schema
     for file in files:
-        found = pa.parquet.read_schema(file) if located.format == "parquet" else schema(located)
+        found = _parquet_file(pa, file).schema_arrow if located.format == "parquet" else schema(located)
         for role, name in source.fields.items():
             where, key = (located.root if located.format == "save_to_disk" else file), f"{role}_field"
             if found.get_field_index(name) < 0:
@@ -226,7 +243,7 @@ def table_rows(located: Located, columns: list[str], limit: int | None = None) -
     counted = 0
     for file in located.files:
         if located.format == "parquet":
-            batches = pa.parquet.ParquetFile(file).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+            batches = _parquet_file(pa, file).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
             row, where = 0, file
         else:
             batches = iter(pa.ipc.open_stream(pa.memory_map(str(file))))

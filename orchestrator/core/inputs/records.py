@@ -67,7 +67,8 @@ def _messages_problem(value: Any) -> str | None:
 def parse_object(raw: bytes, line: int) -> Any:
     """One JSONL line as JSON (grpo's prompts keep every field of it: the reward functions read them)."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        # utf-8-sig: a file saved with a BOM (Windows editors, Excel) starts its first line with one
+        return json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise RecordError(f"not valid UTF-8 (byte {exc.start}); save the file as UTF-8", line) from None
     except json.JSONDecodeError as exc:

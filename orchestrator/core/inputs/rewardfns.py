@@ -17,6 +17,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import keyword
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -77,6 +78,11 @@ def _refusing(roots: tuple[str, ...]) -> Iterator[_Refuse]:
 
 
 def _exec_file(path: Path) -> Any:
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.py"))[:5]
+        held = f" (it holds {', '.join(inside)})" if inside else ""
+        raise RewardLoadError(f"is a folder{held}, not a .py file; give path/to/file.py:function, the file that "
+                              "defines the function")
     if not path.is_file():
         raise RewardLoadError("the file does not exist; give path/to/file.py:function, relative to the spec file")
     # A name of its own per file: two reward files called rewards.py do not replace each other in sys.modules.
@@ -158,6 +164,9 @@ def signature_problem(fn: Callable[..., Any], fields: Sequence[str]) -> str | No
     for name in given:
         if name not in named and not takes_any:
             what = f"the records' field {name!r}" if name in fields else f"the keyword {name!r}"
+            if not name.isidentifier() or keyword.iskeyword(name):  # f(**{"final-answer": ...}) only
+                return (f"does not take {what} ({call}, TRL's convention), which cannot be a parameter's name: "
+                        f"take **kwargs and read kwargs[{name!r}] (or rename the field)")
             return (f"does not take {what} ({call}, TRL's convention); add a parameter {name} or **kwargs")
     for p in params:
         if p.default is _P.empty and p.kind is not _P.VAR_POSITIONAL and p.kind is not _P.VAR_KEYWORD and (

@@ -49,6 +49,23 @@ class DpoSpec(Strict):
      "ranks, and kept in the run folder (no second model in memory while training). live: a frozen sharded copy "
      "of the model computes them at every step. With LoRA the reference is the base with the adapters off.")
 
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _one_loss(cls, value: Any) -> Any:
+        """TRL's list form ([sigmoid, sft] with loss_weights) and its sft loss: say what fsdpjob calls them."""
+        sft = ("TRL's sft loss beside a DPO loss is fsdpjob's dpo.rpo_alpha, the weight of the SFT term on the "
+               "chosen answers")
+        others = set(value) - {"sft"} if isinstance(value, list) and "sft" in value else None
+        if others is not None and len(value) == 2 and len(others) == 1 and others <= set(DPO_LOSSES):
+            raise ValueError(f"one loss_type: {sft}; set loss_type: {others.pop()} and rpo_alpha: the sft loss's "
+                             "weight (TRL's loss_weights [1, alpha]; 1.0 without loss_weights)")
+        if isinstance(value, list):
+            raise ValueError(f"one loss_type, not a list: fsdpjob combines no losses ({sft}); give one of "
+                             f"{', '.join(DPO_LOSSES)}")
+        if value == "sft":
+            raise ValueError(f"sft is no DPO loss: {sft}; alone it is train.method: sft")
+        return value
+
     @model_validator(mode="after")
     def _smoothing_where_used(self) -> DpoSpec:
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):

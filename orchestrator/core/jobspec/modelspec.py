@@ -6,11 +6,28 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from .validation import Strict, field_error, path_value
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+# The dtype fields came with two spellings (fsdp.mixed_precision: bf16/fp32, the others: bfloat16/float32); each
+# takes both and keeps its own, so the specs (and spec hashes) of existing runs read as before.
+_SPELLINGS = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _long_dtype(value: Any) -> Any:
+    return _SPELLINGS.get(value, value) if isinstance(value, str) else value
+
+
+def _short_dtype(value: Any) -> Any:
+    short = {long: short for short, long in _SPELLINGS.items()}
+    return short.get(value, value) if isinstance(value, str) else value
+
+
+Dtype = Annotated[Literal["float32", "bfloat16"], BeforeValidator(_long_dtype)]  # fp32 and bf16 are read as these
+ShortDtype = Annotated[Literal["bf16", "fp32"], BeforeValidator(_short_dtype)]  # bfloat16 and float32 as these
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
@@ -51,7 +68,7 @@ class LoraSpec(Strict):
 class ModelSpec(Strict):
     path: str
     """Local Hugging Face model folder (config.json, safetensors weights, tokenizer). Relative to the spec file."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Dtype = "float32"
     ("Dtype of the sharded master weights and optimizer state. float32 with fsdp.mixed_precision=bf16 is the usual "
      "choice.")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"

@@ -30,7 +30,7 @@ from .methods import (
     method_options,
     with_method_fields,
 )
-from .modelspec import LoraSpec, ModelSpec  # noqa: F401  (LoraSpec: imported from here too)
+from .modelspec import Dtype, LoraSpec, ModelSpec, ShortDtype  # noqa: F401  (LoraSpec: imported from here too)
 from .notifyspec import NotifySpec
 from .resources import Resources
 from .validation import (
@@ -85,7 +85,7 @@ class TrainSpec(Strict):
     ("standard: the cross-entropy over the full logits in fp32. chunked: over chunks of the sequence, never holding "
      "the whole sequence's logits in fp32 (the same loss; far less memory at a large vocabulary). auto: chunked where "
      "the plan finds the logits the largest item of a step's memory.")
-    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    optimizer_state_dtype: Dtype = "float32"
     """Dtype of AdamW's two moment states (bfloat16 halves their memory; the master weights stay model.dtype)."""
     method: Method = "sft"
     ("sft: supervised fine-tuning. dpo, orpo, kto: preference training; reward: a reward model; grpo: reinforcement "
@@ -119,9 +119,9 @@ class TrainSpec(Strict):
 class FsdpSpec(Strict):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (less memory, one more all-gather in backward)."""
-    mixed_precision: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision: ShortDtype = "bf16"
+    """Compute dtype: bf16 or fp32 (bfloat16 and float32 are read as these)."""
+    reduce_dtype: Dtype = "float32"
     """Dtype of the gradients' reduce-scatter (bfloat16 halves its traffic and buffers, at some precision)."""
     separate_root: Literal["auto"] | bool = "auto"
     ("Shard the embedding and the final norm with lm_head as FSDP units of their own, freed between forward and "
