@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -21,8 +22,15 @@ class DiskFull(CheckpointError):
     """A checkpoint step could not be written: its file system is full. Not retryable (jobs/train.py)."""
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (DCP's gathered failures of every rank included) comes from a full file system."""
+# torch.save's zip writer (DCP writes its non-tensor items with it) reports a short write without the errno:
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (seen on the dev cluster, a full tmpfs).
+SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.DOTALL)
+SHORT_WRITE_FREE = 1 << 20  # a short write is the disk's when less than this (or 1/20 of a small one) is left
+
+
+def is_disk_full(exc: BaseException, root: Path | None = None) -> bool:
+    """Whether ``exc`` (DCP's gathered failures of every rank included) comes from a full file system: ENOSPC or
+    EDQUOT, or (``root`` given) torch's zip writer's short write where ``root``'s file system is (nearly) full."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -36,7 +44,17 @@ def is_disk_full(exc: BaseException) -> bool:
             todo += [f for f in e.failures.values() if isinstance(f, BaseException)]
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     text = str(exc)
-    return "No space left on device" in text or "[Errno 28]" in text or "Disk quota exceeded" in text
+    if "No space left on device" in text or "[Errno 28]" in text or "Disk quota exceeded" in text:
+        return True
+    return root is not None and SHORT_WRITE.search(text) is not None and _nearly_full(root)
+
+
+def _nearly_full(root: Path) -> bool:
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return False
+    return usage.free < min(SHORT_WRITE_FREE, usage.total // 20)
 
 
 def _size(folder: Path) -> int:

@@ -235,7 +235,7 @@ class CheckpointManager:
     def _stop_if_disk_full(self, step: int, exc: BaseException) -> None:
         """A save every rank saw fail (DCP gathers the ranks' failures): where the disk is full, rank 0 removes the
         half-written step and every rank raises DiskFull (collective)."""
-        if is_disk_full(exc):
+        if is_disk_full(exc, self.root):
             self._last_step = None
             self._decide(lambda: _raise(disk_full(self.root, self.root / step_dir_name(step), step)))
 
@@ -248,7 +248,7 @@ class CheckpointManager:
             else:
                 self._commit_if_done(future, step, facts, started)
         except OSError as exc:
-            if not is_disk_full(exc):
+            if not is_disk_full(exc, self.root):
                 raise
             self._last_step = None
             raise disk_full(self.root, self.root / step_dir_name(step), step) from exc

@@ -90,3 +90,23 @@ def test_a_full_disk_is_not_retryable() -> None:
     from fsdpjob.jobs.train import _retryable
 
     assert not _retryable(DiskFull("checkpoint step 2 could not be written: ... (ENOSPC ...)"), "sft")
+
+
+def test_torchs_short_write_on_a_full_file_system_is_a_full_disk(tmp_path: Path) -> None:
+    """torch.save's zip writer (DCP's non-tensor items) reports ENOSPC as a short write without the errno (seen on
+    the dev cluster's full tmpfs): it is a full disk where the checkpoint folder's file system is full, and not
+    where there is room (a short write for another reason stays the error it is)."""
+    from fsdpjob.jobs.checkpoint.diskfull import is_disk_full
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    try:
+        assert not is_disk_full(short, small) and not is_disk_full(short)
+        with pytest.raises(OSError):
+            (small / "fill").write_bytes(b"\0" * (512 << 10))  # fills it: ENOSPC
+        assert is_disk_full(short, small)
+        assert not is_disk_full(RuntimeError("unexpected pos somewhere else"), small)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
