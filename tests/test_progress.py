@@ -42,6 +42,19 @@ def test_a_preempted_and_resumed_run(tmp_path):
     assert not prog.done and prog.failure is None
 
 
+def test_a_stop_the_supervisor_restarted_in_the_allocation_is_no_requeue(tmp_path):
+    """srun's teardown of the step (issue 55): a stop event the supervisor restarted in the allocation; the second
+    start is its relaunch, not the scheduler's (status said restarts 1 on the dev cluster)."""
+    write_lines(tmp_path / "events.jsonl", [
+        {"event": "start", "time": 1}, {"event": "checkpoint", "step": 5, "time": 2},
+        {"event": "stop", "reason": "teardown", "requeued": False, "restarted": True, "step": 12, "time": 3},
+        {"event": "start", "time": 4}, {"event": "resume", "step": 12, "time": 5},
+        {"event": "done", "step": 60, "time": 6},
+    ])
+    prog = read_progress(tmp_path)
+    assert prog.done and (prog.restarts, prog.restarts_in_allocation, prog.steps_lost) == (0, 1, 0)
+
+
 def test_done_and_failed_follow_the_latest_start(tmp_path):
     write_lines(tmp_path / "events.jsonl", [
         {"event": "start", "time": 1}, {"event": "failed", "error": "RuntimeError: gloo", "time": 2},

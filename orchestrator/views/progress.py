@@ -32,9 +32,13 @@ class Progress:
     events: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)  # the tail read (METRICS_TAIL_BYTES)
 
+    relaunched_stops: int = 0  # stops the supervisor restarted in the allocation (srun's teardown), not requeued
+
     @property
     def restarts_in_allocation(self) -> int:
-        return sum(1 for f in self.faults if f.get("restart"))
+        """The supervisor's relaunches in the allocation: after a fault, or after a stop that was srun's teardown of
+        the step (supervise/stopfinish.py restarts it rather than requeue)."""
+        return sum(1 for f in self.faults if f.get("restart")) + self.relaunched_stops
 
     @property
     def restarts(self) -> int:
@@ -96,6 +100,7 @@ def read_progress(run_dir: Path, checkpoints_dir: Path | None = None) -> Progres
             failed_step = ev.get("step") if isinstance(ev.get("step"), int) else None
         elif kind == runlog.STOP:
             prog.last_stop = ev
+            prog.relaunched_stops += bool(ev.get("restarted"))
         elif kind == runlog.DATA:
             prog.data = ev
         elif kind == runlog.CANCEL:
