@@ -186,7 +186,10 @@ def setup_work_s(spec, profile: ClusterProfile) -> float:
     from fsdpjob.orchestrator.core.inputs.dataformats import SourceProblem, locate
     from fsdpjob.orchestrator.core.weightfiles import weight_files
 
-    weights = sum(f.stat().st_size for f in weight_files(Path(spec.model.path)) or [] if f.is_file())
+    try:
+        weights = sum(f.stat().st_size for f in weight_files(Path(spec.model.path)) or [] if f.is_file())
+    except (OSError, ValueError):  # an index that is not JSON yet (a download in progress): counts nothing
+        weights = 0
     examples = 0.0
     for source in spec.data.inputs():
         try:
