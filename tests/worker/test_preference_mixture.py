@@ -12,7 +12,7 @@ import pytest
 import test_preference_data as prefdata
 import torch
 from test_kto_train import write_answers
-from test_preference_data import enc, jsonl, login_spec
+from test_preference_data import jsonl, login_spec
 from test_preference_train import events, make_run, metrics, train, write_pairs
 
 from fsdpjob.jobs.data import DataError
@@ -110,7 +110,7 @@ def test_a_source_with_fields_of_another_shape_is_refused(tmp_path):
 
 def test_validate_refuses_a_prompt_without_room_in_any_source_as_the_worker_does(tmp_path, tokenizer, tok_dir):
     prompt = "the quick brown fox jumps"
-    tokens = 1 + len(enc(tokenizer, prompt))
+    tokens = len(tokenizer.encode(prompt, add_special_tokens=True))  # as TRL counts it (the tokenizer's own rule)
     short = {"prompt": "hello", "chosen": " a", "rejected": " b"}
     login_spec(tmp_path, tok_dir, "dpo", tokens, [short, short | {"prompt": prompt}])  # the model, data.jsonl
     jsonl(tmp_path / "good.jsonl", [short])
