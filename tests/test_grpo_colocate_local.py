@@ -21,7 +21,7 @@ import helpers
 import pytest
 from distributed import committed_model_state
 from helpers import ONE_THREAD, status_json
-from vllmenv import colocate_pythonpath, tiny_grpo_job, vllm_python
+from vllmenv import colocate_pythonpath, run_events, submit_grpo, tiny_grpo_job, vllm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, timeout_s=1500)
@@ -36,21 +36,10 @@ def root(tmp_path_factory) -> Path:
                          env={"PYTHONPATH": colocate_pythonpath(root / "pythonpath")})
 
 
-def _submit(root: Path, name: str, *sets: str) -> dict:
-    extra = [a for s in sets for a in ("--set", s)]
-    done = fsdpjob("submit", "grpo.yaml", "--json", "--wait", "--set", f"name={name}", *extra, cwd=root)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout[: done.stdout.index("}") + 1])
-
-
-def _events(run: dict) -> list[dict]:
-    return [json.loads(x) for x in (Path(run["run_dir"]) / "events.jsonl").read_text().splitlines()]
-
-
 def _check_trained(root: Path, run: dict) -> list[dict]:
     report = status_json(run["run_id"], cwd=root)
     assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report
-    assert not [e for e in _events(run) if e["event"] == "server"]  # no server: the ranks generate
+    assert not [e for e in run_events(run) if e["event"] == "server"]  # no server: the ranks generate
     assert not (Path(run["run_dir"]) / "generation-server").exists()
     lines = (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     by_step = {m["step"]: m for m in map(json.loads, lines) if "reward" in m}  # a step trained again: its last
@@ -64,12 +53,12 @@ def _check_trained(root: Path, run: dict) -> list[dict]:
 
 
 def test_colocate_full_weights_train_and_a_resumed_run_ends_bitwise(root: Path) -> None:
-    straight = _submit(root, "straight")
+    straight = submit_grpo(root, "straight")
     expected = _check_trained(root, straight)
-    run = _submit(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'")
+    run = submit_grpo(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'")
     # The same completions and rewards at every step: the round of steps 4-5 was regenerated after the restart
     assert [m["reward"] for m in _check_trained(root, run)] == [m["reward"] for m in expected]
-    events = _events(run)
+    events = run_events(run)
     faults = [e for e in events if e["event"] == "fault"]
     assert len(faults) == 1 and faults[0]["restart"], faults
     assert [e["step"] for e in events if e["event"] == "ready"] == [0, 3]  # resumed inside the round of steps 2-3
@@ -78,7 +67,7 @@ def test_colocate_full_weights_train_and_a_resumed_run_ends_bitwise(root: Path) 
 
 
 def test_colocate_lora_loads_only_the_adapters_each_round(root: Path) -> None:
-    run = _submit(root, "lora", "model.lora.r=8", "train.lr=0.02")
+    run = submit_grpo(root, "lora", "model.lora.r=8", "train.lr=0.02")
     _check_trained(root, run)
     folders = sorted((Path(run["run_dir"]) / "generation-colocate").iterdir())
     assert [f.name for f in folders] == ["rank-00000", "rank-00001"], folders

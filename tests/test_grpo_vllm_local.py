@@ -29,7 +29,7 @@ import helpers
 import pytest
 from distributed import committed_model_state
 from helpers import ONE_THREAD, resumed_where_saved, status_json, wait_for
-from vllmenv import tiny_grpo_job, vllm_python
+from vllmenv import run_events, submit_grpo, tiny_grpo_job, vllm_python
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 fsdpjob = partial(helpers.fsdpjob, env=ONE_THREAD, timeout_s=1500)
@@ -40,19 +40,6 @@ STEPS = 10
 def root(tmp_path_factory) -> Path:
     return tiny_grpo_job(tmp_path_factory.mktemp("grpo-vllm"), "grpo-vllm", steps=STEPS, stall_floor_s=120,
                          generator={"backend": "vllm", "python": vllm_python(), "deadline_s": 300})
-
-
-def _submit(root: Path, name: str, *sets: str, wait: bool) -> dict:
-    extra = [a for s in sets for a in ("--set", s)]
-    done = fsdpjob("submit", "grpo.yaml", "--json", "--set", f"name={name}", *extra, *(["--wait"] if wait else []),
-                   cwd=root)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout[: done.stdout.index("}") + 1])
-
-
-def _events(run: dict) -> list[dict]:
-    path = Path(run["run_dir"]) / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def _metrics(run: dict) -> list[dict]:
@@ -68,7 +55,7 @@ def _server_logs(run: dict) -> list[str]:
 def _check_straight(root: Path, run: dict, *, reloads_with: str, rises: bool = True) -> None:
     report = status_json(run["run_id"], cwd=root)
     assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report
-    [ready] = [e for e in _events(run) if e["event"] == "server"]
+    [ready] = [e for e in run_events(run) if e["event"] == "server"]
     assert ready["phase"] == "ready" and ready["address"].startswith("127.0.0.1:"), ready
     metrics = _metrics(run)
     assert len(metrics) == STEPS, metrics
@@ -90,7 +77,7 @@ def _vllm_group(run: dict) -> int:
     """This run's vLLM server's process group: its API server (on the port of the run's last `server` event; other
     tests' servers run beside it in the suite) leads the session the supervisor started it in (the engine and worker
     processes vLLM spawns run `python -c ...`)."""
-    port = [e for e in _events(run) if e["event"] == "server"][-1]["address"].rsplit(":", 1)[1]
+    port = [e for e in run_events(run) if e["event"] == "server"][-1]["address"].rsplit(":", 1)[1]
     found = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True,
                            text=True).stdout.split()
 
@@ -107,16 +94,16 @@ def _vllm_group(run: dict) -> int:
 
 
 def _servers(run: dict) -> list[dict]:
-    return [e for e in _events(run) if e["event"] == "server"]
+    return [e for e in run_events(run) if e["event"] == "server"]
 
 
 def test_vllm_full_weights_straight_then_interrupted_then_server_killed_and_frozen_end_bitwise(root: Path) -> None:
-    straight = _submit(root, "straight", wait=True)
+    straight = submit_grpo(root, "straight", wait=True)
     _check_straight(root, straight, reloads_with="/collective_rpc")
 
     # The deadline only bounds the frozen server's wait here (the straight run's 300 s would make the test slow);
     # it changes no bit. Steps of at least 4 s leave rounds to generate after both faults.
-    run = _submit(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'", "env.FSDPJOB_MIN_STEP_S='4'",
+    run = submit_grpo(root, "interrupted", "env.FSDPJOB_FAULT_EXIT_STEP='4'", "env.FSDPJOB_MIN_STEP_S='4'",
                   "grpo.generator.deadline_s=90", wait=False)
     wait_for(lambda: len(_servers(run)) >= 2, 900, interval_s=0.5, what="the second launch's server")
     os.killpg(_vllm_group(run), signal.SIGKILL)  # killed: its process ends, the supervisor sees it
@@ -128,7 +115,7 @@ def test_vllm_full_weights_straight_then_interrupted_then_server_killed_and_froz
                       1200, interval_s=2.0, what="the interrupted run to end")
     assert report["phase"] == "COMPLETED" and report["step"] == STEPS, report
     assert frozen_at < 8, frozen_at  # a round was left to generate on the frozen server
-    events = _events(run)
+    events = run_events(run)
     faults = [e for e in events if e["event"] == "fault"]
     assert len(faults) == 1 and faults[0]["restart"], faults  # the exit at step 4 only: never the server's
     servers = _servers(run)
@@ -149,7 +136,7 @@ def test_vllm_full_weights_straight_then_interrupted_then_server_killed_and_froz
 
 
 def test_vllm_lora_adapters_loaded_in_place_each_round(root: Path) -> None:
-    run = _submit(root, "lora", "model.lora.r=8", "train.lr=0.02", wait=True)
+    run = submit_grpo(root, "lora", "model.lora.r=8", "train.lr=0.02", wait=True)
     # 10 steps of r=8 adapters do not lift the reward on this random model (measured: 0.043 -> 0.035): not asked.
     _check_straight(root, run, reloads_with="/v1/load_lora_adapter", rises=False)
     names = sorted(p.name for p in (Path(run["run_dir"]) / "generation-server" / "weights" / "v00000008").iterdir())

@@ -101,3 +101,18 @@ def tiny_grpo_job(root: Path, name: str, *, steps: int, generator: dict, stall_f
                      "steps_per_generation": 2, "generator": generator}}
     (root / "grpo.yaml").write_text(json.dumps(spec))
     return root
+
+
+def submit_grpo(root: Path, name: str, *sets: str, wait: bool = True) -> dict:
+    """``fsdpjob submit`` of ``root``'s grpo.yaml (tiny_grpo_job) under ``name``, with ``--set`` options; its record."""
+    extra = [a for s in sets for a in ("--set", s)]
+    done = helpers.fsdpjob("submit", "grpo.yaml", "--json", "--set", f"name={name}", *extra,
+                           *(["--wait"] if wait else []), cwd=root, env=ONE_THREAD, timeout_s=1500)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout[: done.stdout.index("}") + 1])
+
+
+def run_events(run: dict) -> list[dict]:
+    """The run's events.jsonl (none yet: empty)."""
+    path = Path(run["run_dir"]) / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

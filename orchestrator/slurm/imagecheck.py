@@ -229,7 +229,7 @@ def check_image(check: ImageCheck, *, use_cache: bool = True) -> tuple[dict, dic
 def table(image: dict, host: dict) -> str:
     """Image beside host, one line per fact."""
     rows = [("fsdpjob", image.get("build") or f"missing ({image.get('build_error', '?')})", host["build"])]
-    for name in ("torch", "transformers", "submitit"):
+    for name in FLOORED:
         rows.append((name, image.get(name) or "missing", host.get(name) or "missing"))
     rows += [("CUDA", image.get("cuda") or "none", host.get("cuda") or "none"),
              ("python", image.get("python", "?"), host["python"])]
